@@ -1,0 +1,274 @@
+//! Types shared by nattrace's kernel programs and its userspace collector.
+//!
+//! Everything here is `#[repr(C)]` and plain-old-data: the kernel side writes
+//! these bytes into maps and the ring buffer, userspace reads them back. Both
+//! probe backends (tc + netfilter links + raw tracepoints, and tc + kprobes +
+//! raw tracepoints) emit the same [`PacketEvent`]s so the collector and its
+//! verdicts do not depend on the backend.
+#![no_std]
+
+/// Observation point kinds. Stored in [`PacketEvent::hook`].
+pub mod hook {
+    /// tc ingress on an interface of the traced node namespace.
+    pub const TC_INGRESS: u8 = 1;
+    /// tc egress on an interface of the traced node namespace.
+    pub const TC_EGRESS: u8 = 2;
+    /// A netfilter hook of the traced namespace; `nf_hook` and `nat_stage` say which and where.
+    pub const NETFILTER: u8 = 3;
+    /// A device received the packet (raw tracepoint `netif_receive_skb`, every namespace).
+    pub const DEV_RX: u8 = 4;
+    /// A device is about to transmit the packet (raw tracepoint `net_dev_start_xmit`, every namespace).
+    pub const DEV_TX: u8 = 5;
+    /// The kernel dropped the packet (raw tracepoint `kfree_skb`); `drop_reason` is set.
+    pub const DROP: u8 = 6;
+    /// The bridge forwarded the frame from one port to another (kprobe `br_forward`).
+    pub const BR_FORWARD: u8 = 7;
+
+    pub fn name(hook: u8) -> &'static str {
+        match hook {
+            TC_INGRESS => "tc-ingress",
+            TC_EGRESS => "tc-egress",
+            NETFILTER => "netfilter",
+            DEV_RX => "dev-rx",
+            DEV_TX => "dev-tx",
+            DROP => "drop",
+            BR_FORWARD => "br-forward",
+            _ => "unknown",
+        }
+    }
+}
+
+/// Netfilter hook numbers (`enum nf_inet_hooks`), stored in [`PacketEvent::nf_hook`].
+pub mod nf_hook {
+    pub const PRE_ROUTING: u8 = 0;
+    pub const LOCAL_IN: u8 = 1;
+    pub const FORWARD: u8 = 2;
+    pub const LOCAL_OUT: u8 = 3;
+    pub const POST_ROUTING: u8 = 4;
+    /// The event was not taken at a netfilter hook.
+    pub const NONE: u8 = 0xff;
+
+    pub fn name(hook: u8) -> &'static str {
+        match hook {
+            PRE_ROUTING => "PREROUTING",
+            LOCAL_IN => "INPUT",
+            FORWARD => "FORWARD",
+            LOCAL_OUT => "OUTPUT",
+            POST_ROUTING => "POSTROUTING",
+            _ => "-",
+        }
+    }
+}
+
+/// Where a netfilter event sits relative to the NAT stage of its hook.
+pub mod nat_stage {
+    /// Not a NAT bracket (FORWARD, tc, tracepoints).
+    pub const NONE: u8 = 0;
+    /// Before the nat table ran at this hook (priority just after conntrack).
+    pub const BEFORE: u8 = 1;
+    /// After the nat table ran at this hook.
+    pub const AFTER: u8 = 2;
+
+    pub fn name(stage: u8) -> &'static str {
+        match stage {
+            BEFORE => "before-nat",
+            AFTER => "after-nat",
+            _ => "",
+        }
+    }
+}
+
+/// Which side of a traced flow the kernel filter matched the packet on.
+pub mod direction {
+    pub const UNKNOWN: u8 = 0;
+    /// client → Service (or → backend after DNAT).
+    pub const REQUEST: u8 = 1;
+    /// backend/Service → client.
+    pub const REPLY: u8 = 2;
+}
+
+pub mod proto {
+    pub const TCP: u8 = 6;
+    pub const UDP: u8 = 17;
+}
+
+/// TCP flag bits as they appear in the header's flags byte.
+pub mod tcp_flags {
+    pub const FIN: u8 = 0x01;
+    pub const SYN: u8 = 0x02;
+    pub const RST: u8 = 0x04;
+    pub const PSH: u8 = 0x08;
+    pub const ACK: u8 = 0x10;
+}
+
+/// One packet seen at one observation point.
+///
+/// Addresses are kept as the four bytes of the wire (`[a, b, c, d]` for
+/// `a.b.c.d`), ports in host order. The packet's identity across hooks and
+/// across NAT is (`skb`, `ip_id`, `seq`, `ack`, `tcp_flags`, `payload_head`):
+/// NAT rewrites addresses and ports but none of these.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(serde::Serialize, serde::Deserialize))]
+pub struct PacketEvent {
+    /// `bpf_ktime_get_ns()`: monotonic, shared by all CPUs.
+    pub ts_ns: u64,
+    /// Kernel address of the `sk_buff`. Stable while the packet travels veth → bridge → veth,
+    /// reused by the allocator afterwards, so only meaningful within a short window.
+    pub skb: u64,
+    /// Inode of the network namespace the packet was in; 0 = the traced node namespace
+    /// (tc and netfilter programs are attached only there; userspace fills it in).
+    pub netns: u32,
+    pub ifindex: u32,
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: u16,
+    pub dport: u16,
+    pub seq: u32,
+    pub ack: u32,
+    /// `enum skb_drop_reason` for [`hook::DROP`], else 0.
+    pub drop_reason: u32,
+    /// First four bytes of the L4 payload (the DNS id and flags for DNS over UDP).
+    pub payload_head: u32,
+    /// IP total length.
+    pub ip_len: u16,
+    pub ip_id: u16,
+    pub hook: u8,
+    pub nf_hook: u8,
+    pub nat_stage: u8,
+    pub proto: u8,
+    pub tcp_flags: u8,
+    pub direction: u8,
+    /// Index of the matched Service in the userspace service list.
+    pub svc: u8,
+    pub _pad: u8,
+}
+
+/// Key of the in-kernel Service filter. `port` 0 matches every port.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ServiceKey {
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// The client side of a traced flow: (client ip, client port, proto), or the
+/// masqueraded (node ip, port) once SNAT has rewritten it. Requests carry it as
+/// source, replies as destination, whatever DNAT did to the other side.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct EndpointKey {
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// Per-flow state in the kernel filter.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EndpointState {
+    /// Packets matched since the flow was first seen.
+    pub packets: u64,
+    /// Set by userspace once the flow's verdict is `ok`: further plain data
+    /// packets are counted here instead of each costing a ring-buffer event.
+    pub muted: u32,
+    pub svc: u8,
+    pub _pad: [u8; 3],
+}
+
+/// What the kernel remembers about a matched `sk_buff`, so the same packet is
+/// still recognised after NAT rewrote both of its endpoints' keys.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InflightPacket {
+    pub seq: u32,
+    pub ip_id: u16,
+    pub direction: u8,
+    pub svc: u8,
+}
+
+/// Struct member offsets (bytes) read from the running kernel's BTF at start,
+/// because Rust eBPF has no CO-RE and offsets differ between kernels.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(serde::Serialize, serde::Deserialize))]
+pub struct KernelOffsets {
+    pub sk_buff_head: u32,
+    pub sk_buff_data: u32,
+    pub sk_buff_network_header: u32,
+    pub sk_buff_dev: u32,
+    pub net_device_ifindex: u32,
+    pub net_device_nd_net: u32,
+    /// Offset of `ns.inum` inside `struct net`.
+    pub net_ns_inum: u32,
+    /// `struct nf_hook_state.hook` (kprobe backend: `nf_hook_slow`).
+    pub nf_hook_state_hook: u32,
+    pub nf_hook_state_pf: u32,
+    /// `struct nf_conn.tuplehash` (kprobe backend: `nf_nat_manip_pkt`).
+    pub nf_conn_tuplehash: u32,
+    /// `sizeof(struct nf_conntrack_tuple_hash)`: stride between the original and reply tuples.
+    pub nf_conntrack_tuple_hash_size: u32,
+    /// Offsets inside `struct nf_conntrack_tuple`.
+    pub tuple_src_u3: u32,
+    pub tuple_src_u: u32,
+    pub tuple_dst_u3: u32,
+    pub tuple_dst_u: u32,
+    pub _pad: u32,
+}
+
+/// Global configuration of the kernel programs (one entry of the `CONFIG` array).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Config {
+    pub offsets: KernelOffsets,
+    /// Data packets of a flow beyond this many are only counted once the flow is muted.
+    pub per_flow_event_budget: u32,
+    pub flags: u32,
+}
+
+/// Indexes of the per-CPU counters in the `STATS` map. Summed by userspace.
+pub mod stat {
+    /// Events written to the ring buffer.
+    pub const EVENTS: u32 = 0;
+    /// Ring-buffer reservations that failed: events lost.
+    pub const RINGBUF_FULL: u32 = 1;
+    /// Packets of muted (verdict already `ok`) flows counted instead of emitted.
+    pub const MUTED_PACKETS: u32 = 2;
+    /// New flows that could not be inserted into the endpoint map.
+    pub const FLOW_MAP_FULL: u32 = 3;
+    /// Packets that matched but whose headers could not be read.
+    pub const READ_ERRORS: u32 = 4;
+    pub const COUNT: u32 = 8;
+}
+
+#[cfg(feature = "user")]
+mod user {
+    use super::*;
+    // SAFETY: all of these are #[repr(C)], Copy, and valid for any bit pattern.
+    unsafe impl aya::Pod for PacketEvent {}
+    unsafe impl aya::Pod for ServiceKey {}
+    unsafe impl aya::Pod for EndpointKey {}
+    unsafe impl aya::Pod for EndpointState {}
+    unsafe impl aya::Pod for InflightPacket {}
+    unsafe impl aya::Pod for KernelOffsets {}
+    unsafe impl aya::Pod for Config {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_have_no_implicit_padding() {
+        // The kernel writes these with a fixed layout; a size change means the
+        // two sides disagree.
+        assert_eq!(core::mem::size_of::<PacketEvent>(), 64);
+        assert_eq!(core::mem::size_of::<ServiceKey>(), 8);
+        assert_eq!(core::mem::size_of::<EndpointKey>(), 8);
+        assert_eq!(core::mem::size_of::<EndpointState>(), 16);
+        assert_eq!(core::mem::size_of::<KernelOffsets>(), 64);
+    }
+}

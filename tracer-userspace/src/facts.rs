@@ -1,0 +1,42 @@
+//! Static facts about the traced node namespace, gathered (read-only) by the
+//! loader at start and handed to the collector, which uses them to name causes.
+use serde::Serialize;
+
+/// An interface of the traced node namespace.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Interface {
+    pub ifindex: u32,
+    pub name: String,
+    /// rtnetlink link kind: "bridge", "veth", "vxlan", "" for plain devices.
+    pub kind: String,
+    /// ifindex of the bridge this interface is a port of.
+    pub master: Option<u32>,
+    /// Bridge port `hairpin_mode` (ports only).
+    pub hairpin: Option<bool>,
+}
+
+/// What the node namespace looked like when tracing started.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct NodeFacts {
+    /// Inode of the traced network namespace (events with netns 0 are from it).
+    pub netns_inode: u32,
+    /// How the user named it (`--netns`), or "current".
+    pub netns_name: String,
+    pub interfaces: Vec<Interface>,
+    /// `/proc/sys/net/bridge/bridge-nf-call-iptables` in the traced namespace;
+    /// None when br_netfilter is not loaded (the file does not exist), which
+    /// has the same effect as 0.
+    pub bridge_nf_call_iptables: Option<bool>,
+    pub ip_forward: Option<bool>,
+}
+
+impl NodeFacts {
+    pub fn interface(&self, ifindex: u32) -> Option<&Interface> {
+        self.interfaces.iter().find(|i| i.ifindex == ifindex)
+    }
+
+    /// Bridged IPv4 frames pass iptables only when br_netfilter is loaded and enabled.
+    pub fn bridge_passes_netfilter(&self) -> bool {
+        self.bridge_nf_call_iptables == Some(true)
+    }
+}
