@@ -1,1 +1,51 @@
-//! The lab.
+//! The nattrace lab: a Kubernetes node (or several) built from network
+//! namespaces, with kube-proxy's iptables rules and real servers, so the seed
+//! incidents happen for real and the tracer can be tested against them.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use lab::{Lab, presets};
+//!
+//! let lab = Lab::build(presets::seed000(presets::Seed000 {
+//!     bridge_nf_call_iptables: false,
+//!     backend: presets::Backend::SameNode,
+//! }))?;
+//! // nattrace --netns <this path> would trace node-a.
+//! let node = lab.node_netns(presets::NODE_A)?.path();
+//! let out = lab.http_get(presets::CLIENT_POD, presets::WEB_SERVICE_IP, 80, Duration::from_secs(2))?;
+//! assert_eq!(out.status.code(), Some(28)); // timed out, as in seed 000
+//! println!("{node:?}\n{}", lab.conntrack(presets::NODE_A)?);
+//! # Ok::<(), lab::LabError>(())
+//! ```
+//!
+//! Everything lives in namespaces named `ntlab-<pid>-<n>-<rand>-<target>`;
+//! the root namespace is never modified, and dropping the [`Lab`] (also
+//! during a panic) kills its processes and deletes its namespaces.
+
+mod cidr;
+mod error;
+pub mod kube_proxy;
+mod lab;
+mod netns;
+pub mod presets;
+mod servers;
+mod spec;
+mod topology;
+
+pub use cidr::{Ipv4Cidr, cidr};
+pub use error::{LabError, Result};
+pub use lab::{EXEC_TIMEOUT, Lab};
+pub use netns::{NAME_PREFIX, NETNS_DIR, Netns, cleanup_stale};
+pub use spec::{
+    EndpointSpec, KubeProxyConfig, LabSpec, NodeSpec, OutsideSpec, Overlay, PodSpec, Protocol,
+    Server, ServiceSpec,
+};
+pub use topology::{
+    OUTSIDE, ROUTER, UNDERLAY, VXLAN_ID, VXLAN_MTU, VXLAN_PORT, node_underlay_ip,
+    router_underlay_ip, vxlan_mac,
+};
+
+/// Whether the current process can build labs (effective uid 0).
+pub fn is_root() -> bool {
+    unsafe { libc::geteuid() == 0 }
+}

@@ -1,0 +1,269 @@
+//! kube-proxy's iptables-mode nat rules for ClusterIP Services, rendered in
+//! `iptables-restore` format the way kube-proxy (1.2x) writes them, so the
+//! tracer sees the chain names, comments and match order of a real node.
+
+use std::fmt::Write as _;
+use std::net::Ipv4Addr;
+
+use sha2::{Digest, Sha256};
+
+use crate::spec::{KubeProxyConfig, Protocol};
+
+/// kube-proxy's `KUBE-MARK-MASQ` mark bit.
+pub const MASQ_MARK: &str = "0x4000/0x4000";
+
+/// A Service port with its endpoints resolved to addresses.
+#[derive(Clone, Debug)]
+pub struct ResolvedService {
+    /// `ns/name:port`.
+    pub port_name: String,
+    /// ClusterIP.
+    pub cluster_ip: Ipv4Addr,
+    /// Service port.
+    pub port: u16,
+    /// TCP or UDP.
+    pub protocol: Protocol,
+    /// `(ip, target port)` in kube-proxy's order.
+    pub endpoints: Vec<(Ipv4Addr, u16)>,
+    /// See [`crate::ServiceSpec::pinned`].
+    pub pinned: Option<usize>,
+}
+
+/// `KUBE-SVC-<hash>`: kube-proxy's `servicePortChainName`.
+pub fn svc_chain(port_name: &str, protocol: Protocol) -> String {
+    format!(
+        "KUBE-SVC-{}",
+        hash16(&format!("{port_name}{}", protocol.as_str()))
+    )
+}
+
+/// `KUBE-SEP-<hash>`: kube-proxy's `servicePortEndpointChainName`
+/// (`endpoint` is `ip:port`).
+pub fn sep_chain(port_name: &str, protocol: Protocol, endpoint: &str) -> String {
+    format!(
+        "KUBE-SEP-{}",
+        hash16(&format!("{port_name}{}{endpoint}", protocol.as_str()))
+    )
+}
+
+/// First 16 characters of base32(sha256(s)), as kube-proxy names its chains.
+fn hash16(s: &str) -> String {
+    let digest = Sha256::digest(s.as_bytes());
+    base32_std(&digest)[..16].to_string()
+}
+
+/// RFC 4648 base32 (Go's `base32.StdEncoding`); padding is irrelevant since
+/// only a prefix is used.
+fn base32_std(data: &[u8]) -> String {
+    const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
+    let mut out = String::with_capacity(data.len().div_ceil(5) * 8);
+    let (mut buffer, mut bits) = (0u32, 0u32);
+    for &byte in data {
+        buffer = (buffer << 8) | u32::from(byte);
+        bits += 8;
+        while bits >= 5 {
+            bits -= 5;
+            out.push(ALPHABET[((buffer >> bits) & 31) as usize] as char);
+        }
+    }
+    if bits > 0 {
+        out.push(ALPHABET[((buffer << (5 - bits)) & 31) as usize] as char);
+    }
+    out
+}
+
+/// The `--probability` of endpoint `i` of `n`: kube-proxy's `1/(n-i)` with
+/// `%0.10f`, or 0/1 around a pinned endpoint.
+fn probability(i: usize, n: usize, pinned: Option<usize>) -> String {
+    let p = match pinned {
+        Some(k) if i < k => 0.0,
+        Some(k) if i == k => 1.0,
+        _ => 1.0 / (n - i) as f64,
+    };
+    format!("{p:.10}")
+}
+
+/// The complete `*nat` table for `iptables-restore` on one node.
+pub fn render_nat(config: &KubeProxyConfig, services: &[ResolvedService]) -> String {
+    let mut chains = vec![
+        "KUBE-MARK-MASQ".to_string(),
+        "KUBE-NODEPORTS".to_string(),
+        "KUBE-POSTROUTING".to_string(),
+        "KUBE-SERVICES".to_string(),
+    ];
+    let mut rules = String::new();
+    // `writeln!` to a String cannot fail.
+    let mut rule = |line: String| {
+        let _ = writeln!(rules, "{line}");
+    };
+
+    rule(
+        r#"-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#
+            .into(),
+    );
+    rule(r#"-A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#.into());
+    rule(
+        r#"-A POSTROUTING -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING"#
+            .into(),
+    );
+    rule(format!("-A KUBE-MARK-MASQ -j MARK --set-xmark {MASQ_MARK}"));
+    rule(format!(
+        "-A KUBE-POSTROUTING -m mark ! --mark {MASQ_MARK} -j RETURN"
+    ));
+    // Clears the bit so a packet re-entering the stack (e.g. after vxlan
+    // encapsulation) is not masqueraded twice.
+    rule("-A KUBE-POSTROUTING -j MARK --set-xmark 0x4000/0x0".into());
+    rule(r#"-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE --random-fully"#.into());
+
+    for svc in services {
+        let proto = svc.protocol.as_str();
+        let name = &svc.port_name;
+        let svc_chain = svc_chain(name, svc.protocol);
+        chains.push(svc_chain.clone());
+        let cluster_ip_match = format!(
+            r#"-d {}/32 -p {proto} -m comment --comment "{name} cluster IP" -m {proto} --dport {}"#,
+            svc.cluster_ip, svc.port
+        );
+        rule(format!(
+            "-A KUBE-SERVICES {cluster_ip_match} -j {svc_chain}"
+        ));
+
+        if config.masquerade_all {
+            rule(format!(
+                "-A {svc_chain} {cluster_ip_match} -j KUBE-MARK-MASQ"
+            ));
+        } else if let Some(cidr) = config.cluster_cidr {
+            rule(format!(
+                "-A {svc_chain} ! -s {} {cluster_ip_match} -j KUBE-MARK-MASQ",
+                cidr.trunc()
+            ));
+        }
+
+        let n = svc.endpoints.len();
+        for (i, (ip, port)) in svc.endpoints.iter().enumerate() {
+            let endpoint = format!("{ip}:{port}");
+            let sep = sep_chain(name, svc.protocol, &endpoint);
+            chains.push(sep.clone());
+            let comment = format!(r#"-m comment --comment "{name} -> {endpoint}""#);
+            if i + 1 < n {
+                rule(format!(
+                    "-A {svc_chain} {comment} -m statistic --mode random --probability {} -j {sep}",
+                    probability(i, n, svc.pinned)
+                ));
+            } else {
+                rule(format!("-A {svc_chain} {comment} -j {sep}"));
+            }
+            // Hairpin: a pod reaching itself through its Service must be
+            // SNATed, or its reply would never come back through the node.
+            rule(format!(
+                r#"-A {sep} -s {ip}/32 -m comment --comment "{name}" -j KUBE-MARK-MASQ"#
+            ));
+            rule(format!(
+                r#"-A {sep} -p {proto} -m comment --comment "{name}" -m {proto} -j DNAT --to-destination {endpoint}"#
+            ));
+        }
+    }
+    // kube-proxy always ends KUBE-SERVICES with the NodePort jump.
+    rule(r#"-A KUBE-SERVICES -m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"#.into());
+
+    let mut out = String::from("*nat\n");
+    for builtin in ["PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"] {
+        let _ = writeln!(out, ":{builtin} ACCEPT [0:0]");
+    }
+    for chain in &chains {
+        let _ = writeln!(out, ":{chain} - [0:0]");
+    }
+    out.push_str(&rules);
+    out.push_str("COMMIT\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cidr::cidr;
+
+    #[test]
+    fn chain_names_match_real_kube_proxy() {
+        // Chain names seen on every real cluster.
+        assert_eq!(
+            svc_chain("kube-system/kube-dns:dns", Protocol::Udp),
+            "KUBE-SVC-TCOU7JCQXEZGVUNU"
+        );
+        assert_eq!(
+            svc_chain("kube-system/kube-dns:dns-tcp", Protocol::Tcp),
+            "KUBE-SVC-ERIFXISQEP7F7OF4"
+        );
+        assert_eq!(
+            svc_chain("default/kubernetes:https", Protocol::Tcp),
+            "KUBE-SVC-NPX46M4PTMTKRN6Y"
+        );
+        assert!(sep_chain("default/web:http", Protocol::Tcp, "100.96.54.247:80").len() == 25);
+    }
+
+    #[test]
+    fn base32_matches_rfc4648() {
+        assert_eq!(base32_std(b"foobar"), "MZXW6YTBOI");
+        assert_eq!(base32_std(b"f"), "MY");
+    }
+
+    fn web(pinned: Option<usize>) -> ResolvedService {
+        ResolvedService {
+            port_name: "default/web:http".into(),
+            cluster_ip: "100.67.30.133".parse().unwrap(),
+            port: 80,
+            protocol: Protocol::Tcp,
+            endpoints: vec![
+                ("100.96.54.247".parse().unwrap(), 80),
+                ("100.96.55.21".parse().unwrap(), 80),
+                ("100.96.55.22".parse().unwrap(), 8080),
+            ],
+            pinned,
+        }
+    }
+
+    #[test]
+    fn ruleset_has_kube_proxy_shape() {
+        let config = KubeProxyConfig {
+            cluster_cidr: Some(cidr("100.96.0.0/11")),
+            masquerade_all: false,
+        };
+        let nat = render_nat(&config, &[web(None)]);
+        let svc = svc_chain("default/web:http", Protocol::Tcp);
+        assert!(nat.contains(&format!(
+            r#"-A KUBE-SERVICES -d 100.67.30.133/32 -p tcp -m comment --comment "default/web:http cluster IP" -m tcp --dport 80 -j {svc}"#
+        )));
+        assert!(nat.contains(&format!("-A {svc} ! -s 100.96.0.0/11 -d 100.67.30.133/32")));
+        assert!(nat.contains(r#"--comment "default/web:http -> 100.96.54.247:80" -m statistic --mode random --probability 0.3333333333 -j KUBE-SEP-"#));
+        assert!(nat.contains(r#"--comment "default/web:http -> 100.96.55.21:80" -m statistic --mode random --probability 0.5000000000 -j KUBE-SEP-"#));
+        let last = format!(
+            r#"-A {svc} -m comment --comment "default/web:http -> 100.96.55.22:8080" -j KUBE-SEP-"#
+        );
+        assert!(nat.contains(&last));
+        assert!(nat.contains("-j DNAT --to-destination 100.96.55.22:8080"));
+        assert!(nat.contains(
+            "-s 100.96.54.247/32 -m comment --comment \"default/web:http\" -j KUBE-MARK-MASQ"
+        ));
+        assert!(nat.ends_with("COMMIT\n"));
+    }
+
+    #[test]
+    fn pinning_and_masquerade_all() {
+        let config = KubeProxyConfig {
+            cluster_cidr: Some(cidr("100.96.0.0/11")),
+            masquerade_all: true,
+        };
+        let nat = render_nat(&config, &[web(Some(1))]);
+        assert!(
+            nat.contains(
+                "100.96.54.247:80\" -m statistic --mode random --probability 0.0000000000"
+            )
+        );
+        assert!(
+            nat.contains("100.96.55.21:80\" -m statistic --mode random --probability 1.0000000000")
+        );
+        assert!(!nat.contains("! -s"));
+        let svc = svc_chain("default/web:http", Protocol::Tcp);
+        assert!(nat.contains(&format!("-A {svc} -d 100.67.30.133/32 -p tcp")));
+    }
+}

@@ -1,0 +1,295 @@
+//! The [`Lab`] handle: builds a [`LabSpec`], runs commands in its namespaces,
+//! and removes everything it created when dropped (also while unwinding from
+//! a panic in the test that owns it).
+
+use std::net::Ipv4Addr;
+use std::process::{Child, Output, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::error::{LabError, Result};
+use crate::kube_proxy::{self, ResolvedService};
+use crate::netns::{self, Netns};
+use crate::servers;
+use crate::spec::LabSpec;
+use crate::topology;
+
+/// Default limit for [`Lab::exec`]: generous for curl/dig with their own
+/// timeouts, but a hung command must not hang the test suite.
+pub const EXEC_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A running lab. Dropping it kills its processes and deletes its namespaces.
+#[derive(Debug)]
+pub struct Lab {
+    id: String,
+    spec: LabSpec,
+    /// (target name, namespace) in creation order.
+    namespaces: Vec<(String, Netns)>,
+    /// Background processes (servers, [`Lab::spawn`]); a Mutex so `spawn`
+    /// works through `&Lab` from several test threads.
+    processes: Mutex<Vec<Child>>,
+}
+
+impl Lab {
+    /// Builds the lab: namespaces, links, sysctls, kube-proxy rules, servers.
+    /// On error, whatever was already created is removed before returning.
+    pub fn build(spec: LabSpec) -> Result<Lab> {
+        let uid = unsafe { libc::geteuid() };
+        if uid != 0 {
+            return Err(LabError::NotRoot { uid });
+        }
+        topology::validate(&spec)?;
+        netns::cleanup_stale();
+        let mut lab = Lab {
+            id: netns::unique_lab_id(),
+            spec,
+            namespaces: Vec::new(),
+            processes: Mutex::new(Vec::new()),
+        };
+        topology::create(&mut lab)?;
+        lab.install_kube_proxy()?;
+        lab.start_servers()?;
+        Ok(lab)
+    }
+
+    /// The unique id all of this lab's namespace names start with.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The description the lab was built from.
+    pub fn spec(&self) -> &LabSpec {
+        &self.spec
+    }
+
+    pub(crate) fn add_netns(&mut self, target: &str) -> Result<()> {
+        let ns = Netns::create(&format!("{}-{target}", self.id))?;
+        self.namespaces.push((target.to_string(), ns));
+        Ok(())
+    }
+
+    /// The namespace of a node, a pod, [`crate::ROUTER`] or [`crate::OUTSIDE`].
+    pub fn netns(&self, target: &str) -> Result<&Netns> {
+        self.namespaces
+            .iter()
+            .find(|(t, _)| t == target)
+            .map(|(_, ns)| ns)
+            .ok_or_else(|| LabError::UnknownTarget {
+                name: target.to_string(),
+                known: self.targets().join(", "),
+            })
+    }
+
+    /// A node's namespace (what `nattrace --netns` is pointed at).
+    pub fn node_netns(&self, node: &str) -> Result<&Netns> {
+        if !self.spec.nodes.iter().any(|n| n.name == node) {
+            return Err(LabError::UnknownTarget {
+                name: node.to_string(),
+                known: self
+                    .spec
+                    .nodes
+                    .iter()
+                    .map(|n| n.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
+        self.netns(node)
+    }
+
+    /// Names accepted by [`Lab::netns`] and [`Lab::exec`].
+    pub fn targets(&self) -> Vec<&str> {
+        self.namespaces.iter().map(|(t, _)| t.as_str()).collect()
+    }
+
+    /// The namespace names as `ip netns list` shows them.
+    pub fn netns_names(&self) -> Vec<String> {
+        self.namespaces
+            .iter()
+            .map(|(_, ns)| ns.name().to_string())
+            .collect()
+    }
+
+    /// A pod's IP.
+    pub fn pod_ip(&self, pod: &str) -> Option<Ipv4Addr> {
+        self.spec
+            .nodes
+            .iter()
+            .flat_map(|n| &n.pods)
+            .find(|p| p.name == pod)
+            .map(|p| p.ip)
+    }
+
+    /// Pids of the background processes the lab started and still owns.
+    pub fn pids(&self) -> Vec<u32> {
+        self.processes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(Child::id)
+            .collect()
+    }
+
+    /// Runs `args` in `target`'s namespace and waits (at most [`EXEC_TIMEOUT`]).
+    /// A non-zero exit is returned in the `Output`, not as an error.
+    pub fn exec(&self, target: &str, args: &[&str]) -> Result<Output> {
+        self.exec_timeout(target, args, EXEC_TIMEOUT)
+    }
+
+    /// [`Lab::exec`] with an explicit limit; the command is killed after it.
+    pub fn exec_timeout(&self, target: &str, args: &[&str], timeout: Duration) -> Result<Output> {
+        netns::run(Some(self.netns(target)?), args, None, timeout)
+    }
+
+    /// Runs `args` in `target` and returns stdout; a non-zero exit is an
+    /// error carrying stderr.
+    pub fn run(&self, target: &str, args: &[&str]) -> Result<String> {
+        netns::run_checked(Some(self.netns(target)?), args, None)
+    }
+
+    /// Starts `args` in the background in `target` (stdio to /dev/null);
+    /// the process (and its process group) is killed when the lab is dropped.
+    pub fn spawn(&self, target: &str, args: &[&str]) -> Result<u32> {
+        let ns = self.netns(target)?;
+        let (program, rest) = args
+            .split_first()
+            .ok_or_else(|| LabError::Spec("empty command".into()))?;
+        let mut cmd = ns.command(program)?;
+        cmd.args(rest)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let child = cmd.spawn().map_err(|source| LabError::Spawn {
+            command: netns::describe(args),
+            netns: ns.name().to_string(),
+            source,
+        })?;
+        let pid = child.id();
+        self.processes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(child);
+        Ok(pid)
+    }
+
+    /// `curl` from `target` to `http://ip:port/` with `--max-time`.
+    /// Exit code 28 means the transfer timed out (seed 000's symptom).
+    pub fn http_get(
+        &self,
+        target: &str,
+        ip: Ipv4Addr,
+        port: u16,
+        max_time: Duration,
+    ) -> Result<Output> {
+        let url = format!("http://{ip}:{port}/");
+        let secs = format!("{:.1}", max_time.as_secs_f64());
+        self.exec_timeout(
+            target,
+            &["curl", "-sS", "--max-time", &secs, &url],
+            max_time + Duration::from_secs(5),
+        )
+    }
+
+    /// `dig @server name A +time=secs +tries=1` from `target`.
+    pub fn dig(
+        &self,
+        target: &str,
+        server: Ipv4Addr,
+        name: &str,
+        time: Duration,
+    ) -> Result<Output> {
+        let at = format!("@{server}");
+        let t = format!("+time={}", time.as_secs().max(1));
+        self.exec_timeout(
+            target,
+            &["dig", &at, name, "A", &t, "+tries=1"],
+            time + Duration::from_secs(5),
+        )
+    }
+
+    /// `conntrack -L` in a node's namespace (the entries, one per line).
+    pub fn conntrack(&self, node: &str) -> Result<String> {
+        self.node_netns(node)?;
+        self.run(node, &["conntrack", "-L"])
+    }
+
+    /// `iptables-save -t nat` in a node's namespace.
+    pub fn iptables_save(&self, node: &str) -> Result<String> {
+        self.node_netns(node)?;
+        self.run(node, &["iptables-save", "-t", "nat"])
+    }
+
+    /// The kube-proxy nat table every node of this lab gets.
+    pub fn kube_proxy_rules(&self) -> String {
+        let services: Vec<ResolvedService> = self
+            .spec
+            .services
+            .iter()
+            .map(|svc| ResolvedService {
+                port_name: svc.port_name_string(),
+                cluster_ip: svc.cluster_ip,
+                port: svc.port,
+                protocol: svc.protocol,
+                endpoints: svc
+                    .endpoints
+                    .iter()
+                    .map(|ep| (self.pod_ip(&ep.pod).expect("validated"), ep.port))
+                    .collect(),
+                pinned: svc.pinned,
+            })
+            .collect();
+        kube_proxy::render_nat(&self.spec.kube_proxy, &services)
+    }
+
+    fn install_kube_proxy(&self) -> Result<()> {
+        let rules = self.kube_proxy_rules();
+        for node in &self.spec.nodes {
+            netns::run_checked(
+                Some(self.netns(&node.name)?),
+                // -w: legacy iptables takes a host-wide lock; parallel labs queue on it.
+                &["iptables-restore", "-w", "5"],
+                Some(rules.as_bytes()),
+            )?;
+        }
+        Ok(())
+    }
+
+    fn start_servers(&self) -> Result<()> {
+        for pod in self.spec.nodes.iter().flat_map(|n| &n.pods) {
+            for server in &pod.servers {
+                let child = servers::start(
+                    self.netns(&pod.name)?,
+                    &pod.name,
+                    &pod.ip.to_string(),
+                    server,
+                )?;
+                self.processes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(child);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        let children = std::mem::take(self.processes.get_mut().unwrap_or_else(|e| e.into_inner()));
+        for mut child in children {
+            netns::kill_group(&mut child);
+        }
+        // Anything else still living in a lab namespace (started through
+        // `exec` and detached) would keep the namespace alive after deletion.
+        let me = std::process::id() as i32;
+        for (_, ns) in &self.namespaces {
+            for pid in ns.pids().into_iter().filter(|p| *p != me) {
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        for (_, ns) in self.namespaces.iter().rev() {
+            ns.delete();
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! The declarative description of a lab: nodes with pods, Services, the
+//! kube-proxy configuration, the overlay between nodes and an optional
+//! client outside the cluster.
+
+use std::net::Ipv4Addr;
+
+use crate::cidr::Ipv4Cidr;
+
+/// A whole lab. Build it with [`crate::Lab::build`].
+#[derive(Clone, Debug)]
+pub struct LabSpec {
+    /// At least one node. Node and pod names share one name space, together
+    /// with the reserved names `router` and `outside`.
+    pub nodes: Vec<NodeSpec>,
+    /// ClusterIP Services; kube-proxy rules for all of them go into every node.
+    pub services: Vec<ServiceSpec>,
+    /// Settings of the (simulated) kube-proxy on every node.
+    pub kube_proxy: KubeProxyConfig,
+    /// How nodes reach each other's pod CIDRs.
+    pub overlay: Overlay,
+    /// A client outside the cluster, behind the router (seed 003).
+    pub outside: Option<OutsideSpec>,
+}
+
+impl LabSpec {
+    /// A lab with the given nodes, no Services, kube-proxy defaults and vxlan.
+    pub fn new(nodes: Vec<NodeSpec>) -> Self {
+        LabSpec {
+            nodes,
+            services: Vec::new(),
+            kube_proxy: KubeProxyConfig::default(),
+            overlay: Overlay::Vxlan,
+            outside: None,
+        }
+    }
+
+    /// Adds a Service.
+    pub fn service(mut self, service: ServiceSpec) -> Self {
+        self.services.push(service);
+        self
+    }
+}
+
+/// One Kubernetes node: a namespace with `cni0`, `eth0` on the underlay and
+/// (with [`Overlay::Vxlan`]) `flannel.1`.
+#[derive(Clone, Debug)]
+pub struct NodeSpec {
+    /// Short name, e.g. `node-a`; also the `exec` target for the node namespace.
+    pub name: String,
+    /// The node's pod CIDR; its first host address is the gateway on `cni0`.
+    pub pod_cidr: Ipv4Cidr,
+    /// `net.bridge.bridge-nf-call-iptables` in this node's namespace: whether
+    /// bridged IPv4 traffic on `cni0` passes through iptables (seed 000).
+    pub bridge_nf_call_iptables: bool,
+    /// `rp_filter` for `all`, `default` and every interface of the node.
+    /// 0 by default: the lab's asymmetric paths (seed 003) must not be cut
+    /// by reverse-path filtering unless a scenario asks for it.
+    pub rp_filter: u8,
+    /// Further sysctls for this node's namespace, `("net.ipv4.foo", "1")`;
+    /// written after the links exist, so per-interface keys work.
+    pub sysctls: Vec<(String, String)>,
+    /// Pods scheduled on this node.
+    pub pods: Vec<PodSpec>,
+}
+
+impl NodeSpec {
+    /// A node with bridge-nf-call-iptables=1 (what kubelet expects) and no pods.
+    pub fn new(name: &str, pod_cidr: Ipv4Cidr) -> Self {
+        NodeSpec {
+            name: name.to_string(),
+            pod_cidr,
+            bridge_nf_call_iptables: true,
+            rp_filter: 0,
+            sysctls: Vec::new(),
+            pods: Vec::new(),
+        }
+    }
+
+    /// Adds a pod.
+    pub fn pod(mut self, pod: PodSpec) -> Self {
+        self.pods.push(pod);
+        self
+    }
+
+    /// Sets `net.bridge.bridge-nf-call-iptables`.
+    pub fn bridge_nf_call_iptables(mut self, on: bool) -> Self {
+        self.bridge_nf_call_iptables = on;
+        self
+    }
+
+    /// Adds a sysctl for the node namespace.
+    pub fn sysctl(mut self, key: &str, value: &str) -> Self {
+        self.sysctls.push((key.to_string(), value.to_string()));
+        self
+    }
+
+    /// The gateway address on `cni0` (first host of the pod CIDR).
+    pub fn gateway(&self) -> Ipv4Addr {
+        self.pod_cidr.host(1)
+    }
+}
+
+/// A pod: a namespace with `eth0` (a veth whose peer is a port of `cni0`).
+#[derive(Clone, Debug)]
+pub struct PodSpec {
+    /// Unique in the lab; the `exec` target for the pod.
+    pub name: String,
+    /// Inside the node's pod CIDR.
+    pub ip: Ipv4Addr,
+    /// `hairpin_mode` on the pod's bridge port (needed for a pod reaching
+    /// itself through a Service, seed 004 case 3).
+    pub hairpin: bool,
+    /// Servers started in the pod when the lab is built.
+    pub servers: Vec<Server>,
+    /// Sysctls for the pod's namespace, written after its links exist.
+    pub sysctls: Vec<(String, String)>,
+}
+
+impl PodSpec {
+    /// A pod without servers, hairpin off.
+    pub fn new(name: &str, ip: Ipv4Addr) -> Self {
+        PodSpec {
+            name: name.to_string(),
+            ip,
+            hairpin: false,
+            servers: Vec::new(),
+            sysctls: Vec::new(),
+        }
+    }
+
+    /// Adds a sysctl for the pod namespace.
+    pub fn sysctl(mut self, key: &str, value: &str) -> Self {
+        self.sysctls.push((key.to_string(), value.to_string()));
+        self
+    }
+
+    /// Serves HTTP on `port`; the page names the pod and the client address.
+    pub fn http(mut self, port: u16) -> Self {
+        self.servers.push(Server::Http { port });
+        self
+    }
+
+    /// Answers DNS A queries for `name` with `answer` on UDP `port`.
+    pub fn dns(mut self, port: u16, name: &str, answer: Ipv4Addr) -> Self {
+        self.servers.push(Server::Dns {
+            port,
+            name: name.to_string(),
+            answer,
+        });
+        self
+    }
+
+    /// Sets hairpin mode on the pod's bridge port.
+    pub fn hairpin(mut self, on: bool) -> Self {
+        self.hairpin = on;
+        self
+    }
+}
+
+/// A server process started inside a pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Server {
+    /// HTTP/1.0 on TCP; `GET` returns `pod=<name> ip=<pod ip> client=<ip>:<port>`.
+    Http {
+        /// TCP port.
+        port: u16,
+    },
+    /// DNS on UDP: A record for `name`, NXDOMAIN for anything else.
+    Dns {
+        /// UDP port.
+        port: u16,
+        /// The one name answered (no trailing dot needed).
+        name: String,
+        /// The address in the A record.
+        answer: Ipv4Addr,
+    },
+}
+
+/// L4 protocol of a Service port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// TCP.
+    Tcp,
+    /// UDP.
+    Udp,
+}
+
+impl Protocol {
+    /// Lower-case name as iptables and kube-proxy's chain hash use it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+        }
+    }
+}
+
+/// One port of a ClusterIP Service (kube-proxy works per Service port).
+#[derive(Clone, Debug)]
+pub struct ServiceSpec {
+    /// Kubernetes namespace, e.g. `default`.
+    pub namespace: String,
+    /// Service name, e.g. `web`.
+    pub name: String,
+    /// Port name, e.g. `http` (kube-proxy prints `ns/name:port`).
+    pub port_name: String,
+    /// The ClusterIP.
+    pub cluster_ip: Ipv4Addr,
+    /// The Service port.
+    pub port: u16,
+    /// TCP or UDP.
+    pub protocol: Protocol,
+    /// Endpoints in kube-proxy's order.
+    pub endpoints: Vec<EndpointSpec>,
+    /// Index into `endpoints` that every connection goes to. The rules keep
+    /// kube-proxy's shape (a `statistic` jump per endpoint but the last), only
+    /// the probabilities become 0 before the pinned endpoint and 1 at it, so
+    /// tests are deterministic while the ruleset still reads like a real node's.
+    pub pinned: Option<usize>,
+}
+
+impl ServiceSpec {
+    /// A Service port with no endpoints yet.
+    pub fn new(
+        namespace: &str,
+        name: &str,
+        port_name: &str,
+        cluster_ip: Ipv4Addr,
+        port: u16,
+        protocol: Protocol,
+    ) -> Self {
+        ServiceSpec {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            port_name: port_name.to_string(),
+            cluster_ip,
+            port,
+            protocol,
+            endpoints: Vec::new(),
+            pinned: None,
+        }
+    }
+
+    /// Adds an endpoint: `pod`'s IP, `target_port`.
+    pub fn endpoint(mut self, pod: &str, target_port: u16) -> Self {
+        self.endpoints.push(EndpointSpec {
+            pod: pod.to_string(),
+            port: target_port,
+        });
+        self
+    }
+
+    /// Pins the endpoint at `index` (see [`ServiceSpec::pinned`]).
+    pub fn pin(mut self, index: usize) -> Self {
+        self.pinned = Some(index);
+        self
+    }
+
+    /// `ns/name:port`, kube-proxy's ServicePortName string.
+    pub fn port_name_string(&self) -> String {
+        format!("{}/{}:{}", self.namespace, self.name, self.port_name)
+    }
+}
+
+/// A Service endpoint, named by pod so the lab resolves its IP.
+#[derive(Clone, Debug)]
+pub struct EndpointSpec {
+    /// Pod name.
+    pub pod: String,
+    /// Target port in the pod.
+    pub port: u16,
+}
+
+/// The kube-proxy options that change the ruleset.
+#[derive(Clone, Debug, Default)]
+pub struct KubeProxyConfig {
+    /// `--cluster-cidr`: adds `! -s <cidr> -j KUBE-MARK-MASQ` to each
+    /// KUBE-SVC chain. `None` is a kube-proxy without it (seed 003's).
+    pub cluster_cidr: Option<Ipv4Cidr>,
+    /// `masqueradeAll`: every Service packet is marked for SNAT.
+    pub masquerade_all: bool,
+}
+
+/// How one node's pods reach another node's pods.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Overlay {
+    /// flannel's vxlan backend: `flannel.1` (VNI 1, UDP 8472) in each node,
+    /// `<pod cidr> via <cidr>.0 dev flannel.1 onlink` + static neigh/fdb.
+    #[default]
+    Vxlan,
+    /// flannel's host-gw backend: `<pod cidr> via <node eth0 ip>`.
+    HostGw,
+}
+
+/// A client outside the cluster (an office behind a VPN gateway, seed 003):
+/// namespace `outside` behind namespace `router`, which routes the Service
+/// CIDR to one node.
+#[derive(Clone, Debug)]
+pub struct OutsideSpec {
+    /// The client's address; the router takes the first host of its prefix.
+    pub client: Ipv4Cidr,
+    /// The prefix the router sends to `service_route_via`.
+    pub service_cidr: Ipv4Cidr,
+    /// Name of the node that the Service CIDR is routed to.
+    pub service_route_via: String,
+}

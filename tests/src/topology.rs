@@ -1,0 +1,470 @@
+//! Turns a [`LabSpec`] into namespaces and links. Everything is created from
+//! the root namespace with `ip -n <ns>` (veth peers are created directly in
+//! their target namespace with `peer ... netns <other>`), so no interface,
+//! route, rule or sysctl ever exists in the root namespace, even briefly.
+//!
+//! Shape (names are per namespace, so every node has the same ones):
+//! ```text
+//!  outside ns         router ns                      node ns (one per node)          pod ns
+//!  eth0 ──veth── lan0   underlay0 (bridge) ──veth── eth0   cni0 (bridge) ──veth── eth0
+//!                       172.20.0.1/24          172.20.0.10+i   gateway/pod prefix
+//!                                                          flannel.1 (vxlan, Overlay::Vxlan)
+//! ```
+
+use std::fmt::Write as _;
+use std::net::Ipv4Addr;
+use std::path::Path;
+
+use crate::cidr::Ipv4Cidr;
+use crate::error::{LabError, Result};
+use crate::lab::Lab;
+use crate::netns::{self, Netns};
+use crate::spec::{LabSpec, Overlay};
+
+/// Name of the router namespace (always present: it is the nodes' underlay
+/// and default gateway, so node-local clients have a route to Service IPs).
+pub const ROUTER: &str = "router";
+/// Name of the outside client namespace (present with [`LabSpec::outside`]).
+pub const OUTSIDE: &str = "outside";
+
+/// The nodes' underlay network (the "VPC"), lab-internal.
+pub const UNDERLAY: Ipv4Cidr = Ipv4Cidr::new(Ipv4Addr::new(172, 20, 0, 0), 24);
+/// flannel's VXLAN id and port.
+pub const VXLAN_ID: u32 = 1;
+/// flannel's VXLAN UDP port (not IANA's 4789).
+pub const VXLAN_PORT: u16 = 8472;
+/// Pod-side MTU with the vxlan overlay (1500 minus the 50-byte encapsulation),
+/// as flannel configures it.
+pub const VXLAN_MTU: u32 = 1450;
+
+/// The router's address on the underlay.
+pub fn router_underlay_ip() -> Ipv4Addr {
+    UNDERLAY.host(1)
+}
+
+/// Node `index`'s `eth0` address on the underlay.
+pub fn node_underlay_ip(index: usize) -> Ipv4Addr {
+    UNDERLAY.host(10 + index as u32)
+}
+
+/// Deterministic MAC of node `index`'s `flannel.1` (locally administered).
+pub fn vxlan_mac(index: usize) -> String {
+    format!(
+        "02:6e:74:00:{:02x}:{:02x}",
+        (index >> 8) & 0xff,
+        index & 0xff
+    )
+}
+
+/// Checks everything that would otherwise fail half-way through building.
+pub(crate) fn validate(spec: &LabSpec) -> Result<()> {
+    let err = |m: String| Err(LabError::Spec(m));
+    if spec.nodes.is_empty() {
+        return err("a lab needs at least one node".into());
+    }
+    if spec.nodes.len() > 200 {
+        return err("at most 200 nodes fit the underlay".into());
+    }
+    let mut names = vec![ROUTER.to_string(), OUTSIDE.to_string()];
+    let mut pods = Vec::new();
+    for node in &spec.nodes {
+        names.push(node.name.clone());
+        if node.rp_filter > 2 {
+            return err(format!("node {}: rp_filter must be 0, 1 or 2", node.name));
+        }
+        for (key, value) in &node.sysctls {
+            sysctl_path(key)?;
+            check_value(value)?;
+        }
+        if let Some(other) = spec
+            .nodes
+            .iter()
+            .find(|o| o.name != node.name && o.pod_cidr.trunc() == node.pod_cidr.trunc())
+        {
+            return err(format!(
+                "nodes {} and {} share a pod CIDR",
+                node.name, other.name
+            ));
+        }
+        for pod in &node.pods {
+            names.push(pod.name.clone());
+            let cidr = node.pod_cidr;
+            if !cidr.contains(pod.ip) || pod.ip == cidr.network() || pod.ip == node.gateway() {
+                return err(format!(
+                    "pod {} ip {} is not a free host address of node {}'s pod CIDR {}",
+                    pod.name, pod.ip, node.name, cidr
+                ));
+            }
+            for (key, value) in &pod.sysctls {
+                sysctl_path(key)?;
+                check_value(value)?;
+            }
+            pods.push(pod);
+        }
+    }
+    for name in &names {
+        let ok = !name.is_empty()
+            && name.len() <= 24
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        if !ok {
+            return err(format!("name {name:?}: use 1-24 characters of [a-z0-9-]"));
+        }
+        if names.iter().filter(|n| *n == name).count() > 1 {
+            return err(format!(
+                "name {name:?} is used twice (node and pod names are unique; {ROUTER:?} and {OUTSIDE:?} are reserved)"
+            ));
+        }
+    }
+    for svc in &spec.services {
+        let what = svc.port_name_string();
+        if svc.endpoints.is_empty() {
+            return err(format!("service {what} has no endpoints"));
+        }
+        for ep in &svc.endpoints {
+            if !pods.iter().any(|p| p.name == ep.pod) {
+                return err(format!(
+                    "service {what}: endpoint pod {:?} does not exist",
+                    ep.pod
+                ));
+            }
+        }
+        if svc.pinned.is_some_and(|k| k >= svc.endpoints.len()) {
+            return err(format!(
+                "service {what}: pinned endpoint index out of range"
+            ));
+        }
+    }
+    if let Some(outside) = &spec.outside {
+        if !spec
+            .nodes
+            .iter()
+            .any(|n| n.name == outside.service_route_via)
+        {
+            return err(format!(
+                "outside: service_route_via {:?} is not a node",
+                outside.service_route_via
+            ));
+        }
+        if outside.client.addr() == outside.client.host(1) || outside.client.prefix() > 30 {
+            return err("outside: the client prefix must leave .1 for the router".into());
+        }
+    }
+    Ok(())
+}
+
+/// `net.ipv4.ip_forward` → `/proc/sys/net/ipv4/ip_forward`. Keys containing
+/// `/` are taken as paths below /proc/sys, so interface names with dots
+/// (`net/ipv4/conf/flannel.1/rp_filter`) can be written.
+fn sysctl_path(key: &str) -> Result<String> {
+    let ok = !key.is_empty()
+        && !key.contains("..")
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-/".contains(&b));
+    if !ok || !key.starts_with("net") {
+        return Err(LabError::Spec(format!(
+            "sysctl {key:?}: only per-namespace net.* keys of [A-Za-z0-9._-/] are allowed"
+        )));
+    }
+    Ok(if key.contains('/') {
+        format!("/proc/sys/{key}")
+    } else {
+        format!("/proc/sys/{}", key.replace('.', "/"))
+    })
+}
+
+fn check_value(value: &str) -> Result<()> {
+    if value
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b" ._:-".contains(&b))
+    {
+        Ok(())
+    } else {
+        Err(LabError::Spec(format!(
+            "sysctl value {value:?} has unexpected characters"
+        )))
+    }
+}
+
+/// Writes sysctls inside `ns` with one shell. The shell runs *in* the
+/// namespace (setns), and /proc/sys/net resolves per namespace, so this can
+/// never reach the root namespace's values.
+fn set_sysctls(ns: &Netns, pairs: &[(String, String)], rp_filter_all: Option<u8>) -> Result<()> {
+    let mut script = String::from("set -e\n");
+    for (key, value) in pairs {
+        check_value(value)?;
+        let _ = writeln!(script, "echo '{value}' > '{}'", sysctl_path(key)?);
+    }
+    if let Some(v) = rp_filter_all {
+        // Effective rp_filter is max(all, interface): every entry must be set.
+        let _ = writeln!(
+            script,
+            "for f in /proc/sys/net/ipv4/conf/*/rp_filter; do echo {v} > \"$f\"; done"
+        );
+    }
+    netns::run_checked(Some(ns), &["sh", "-c", &script], None).map(drop)
+}
+
+/// Runs iproute2 `tool` (`ip` or `bridge`) in batch mode against `ns`.
+fn batch(tool: &str, ns: &Netns, commands: &str) -> Result<()> {
+    netns::run_checked(
+        None,
+        &[tool, "-n", ns.name(), "-batch", "-"],
+        Some(commands.as_bytes()),
+    )
+    .map(drop)
+}
+
+/// bridge-nf-call-iptables only exists once br_netfilter is loaded. Loading a
+/// module is global but changes no setting of the root namespace; the value
+/// itself is then written in each node namespace only.
+fn ensure_br_netfilter() -> Result<()> {
+    let knob = "/proc/sys/net/bridge/bridge-nf-call-iptables";
+    if Path::new(knob).exists() {
+        return Ok(());
+    }
+    netns::run_checked(None, &["modprobe", "br_netfilter"], None)?;
+    if Path::new(knob).exists() {
+        Ok(())
+    } else {
+        Err(LabError::Spec(format!(
+            "modprobe br_netfilter succeeded but {knob} does not exist"
+        )))
+    }
+}
+
+/// Creates every namespace and link of the lab. Namespaces are registered in
+/// `lab` as soon as they exist, so a failure part-way leaves nothing behind
+/// once the caller drops the lab.
+pub(crate) fn create(lab: &mut Lab) -> Result<()> {
+    ensure_br_netfilter()?;
+    let spec = lab.spec().clone();
+    let vxlan = spec.overlay == Overlay::Vxlan;
+    let mtu = if vxlan { VXLAN_MTU } else { 1500 };
+
+    lab.add_netns(ROUTER)?;
+    for node in &spec.nodes {
+        lab.add_netns(&node.name)?;
+        for pod in &node.pods {
+            lab.add_netns(&pod.name)?;
+        }
+    }
+    if spec.outside.is_some() {
+        lab.add_netns(OUTSIDE)?;
+    }
+
+    let router = lab.netns(ROUTER)?;
+    let mut cmds = format!(
+        "link set lo up\nlink add underlay0 type bridge\naddr add {}/{} dev underlay0\nlink set underlay0 up\n",
+        router_underlay_ip(),
+        UNDERLAY.prefix()
+    );
+    for (i, node) in spec.nodes.iter().enumerate() {
+        let _ = write!(
+            cmds,
+            "link add n{i} type veth peer name eth0 netns {}\nlink set n{i} master underlay0\nlink set n{i} up\n",
+            lab.netns(&node.name)?.name()
+        );
+    }
+    batch("ip", router, &cmds)?;
+    set_sysctls(router, &[kv("net.ipv4.ip_forward", "1")], Some(0))?;
+
+    for (i, node) in spec.nodes.iter().enumerate() {
+        let ns = lab.netns(&node.name)?;
+        // Before any pod link exists, so new interfaces inherit `default`.
+        set_sysctls(
+            ns,
+            &[
+                kv("net.ipv4.ip_forward", "1"),
+                kv(
+                    "net.bridge.bridge-nf-call-iptables",
+                    if node.bridge_nf_call_iptables {
+                        "1"
+                    } else {
+                        "0"
+                    },
+                ),
+            ],
+            Some(node.rp_filter),
+        )?;
+        let mut cmds = format!(
+            "link set lo up\naddr add {}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n\
+             link add cni0 mtu {mtu} type bridge\naddr add {}/{} dev cni0\nlink set cni0 up\n",
+            node_underlay_ip(i),
+            UNDERLAY.prefix(),
+            router_underlay_ip(),
+            node.gateway(),
+            node.pod_cidr.prefix(),
+        );
+        for (j, pod) in node.pods.iter().enumerate() {
+            let _ = write!(
+                cmds,
+                "link add veth{j} mtu {mtu} type veth peer name eth0 mtu {mtu} netns {}\n\
+                 link set veth{j} master cni0\nlink set veth{j} type bridge_slave hairpin {}\nlink set veth{j} up\n",
+                lab.netns(&pod.name)?.name(),
+                if pod.hairpin { "on" } else { "off" },
+            );
+        }
+        batch("ip", ns, &cmds)?;
+
+        for pod in &node.pods {
+            let cmds = format!(
+                "link set lo up\naddr add {}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n",
+                pod.ip,
+                node.pod_cidr.prefix(),
+                node.gateway()
+            );
+            batch("ip", lab.netns(&pod.name)?, &cmds)?;
+        }
+    }
+
+    create_overlay(lab, &spec)?;
+
+    let mut cmds = String::new();
+    for (i, node) in spec.nodes.iter().enumerate() {
+        // Like a VPC route table: each pod CIDR lives behind its node.
+        let _ = writeln!(
+            cmds,
+            "route add {} via {}",
+            node.pod_cidr.trunc(),
+            node_underlay_ip(i)
+        );
+    }
+    if let Some(outside) = &spec.outside {
+        let (i, _) = spec
+            .nodes
+            .iter()
+            .enumerate()
+            .find(|(_, n)| n.name == outside.service_route_via)
+            .expect("validated");
+        let _ = write!(
+            cmds,
+            "route add {} via {}\nlink add lan0 type veth peer name eth0 netns {}\n\
+             addr add {}/{} dev lan0\nlink set lan0 up\n",
+            outside.service_cidr.trunc(),
+            node_underlay_ip(i),
+            lab.netns(OUTSIDE)?.name(),
+            outside.client.host(1),
+            outside.client.prefix(),
+        );
+        let client_cmds = format!(
+            "link set lo up\naddr add {} dev eth0\nlink set eth0 up\nroute add default via {}\n",
+            outside.client,
+            outside.client.host(1)
+        );
+        batch("ip", lab.netns(ROUTER)?, &cmds)?;
+        batch("ip", lab.netns(OUTSIDE)?, &client_cmds)?;
+    } else {
+        batch("ip", lab.netns(ROUTER)?, &cmds)?;
+    }
+
+    for node in &spec.nodes {
+        // Again now that all links exist (a moved veth does not always take
+        // the namespace's `default`), then the scenario's own sysctls.
+        set_sysctls(lab.netns(&node.name)?, &node.sysctls, Some(node.rp_filter))?;
+        for pod in node.pods.iter().filter(|p| !p.sysctls.is_empty()) {
+            set_sysctls(lab.netns(&pod.name)?, &pod.sysctls, None)?;
+        }
+    }
+    Ok(())
+}
+
+fn kv(k: &str, v: &str) -> (String, String) {
+    (k.to_string(), v.to_string())
+}
+
+/// flannel's vxlan backend (static neighbours and fdb entries, as flanneld
+/// programs them from the node annotations) or host-gw routes.
+fn create_overlay(lab: &Lab, spec: &LabSpec) -> Result<()> {
+    for (i, node) in spec.nodes.iter().enumerate() {
+        let ns = lab.netns(&node.name)?;
+        let mut cmds = String::new();
+        let mut fdb = String::new();
+        if spec.overlay == Overlay::Vxlan {
+            let _ = write!(
+                cmds,
+                "link add flannel.1 address {} type vxlan id {VXLAN_ID} local {} dev eth0 dstport {VXLAN_PORT} nolearning\n\
+                 addr add {}/32 dev flannel.1\nlink set flannel.1 up\n",
+                vxlan_mac(i),
+                node_underlay_ip(i),
+                node.pod_cidr.network(),
+            );
+        }
+        for (j, other) in spec.nodes.iter().enumerate().filter(|(j, _)| *j != i) {
+            let cidr = other.pod_cidr.trunc();
+            match spec.overlay {
+                Overlay::Vxlan => {
+                    let _ = write!(
+                        cmds,
+                        "route add {cidr} via {gw} dev flannel.1 onlink\nneigh add {gw} lladdr {mac} dev flannel.1 nud permanent\n",
+                        gw = cidr.network(),
+                        mac = vxlan_mac(j),
+                    );
+                    let _ = writeln!(
+                        fdb,
+                        "fdb append {} dev flannel.1 dst {}",
+                        vxlan_mac(j),
+                        node_underlay_ip(j)
+                    );
+                }
+                Overlay::HostGw => {
+                    let _ = writeln!(cmds, "route add {cidr} via {}", node_underlay_ip(j));
+                }
+            }
+        }
+        if !cmds.is_empty() {
+            batch("ip", ns, &cmds)?;
+        }
+        if !fdb.is_empty() {
+            batch("bridge", ns, &fdb)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::presets;
+
+    #[test]
+    fn sysctl_keys() {
+        assert_eq!(
+            sysctl_path("net.bridge.bridge-nf-call-iptables").unwrap(),
+            "/proc/sys/net/bridge/bridge-nf-call-iptables"
+        );
+        assert_eq!(
+            sysctl_path("net/ipv4/conf/flannel.1/rp_filter").unwrap(),
+            "/proc/sys/net/ipv4/conf/flannel.1/rp_filter"
+        );
+        assert!(sysctl_path("kernel.panic").is_err());
+        assert!(sysctl_path("net/../kernel/panic").is_err());
+        assert!(check_value("1; reboot").is_err());
+    }
+
+    #[test]
+    fn presets_validate_and_bad_specs_do_not() {
+        use presets::{Backend, Seed000};
+        for backend in [Backend::SameNode, Backend::OtherNode] {
+            let spec = presets::seed000(Seed000 {
+                bridge_nf_call_iptables: false,
+                backend,
+            });
+            validate(&spec).unwrap();
+        }
+        validate(&presets::dns(Default::default())).unwrap();
+        validate(&presets::seed003(Default::default())).unwrap();
+
+        let mut spec = presets::seed000(Default::default());
+        spec.nodes[1].pods[0].name = "client".into();
+        assert!(validate(&spec).is_err());
+        let mut spec = presets::seed000(Default::default());
+        spec.services[0].endpoints[0].pod = "nope".into();
+        assert!(validate(&spec).is_err());
+        let mut spec = presets::seed000(Default::default());
+        spec.nodes[0].pods[0].ip = "100.96.55.3".parse().unwrap();
+        assert!(validate(&spec).is_err());
+    }
+}
