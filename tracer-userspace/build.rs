@@ -11,7 +11,11 @@ fn main() -> anyhow::Result<()> {
         .into_iter()
         .find(|cargo_metadata::Package { name, .. }| name.as_str() == "tracer-ebpf")
         .ok_or_else(|| anyhow!("tracer-ebpf package not found"))?;
-    let cargo_metadata::Package { name, manifest_path, .. } = ebpf_package;
+    let cargo_metadata::Package {
+        name,
+        manifest_path,
+        ..
+    } = ebpf_package;
     let root_dir = manifest_path
         .parent()
         .ok_or_else(|| anyhow!("no parent for {manifest_path}"))?;

@@ -65,6 +65,16 @@ pub enum LabError {
         detail: String,
     },
 
+    /// The `lab-server` binary (the pods' HTTP and DNS servers) was not found.
+    #[error(
+        "the lab's server binary `lab-server` was not found (looked at {searched}); build it with \
+         `cargo build -p nattrace-tests --bins`, or point NATTRACE_LAB_SERVER at it"
+    )]
+    LabServerMissing {
+        /// The paths tried, comma separated.
+        searched: String,
+    },
+
     /// `exec`/`netns` was called with a name the lab does not know.
     #[error("no lab namespace named {name:?} (known: {known})")]
     UnknownTarget {

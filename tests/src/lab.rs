@@ -39,6 +39,15 @@ impl Lab {
             return Err(LabError::NotRoot { uid });
         }
         topology::validate(&spec)?;
+        // Fail before creating anything when the pods' servers cannot be started.
+        if spec
+            .nodes
+            .iter()
+            .flat_map(|n| &n.pods)
+            .any(|p| !p.servers.is_empty())
+        {
+            servers::lab_server_path()?;
+        }
         netns::cleanup_stale();
         let mut lab = Lab {
             id: netns::unique_lab_id(),
@@ -258,12 +267,7 @@ impl Lab {
     fn start_servers(&self) -> Result<()> {
         for pod in self.spec.nodes.iter().flat_map(|n| &n.pods) {
             for server in &pod.servers {
-                let child = servers::start(
-                    self.netns(&pod.name)?,
-                    &pod.name,
-                    &pod.ip.to_string(),
-                    server,
-                )?;
+                let child = servers::start(self.netns(&pod.name)?, &pod.name, server)?;
                 self.processes
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())

@@ -31,11 +31,13 @@ pub mod presets;
 mod servers;
 mod spec;
 mod topology;
+pub mod tracer;
 
 pub use cidr::{Ipv4Cidr, cidr};
 pub use error::{LabError, Result};
 pub use lab::{EXEC_TIMEOUT, Lab};
 pub use netns::{NAME_PREFIX, NETNS_DIR, Netns, cleanup_stale};
+pub use servers::{LAB_SERVER_ENV, lab_server_path};
 pub use spec::{
     EndpointSpec, KubeProxyConfig, LabSpec, NodeSpec, OutsideSpec, Overlay, PodSpec, Protocol,
     Server, ServiceSpec,

@@ -1,11 +1,11 @@
 //! Servers inside pods: a tiny HTTP server naming the pod, and a DNS
 //! responder for one A record (dnsmasq is not guaranteed to be installed).
-//! Both are one python script fed to `python3 -` on stdin: nothing is written
-//! to disk, and `ps` shows `python3 - http 80 <pod> <ip>` rather than the script.
+//! Both are the `lab-server` binary of this crate (src/bin/lab-server.rs):
+//! std only, so the same lab runs in a busybox guest without python.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
-use std::sync::OnceLock;
 use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
@@ -14,25 +14,44 @@ use crate::error::{LabError, Result};
 use crate::netns::{self, Netns};
 use crate::spec::Server;
 
-const SCRIPT: &str = include_str!("servers.py");
+/// Overrides where `lab-server` is looked for (e.g. inside a guest initramfs).
+pub const LAB_SERVER_ENV: &str = "NATTRACE_LAB_SERVER";
 
-/// Python starts in ~30 ms; a server that is not bound after this is broken.
+/// The binary starts in a millisecond; one that is not bound after this is broken.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// pyenv-style `python3` shims are shell scripts that cost ~100 ms per start
-/// and may depend on the working directory; resolve the real interpreter once.
-fn python() -> &'static str {
-    static PYTHON: OnceLock<String> = OnceLock::new();
-    PYTHON.get_or_init(|| {
-        std::process::Command::new("python3")
-            .args(["-c", "import sys; print(sys.executable)"])
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-            .filter(|p| !p.is_empty())
-            .unwrap_or_else(|| "python3".to_string())
-    })
+/// `$NATTRACE_LAB_SERVER`, else next to the running executable or in its
+/// parent directory: integration tests run from target/debug/deps while
+/// cargo puts the crate's binaries in target/debug.
+pub fn lab_server_path() -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os(LAB_SERVER_ENV) {
+        let path = PathBuf::from(path);
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(LabError::LabServerMissing {
+                searched: format!("{} (from {LAB_SERVER_ENV})", path.display()),
+            })
+        };
+    }
+    let exe = std::env::current_exe().map_err(|e| LabError::io("locating the test binary", e))?;
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    let candidates: Vec<PathBuf> = [Some(dir), dir.parent()]
+        .into_iter()
+        .flatten()
+        .map(|d| d.join("lab-server"))
+        .collect();
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| LabError::LabServerMissing {
+            searched: candidates
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
 }
 
 impl Server {
@@ -44,53 +63,39 @@ impl Server {
         }
     }
 
-    fn args(&self, pod: &str, pod_ip: &str) -> Vec<String> {
-        let mut args = vec![python().to_string(), "-".into()];
+    fn args(&self, pod: &str) -> Vec<String> {
         match self {
             Server::Http { port } => {
-                args.extend(["http".into(), port.to_string(), pod.into(), pod_ip.into()])
+                vec!["http".into(), port.to_string(), "--name".into(), pod.into()]
             }
-            Server::Dns { port, name, answer } => args.extend([
-                "dns".into(),
-                port.to_string(),
-                name.clone(),
-                answer.to_string(),
-            ]),
+            Server::Dns { port, name, answer } => {
+                vec![
+                    "dns".into(),
+                    port.to_string(),
+                    name.clone(),
+                    answer.to_string(),
+                ]
+            }
         }
-        args
     }
 }
 
 /// Starts `server` in `ns` and returns once it printed "ready". The child is
 /// its own process-group leader so the lab can kill it with everything it forks.
-pub(crate) fn start(ns: &Netns, pod: &str, pod_ip: &str, server: &Server) -> Result<Child> {
-    let args = server.args(pod, pod_ip);
-    let mut cmd = ns.command(&args[0])?;
-    cmd.args(&args[1..])
-        .stdin(Stdio::piped())
+pub(crate) fn start(ns: &Netns, pod: &str, server: &Server) -> Result<Child> {
+    let program = lab_server_path()?;
+    let mut cmd = ns.command(&program.to_string_lossy())?;
+    cmd.args(server.args(pod))
+        .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     let mut child = cmd.spawn().map_err(|source| LabError::Spawn {
-        command: format!("python3 servers.py {}", server.describe()),
+        command: format!("{} {}", program.display(), server.args(pod).join(" ")),
         netns: ns.name().to_string(),
         source,
     })?;
 
-    // Dropping the pipe after writing gives python EOF, so it runs the script.
-    let script_written = child
-        .stdin
-        .take()
-        .expect("stdin was piped")
-        .write_all(SCRIPT.as_bytes());
-    if let Err(e) = script_written {
-        netns::kill_group(&mut child);
-        return Err(LabError::ServerNotReady {
-            server: server.describe(),
-            pod: pod.to_string(),
-            detail: format!("could not pass the script to python: {e}"),
-        });
-    }
     let stdout = child.stdout.take().expect("stdout was piped");
     let (tx, rx) = mpsc::channel();
     thread::spawn(move || {

@@ -1,12 +1,45 @@
+//! nattrace's kernel programs. One module per hook family; all of them parse
+//! the packet into a [`filter::Packet`] and hand it to [`filter::observe`],
+//! which applies the shared Service filter (docs/DESIGN.md) and emits events.
 #![no_std]
 #![no_main]
 
-use aya_ebpf::{bindings::TC_ACT_PIPE, macros::classifier, programs::TcContext};
+mod filter;
+mod netfilter;
+mod skb;
+mod tc;
+mod tracepoints;
 
-#[classifier]
-pub fn tc_probe(_ctx: TcContext) -> i32 {
-    TC_ACT_PIPE
-}
+use aya_ebpf::{
+    macros::map,
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+};
+use tracer_common::{Config, EndpointKey, EndpointState, InflightPacket, ServiceKey, stat};
+
+/// Services to trace, written once by userspace; value = index in its service list.
+/// 256 is far more than anyone passes with `--svc`.
+#[map]
+static SERVICES: HashMap<ServiceKey, u8> = HashMap::with_max_entries(256, 0);
+
+/// Client sides of traced flows. LRU so a long trace never fills up: the
+/// oldest (finished) flows are evicted first.
+#[map]
+static ENDPOINTS: LruHashMap<EndpointKey, EndpointState> = LruHashMap::with_max_entries(65536, 0);
+
+/// Matched skbs by kernel address, to recognise a packet whose both endpoints
+/// NAT rewrote. Entries only need to live while a packet crosses the node.
+#[map]
+static INFLIGHT: LruHashMap<u64, InflightPacket> = LruHashMap::with_max_entries(16384, 0);
+
+#[map]
+static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
+
+/// Byte size is replaced by userspace at load time (`--ringbuf` / TraceOptions).
+#[map]
+static EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+
+#[map]
+static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
 
 #[cfg(not(test))]
 #[panic_handler]

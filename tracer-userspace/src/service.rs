@@ -55,19 +55,37 @@ mod tests {
     fn parses_ip_and_ip_port() {
         assert_eq!(
             "100.67.30.133".parse(),
-            Ok(Service { addr: Ipv4Addr::new(100, 67, 30, 133), port: None })
+            Ok(Service {
+                addr: Ipv4Addr::new(100, 67, 30, 133),
+                port: None
+            })
         );
         assert_eq!(
             "10.0.0.1:53".parse(),
-            Ok(Service { addr: Ipv4Addr::new(10, 0, 0, 1), port: Some(53) })
+            Ok(Service {
+                addr: Ipv4Addr::new(10, 0, 0, 1),
+                port: Some(53)
+            })
         );
     }
 
     #[test]
     fn rejects_bad_input() {
-        assert!(matches!("300.1.1.1".parse::<Service>(), Err(ServiceParseError::BadAddress(_))));
-        assert!(matches!("1.2.3.4:0".parse::<Service>(), Err(ServiceParseError::BadPort(_))));
-        assert!(matches!("1.2.3.4:99999".parse::<Service>(), Err(ServiceParseError::BadPort(_))));
-        assert!(matches!("svc".parse::<Service>(), Err(ServiceParseError::BadAddress(_))));
+        assert!(matches!(
+            "300.1.1.1".parse::<Service>(),
+            Err(ServiceParseError::BadAddress(_))
+        ));
+        assert!(matches!(
+            "1.2.3.4:0".parse::<Service>(),
+            Err(ServiceParseError::BadPort(_))
+        ));
+        assert!(matches!(
+            "1.2.3.4:99999".parse::<Service>(),
+            Err(ServiceParseError::BadPort(_))
+        ));
+        assert!(matches!(
+            "svc".parse::<Service>(),
+            Err(ServiceParseError::BadAddress(_))
+        ));
     }
 }

@@ -1,1 +1,34 @@
-fn main() {}
+//! Developer tasks. `cargo xtask <task>`; see README.md.
+mod setup;
+mod tasks;
+mod vm;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "nattrace developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what a fresh machine lacks (idempotent; seconds when everything is present).
+    Setup,
+    /// Build, create the seed 000 lab node, and trace it healthy and broken.
+    Demo,
+    /// Run every test: setup, fmt, clippy, unit + root lab tests, guest kernels.
+    Test(tasks::TestArgs),
+    /// Boot Debian 6.1 and 6.12 kernels under QEMU and run the lab scenarios against each backend.
+    VmTest(vm::VmTestArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().task {
+        Task::Setup => setup::run(),
+        Task::Demo => tasks::demo(),
+        Task::Test(args) => tasks::test(args),
+        Task::VmTest(args) => vm::run(args),
+    }
+}

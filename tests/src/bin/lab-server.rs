@@ -1,0 +1,167 @@
+//! The servers that run inside lab pods, in one small std-only binary so the
+//! lab also works in a minimal guest initramfs (busybox, no python):
+//!
+//! ```text
+//! lab-server http PORT [--name TEXT]   answer every GET with a page naming the pod
+//! lab-server dns PORT NAME A.B.C.D     answer A queries for NAME over UDP
+//! ```
+//!
+//! Both print `ready` on stdout once the socket is bound, so the lab knows the
+//! pod can be reached before a test sends traffic.
+
+use std::io::{self, Read, Write};
+use std::net::{Ipv4Addr, TcpListener, TcpStream, UdpSocket};
+use std::process::ExitCode;
+use std::thread;
+use std::time::Duration;
+
+const USAGE: &str = "usage: lab-server http PORT [--name TEXT] | lab-server dns PORT NAME A.B.C.D";
+
+/// A client that connects and sends nothing must not pin a thread forever.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+        ["http", port] => parse_port(port).and_then(|p| http(p, "lab-server")),
+        ["http", port, "--name", name] => parse_port(port).and_then(|p| http(p, name)),
+        ["dns", port, name, answer] => parse_port(port).and_then(|p| {
+            let ip: Ipv4Addr = answer
+                .parse()
+                .map_err(|_| format!("{answer:?} is not an IPv4 address"))?;
+            dns(p, name, ip)
+        }),
+        _ => Err(USAGE.to_string()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("lab-server: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn parse_port(s: &str) -> Result<u16, String> {
+    s.parse().map_err(|_| format!("{s:?} is not a port number"))
+}
+
+fn ready() -> Result<(), String> {
+    let mut out = io::stdout().lock();
+    writeln!(out, "ready")
+        .and_then(|()| out.flush())
+        .map_err(|e| format!("writing \"ready\": {e}"))
+}
+
+fn http(port: u16, name: &str) -> Result<(), String> {
+    // std sets SO_REUSEADDR, so a restarted server rebinds despite TIME_WAIT.
+    let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))
+        .map_err(|e| format!("binding tcp port {port}: {e}"))?;
+    ready()?;
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else { continue };
+        let name = name.to_string();
+        // Thread per connection: a stalled client (e.g. seed 000, whose
+        // handshake never completes) must not block the next one.
+        thread::spawn(move || {
+            let _ = serve_http(stream, &name);
+        });
+    }
+    Ok(())
+}
+
+fn serve_http(mut stream: TcpStream, name: &str) -> io::Result<()> {
+    stream.set_read_timeout(Some(REQUEST_TIMEOUT))?;
+    let mut request = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 16 * 1024 {
+        let n = stream.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        request.extend_from_slice(&buf[..n]);
+    }
+    let (local, peer) = (stream.local_addr()?, stream.peer_addr()?);
+    let body = format!("pod={name} ip={} client={peer}\n", local.ip());
+    let (status, body) = if request.starts_with(b"GET ") || request.starts_with(b"HEAD ") {
+        ("200 OK", body)
+    } else {
+        ("405 Method Not Allowed", "only GET\n".to_string())
+    };
+    let head_only = request.starts_with(b"HEAD ");
+    let mut response = format!(
+        "HTTP/1.0 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    if !head_only {
+        response.push_str(&body);
+    }
+    stream.write_all(response.as_bytes())?;
+    stream.flush()
+}
+
+fn dns(port: u16, name: &str, answer: Ipv4Addr) -> Result<(), String> {
+    let sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port))
+        .map_err(|e| format!("binding udp port {port}: {e}"))?;
+    ready()?;
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    let mut buf = [0u8; 4096];
+    loop {
+        let Ok((n, peer)) = sock.recv_from(&mut buf) else {
+            continue;
+        };
+        if let Some(reply) = dns_reply(&buf[..n], &name, answer) {
+            let _ = sock.send_to(&reply, peer);
+        }
+    }
+}
+
+fn be16(b: &[u8], at: usize) -> u16 {
+    u16::from_be_bytes([b[at], b[at + 1]])
+}
+
+/// The reply to one query: an A record for `name`, NOERROR without answers
+/// for other types of `name`, NXDOMAIN for anything else; `None` for what is
+/// not a single-question query (never answer a reply: no loops).
+fn dns_reply(query: &[u8], name: &str, answer: Ipv4Addr) -> Option<Vec<u8>> {
+    if query.len() < 12 {
+        return None;
+    }
+    let (id, flags, qdcount) = (be16(query, 0), be16(query, 2), be16(query, 4));
+    if flags & 0x8000 != 0 || qdcount != 1 {
+        return None;
+    }
+    let mut i = 12;
+    let mut labels = Vec::new();
+    loop {
+        let len = *query.get(i)? as usize;
+        i += 1;
+        if len == 0 {
+            break;
+        }
+        // Compression pointers never appear in a question we care about.
+        if len & 0xc0 != 0 {
+            return None;
+        }
+        labels.push(String::from_utf8_lossy(query.get(i..i + len)?).to_ascii_lowercase());
+        i += len;
+    }
+    let qtype = be16(query.get(i..i + 4)?, 0);
+    let question = &query[12..i + 4];
+    let matches = labels.join(".") == name;
+    let with_answer = matches && qtype == 1;
+    let rcode = if matches { 0 } else { 3 };
+    // QR, AA, RA; RD copied from the query.
+    let out_flags: u16 = 0x8000 | 0x0400 | 0x0080 | (flags & 0x0100) | rcode;
+    let mut reply = Vec::with_capacity(12 + question.len() + 16);
+    for word in [id, out_flags, 1, u16::from(with_answer), 0, 0] {
+        reply.extend_from_slice(&word.to_be_bytes());
+    }
+    reply.extend_from_slice(question);
+    if with_answer {
+        // Name: pointer to the question's name at offset 12; type A, class IN, TTL 30.
+        reply.extend_from_slice(&[0xc0, 0x0c, 0, 1, 0, 1, 0, 0, 0, 30, 0, 4]);
+        reply.extend_from_slice(&answer.octets());
+    }
+    Some(reply)
+}

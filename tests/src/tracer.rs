@@ -1,0 +1,356 @@
+//! Running the `nattrace` binary against a lab: locate it, start it with
+//! piped output (optionally echoed live, for the demo), wait until it has
+//! attached, stop it, and read its JSON lines. Also the checks that it left
+//! no BPF object behind.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use serde_json::Value;
+
+use crate::Lab;
+
+/// Overrides where the `nattrace` binary is looked for.
+pub const NATTRACE_BIN_ENV: &str = "NATTRACE_BIN";
+
+/// `$NATTRACE_BIN`, else `nattrace` next to the running executable or in its
+/// parent directory (integration tests run from target/debug/deps).
+pub fn nattrace_path() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os(NATTRACE_BIN_ENV) {
+        let path = PathBuf::from(path);
+        if !path.is_file() {
+            bail!("{NATTRACE_BIN_ENV}={} is not a file", path.display());
+        }
+        return Ok(path);
+    }
+    let exe = std::env::current_exe().context("locating the running executable")?;
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    let candidates: Vec<PathBuf> = [Some(dir), dir.parent()]
+        .into_iter()
+        .flatten()
+        .map(|d| d.join("nattrace"))
+        .collect();
+    candidates.iter().find(|p| p.is_file()).cloned().with_context(|| {
+        format!(
+            "nattrace not found at {}; build it with `cargo build --bin nattrace` or set {NATTRACE_BIN_ENV}",
+            candidates
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(" or ")
+        )
+    })
+}
+
+/// A running nattrace. Killed (SIGKILL) if dropped before [`Nattrace::wait`].
+pub struct Nattrace {
+    child: Option<Child>,
+    lines: Receiver<String>,
+    stdout: Vec<String>,
+    stdout_thread: Option<JoinHandle<()>>,
+    stderr_thread: Option<JoinHandle<String>>,
+}
+
+/// What a finished nattrace printed.
+#[derive(Debug)]
+pub struct Finished {
+    /// Its exit status.
+    pub status: ExitStatus,
+    /// Every stdout line, in order.
+    pub stdout: Vec<String>,
+    /// All of stderr.
+    pub stderr: String,
+}
+
+impl Nattrace {
+    /// Starts `bin args` in the caller's namespace (it enters `--netns` itself).
+    /// With `echo`, its stdout and stderr are also copied live to ours.
+    pub fn spawn(
+        bin: &Path,
+        args: &[String],
+        envs: &[(&str, &str)],
+        echo: bool,
+    ) -> anyhow::Result<Nattrace> {
+        let mut child = Command::new(bin)
+            .args(args)
+            .envs(envs.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let stdout = child.stdout.take().expect("stdout was piped");
+        let mut stderr = child.stderr.take().expect("stderr was piped");
+        let (tx, lines) = mpsc::channel();
+        let stdout_thread = thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if echo {
+                    println!("{line}");
+                }
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let stderr_thread = thread::spawn(move || {
+            if !echo {
+                let mut text = String::new();
+                let _ = stderr.read_to_string(&mut text);
+                return text;
+            }
+            let mut text = String::new();
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("{line}");
+                text.push_str(&line);
+                text.push('\n');
+            }
+            text
+        });
+        Ok(Nattrace {
+            child: Some(child),
+            lines,
+            stdout: Vec::new(),
+            stdout_thread: Some(stdout_thread),
+            stderr_thread: Some(stderr_thread),
+        })
+    }
+
+    /// The process id (for signals and /proc).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// Waits for the first stdout line, which nattrace prints once its
+    /// programs are attached; an exit before that is an error with its output.
+    pub fn wait_started(&mut self, timeout: Duration) -> anyhow::Result<String> {
+        match self.lines.recv_timeout(timeout) {
+            Ok(line) => {
+                self.stdout.push(line.clone());
+                Ok(line)
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                bail!("nattrace printed nothing within {timeout:?} (still attaching?)")
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                let done = self.wait(Duration::from_secs(5))?;
+                bail!(
+                    "nattrace exited before attaching ({}); stderr: {}",
+                    done.status,
+                    done.stderr.trim()
+                )
+            }
+        }
+    }
+
+    /// Sends SIGTERM (what `kubectl delete`/systemd/Ctrl-C-like stops do).
+    pub fn terminate(&self) {
+        if let Some(child) = &self.child {
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        }
+    }
+
+    /// Waits for exit (killing it after `timeout`) and returns what it printed.
+    pub fn wait(&mut self, timeout: Duration) -> anyhow::Result<Finished> {
+        let mut child = self
+            .child
+            .take()
+            .context("nattrace was already waited for")?;
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break status;
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("nattrace did not exit within {timeout:?} and was killed");
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        if let Some(t) = self.stdout_thread.take() {
+            let _ = t.join();
+        }
+        self.stdout.extend(self.lines.try_iter());
+        let stderr = self
+            .stderr_thread
+            .take()
+            .and_then(|t| t.join().ok())
+            .unwrap_or_default();
+        Ok(Finished {
+            status,
+            stdout: std::mem::take(&mut self.stdout),
+            stderr,
+        })
+    }
+}
+
+impl Drop for Nattrace {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Finished {
+    /// Every stdout line parsed as JSON (for `--output json`); a line that
+    /// is not JSON is an error naming it.
+    pub fn json(&self) -> anyhow::Result<Vec<Value>> {
+        self.stdout
+            .iter()
+            .map(|l| serde_json::from_str(l).with_context(|| format!("not a JSON line: {l:?}")))
+            .collect()
+    }
+
+    /// The `"kind":"flow"` objects.
+    pub fn flows(&self) -> anyhow::Result<Vec<Value>> {
+        Ok(self
+            .json()?
+            .into_iter()
+            .filter(|v| v["kind"] == "flow")
+            .collect())
+    }
+
+    /// The last line, which must be the `"kind":"summary"` object.
+    pub fn summary(&self) -> anyhow::Result<Value> {
+        let last = self.json()?.pop().context("no output at all")?;
+        if last["kind"] != "summary" {
+            bail!("the last line is not the summary: {last}");
+        }
+        Ok(last)
+    }
+
+    /// Everything it printed, for assertion messages.
+    pub fn describe(&self) -> String {
+        format!(
+            "exit {}\n--- stdout\n{}\n--- stderr\n{}",
+            self.status,
+            self.stdout.join("\n"),
+            self.stderr.trim_end()
+        )
+    }
+}
+
+/// `curl` from `target` to `http://ip:port/`, one per source port in
+/// `local_ports`, all at once (seed 000's failures each cost `max_time`).
+/// Fixed source ports let a test match nattrace's flows to its connections.
+pub fn curl_parallel(
+    lab: &Lab,
+    target: &str,
+    ip: Ipv4Addr,
+    port: u16,
+    local_ports: &[u16],
+    max_time: Duration,
+) -> Vec<crate::Result<Output>> {
+    let url = format!("http://{ip}:{port}/");
+    let secs = format!("{:.1}", max_time.as_secs_f64());
+    thread::scope(|s| {
+        let handles: Vec<_> = local_ports
+            .iter()
+            .map(|p| {
+                let (url, secs, p) = (&url, &secs, p.to_string());
+                s.spawn(move || {
+                    lab.exec_timeout(
+                        target,
+                        &["curl", "-sS", "--max-time", secs, "--local-port", &p, url],
+                        max_time + Duration::from_secs(10),
+                    )
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("curl thread panicked"))
+            .collect()
+    })
+}
+
+/// A kind of BPF object, by its id namespace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum BpfKind {
+    /// `prog_id` in fdinfo.
+    Prog,
+    /// `map_id`.
+    Map,
+    /// `link_id` (tcx, netfilter, raw tracepoint attachments).
+    Link,
+}
+
+/// The BPF objects a process holds open, read from `/proc/<pid>/fdinfo`
+/// (no bpftool needed): what it loaded and attached.
+pub fn bpf_objects(pid: u32) -> Vec<(BpfKind, u32)> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let Ok(info) = std::fs::read_to_string(entry.path()) else {
+            continue;
+        };
+        // A link's fdinfo also names its prog_id; the link is what it is.
+        let kind_key = [
+            ("link_id:", BpfKind::Link),
+            ("map_id:", BpfKind::Map),
+            ("prog_id:", BpfKind::Prog),
+        ]
+        .into_iter()
+        .find(|(key, _)| info.lines().any(|l| l.starts_with(key)));
+        if let Some((key, kind)) = kind_key {
+            let id = info
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.trim().parse().ok());
+            if let Some(id) = id {
+                found.push((kind, id));
+            }
+        }
+    }
+    found.sort_unstable();
+    found.dedup();
+    found
+}
+
+/// Whether a BPF object with this id still exists anywhere in the kernel
+/// (`BPF_*_GET_FD_BY_ID`; needs CAP_SYS_ADMIN).
+pub fn bpf_object_exists(kind: BpfKind, id: u32) -> bool {
+    const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
+    const BPF_MAP_GET_FD_BY_ID: libc::c_long = 14;
+    const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
+    let cmd = match kind {
+        BpfKind::Prog => BPF_PROG_GET_FD_BY_ID,
+        BpfKind::Map => BPF_MAP_GET_FD_BY_ID,
+        BpfKind::Link => BPF_LINK_GET_FD_BY_ID,
+    };
+    // The union member for these commands: { id, next_id, open_flags }.
+    let attr: [u32; 3] = [id, 0, 0];
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr.as_ptr(),
+            std::mem::size_of_val(&attr) as libc::c_uint,
+        )
+    };
+    if fd >= 0 {
+        unsafe { libc::close(fd as i32) };
+        return true;
+    }
+    std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOENT)
+}
+
+/// Prints a line and flushes, so headings interleave correctly with the
+/// streamed nattrace output.
+pub fn say(text: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{text}");
+    let _ = out.flush();
+}

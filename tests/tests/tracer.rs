@@ -1,0 +1,326 @@
+//! nattrace against the lab: real namespaces, real kube-proxy rules, real
+//! traffic, the real binary, JSON output. Needs root (tests are prefixed
+//! `root_`); without it they print why they are skipped and pass.
+//!
+//! nattrace's raw tracepoints see every namespace, and labs reuse the seed's
+//! addresses, so tests that trace take [`TRACING`] for the whole trace.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use lab::presets::{self, Backend, Seed000};
+use lab::tracer::{Finished, Nattrace, curl_parallel, nattrace_path};
+use lab::{Lab, LabSpec, Protocol, ServiceSpec};
+use serde_json::Value;
+
+macro_rules! require_root {
+    () => {
+        if !lab::is_root() {
+            eprintln!(
+                "SKIPPED: tracer tests need root (network namespaces, eBPF); \
+                 run `sudo cargo test -p nattrace-tests --test tracer` or in CI"
+            );
+            return;
+        }
+    };
+}
+// Below the macro, so its textual scope reaches them.
+#[path = "tracer/cleanup.rs"]
+mod cleanup;
+#[path = "tracer/input.rs"]
+mod input;
+
+static TRACING: Mutex<()> = Mutex::new(());
+
+/// Serializes tracing; a panicking test must not fail all the others.
+pub(crate) fn tracing_lock() -> MutexGuard<'static, ()> {
+    TRACING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Loading and attaching (BTF, verifier) on a busy 2-core CI machine.
+pub(crate) const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
+const CURL_MAX_TIME: Duration = Duration::from_secs(1);
+/// From the start line: parallel curls (at most `CURL_MAX_TIME`) plus slack
+/// for the last events to be read.
+const TRACE_SECS: f64 = 3.5;
+const REPLY_TIMEOUT_MS: &str = "1000";
+
+pub(crate) fn nattrace() -> PathBuf {
+    nattrace_path().unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+pub(crate) fn build(spec: LabSpec) -> Lab {
+    Lab::build(spec).unwrap_or_else(|e| panic!("building the lab failed: {e}"))
+}
+
+fn seed000(bridge_nf_call_iptables: bool, backend: Backend) -> Lab {
+    build(presets::seed000(Seed000 {
+        bridge_nf_call_iptables,
+        backend,
+    }))
+}
+
+/// `--svc <svc> --netns <node-a> --output json` plus `extra`.
+pub(crate) fn args(lab: &Lab, svcs: &[String], extra: &[&str]) -> Vec<String> {
+    let node = lab.node_netns(presets::NODE_A).expect("node-a").path();
+    let mut args: Vec<String> = svcs
+        .iter()
+        .flat_map(|s| ["--svc".into(), s.clone()])
+        .collect();
+    args.extend(["--netns".into(), node.display().to_string()]);
+    args.extend(["--output".into(), "json".into()]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+pub(crate) fn start(args: &[String], envs: &[(&str, &str)]) -> Nattrace {
+    let mut tracer = Nattrace::spawn(&nattrace(), args, envs, false).expect("starting nattrace");
+    let first = tracer
+        .wait_started(ATTACH_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let start: Value = serde_json::from_str(&first)
+        .unwrap_or_else(|e| panic!("first line is not JSON ({e}): {first}"));
+    assert_eq!(start["kind"], "start", "first line: {first}");
+    tracer
+}
+
+/// Traces `svcs` on node-a for [`TRACE_SECS`] while `traffic` runs.
+fn trace(lab: &Lab, svcs: &[String], traffic: impl FnOnce()) -> Finished {
+    let duration = TRACE_SECS.to_string();
+    let args = args(
+        lab,
+        svcs,
+        &["--duration", &duration, "--reply-timeout", REPLY_TIMEOUT_MS],
+    );
+    let mut tracer = start(&args, &[]);
+    traffic();
+    tracer
+        .wait(Duration::from_secs_f64(TRACE_SECS) + ATTACH_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// `curl` to `ip:port` from the client pod, one per source port; returns
+/// how many got a page.
+fn curls(lab: &Lab, ip: std::net::Ipv4Addr, port: u16, local_ports: &[u16]) -> usize {
+    curl_parallel(
+        lab,
+        presets::CLIENT_POD,
+        ip,
+        port,
+        local_ports,
+        CURL_MAX_TIME,
+    )
+    .into_iter()
+    .map(|r| r.expect("running curl"))
+    .filter(|o| o.status.success())
+    .count()
+}
+
+fn web_svc() -> String {
+    format!("{}:{}", presets::WEB_SERVICE_IP, presets::WEB_PORT)
+}
+
+fn flows(done: &Finished) -> Vec<Value> {
+    done.flows()
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", done.describe()))
+}
+
+fn summary(done: &Finished) -> Value {
+    done.summary()
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", done.describe()))
+}
+
+fn client_ports(flows: &[Value]) -> BTreeSet<u16> {
+    flows
+        .iter()
+        .map(|f| {
+            let client = f["client"].as_str().expect("client is a string");
+            client
+                .rsplit(':')
+                .next()
+                .unwrap()
+                .parse()
+                .expect("client port")
+        })
+        .collect()
+}
+
+/// Every flow is `verdict` for the web Service, from the client pod to
+/// `backend`, one flow per curl.
+fn assert_web_flows(done: &Finished, ports: &[u16], verdict: &str, backend: std::net::Ipv4Addr) {
+    let flows = flows(done);
+    let all = done.describe();
+    assert_eq!(flows.len(), ports.len(), "one flow per connection:\n{all}");
+    assert_eq!(
+        client_ports(&flows),
+        ports.iter().copied().collect(),
+        "flows for exactly the curls' source ports:\n{all}"
+    );
+    for f in &flows {
+        assert_eq!(f["verdict"], verdict, "{f}\n{all}");
+        assert_eq!(f["proto"], "tcp", "{f}");
+        assert!(
+            f["client"]
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("{}:", presets::CLIENT_IP)),
+            "{f}"
+        );
+        assert_eq!(f["service"], web_svc(), "{f}");
+        assert_eq!(
+            f["backend"],
+            format!("{backend}:{}", presets::WEB_PORT),
+            "{f}"
+        );
+    }
+    let summary = summary(done);
+    assert_eq!(summary["flows"], ports.len() as u64, "{summary}");
+    assert_eq!(summary["lost_events"], 0, "{summary}");
+}
+
+fn ports(base: u16, n: u16) -> Vec<u16> {
+    (base..base + n).collect()
+}
+
+#[test]
+fn root_seed000_broken_every_same_node_connection_is_not_reverse_nated() {
+    require_root!();
+    let lab = seed000(false, Backend::SameNode);
+    let ports = ports(41000, 6);
+    let _lock = tracing_lock();
+    let done = trace(&lab, &[web_svc()], || {
+        assert_eq!(
+            curls(&lab, presets::WEB_SERVICE_IP, 80, &ports),
+            0,
+            "seed 000: curl fails"
+        );
+    });
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+    assert_web_flows(
+        &done,
+        &ports,
+        "reply_not_reverse_nated",
+        presets::BACKEND_IP,
+    );
+    for f in flows(&done) {
+        assert_eq!(f["cause"], "bridge_nf_call_iptables_off", "{f}");
+        assert!(f["hint"].as_str().is_some_and(|h| !h.is_empty()), "{f}");
+        assert!(
+            f["packets"].as_array().is_some_and(|p| !p.is_empty()),
+            "{f}"
+        );
+    }
+}
+
+#[test]
+fn root_seed000_healthy_every_connection_is_ok() {
+    require_root!();
+    let lab = seed000(true, Backend::SameNode);
+    let ports = ports(42000, 5);
+    let _lock = tracing_lock();
+    let done = trace(&lab, &[web_svc()], || {
+        assert_eq!(
+            curls(&lab, presets::WEB_SERVICE_IP, 80, &ports),
+            ports.len()
+        );
+    });
+    assert_eq!(done.status.code(), Some(0), "{}", done.describe());
+    assert_web_flows(&done, &ports, "ok", presets::BACKEND_IP);
+    for f in flows(&done) {
+        assert!(f["cause"].is_null(), "{f}");
+    }
+}
+
+#[test]
+fn root_cross_node_backend_is_ok_with_both_settings() {
+    require_root!();
+    for bridge_nf_call_iptables in [true, false] {
+        let lab = seed000(bridge_nf_call_iptables, Backend::OtherNode);
+        let ports = ports(43000, 5);
+        let _lock = tracing_lock();
+        let done = trace(&lab, &[web_svc()], || {
+            assert_eq!(
+                curls(&lab, presets::WEB_SERVICE_IP, 80, &ports),
+                ports.len()
+            );
+        });
+        assert_eq!(
+            done.status.code(),
+            Some(0),
+            "bridge-nf-call-iptables={bridge_nf_call_iptables}: {}",
+            done.describe()
+        );
+        assert_web_flows(&done, &ports, "ok", presets::REMOTE_BACKEND_IP);
+    }
+}
+
+/// A Service nobody else's lab uses, next to seed 000's, with the same
+/// same-node backend: traced alone while traffic goes elsewhere.
+const OTHER_SVC_IP: std::net::Ipv4Addr = std::net::Ipv4Addr::new(100, 67, 99, 1);
+
+fn two_services_lab() -> Lab {
+    let spec = presets::seed000(Seed000 {
+        bridge_nf_call_iptables: true,
+        backend: Backend::SameNode,
+    })
+    .service(
+        ServiceSpec::new("default", "other", "http", OTHER_SVC_IP, 80, Protocol::Tcp)
+            .endpoint(presets::BACKEND_POD, presets::WEB_PORT),
+    );
+    build(spec)
+}
+
+#[test]
+fn root_filter_traffic_to_other_ips_produces_no_events() {
+    require_root!();
+    let lab = two_services_lab();
+    let _lock = tracing_lock();
+    let done = trace(&lab, &[format!("{OTHER_SVC_IP}:80")], || {
+        // Seed 000's Service, the backend pod directly, and the node's
+        // gateway address: none of them is the traced Service.
+        let to_web = curls(&lab, presets::WEB_SERVICE_IP, 80, &ports(44000, 3));
+        let to_pod = curls(&lab, presets::BACKEND_IP, 80, &ports(44100, 3));
+        assert_eq!((to_web, to_pod), (3, 3));
+        lab.exec(
+            presets::CLIENT_POD,
+            &["ping", "-c", "2", "-i", "0.2", "-W", "1", "100.96.54.1"],
+        )
+        .expect("ping");
+    });
+    assert_eq!(done.status.code(), Some(0), "{}", done.describe());
+    assert!(flows(&done).is_empty(), "{}", done.describe());
+    let summary = summary(&done);
+    for counter in ["flows", "events", "unmatched_events", "lost_events"] {
+        assert_eq!(summary[counter], 0, "{counter}: {summary}");
+    }
+}
+
+#[test]
+fn root_filter_with_traffic_to_both_services_only_the_traced_one_appears() {
+    require_root!();
+    let lab = two_services_lab();
+    let (traced, other) = (ports(45000, 4), ports(45100, 4));
+    let _lock = tracing_lock();
+    let done = trace(&lab, &[format!("{OTHER_SVC_IP}:80")], || {
+        std::thread::scope(|s| {
+            let a = s.spawn(|| curls(&lab, OTHER_SVC_IP, 80, &traced));
+            let b = s.spawn(|| curls(&lab, presets::WEB_SERVICE_IP, 80, &other));
+            assert_eq!((a.join().unwrap(), b.join().unwrap()), (4, 4));
+        });
+    });
+    assert_eq!(done.status.code(), Some(0), "{}", done.describe());
+    let flows = flows(&done);
+    assert_eq!(
+        client_ports(&flows),
+        traced.iter().copied().collect(),
+        "{}",
+        done.describe()
+    );
+    assert_eq!(flows.len(), traced.len(), "{}", done.describe());
+    for f in &flows {
+        assert_eq!(f["service"], format!("{OTHER_SVC_IP}:80"), "{f}");
+        assert_eq!(f["verdict"], "ok", "{f}");
+    }
+}

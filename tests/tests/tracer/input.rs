@@ -1,0 +1,85 @@
+//! What an on-call engineer gets for a mistake: one line on stderr, exit 2.
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Command, Output};
+
+use super::nattrace;
+
+fn assert_one_line_exit_2(out: &Output, mentions: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let all = format!(
+        "exit {:?}\nstdout: {}\nstderr: {stderr}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert_eq!(out.status.code(), Some(2), "{all}");
+    assert_eq!(
+        stderr.lines().count(),
+        1,
+        "exactly one line on stderr:\n{all}"
+    );
+    let line = stderr.to_lowercase();
+    assert!(
+        mentions.iter().any(|m| line.contains(m)),
+        "the line should mention one of {mentions:?}:\n{all}"
+    );
+}
+
+fn nattrace_cmd() -> Command {
+    let mut cmd = Command::new(nattrace());
+    // A RUST_LOG from the caller's shell would add log lines to stderr.
+    cmd.env_remove("RUST_LOG");
+    cmd
+}
+
+#[test]
+fn bad_service_address_is_one_line_and_exit_2() {
+    let out = nattrace_cmd()
+        .args(["--svc", "300.1.1.1"])
+        .output()
+        .expect("running nattrace");
+    assert_one_line_exit_2(&out, &["300.1.1.1"]);
+}
+
+#[test]
+fn root_unknown_netns_is_one_line_and_exit_2() {
+    require_root!();
+    let out = nattrace_cmd()
+        .args([
+            "--svc",
+            "100.67.30.133:80",
+            "--netns",
+            "nosuch",
+            "--duration",
+            "1",
+        ])
+        .output()
+        .expect("running nattrace");
+    assert_one_line_exit_2(&out, &["nosuch"]);
+}
+
+#[test]
+fn root_running_without_root_is_one_line_and_exit_2() {
+    require_root!();
+    // A copy nobody can reach: the build tree may sit under a private home.
+    let dir = std::env::temp_dir().join(format!("nattrace-nonroot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
+    let bin = dir.join("nattrace");
+    std::fs::copy(nattrace(), &bin).expect("copying nattrace");
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let out = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+        ])
+        .arg(&bin)
+        .args(["--svc", "100.67.30.133:80", "--duration", "1"])
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("running setpriv");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_one_line_exit_2(&out, &["root", "cap_", "privilege", "permission"]);
+}

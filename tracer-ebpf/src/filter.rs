@@ -1,0 +1,274 @@
+//! The Service filter shared by every program (docs/DESIGN.md, "Kernel filter")
+//! and event emission.
+use aya_ebpf::helpers::bpf_ktime_get_ns;
+use tracer_common::{
+    EndpointKey, EndpointState, InflightPacket, PacketEvent, ServiceKey, direction, hook, proto,
+    stat, tcp_flags,
+};
+
+use crate::{ENDPOINTS, EVENTS, INFLIGHT, SERVICES, STATS};
+
+/// BPF_NOEXIST: a concurrent first packet of the same flow on another CPU must
+/// not reset the other's counters.
+const BPF_NOEXIST: u64 = 1;
+const EEXIST: i32 = 17;
+
+/// IPv4 header as on the wire; byte arrays keep it alignment-free so it can be
+/// overlaid on packet memory at any offset.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct IpHdr {
+    pub vihl: u8,
+    pub tos: u8,
+    pub tot_len: [u8; 2],
+    pub id: [u8; 2],
+    pub frag: [u8; 2],
+    pub ttl: u8,
+    pub proto: u8,
+    pub csum: [u8; 2],
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+}
+
+/// The first 20 bytes of a TCP header; UDP uses only the first 8 (ports).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct TcpHdr {
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+    pub seq: [u8; 4],
+    pub ack: [u8; 4],
+    pub doff: u8,
+    pub flags: u8,
+    pub rest: [u8; 6],
+}
+
+pub const UDP_HDR_LEN: usize = 8;
+
+/// What every observation point extracts from a packet.
+#[derive(Clone, Copy, Default)]
+pub struct Packet {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: u16,
+    pub dport: u16,
+    pub seq: u32,
+    pub ack: u32,
+    pub payload_head: u32,
+    pub ip_len: u16,
+    pub ip_id: u16,
+    pub proto: u8,
+    pub tcp_flags: u8,
+}
+
+impl Packet {
+    /// L3 fields of an IPv4 TCP/UDP first fragment, and the header length in
+    /// bytes; None for anything we do not trace.
+    #[inline(always)]
+    pub fn from_ip(ip: &IpHdr) -> Option<(Packet, usize)> {
+        let ihl = ((ip.vihl & 0x0f) as usize) * 4;
+        if ip.vihl >> 4 != 4 || ihl < 20 {
+            return None;
+        }
+        // Non-first fragments carry no L4 header.
+        if (u16::from_be_bytes(ip.frag) & 0x1fff) != 0 {
+            return None;
+        }
+        if ip.proto != proto::TCP && ip.proto != proto::UDP {
+            return None;
+        }
+        let pkt = Packet {
+            saddr: ip.saddr,
+            daddr: ip.daddr,
+            ip_len: u16::from_be_bytes(ip.tot_len),
+            ip_id: u16::from_be_bytes(ip.id),
+            proto: ip.proto,
+            ..Default::default()
+        };
+        Some((pkt, ihl))
+    }
+
+    #[inline(always)]
+    pub fn set_ports(&mut self, sport: [u8; 2], dport: [u8; 2]) {
+        self.sport = u16::from_be_bytes(sport);
+        self.dport = u16::from_be_bytes(dport);
+    }
+
+    /// Returns the TCP header length (where the payload starts).
+    #[inline(always)]
+    pub fn set_tcp(&mut self, tcp: &TcpHdr) -> usize {
+        self.set_ports(tcp.sport, tcp.dport);
+        self.seq = u32::from_be_bytes(tcp.seq);
+        self.ack = u32::from_be_bytes(tcp.ack);
+        self.tcp_flags = tcp.flags;
+        ((tcp.doff >> 4) as usize) * 4
+    }
+}
+
+/// Where a packet was seen.
+#[derive(Clone, Copy, Default)]
+pub struct Point {
+    pub hook: u8,
+    pub nf_hook: u8,
+    pub nat_stage: u8,
+    /// Kernel address of the sk_buff (0 if unknown).
+    pub skb: u64,
+    pub netns: u32,
+    pub ifindex: u32,
+    pub drop_reason: u32,
+}
+
+impl Point {
+    #[inline(always)]
+    pub fn new(hook: u8) -> Point {
+        Point {
+            hook,
+            nf_hook: tracer_common::nf_hook::NONE,
+            ..Default::default()
+        }
+    }
+}
+
+#[inline(always)]
+pub fn stat_inc(index: u32) {
+    if let Some(counter) = STATS.get_ptr_mut(index) {
+        // Per-CPU slot: no other writer while this program runs on this CPU.
+        unsafe { *counter += 1 };
+    }
+}
+
+#[inline(always)]
+fn key(addr: [u8; 4], port: u16, proto: u8) -> EndpointKey {
+    EndpointKey {
+        addr,
+        port,
+        proto,
+        _pad: 0,
+    }
+}
+
+#[inline(always)]
+fn service_index(pkt: &Packet) -> Option<u8> {
+    let mut k = ServiceKey {
+        addr: pkt.daddr,
+        port: pkt.dport,
+        proto: pkt.proto,
+        _pad: 0,
+    };
+    if let Some(svc) = unsafe { SERVICES.get(&k) } {
+        return Some(*svc);
+    }
+    k.port = 0;
+    unsafe { SERVICES.get(&k) }.copied()
+}
+
+/// Finds (or, for a new client side, creates) the flow's endpoint state.
+#[inline(always)]
+fn endpoint(client: &EndpointKey, svc: u8) -> Option<*mut EndpointState> {
+    if let Some(state) = ENDPOINTS.get_ptr_mut(client) {
+        return Some(state);
+    }
+    let fresh = EndpointState {
+        svc,
+        ..Default::default()
+    };
+    if let Err(err) = ENDPOINTS.insert(client, &fresh, BPF_NOEXIST) {
+        if err != -EEXIST {
+            stat_inc(stat::FLOW_MAP_FULL);
+            return None;
+        }
+    }
+    ENDPOINTS.get_ptr_mut(client)
+}
+
+/// Applies the filter to one observed packet and emits an event if it belongs
+/// to a traced flow.
+#[inline(always)]
+pub fn observe(pkt: &Packet, at: &Point) {
+    let src = key(pkt.saddr, pkt.sport, pkt.proto);
+    let dst = key(pkt.daddr, pkt.dport, pkt.proto);
+    let is_drop = at.hook == hook::DROP;
+
+    // Rules 1-4 of DESIGN.md, in order.
+    let (dir, svc, state) = if let Some(svc) = service_index(pkt) {
+        (direction::REQUEST, svc, endpoint(&src, svc))
+    } else if let Some(state) = ENDPOINTS.get_ptr_mut(&src) {
+        (direction::REQUEST, unsafe { (*state).svc }, Some(state))
+    } else if let Some(state) = ENDPOINTS.get_ptr_mut(&dst) {
+        (direction::REPLY, unsafe { (*state).svc }, Some(state))
+    } else {
+        let Some(seen) = (if at.skb != 0 {
+            unsafe { INFLIGHT.get(&at.skb) }
+        } else {
+            None
+        }) else {
+            return;
+        };
+        if seen.ip_id != pkt.ip_id || seen.seq != pkt.seq {
+            return;
+        }
+        let (dir, svc) = (seen.direction, seen.svc);
+        // NAT rewrote the client side (SNAT/masquerade): follow the new one too.
+        let client = if dir == direction::REPLY { dst } else { src };
+        (dir, svc, endpoint(&client, svc))
+    };
+
+    if let Some(state) = state {
+        let state = unsafe { &mut *state };
+        state.packets += 1;
+        let control = pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::FIN | tcp_flags::RST);
+        if state.muted != 0 && control == 0 && !is_drop {
+            stat_inc(stat::MUTED_PACKETS);
+            return;
+        }
+    }
+
+    if at.skb != 0 {
+        if is_drop {
+            // The skb is being freed and its address will be reused.
+            let _ = INFLIGHT.remove(&at.skb);
+        } else {
+            let seen = InflightPacket {
+                seq: pkt.seq,
+                ip_id: pkt.ip_id,
+                direction: dir,
+                svc,
+            };
+            let _ = INFLIGHT.insert(&at.skb, &seen, 0);
+        }
+    }
+
+    emit(pkt, at, dir, svc);
+}
+
+#[inline(always)]
+fn emit(pkt: &Packet, at: &Point, dir: u8, svc: u8) {
+    let ev = PacketEvent {
+        ts_ns: unsafe { bpf_ktime_get_ns() },
+        skb: at.skb,
+        netns: at.netns,
+        ifindex: at.ifindex,
+        saddr: pkt.saddr,
+        daddr: pkt.daddr,
+        sport: pkt.sport,
+        dport: pkt.dport,
+        seq: pkt.seq,
+        ack: pkt.ack,
+        drop_reason: at.drop_reason,
+        payload_head: pkt.payload_head,
+        ip_len: pkt.ip_len,
+        ip_id: pkt.ip_id,
+        hook: at.hook,
+        nf_hook: at.nf_hook,
+        nat_stage: at.nat_stage,
+        proto: pkt.proto,
+        tcp_flags: pkt.tcp_flags,
+        direction: dir,
+        svc,
+        _pad: 0,
+    };
+    match EVENTS.output::<PacketEvent>(&ev, 0) {
+        Ok(()) => stat_inc(stat::EVENTS),
+        Err(_) => stat_inc(stat::RINGBUF_FULL),
+    }
+}

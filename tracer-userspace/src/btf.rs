@@ -1,0 +1,291 @@
+//! Struct member offsets of the running kernel, read from its BTF.
+//!
+//! Rust eBPF emits no CO-RE relocations, so the kernel programs read
+//! `sk_buff`, `net_device`, ... at offsets handed to them in CONFIG. Those
+//! offsets differ between kernels (sk_buff.head is at byte 192 on 6.18 and
+//! 200 on 6.1/6.12), so they are looked up here at start, never compiled in.
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+};
+
+use btf_rs::{Btf, Struct, Type};
+use tracer_common::KernelOffsets;
+
+pub const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
+const MODULE_BTF_DIR: &str = "/sys/kernel/btf";
+
+#[derive(Debug, thiserror::Error)]
+pub enum BtfError {
+    #[error(
+        "this kernel exposes no BTF at {0} (needs CONFIG_DEBUG_INFO_BTF=y, standard on current distribution kernels)"
+    )]
+    NoBtf(PathBuf),
+    #[error("cannot parse kernel BTF {path}: {msg}")]
+    Parse { path: PathBuf, msg: String },
+    #[error("kernel BTF has no struct {0}")]
+    NoType(String),
+    #[error("kernel BTF: struct {ty} has no member {member}")]
+    NoMember { ty: String, member: String },
+    #[error("kernel BTF: {ty}.{member} is a bitfield, not byte-addressable")]
+    Bitfield { ty: String, member: String },
+    #[error("kernel BTF lookup failed: {0}")]
+    Lookup(String),
+}
+
+/// The kernel's BTF: vmlinux plus the module BTF loaded on demand (split BTF
+/// on top of vmlinux, e.g. `nf_conntrack` when it is a module).
+pub struct KernelBtf {
+    vmlinux: Btf,
+    modules: HashMap<String, Option<Btf>>,
+}
+
+fn lookup_err(e: btf_rs::Error) -> BtfError {
+    BtfError::Lookup(e.to_string())
+}
+
+impl KernelBtf {
+    pub fn load() -> Result<Self, BtfError> {
+        Self::load_from(Path::new(VMLINUX_BTF))
+    }
+
+    pub fn load_from(path: &Path) -> Result<Self, BtfError> {
+        if !path.exists() {
+            return Err(BtfError::NoBtf(path.to_owned()));
+        }
+        let vmlinux = Btf::from_file(path).map_err(|e| BtfError::Parse {
+            path: path.to_owned(),
+            msg: e.to_string(),
+        })?;
+        Ok(KernelBtf {
+            vmlinux,
+            modules: HashMap::new(),
+        })
+    }
+
+    /// Module BTF, or None when the module is not loaded (or built in, in
+    /// which case its types are in vmlinux).
+    fn module(&mut self, name: &str) -> Option<&Btf> {
+        let vmlinux = &self.vmlinux;
+        self.modules
+            .entry(name.to_owned())
+            .or_insert_with(|| {
+                let path = Path::new(MODULE_BTF_DIR).join(name);
+                if !path.exists() {
+                    return None;
+                }
+                Btf::from_split_file(&path, vmlinux)
+                    .map_err(|e| log::warn!("cannot parse {}: {e}", path.display()))
+                    .ok()
+            })
+            .as_ref()
+    }
+
+    /// Byte offset of `path` (dot-separated, e.g. `ns.inum`) inside `struct ty`,
+    /// looking through anonymous unions/structs as C does.
+    pub fn offset(&self, ty: &str, path: &str) -> Result<u32, BtfError> {
+        offset_in(&self.vmlinux, ty, path)
+    }
+
+    /// Like [`offset`](Self::offset), in vmlinux or else in `module`'s BTF.
+    pub fn offset_in_module(
+        &mut self,
+        module: &str,
+        ty: &str,
+        path: &str,
+    ) -> Result<u32, BtfError> {
+        match offset_in(&self.vmlinux, ty, path) {
+            Err(BtfError::NoType(_)) => match self.module(module) {
+                Some(btf) => offset_in(btf, ty, path),
+                None => Err(BtfError::NoType(format!(
+                    "{ty} (module {module} not loaded)"
+                ))),
+            },
+            other => other,
+        }
+    }
+
+    pub fn size_in_module(&mut self, module: &str, ty: &str) -> Result<u32, BtfError> {
+        match find_struct(&self.vmlinux, ty) {
+            Ok(s) => Ok(s.size() as u32),
+            Err(BtfError::NoType(_)) => match self.module(module) {
+                Some(btf) => find_struct(btf, ty).map(|s| s.size() as u32),
+                None => Err(BtfError::NoType(format!(
+                    "{ty} (module {module} not loaded)"
+                ))),
+            },
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Everything the kernel programs need. The netfilter-link backend only
+    /// needs sk_buff/net_device/net; the conntrack offsets (kprobe backend)
+    /// are left 0 when nf_conntrack is not loaded.
+    pub fn kernel_offsets(&mut self) -> Result<KernelOffsets, BtfError> {
+        let mut o = KernelOffsets {
+            sk_buff_head: self.offset("sk_buff", "head")?,
+            sk_buff_data: self.offset("sk_buff", "data")?,
+            sk_buff_network_header: self.offset("sk_buff", "network_header")?,
+            sk_buff_dev: self.offset("sk_buff", "dev")?,
+            net_device_ifindex: self.offset("net_device", "ifindex")?,
+            net_device_nd_net: self.offset("net_device", "nd_net")?,
+            net_ns_inum: self.offset("net", "ns.inum")?,
+            nf_hook_state_hook: self.offset("nf_hook_state", "hook")?,
+            nf_hook_state_pf: self.offset("nf_hook_state", "pf")?,
+            ..Default::default()
+        };
+        match self.conntrack_offsets(&mut o) {
+            Ok(()) => {}
+            Err(e) => log::debug!("conntrack offsets unavailable (kprobe backend only): {e}"),
+        }
+        Ok(o)
+    }
+
+    fn conntrack_offsets(&mut self, o: &mut KernelOffsets) -> Result<(), BtfError> {
+        const M: &str = "nf_conntrack";
+        o.nf_conn_tuplehash = self.offset_in_module(M, "nf_conn", "tuplehash")?;
+        o.nf_conntrack_tuple_hash_size = self.size_in_module(M, "nf_conntrack_tuple_hash")?;
+        o.tuple_src_u3 = self.offset_in_module(M, "nf_conntrack_tuple", "src.u3")?;
+        o.tuple_src_u = self.offset_in_module(M, "nf_conntrack_tuple", "src.u")?;
+        o.tuple_dst_u3 = self.offset_in_module(M, "nf_conntrack_tuple", "dst.u3")?;
+        o.tuple_dst_u = self.offset_in_module(M, "nf_conntrack_tuple", "dst.u")?;
+        Ok(())
+    }
+}
+
+fn find_struct(btf: &Btf, name: &str) -> Result<Struct, BtfError> {
+    // A name can also belong to a forward declaration or a typedef: take the
+    // definition.
+    let types = btf.resolve_types_by_name(name).unwrap_or_default();
+    types
+        .into_iter()
+        .find_map(|t| match t {
+            Type::Struct(s) | Type::Union(s) => Some(s),
+            _ => None,
+        })
+        .ok_or_else(|| BtfError::NoType(name.to_owned()))
+}
+
+/// Follows typedefs and qualifiers to a struct/union, if the type is one.
+fn as_composite(btf: &Btf, mut t: Type) -> Result<Option<Struct>, BtfError> {
+    loop {
+        t = match t {
+            Type::Struct(s) | Type::Union(s) => return Ok(Some(s)),
+            Type::Typedef(_)
+            | Type::Const(_)
+            | Type::Volatile(_)
+            | Type::Restrict(_)
+            | Type::TypeTag(_) => {
+                let inner = t.as_btf_type().expect("modifier is a BtfType");
+                btf.resolve_chained_type(inner).map_err(lookup_err)?
+            }
+            _ => return Ok(None),
+        }
+    }
+}
+
+/// Finds `name` in `s`, descending into anonymous members; returns its bit
+/// offset from the start of `s` and its type.
+fn find_member(btf: &Btf, s: &Struct, name: &str) -> Result<Option<(u32, Type, bool)>, BtfError> {
+    for m in &s.members {
+        let m_name = btf.resolve_name(m).unwrap_or_default();
+        let m_type = btf.resolve_chained_type(m).map_err(lookup_err)?;
+        if m_name == name {
+            return Ok(Some((
+                m.bit_offset(),
+                m_type,
+                m.bitfield_size().unwrap_or(0) != 0,
+            )));
+        }
+        if m_name.is_empty()
+            && let Some(inner) = as_composite(btf, m_type)?
+            && let Some((off, t, bf)) = find_member(btf, &inner, name)?
+        {
+            return Ok(Some((m.bit_offset() + off, t, bf)));
+        }
+    }
+    Ok(None)
+}
+
+fn offset_in(btf: &Btf, ty: &str, path: &str) -> Result<u32, BtfError> {
+    let mut current = find_struct(btf, ty)?;
+    let mut bits = 0u32;
+    let mut parts = path.split('.').peekable();
+    while let Some(part) = parts.next() {
+        let no_member = || BtfError::NoMember {
+            ty: ty.to_owned(),
+            member: path.to_owned(),
+        };
+        let (off, member_type, bitfield) =
+            find_member(btf, &current, part)?.ok_or_else(no_member)?;
+        if bitfield || off % 8 != 0 {
+            return Err(BtfError::Bitfield {
+                ty: ty.to_owned(),
+                member: path.to_owned(),
+            });
+        }
+        bits += off;
+        if parts.peek().is_some() {
+            current = as_composite(btf, member_type)?.ok_or_else(no_member)?;
+        }
+    }
+    Ok(bits / 8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel() -> Option<KernelBtf> {
+        if !Path::new(VMLINUX_BTF).exists() {
+            eprintln!("skipped: no {VMLINUX_BTF}");
+            return None;
+        }
+        Some(KernelBtf::load().expect("parse vmlinux BTF"))
+    }
+
+    #[test]
+    fn resolves_plausible_offsets() {
+        let Some(mut k) = kernel() else { return };
+        let o = k.kernel_offsets().expect("offsets");
+        // Layout facts that hold on every 6.x kernel: data follows head,
+        // dev sits in the first cache line, ns.inum near the start of struct net.
+        assert_eq!(o.sk_buff_data, o.sk_buff_head + 8);
+        assert!(o.sk_buff_dev > 0 && o.sk_buff_dev < 64, "{o:?}");
+        assert!(o.sk_buff_network_header > 150 && o.sk_buff_network_header < o.sk_buff_head);
+        assert!(o.net_device_ifindex > 0 && o.net_device_nd_net > 0);
+        assert!(o.net_ns_inum > 0 && o.net_ns_inum < 512, "{o:?}");
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        if release.starts_with("6.18") {
+            // Measured on the build VMs (../shared/docs/machine.md: bit 1536).
+            assert_eq!(o.sk_buff_head, 192);
+        }
+    }
+
+    #[test]
+    fn missing_names_are_errors() {
+        let Some(k) = kernel() else { return };
+        assert!(matches!(
+            k.offset("no_such_struct_xyz", "a"),
+            Err(BtfError::NoType(_))
+        ));
+        assert!(matches!(
+            k.offset("sk_buff", "no_such_member"),
+            Err(BtfError::NoMember { .. })
+        ));
+        // pkt_type is a 3-bit field.
+        assert!(matches!(
+            k.offset("sk_buff", "pkt_type"),
+            Err(BtfError::Bitfield { .. })
+        ));
+    }
+
+    #[test]
+    fn missing_btf_is_a_clear_error() {
+        let err = KernelBtf::load_from(Path::new("/nonexistent/vmlinux"))
+            .err()
+            .unwrap();
+        assert!(matches!(err, BtfError::NoBtf(_)));
+        assert!(err.to_string().contains("CONFIG_DEBUG_INFO_BTF"));
+    }
+}

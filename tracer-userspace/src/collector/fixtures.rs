@@ -1,0 +1,525 @@
+//! Hand-built event sequences for the collector tests, shaped like what the
+//! kernel side emits at DESIGN.md's observation points (tc and netfilter
+//! events carry netns 0; tracepoint events carry the real namespace inode).
+//! They are also written as JSON lines under `fixtures/` (see
+//! `fixture_files_match_builders`), next to which recorded real sessions go.
+use tracer_common::{PacketEvent, direction, hook, nat_stage, nf_hook, proto, tcp_flags};
+
+use crate::{
+    facts::{Interface, NodeFacts},
+    service::Service,
+};
+
+pub const NODE_NS: u32 = 4026531840;
+pub const CLIENT_NS: u32 = 4026532300;
+pub const BACKEND_NS: u32 = 4026532400;
+pub const DNS_NS: u32 = 4026532500;
+
+pub const ETH0: u32 = 2;
+pub const CNI0: u32 = 3;
+pub const FLANNEL: u32 = 4;
+pub const VETH_CLIENT: u32 = 5;
+pub const VETH_BACKEND: u32 = 6;
+pub const VETH_DNS: u32 = 7;
+/// A pod's own eth0, inside its namespace.
+pub const POD_ETH0: u32 = 3;
+
+pub const NO_SOCKET: u32 = 3;
+pub const NETFILTER_DROP: u32 = 12;
+
+pub const CLIENT: ([u8; 4], u16) = ([100, 96, 54, 240], 43534);
+pub const SVC: ([u8; 4], u16) = ([100, 67, 30, 133], 80);
+pub const BACKEND: ([u8; 4], u16) = ([100, 96, 54, 247], 80);
+pub const REMOTE_BACKEND: ([u8; 4], u16) = ([100, 96, 12, 5], 80);
+pub const DNS_CLIENT: ([u8; 4], u16) = ([100, 96, 54, 240], 40001);
+pub const DNS_SVC: ([u8; 4], u16) = ([10, 32, 0, 10], 53);
+pub const DNS_BACKEND: ([u8; 4], u16) = ([10, 200, 2, 177], 53);
+pub const OFFICE_CLIENT: ([u8; 4], u16) = ([192, 168, 50, 10], 51000);
+
+const US: u64 = 1_000;
+const MS: u64 = 1_000_000;
+pub const T0: u64 = 5_000_000_000;
+
+pub fn facts(bridge_nf: Option<bool>) -> NodeFacts {
+    let iface = |ifindex, name: &str, kind: &str, master| Interface {
+        ifindex,
+        name: name.to_string(),
+        kind: kind.to_string(),
+        master,
+        hairpin: master.map(|_| false),
+    };
+    NodeFacts {
+        netns_inode: NODE_NS,
+        netns_name: "node-a".to_string(),
+        interfaces: vec![
+            iface(ETH0, "eth0", "", None),
+            iface(CNI0, "cni0", "bridge", None),
+            iface(FLANNEL, "flannel.1", "vxlan", None),
+            iface(VETH_CLIENT, "veth-client", "veth", Some(CNI0)),
+            iface(VETH_BACKEND, "veth-backend", "veth", Some(CNI0)),
+            iface(VETH_DNS, "veth-dns", "veth", Some(CNI0)),
+        ],
+        bridge_nf_call_iptables: bridge_nf,
+        ip_forward: Some(true),
+    }
+}
+
+pub fn services() -> Vec<Service> {
+    vec![
+        Service {
+            addr: SVC.0.into(),
+            port: Some(SVC.1),
+        },
+        Service {
+            addr: DNS_SVC.0.into(),
+            port: None,
+        },
+    ]
+}
+
+/// Where an event was taken.
+#[derive(Clone, Copy)]
+pub struct At {
+    hook: u8,
+    nf_hook: u8,
+    nat_stage: u8,
+    netns: u32,
+    ifindex: u32,
+    drop_reason: u32,
+}
+
+const fn at(hook: u8, netns: u32, ifindex: u32) -> At {
+    At {
+        hook,
+        nf_hook: nf_hook::NONE,
+        nat_stage: nat_stage::NONE,
+        netns,
+        ifindex,
+        drop_reason: 0,
+    }
+}
+
+pub fn tc_in(ifindex: u32) -> At {
+    at(hook::TC_INGRESS, 0, ifindex)
+}
+pub fn tc_out(ifindex: u32) -> At {
+    at(hook::TC_EGRESS, 0, ifindex)
+}
+pub fn rx(netns: u32, ifindex: u32) -> At {
+    at(hook::DEV_RX, netns, ifindex)
+}
+pub fn tx(netns: u32, ifindex: u32) -> At {
+    at(hook::DEV_TX, netns, ifindex)
+}
+pub fn nf(h: u8, stage: u8) -> At {
+    At {
+        nf_hook: h,
+        nat_stage: stage,
+        ..at(hook::NETFILTER, 0, 0)
+    }
+}
+pub fn drop(netns: u32, ifindex: u32, reason: u32) -> At {
+    At {
+        drop_reason: reason,
+        ..at(hook::DROP, netns, ifindex)
+    }
+}
+
+type Ep = ([u8; 4], u16);
+
+/// One packet: the identity fields shared by all its events.
+#[derive(Clone, Copy)]
+pub struct Pkt {
+    pub proto: u8,
+    pub flags: u8,
+    pub seq: u32,
+    pub ack: u32,
+    pub ip_id: u16,
+    pub payload_head: u32,
+    pub skb: u64,
+    pub dir: u8,
+}
+
+pub fn tcp(flags: u8, seq: u32, ack: u32, ip_id: u16, skb: u64, dir: u8) -> Pkt {
+    Pkt {
+        proto: proto::TCP,
+        flags,
+        seq,
+        ack,
+        ip_id,
+        payload_head: 0,
+        skb,
+        dir,
+    }
+}
+
+pub fn udp(dns_id: u16, response: bool, skb: u64, dir: u8) -> Pkt {
+    let flags: u16 = if response { 0x8180 } else { 0x0100 };
+    let payload_head = (u32::from(dns_id) << 16) | u32::from(flags);
+    Pkt {
+        proto: proto::UDP,
+        flags: 0,
+        seq: 0,
+        ack: 0,
+        ip_id: 0,
+        payload_head,
+        skb,
+        dir,
+    }
+}
+
+#[derive(Default)]
+pub struct Builder {
+    pub events: Vec<PacketEvent>,
+}
+
+impl Builder {
+    /// Events of one packet, `step` apart from `t`; each hop gives the point
+    /// and the tuple there. Returns the time after the last hop.
+    pub fn path(&mut self, p: Pkt, t: u64, hops: &[(At, Ep, Ep)]) -> u64 {
+        let mut ts = t;
+        for &(a, src, dst) in hops {
+            self.events.push(PacketEvent {
+                ts_ns: ts,
+                skb: p.skb,
+                netns: a.netns,
+                ifindex: a.ifindex,
+                saddr: src.0,
+                daddr: dst.0,
+                sport: src.1,
+                dport: dst.1,
+                seq: p.seq,
+                ack: p.ack,
+                drop_reason: a.drop_reason,
+                payload_head: p.payload_head,
+                ip_len: if p.proto == proto::TCP { 60 } else { 70 },
+                ip_id: p.ip_id,
+                hook: a.hook,
+                nf_hook: a.nf_hook,
+                nat_stage: a.nat_stage,
+                proto: p.proto,
+                tcp_flags: p.flags,
+                direction: p.dir,
+                svc: 0,
+                _pad: 0,
+            });
+            ts += 3 * US;
+        }
+        ts
+    }
+}
+
+use direction::{REPLY, REQUEST};
+use nat_stage::{AFTER, BEFORE, NONE};
+use nf_hook::{FORWARD, POST_ROUTING, PRE_ROUTING};
+
+/// A pod's request to the Service, DNATed at PREROUTING, leaving by `out_if`.
+fn request_via_node(
+    b: &mut Builder,
+    p: Pkt,
+    t: u64,
+    client: Ep,
+    svc: Ep,
+    backend: Ep,
+    out_if: u32,
+) -> u64 {
+    let mut hops = vec![
+        (tx(CLIENT_NS, POD_ETH0), client, svc),
+        (tc_in(VETH_CLIENT), client, svc),
+        (rx(NODE_NS, VETH_CLIENT), client, svc),
+        (rx(NODE_NS, CNI0), client, svc),
+        (nf(PRE_ROUTING, BEFORE), client, svc),
+        (nf(PRE_ROUTING, AFTER), client, backend),
+        (nf(FORWARD, NONE), client, backend),
+        (nf(POST_ROUTING, BEFORE), client, backend),
+        (nf(POST_ROUTING, AFTER), client, backend),
+        (tc_out(out_if), client, backend),
+    ];
+    if out_if == VETH_BACKEND {
+        hops.push((rx(BACKEND_NS, POD_ETH0), client, backend));
+    }
+    b.path(p, t, &hops)
+}
+
+/// Seed 000 on the same node. `bridge_nf`: whether br_netfilter runs the
+/// IPv4 hooks for the bridged SYN-ACK (and so reverse-NATs it).
+pub fn seed000_same_node(bridge_nf: bool) -> Vec<PacketEvent> {
+    let mut b = Builder::default();
+    let (c, s, be) = (CLIENT, SVC, BACKEND);
+    let isn = 1_000_000;
+    let risn = 7_000_000;
+    for (round, t) in [(0u16, T0), (1, T0 + 1_000 * MS)] {
+        let syn = tcp(
+            tcp_flags::SYN,
+            isn,
+            0,
+            100 + round,
+            0xffff_8880_0000_1000 + u64::from(round),
+            REQUEST,
+        );
+        let t1 = request_via_node(&mut b, syn, t, c, s, be, VETH_BACKEND);
+        let synack_flags = tcp_flags::SYN | tcp_flags::ACK;
+        let synack = tcp(
+            synack_flags,
+            risn,
+            isn + 1,
+            0,
+            0xffff_8880_0000_2000 + u64::from(round),
+            REPLY,
+        );
+        let t2 = t1 + 40 * US;
+        if bridge_nf {
+            let t3 = b.path(
+                synack,
+                t2,
+                &[
+                    (tx(BACKEND_NS, POD_ETH0), be, c),
+                    (tc_in(VETH_BACKEND), be, c),
+                    (rx(NODE_NS, VETH_BACKEND), be, c),
+                    (nf(PRE_ROUTING, BEFORE), be, c),
+                    (nf(PRE_ROUTING, AFTER), be, c),
+                    (nf(FORWARD, NONE), be, c),
+                    (nf(POST_ROUTING, BEFORE), be, c),
+                    (nf(POST_ROUTING, AFTER), s, c),
+                    (tc_out(VETH_CLIENT), s, c),
+                    (rx(CLIENT_NS, POD_ETH0), s, c),
+                ],
+            );
+            if round == 0 {
+                let ack = tcp(
+                    tcp_flags::ACK,
+                    isn + 1,
+                    risn + 1,
+                    101,
+                    0xffff_8880_0000_3000,
+                    REQUEST,
+                );
+                request_via_node(&mut b, ack, t3 + 20 * US, c, s, be, VETH_BACKEND);
+            }
+            // The healthy client never needs a retransmit.
+            break;
+        }
+        let t3 = b.path(
+            synack,
+            t2,
+            &[
+                (tx(BACKEND_NS, POD_ETH0), be, c),
+                (tc_in(VETH_BACKEND), be, c),
+                (rx(NODE_NS, VETH_BACKEND), be, c),
+                (tc_out(VETH_CLIENT), be, c),
+                (rx(CLIENT_NS, POD_ETH0), be, c),
+                (drop(CLIENT_NS, POD_ETH0, NO_SOCKET), be, c),
+            ],
+        );
+        // The client answers the unknown SYN-ACK with RST (conntrack: INVALID, not NATed).
+        let rst = tcp(
+            tcp_flags::RST,
+            isn + 1,
+            0,
+            0,
+            0xffff_8880_0000_4000 + u64::from(round),
+            REQUEST,
+        );
+        b.path(
+            rst,
+            t3 + 10 * US,
+            &[
+                (tx(CLIENT_NS, POD_ETH0), c, be),
+                (tc_in(VETH_CLIENT), c, be),
+                (rx(NODE_NS, VETH_CLIENT), c, be),
+                (tc_out(VETH_BACKEND), c, be),
+                (rx(BACKEND_NS, POD_ETH0), c, be),
+            ],
+        );
+    }
+    b.events
+}
+
+/// Client pod on this node, backend on another node over flannel.1; the reply
+/// is routed (not bridged), so netfilter reverse-NATs it at POSTROUTING.
+pub fn cross_node_ok() -> Vec<PacketEvent> {
+    let mut b = Builder::default();
+    let (c, s, be) = (CLIENT, SVC, REMOTE_BACKEND);
+    let syn = tcp(tcp_flags::SYN, 500, 0, 7, 0xffff_8880_0001_0000, REQUEST);
+    let t1 = request_via_node(&mut b, syn, T0, c, s, be, FLANNEL);
+    let synack = tcp(
+        tcp_flags::SYN | tcp_flags::ACK,
+        900,
+        501,
+        0,
+        0xffff_8880_0001_1000,
+        REPLY,
+    );
+    let t2 = b.path(
+        synack,
+        t1 + 400 * US,
+        &[
+            (tc_in(FLANNEL), be, c),
+            (nf(PRE_ROUTING, BEFORE), be, c),
+            (nf(PRE_ROUTING, AFTER), be, c),
+            (nf(FORWARD, NONE), be, c),
+            (nf(POST_ROUTING, BEFORE), be, c),
+            (nf(POST_ROUTING, AFTER), s, c),
+            (tc_out(VETH_CLIENT), s, c),
+            (rx(CLIENT_NS, POD_ETH0), s, c),
+        ],
+    );
+    let ack = tcp(tcp_flags::ACK, 501, 901, 8, 0xffff_8880_0001_2000, REQUEST);
+    request_via_node(&mut b, ack, t2 + 20 * US, c, s, be, FLANNEL);
+    b.events
+}
+
+/// Seed 001: a DNS query to the Service; the server pod is on the same node.
+pub fn dns(bridge_nf: bool) -> Vec<PacketEvent> {
+    let mut b = Builder::default();
+    let (c, s, be) = (DNS_CLIENT, DNS_SVC, DNS_BACKEND);
+    let q = udp(0x1234, false, 0xffff_8880_0002_0000, REQUEST);
+    let mut hops = vec![
+        (tx(CLIENT_NS, POD_ETH0), c, s),
+        (tc_in(VETH_CLIENT), c, s),
+        (nf(PRE_ROUTING, BEFORE), c, s),
+        (nf(PRE_ROUTING, AFTER), c, be),
+        (nf(FORWARD, NONE), c, be),
+        (nf(POST_ROUTING, BEFORE), c, be),
+        (nf(POST_ROUTING, AFTER), c, be),
+        (tc_out(VETH_DNS), c, be),
+        (rx(DNS_NS, POD_ETH0), c, be),
+    ];
+    let t1 = b.path(q, T0, &hops);
+    let r = udp(0x1234, true, 0xffff_8880_0002_1000, REPLY);
+    hops = if bridge_nf {
+        vec![
+            (tx(DNS_NS, POD_ETH0), be, c),
+            (tc_in(VETH_DNS), be, c),
+            (nf(PRE_ROUTING, BEFORE), be, c),
+            (nf(PRE_ROUTING, AFTER), be, c),
+            (nf(FORWARD, NONE), be, c),
+            (nf(POST_ROUTING, BEFORE), be, c),
+            (nf(POST_ROUTING, AFTER), s, c),
+            (tc_out(VETH_CLIENT), s, c),
+            (rx(CLIENT_NS, POD_ETH0), s, c),
+        ]
+    } else {
+        // dig's unconnected socket takes it, then complains about the source.
+        vec![
+            (tx(DNS_NS, POD_ETH0), be, c),
+            (tc_in(VETH_DNS), be, c),
+            (tc_out(VETH_CLIENT), be, c),
+            (rx(CLIENT_NS, POD_ETH0), be, c),
+        ]
+    };
+    b.path(r, t1 + 200 * US, &hops);
+    b.events
+}
+
+/// Seed 003 seen from node B: an office client's SYN comes in on eth0, is
+/// DNATed to a pod on node A and leaves by flannel.1; the reply takes
+/// another way back. SYN retransmits at 1 s and 3 s.
+pub fn no_reply() -> Vec<PacketEvent> {
+    let mut b = Builder::default();
+    let (c, s, be) = (OFFICE_CLIENT, SVC, REMOTE_BACKEND);
+    for (i, dt) in [0, 1_000 * MS + 50 * US, 3_000 * MS + 80 * US]
+        .into_iter()
+        .enumerate()
+    {
+        let syn = tcp(
+            tcp_flags::SYN,
+            42,
+            0,
+            300 + i as u16,
+            0xffff_8880_0003_0000 + i as u64,
+            REQUEST,
+        );
+        b.path(
+            syn,
+            T0 + dt,
+            &[
+                (tc_in(ETH0), c, s),
+                (rx(NODE_NS, ETH0), c, s),
+                (nf(PRE_ROUTING, BEFORE), c, s),
+                (nf(PRE_ROUTING, AFTER), c, be),
+                (nf(FORWARD, NONE), c, be),
+                (nf(POST_ROUTING, BEFORE), c, be),
+                (nf(POST_ROUTING, AFTER), c, be),
+                (tc_out(FLANNEL), c, be),
+            ],
+        );
+    }
+    b.events
+}
+
+/// Cross-node connection whose SYN-ACK a filter rule drops in FORWARD.
+pub fn reply_dropped() -> Vec<PacketEvent> {
+    let mut b = Builder::default();
+    let (c, s, be) = (CLIENT, SVC, REMOTE_BACKEND);
+    let syn = tcp(tcp_flags::SYN, 800, 0, 9, 0xffff_8880_0004_0000, REQUEST);
+    let t1 = request_via_node(&mut b, syn, T0, c, s, be, FLANNEL);
+    let synack = tcp(
+        tcp_flags::SYN | tcp_flags::ACK,
+        1200,
+        801,
+        0,
+        0xffff_8880_0004_1000,
+        REPLY,
+    );
+    b.path(
+        synack,
+        t1 + 400 * US,
+        &[
+            (tc_in(FLANNEL), be, c),
+            (nf(PRE_ROUTING, BEFORE), be, c),
+            (nf(PRE_ROUTING, AFTER), be, c),
+            (nf(FORWARD, NONE), be, c),
+            (drop(NODE_NS, FLANNEL, NETFILTER_DROP), be, c),
+        ],
+    );
+    b.events
+}
+
+/// Shuffles events the way per-CPU ring-buffer writes arrive: neighbours
+/// within `max_skew_ns` of each other swapped, deterministically.
+pub fn reorder(mut events: Vec<PacketEvent>, max_skew_ns: u64) -> Vec<PacketEvent> {
+    let mut i = 0;
+    while i + 2 < events.len() {
+        if events[i + 2].ts_ns - events[i].ts_ns <= max_skew_ns {
+            events.swap(i, i + 2);
+        }
+        i += 3;
+    }
+    events
+}
+
+pub fn duplicate(events: Vec<PacketEvent>) -> Vec<PacketEvent> {
+    events
+        .into_iter()
+        .enumerate()
+        .flat_map(|(i, e)| std::iter::repeat_n(e, 1 + usize::from(i % 2 == 0)))
+        .collect()
+}
+
+pub fn to_jsonl(events: &[PacketEvent]) -> String {
+    events
+        .iter()
+        .map(|e| serde_json::to_string(e).expect("event serializes") + "\n")
+        .collect()
+}
+
+pub fn from_jsonl(text: &str) -> Vec<PacketEvent> {
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).expect("fixture line is a PacketEvent"))
+        .collect()
+}
+
+/// (file name, builder): the fixture files under `fixtures/`.
+pub fn all() -> Vec<(&'static str, Vec<PacketEvent>)> {
+    vec![
+        ("seed000_broken.jsonl", seed000_same_node(false)),
+        ("seed000_healthy.jsonl", seed000_same_node(true)),
+        ("cross_node_ok.jsonl", cross_node_ok()),
+        ("dns_broken.jsonl", dns(false)),
+        ("dns_ok.jsonl", dns(true)),
+        ("no_reply.jsonl", no_reply()),
+        ("reply_dropped.jsonl", reply_dropped()),
+    ]
+}

@@ -1,0 +1,303 @@
+//! One flow (client ip:port + Service ip:port + proto) across the NAT: its
+//! packets, each with the events seen at every observation point, and what
+//! those events taught us (backend, masquerade address, where the client is).
+use tracer_common::{PacketEvent, hook, nat_stage, nf_hook, proto, tcp_flags};
+
+use super::{
+    drop_reason::KnownReasons,
+    types::{Dir, Endpoint, Obs, PacketKey, PairKey},
+};
+
+/// Tuples a flow can be seen with: client→Service, client→backend,
+/// masqueraded→backend, plus one spare (e.g. a second SNAT).
+pub(crate) const MAX_PAIRS: usize = 4;
+
+/// How far back in a flow's packets to look for the packet an event belongs
+/// to: events of one packet are microseconds apart, so the newest few suffice.
+const PACKET_SEARCH_DEPTH: usize = 16;
+
+/// Collector-wide settings a flow needs while taking events.
+pub(crate) struct FlowCtx<'a> {
+    pub node_netns: u32,
+    pub packet_gap_ns: u64,
+    pub settle_ns: u64,
+    pub max_packets: usize,
+    pub max_obs: usize,
+    pub known: &'a KnownReasons,
+}
+
+impl FlowCtx<'_> {
+    /// tc and netfilter events carry netns 0; tracepoints carry the real inode.
+    pub fn is_node(&self, netns: u32) -> bool {
+        netns == 0 || netns == self.node_netns
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Packet {
+    pub key: PacketKey,
+    pub dir: Dir,
+    pub first_ts: u64,
+    pub last_ts: u64,
+}
+
+/// The first reply event at the client side: what decides `ok` vs `reply_not_reverse_nated`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ClientReply {
+    pub packet: u8,
+    pub obs: u16,
+    pub reverse_nated: bool,
+}
+
+/// What adding an event changed, for the collector's indexes.
+#[derive(Default)]
+pub(crate) struct Added {
+    pub duplicate: bool,
+    pub new_pair: Option<PairKey>,
+    pub new_packet: Option<(u64, PacketKey)>,
+    pub decidable_at: Option<u64>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Flow {
+    pub proto: u8,
+    pub client: Endpoint,
+    pub service: Endpoint,
+    /// Destination after DNAT.
+    pub backend: Option<Endpoint>,
+    /// Source after SNAT/MASQUERADE.
+    pub snat: Option<Endpoint>,
+    /// ISN of the SYN that opened the flow: a SYN with another ISN from the
+    /// same client port is a new connection.
+    pub syn_seq: Option<u32>,
+    pub first_ts: u64,
+    pub last_ts: u64,
+    /// Namespace of the client (where its request was transmitted), 0 = unknown/none.
+    pub client_netns: u32,
+    /// Interface of the node namespace where the request entered (client's
+    /// bridge port, or the uplink for off-node clients), 0 = unknown.
+    pub client_ifindex: u32,
+    /// The request came from a process of the node namespace (nat OUTPUT).
+    pub client_local: bool,
+    pub client_rst: bool,
+    pub pairs: [PairKey; MAX_PAIRS],
+    pub npairs: u8,
+    pub client_reply: Option<ClientReply>,
+    pub reported: bool,
+    /// Evidence hit the per-flow caps; later packets were not recorded.
+    pub truncated: bool,
+    /// Pushed out by the live-flow limit before its verdict was certain.
+    pub evicted: bool,
+    pub packets: Vec<Packet>,
+    pub obs: Vec<Obs>,
+}
+
+impl Flow {
+    pub fn new(ev: &PacketEvent) -> Self {
+        let client = Endpoint::src(ev);
+        let service = Endpoint::dst(ev);
+        let syn = ev.proto == proto::TCP && ev.tcp_flags & tcp_flags::SYN != 0;
+        let first = PairKey::new(ev.proto, client, service);
+        Self {
+            proto: ev.proto,
+            client,
+            service,
+            backend: None,
+            snat: None,
+            syn_seq: syn.then_some(ev.seq),
+            first_ts: ev.ts_ns,
+            last_ts: ev.ts_ns,
+            client_netns: 0,
+            client_ifindex: 0,
+            client_local: false,
+            client_rst: false,
+            pairs: [first; MAX_PAIRS],
+            npairs: 1,
+            client_reply: None,
+            reported: false,
+            truncated: false,
+            evicted: false,
+            packets: Vec::with_capacity(4),
+            obs: Vec::with_capacity(24),
+        }
+    }
+
+    pub fn pairs(&self) -> &[PairKey] {
+        &self.pairs[..self.npairs as usize]
+    }
+
+    pub fn packet_obs(&self, packet: u8) -> impl Iterator<Item = &Obs> + '_ {
+        self.obs.iter().filter(move |o| o.packet == packet)
+    }
+
+    /// Frees the evidence once the verdict is out; the flow stays only to
+    /// absorb its remaining packets until it goes idle.
+    pub fn drop_evidence(&mut self) {
+        self.packets = Vec::new();
+        self.obs = Vec::new();
+    }
+
+    pub fn add_event(&mut self, ev: &PacketEvent, key: PacketKey, ctx: &FlowCtx<'_>) -> Added {
+        let mut out = Added::default();
+        self.last_ts = self.last_ts.max(ev.ts_ns);
+        if self.reported {
+            return out;
+        }
+        let probe = Obs::new(ev, 0);
+        let mut found = None;
+        for (i, p) in self
+            .packets
+            .iter()
+            .enumerate()
+            .rev()
+            .take(PACKET_SEARCH_DEPTH)
+        {
+            if p.key != key
+                || ev.ts_ns + ctx.packet_gap_ns < p.first_ts
+                || ev.ts_ns > p.last_ts + ctx.packet_gap_ns
+            {
+                continue;
+            }
+            let idx = i as u8;
+            let mut clash = false;
+            for o in self.packet_obs(idx) {
+                if *o
+                    == (Obs {
+                        packet: idx,
+                        ..probe
+                    })
+                {
+                    out.duplicate = true;
+                    return out;
+                }
+                clash |= o.same_point(&probe);
+            }
+            if !clash {
+                found = Some(idx);
+                break;
+            }
+        }
+        let (idx, prev) = match found {
+            Some(idx) => {
+                let p = &mut self.packets[idx as usize];
+                p.last_ts = p.last_ts.max(ev.ts_ns);
+                p.first_ts = p.first_ts.min(ev.ts_ns);
+                (idx, self.packet_obs(idx).last().copied())
+            }
+            None => {
+                if self.packets.len() >= ctx.max_packets.min(u8::MAX as usize) {
+                    self.truncated = true;
+                    return out;
+                }
+                let dir = self.classify(ev);
+                self.packets.push(Packet {
+                    key,
+                    dir,
+                    first_ts: ev.ts_ns,
+                    last_ts: ev.ts_ns,
+                });
+                out.new_packet = Some((ev.skb, key));
+                ((self.packets.len() - 1) as u8, None)
+            }
+        };
+        if self.obs.len() >= ctx.max_obs.min(u16::MAX as usize) {
+            self.truncated = true;
+            return out;
+        }
+        let obs = Obs {
+            packet: idx,
+            ..probe
+        };
+        match self.packets[idx as usize].dir {
+            Dir::Request => self.learn_from_request(ev, &obs, prev.as_ref(), ctx),
+            Dir::Reply => {
+                if self.client_reply.is_none() && self.is_client_side(&obs, ctx) {
+                    self.client_reply = Some(ClientReply {
+                        packet: idx,
+                        obs: self.obs.len() as u16,
+                        reverse_nated: obs.src == self.service,
+                    });
+                    // Wait a little: the client's reaction (drop, RST, ACK) belongs in the evidence.
+                    out.decidable_at = Some(ev.ts_ns + ctx.settle_ns);
+                }
+            }
+        }
+        self.obs.push(obs);
+        let pair = PairKey::new(self.proto, obs.src, obs.dst);
+        if !self.pairs().contains(&pair) && (self.npairs as usize) < MAX_PAIRS {
+            self.pairs[self.npairs as usize] = pair;
+            self.npairs += 1;
+            out.new_pair = Some(pair);
+        }
+        out
+    }
+
+    fn classify(&self, ev: &PacketEvent) -> Dir {
+        let (src, dst) = (Endpoint::src(ev), Endpoint::dst(ev));
+        if src == self.client || Some(src) == self.snat {
+            Dir::Request
+        } else if dst == self.client
+            || Some(dst) == self.snat
+            // Neither end known yet (NAT rewrote both): trust the kernel's match.
+            || ev.direction == tracer_common::direction::REPLY
+        {
+            Dir::Reply
+        } else {
+            Dir::Request
+        }
+    }
+
+    fn learn_from_request(
+        &mut self,
+        ev: &PacketEvent,
+        obs: &Obs,
+        prev: Option<&Obs>,
+        ctx: &FlowCtx<'_>,
+    ) {
+        if let Some(prev) = prev {
+            // The same packet with another tuple than at its previous hook: NAT ran in between.
+            if obs.dst != prev.dst && obs.dst != self.service && self.backend.is_none() {
+                self.backend = Some(obs.dst);
+            }
+            if obs.src != prev.src && obs.src != self.client && self.snat.is_none() {
+                self.snat = Some(obs.src);
+            }
+        }
+        let node = ctx.is_node(obs.netns);
+        if !node && obs.hook == hook::DEV_TX && obs.src == self.client && self.client_netns == 0 {
+            self.client_netns = obs.netns;
+        }
+        if node && self.client_ifindex == 0 && !self.client_local {
+            if obs.hook == hook::TC_INGRESS {
+                self.client_ifindex = obs.ifindex;
+            } else if obs.hook == hook::NETFILTER && obs.nf_hook == nf_hook::LOCAL_OUT {
+                self.client_local = true;
+            }
+        }
+        if ev.proto == proto::TCP && ev.tcp_flags & tcp_flags::RST != 0 && obs.src == self.client {
+            self.client_rst = true;
+        }
+    }
+
+    /// Where the reply is past everything this node does to it: in the
+    /// client's namespace, on the interface the request came in by, or at
+    /// INPUT after NAT for a node-local client.
+    fn is_client_side(&self, obs: &Obs, ctx: &FlowCtx<'_>) -> bool {
+        let node = ctx.is_node(obs.netns);
+        match obs.hook {
+            hook::DEV_RX | hook::DROP if !node => {
+                self.client_netns != 0 && obs.netns == self.client_netns && obs.dst == self.client
+            }
+            hook::TC_EGRESS if node => {
+                self.client_ifindex != 0 && obs.ifindex == self.client_ifindex
+            }
+            hook::NETFILTER if node && self.client_local => {
+                obs.nf_hook == nf_hook::LOCAL_IN && obs.nat_stage == nat_stage::AFTER
+            }
+            hook::DROP if node && self.client_local => {
+                obs.dst == self.client && ctx.known.is_drop(obs.drop_reason)
+            }
+            _ => false,
+        }
+    }
+}

@@ -1,0 +1,572 @@
+//! Stitches kernel events into packets, packets into flows across the NAT,
+//! and flows into verdicts. Pure: no I/O and no clock — time comes from the
+//! events' `ts_ns` and from `tick(now)`, both CLOCK_MONOTONIC.
+//!
+//! Live loop: `push` every event read from the ring buffer, then (ideally
+//! after draining it) `note_lost(kernel loss counter)`, `tick(now)` → print
+//! the reports, `take_mute_candidates()` → mute those endpoints in the
+//! kernel. At exit: drain, `note_lost`, `finish(now)`. Offline: `push` all,
+//! `finish(last ts)`.
+mod drop_reason;
+mod flow;
+mod report;
+mod rules;
+mod summary;
+mod types;
+
+#[cfg(test)]
+pub(crate) mod fixtures;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, VecDeque};
+
+use tracer_common::{EndpointKey, PacketEvent, proto, tcp_flags};
+
+use self::{
+    drop_reason::KnownReasons,
+    flow::{Flow, FlowCtx},
+    report::{Decision, ReportCtx},
+    types::{PacketKey, PairKey},
+};
+pub use self::{
+    drop_reason::{DropReasons, DropReasonsError},
+    report::{FlowReport, Hop, PacketEvidence, Verdict},
+    rules::{Cause, CauseId},
+    summary::{Summary, VerdictCounts},
+    types::{Dir, Endpoint, Name, Proto, packet_kind},
+};
+use crate::{facts::NodeFacts, service::Service};
+
+const MS: u64 = 1_000_000;
+
+#[derive(Clone, Debug)]
+pub struct CollectorConfig {
+    pub services: Vec<Service>,
+    /// A flow without a reply at the client this long after its first request is decided.
+    pub reply_timeout_ns: u64,
+    pub facts: NodeFacts,
+    /// The running kernel's drop reason names (see [`DropReasons`]).
+    pub drop_reasons: DropReasons,
+    /// Events are held this long and processed in timestamp order, because
+    /// per-CPU events reach the ring buffer out of order.
+    pub reorder_window_ns: u64,
+    /// After the reply reaches the client, wait this long for the client's
+    /// reaction (drop, RST) before reporting.
+    pub settle_ns: u64,
+    /// Events with the same packet identity this close belong to one packet.
+    pub packet_gap_ns: u64,
+    /// A decided flow is forgotten after this long without events.
+    pub idle_timeout_ns: u64,
+    /// Beyond this many flows the oldest is evicted (decided early if pending).
+    pub max_live_flows: usize,
+    pub max_packets_per_flow: usize,
+    pub max_events_per_flow: usize,
+}
+
+impl Default for CollectorConfig {
+    fn default() -> Self {
+        Self {
+            services: Vec::new(),
+            reply_timeout_ns: 3_000 * MS,
+            facts: NodeFacts::default(),
+            drop_reasons: DropReasons::default(),
+            reorder_window_ns: 20 * MS,
+            settle_ns: 20 * MS,
+            packet_gap_ns: 100 * MS,
+            idle_timeout_ns: 30_000 * MS,
+            max_live_flows: 200_000,
+            max_packets_per_flow: 32,
+            max_events_per_flow: 256,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FlowRef {
+    idx: u32,
+    generation: u32,
+}
+
+struct Slot {
+    generation: u32,
+    flow: Option<Flow>,
+}
+
+/// The skb address is what links a packet's events across a NAT rewrite.
+#[derive(Clone, Copy)]
+struct SkbEntry {
+    flow: FlowRef,
+    key: PacketKey,
+    ts: u64,
+}
+
+/// Evicting idle flows looks at this many flows per tick at most.
+const EVICT_SCAN_PER_TICK: usize = 4096;
+/// Loss windows kept for the incomplete check.
+const MAX_LOSS_WINDOWS: usize = 256;
+
+pub struct Collector {
+    cfg: CollectorConfig,
+    ifnames: HashMap<u32, Name>,
+    known: KnownReasons,
+    /// Events not yet processed, sorted by timestamp (ties in arrival order).
+    /// They arrive nearly sorted, so this beats a heap: almost every insert
+    /// is a push_back and release pops from the front.
+    pending: VecDeque<PacketEvent>,
+    /// Newest time known (event or tick).
+    watermark: u64,
+    /// Every event at or before this has been processed.
+    horizon: u64,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    live: usize,
+    pairs: HashMap<PairKey, FlowRef>,
+    skbs: HashMap<u64, SkbEntry>,
+    last_skb_purge: u64,
+    decide_q: VecDeque<(u64, FlowRef)>,
+    timeout_q: VecDeque<(u64, FlowRef)>,
+    age_q: VecDeque<FlowRef>,
+    ready: Vec<FlowReport>,
+    mute: Vec<EndpointKey>,
+    lost_total: u64,
+    lost_seen: u64,
+    loss_windows: VecDeque<(u64, u64)>,
+    last_tick: u64,
+    summary: Summary,
+}
+
+impl Collector {
+    pub fn new(cfg: CollectorConfig) -> Self {
+        let ifnames = cfg
+            .facts
+            .interfaces
+            .iter()
+            .map(|i| (i.ifindex, Name(i.name.as_str().into())))
+            .collect();
+        let known = cfg.drop_reasons.known();
+        Self {
+            cfg,
+            ifnames,
+            known,
+            pending: VecDeque::new(),
+            watermark: 0,
+            horizon: 0,
+            slots: Vec::new(),
+            free: Vec::new(),
+            live: 0,
+            pairs: HashMap::new(),
+            skbs: HashMap::new(),
+            last_skb_purge: 0,
+            decide_q: VecDeque::new(),
+            timeout_q: VecDeque::new(),
+            age_q: VecDeque::new(),
+            ready: Vec::new(),
+            mute: Vec::new(),
+            lost_total: 0,
+            lost_seen: 0,
+            loss_windows: VecDeque::new(),
+            last_tick: 0,
+            summary: Summary::default(),
+        }
+    }
+
+    pub fn push(&mut self, ev: PacketEvent) {
+        if ev.ts_ns < self.horizon {
+            // Past the reorder window: still worth attaching to its flow.
+            self.summary.late_events += 1;
+            self.process(&ev);
+            return;
+        }
+        match self.pending.back() {
+            Some(last) if last.ts_ns > ev.ts_ns => {
+                // Usually only a few places off: look there before bisecting.
+                let len = self.pending.len();
+                let near = (1..=8.min(len)).find(|&k| self.pending[len - k].ts_ns <= ev.ts_ns);
+                let at = match near {
+                    Some(k) => len - k + 1,
+                    None => self.pending.partition_point(|e| e.ts_ns <= ev.ts_ns),
+                };
+                self.pending.insert(at, ev);
+            }
+            _ => self.pending.push_back(ev),
+        }
+        self.watermark = self.watermark.max(ev.ts_ns);
+        self.release(self.watermark.saturating_sub(self.cfg.reorder_window_ns));
+    }
+
+    /// The kernel's cumulative count of lost events (ring buffer full, flow
+    /// map full). A rise marks flows active since the previous `tick` incomplete.
+    pub fn note_lost(&mut self, total: u64) {
+        self.lost_total = self.lost_total.max(total);
+    }
+
+    /// Decides what can be decided by `now` (CLOCK_MONOTONIC ns, the clock
+    /// of `bpf_ktime_get_ns`). Call it after draining the ring buffer, so no
+    /// event older than `now - reorder_window` is still unread.
+    pub fn tick(&mut self, now_ns: u64) -> Vec<FlowReport> {
+        self.watermark = self.watermark.max(now_ns);
+        self.release(self.watermark.saturating_sub(self.cfg.reorder_window_ns));
+        self.account_loss(now_ns);
+        self.decide_due(self.horizon);
+        self.evict_idle();
+        self.purge_skbs();
+        self.take_ready()
+    }
+
+    /// Processes everything still buffered and decides every pending flow.
+    pub fn finish(mut self, now_ns: u64) -> (Vec<FlowReport>, Summary) {
+        self.watermark = self.watermark.max(now_ns);
+        self.release(u64::MAX);
+        self.horizon = self.watermark;
+        self.account_loss(now_ns);
+        self.decide_due(self.horizon);
+        let mut pending: Vec<(u64, FlowRef)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let f = s.flow.as_ref()?;
+                (!f.reported).then_some((
+                    f.first_ts,
+                    FlowRef {
+                        idx: i as u32,
+                        generation: s.generation,
+                    },
+                ))
+            })
+            .collect();
+        pending.sort_unstable_by_key(|&(ts, _)| ts);
+        for (_, r) in pending {
+            self.decide(r, self.horizon);
+        }
+        let reports = self.take_ready();
+        self.summary.lost_events = self.lost_total;
+        (reports, self.summary)
+    }
+
+    /// Client endpoints (and their masqueraded form) of flows decided `ok`
+    /// since the last call: the loader mutes them in the kernel.
+    pub fn take_mute_candidates(&mut self) -> Vec<EndpointKey> {
+        std::mem::take(&mut self.mute)
+    }
+
+    pub fn summary(&self) -> &Summary {
+        &self.summary
+    }
+
+    pub fn live_flows(&self) -> usize {
+        self.live
+    }
+
+    /// Loss is applied here rather than when deciding: a flow can be decided
+    /// while pushing events, before the caller has read the kernel's loss
+    /// counter for that period.
+    fn take_ready(&mut self) -> Vec<FlowReport> {
+        let mut out = std::mem::take(&mut self.ready);
+        for r in &mut out {
+            if !r.incomplete && self.overlaps_loss(r.first_ts_ns, r.decided_ts_ns) {
+                report::mark_incomplete(r);
+                self.summary.incomplete_flows += 1;
+            }
+        }
+        out.sort_by_key(|r| r.first_ts_ns);
+        out
+    }
+
+    fn release(&mut self, upto: u64) {
+        while let Some(front) = self.pending.front() {
+            if front.ts_ns > upto {
+                break;
+            }
+            let Some(ev) = self.pending.pop_front() else {
+                break;
+            };
+            // Decide in event time, so a verdict and its evidence do not
+            // depend on when tick() happens to run (live vs offline).
+            self.decide_due(ev.ts_ns.saturating_sub(1));
+            self.horizon = self.horizon.max(ev.ts_ns);
+            self.process(&ev);
+        }
+        if upto != u64::MAX {
+            self.horizon = self.horizon.max(upto);
+        }
+    }
+
+    fn account_loss(&mut self, now_ns: u64) {
+        if self.lost_total > self.lost_seen {
+            // The counter only says "some time since the last look".
+            self.loss_windows.push_back((self.last_tick, now_ns));
+            if self.loss_windows.len() > MAX_LOSS_WINDOWS {
+                self.loss_windows.pop_front();
+            }
+            self.lost_seen = self.lost_total;
+        }
+        self.summary.lost_events = self.lost_total;
+        self.last_tick = now_ns;
+    }
+
+    fn overlaps_loss(&self, from: u64, to: u64) -> bool {
+        self.loss_windows
+            .iter()
+            .any(|&(start, end)| from <= end && to > start)
+    }
+
+    fn flow(&self, r: FlowRef) -> Option<&Flow> {
+        let s = self.slots.get(r.idx as usize)?;
+        if s.generation == r.generation {
+            s.flow.as_ref()
+        } else {
+            None
+        }
+    }
+
+    fn flow_mut(&mut self, r: FlowRef) -> Option<&mut Flow> {
+        let s = self.slots.get_mut(r.idx as usize)?;
+        if s.generation == r.generation {
+            s.flow.as_mut()
+        } else {
+            None
+        }
+    }
+
+    fn is_service(&self, ev: &PacketEvent) -> bool {
+        let dst: std::net::Ipv4Addr = ev.daddr.into();
+        self.cfg
+            .services
+            .iter()
+            .any(|s| s.addr == dst && s.port.is_none_or(|p| p == ev.dport))
+    }
+
+    fn process(&mut self, ev: &PacketEvent) {
+        self.summary.events += 1;
+        if ev.proto != proto::TCP && ev.proto != proto::UDP {
+            self.summary.unmatched_events += 1;
+            return;
+        }
+        let key = PacketKey::of(ev);
+        let mut found = None;
+        if ev.skb != 0
+            && let Some(e) = self.skbs.get(&ev.skb)
+            && e.key == key
+            && ev.ts_ns.abs_diff(e.ts) <= self.cfg.packet_gap_ns
+            && self.flow(e.flow).is_some()
+        {
+            found = Some(e.flow);
+        }
+        if found.is_none() {
+            found = self
+                .pairs
+                .get(&PairKey::of(ev))
+                .copied()
+                .filter(|&r| self.flow(r).is_some());
+        }
+        let syn_only = ev.proto == proto::TCP
+            && ev.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN;
+        if syn_only
+            && let Some(r) = found
+            && let Some(f) = self.flow(r)
+            && Endpoint::src(ev) == f.client
+            && f.syn_seq != Some(ev.seq)
+        {
+            // Same client port, new ISN: a new connection replaces the old flow.
+            self.decide(r, ev.ts_ns);
+            found = None;
+        }
+        let r = match found {
+            Some(r) => r,
+            None if self.is_service(ev) && (ev.proto == proto::UDP || syn_only) => self.create(ev),
+            None => {
+                self.summary.unmatched_events += 1;
+                return;
+            }
+        };
+        let ctx = FlowCtx {
+            node_netns: self.cfg.facts.netns_inode,
+            packet_gap_ns: self.cfg.packet_gap_ns,
+            settle_ns: self.cfg.settle_ns,
+            max_packets: self.cfg.max_packets_per_flow,
+            max_obs: self.cfg.max_events_per_flow,
+            known: &self.known,
+        };
+        let Some(slot) = self.slots.get_mut(r.idx as usize) else {
+            return;
+        };
+        let Some(flow) = slot.flow.as_mut() else {
+            return;
+        };
+        let added = flow.add_event(ev, key, &ctx);
+        if added.duplicate {
+            self.summary.duplicate_events += 1;
+        }
+        if let Some(p) = added.new_pair {
+            self.pairs.insert(p, r);
+        }
+        if let Some((skb, key)) = added.new_packet
+            && skb != 0
+        {
+            self.skbs.insert(
+                skb,
+                SkbEntry {
+                    flow: r,
+                    key,
+                    ts: ev.ts_ns,
+                },
+            );
+        }
+        if let Some(at) = added.decidable_at {
+            self.decide_q.push_back((at, r));
+        }
+    }
+
+    fn create(&mut self, ev: &PacketEvent) -> FlowRef {
+        if self.live >= self.cfg.max_live_flows.max(1) {
+            self.evict_oldest(ev.ts_ns);
+        }
+        let flow = Flow::new(ev);
+        let pair = flow.pairs[0];
+        let idx = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push(Slot {
+                    generation: 0,
+                    flow: None,
+                });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let slot = &mut self.slots[idx as usize];
+        slot.flow = Some(flow);
+        let r = FlowRef {
+            idx,
+            generation: slot.generation,
+        };
+        self.live += 1;
+        self.pairs.insert(pair, r);
+        self.timeout_q
+            .push_back((ev.ts_ns + self.cfg.reply_timeout_ns, r));
+        self.age_q.push_back(r);
+        r
+    }
+
+    fn remove(&mut self, r: FlowRef) {
+        let Some(slot) = self.slots.get_mut(r.idx as usize) else {
+            return;
+        };
+        if slot.generation != r.generation {
+            return;
+        }
+        let Some(flow) = slot.flow.take() else { return };
+        slot.generation = slot.generation.wrapping_add(1);
+        self.free.push(r.idx);
+        self.live -= 1;
+        for p in flow.pairs() {
+            if self.pairs.get(p) == Some(&r) {
+                self.pairs.remove(p);
+            }
+        }
+    }
+
+    fn evict_oldest(&mut self, now: u64) {
+        while let Some(r) = self.age_q.pop_front() {
+            let Some(f) = self.flow_mut(r) else { continue };
+            if !f.reported {
+                f.evicted = true;
+                self.decide(r, now);
+            }
+            self.remove(r);
+            self.summary.evicted_flows += 1;
+            return;
+        }
+    }
+
+    /// Decides flows whose verdict became certain at or before `upto`.
+    fn decide_due(&mut self, upto: u64) {
+        while let Some(&(at, r)) = self.decide_q.front() {
+            if at > upto {
+                break;
+            }
+            self.decide_q.pop_front();
+            self.decide(r, at);
+        }
+        while let Some(&(deadline, r)) = self.timeout_q.front() {
+            if deadline > upto {
+                break;
+            }
+            self.timeout_q.pop_front();
+            // A reply already at the client is decided through decide_q, after settling.
+            if self.flow(r).is_some_and(|f| f.client_reply.is_none()) {
+                self.decide(r, deadline);
+            }
+        }
+    }
+
+    fn decide(&mut self, r: FlowRef, at: u64) {
+        let Some(flow) = self.flow(r) else { return };
+        if flow.reported {
+            return;
+        }
+        let decision = Decision {
+            decided_ts: at,
+            cut_short: at < flow.first_ts + self.cfg.reply_timeout_ns,
+        };
+        let ctx = ReportCtx {
+            facts: &self.cfg.facts,
+            ifnames: &self.ifnames,
+            reasons: &self.cfg.drop_reasons,
+            known: &self.known,
+            reply_timeout_ns: self.cfg.reply_timeout_ns,
+        };
+        let report = report::build(flow, &ctx, decision);
+        if report.verdict == Verdict::Ok {
+            let proto = flow.proto;
+            for ep in std::iter::once(flow.client).chain(flow.snat) {
+                self.mute.push(EndpointKey {
+                    addr: ep.addr,
+                    port: ep.port,
+                    proto,
+                    _pad: 0,
+                });
+            }
+        }
+        self.summary.flows += 1;
+        self.summary.by_verdict.add(report.verdict);
+        self.summary.incomplete_flows += u64::from(report.incomplete);
+        self.ready.push(report);
+        if let Some(f) = self.flow_mut(r) {
+            f.reported = true;
+            f.drop_evidence();
+        }
+    }
+
+    fn evict_idle(&mut self) {
+        for _ in 0..EVICT_SCAN_PER_TICK.min(self.age_q.len()) {
+            let Some(&r) = self.age_q.front() else { break };
+            let Some(f) = self.flow(r) else {
+                self.age_q.pop_front();
+                continue;
+            };
+            if !f.reported {
+                break;
+            }
+            let idle = f.last_ts + self.cfg.idle_timeout_ns <= self.horizon;
+            self.age_q.pop_front();
+            if idle {
+                self.remove(r);
+            } else {
+                // Still active: look at it again after the others.
+                self.age_q.push_back(r);
+            }
+        }
+    }
+
+    fn purge_skbs(&mut self) {
+        let gap = self.cfg.packet_gap_ns;
+        if self.horizon < self.last_skb_purge + gap {
+            return;
+        }
+        self.last_skb_purge = self.horizon;
+        let horizon = self.horizon;
+        self.skbs.retain(|_, e| e.ts + gap >= horizon);
+    }
+}

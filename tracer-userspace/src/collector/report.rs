@@ -1,0 +1,414 @@
+//! What the collector hands to outputs: one `FlowReport` per decided flow,
+//! with its evidence resolved to names. Built once per flow, never per event.
+use std::{collections::HashMap, net::SocketAddrV4};
+
+use serde::Serialize;
+use tracer_common::{hook, nat_stage, nf_hook, proto};
+
+use super::{
+    drop_reason::{DropReasons, KnownReasons},
+    flow::Flow,
+    rules::{self, Cause, RuleCtx},
+    types::{Dir, Name, Obs, Proto, packet_kind},
+};
+use crate::facts::NodeFacts;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// The reply reached the client reverse-NATed (source = Service ip:port).
+    Ok,
+    /// The reply reached the client side with another source (the backend's).
+    ReplyNotReverseNated,
+    /// No reply reached the client within the reply timeout.
+    NoReply,
+    /// No reply reached the client, and a packet of the flow was dropped.
+    Dropped,
+}
+
+impl Verdict {
+    pub const ALL: [Verdict; 4] = [
+        Verdict::Ok,
+        Verdict::ReplyNotReverseNated,
+        Verdict::NoReply,
+        Verdict::Dropped,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Ok => "ok",
+            Verdict::ReplyNotReverseNated => "reply_not_reverse_nated",
+            Verdict::NoReply => "no_reply",
+            Verdict::Dropped => "dropped",
+        }
+    }
+}
+
+/// One event of a packet, as reported.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Hop {
+    pub ts_ns: u64,
+    pub hook: &'static str,
+    /// Netfilter hook ("PREROUTING", ...) for netfilter events.
+    pub nf_hook: Option<&'static str>,
+    /// "before-nat" / "after-nat" where the event brackets a NAT stage.
+    pub nat_stage: Option<&'static str>,
+    pub ifindex: u32,
+    /// Known for interfaces of the node namespace only.
+    pub ifname: Option<Name>,
+    /// Inode of the namespace (the node's, for tc and netfilter events).
+    pub netns: u32,
+    pub node_ns: bool,
+    pub src: SocketAddrV4,
+    pub dst: SocketAddrV4,
+    pub drop_reason: Option<Name>,
+    /// This is where the reply was judged.
+    pub client_side: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PacketEvidence {
+    /// "SYN", "SYN-ACK", "RST", "request", "reply", ...
+    pub kind: &'static str,
+    pub dir: Dir,
+    pub tcp_flags: u8,
+    pub seq: u32,
+    pub ack: u32,
+    pub ip_id: u16,
+    /// For DNS (UDP port 53): the query id from the payload head.
+    pub dns_id: Option<u16>,
+    pub hops: Vec<Hop>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FlowReport {
+    pub verdict: Verdict,
+    pub proto: Proto,
+    pub client: SocketAddrV4,
+    pub service: SocketAddrV4,
+    pub backend: Option<SocketAddrV4>,
+    /// The client's address after SNAT/MASQUERADE, if it was rewritten.
+    pub snat: Option<SocketAddrV4>,
+    pub cause: Option<Cause>,
+    /// One sentence: what happened, for the text line.
+    pub detail: String,
+    /// Events may be missing (kernel loss, eviction): the verdict is not
+    /// confirmed and absence-based causes are withheld.
+    pub incomplete: bool,
+    /// The flow had more packets than the evidence cap; later ones are not listed.
+    pub truncated: bool,
+    pub first_ts_ns: u64,
+    pub decided_ts_ns: u64,
+    pub packets: Vec<PacketEvidence>,
+}
+
+pub(crate) struct ReportCtx<'a> {
+    pub facts: &'a NodeFacts,
+    pub ifnames: &'a HashMap<u32, Name>,
+    pub reasons: &'a DropReasons,
+    pub known: &'a KnownReasons,
+    pub reply_timeout_ns: u64,
+}
+
+impl ReportCtx<'_> {
+    fn is_node(&self, netns: u32) -> bool {
+        netns == 0 || netns == self.facts.netns_inode
+    }
+
+    fn reason_name(&self, value: u32) -> Name {
+        self.reasons
+            .name(value)
+            .cloned()
+            .unwrap_or_else(|| Name(format!("reason {value}").into()))
+    }
+}
+
+/// How the decision was reached, beyond the flow's own evidence.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Decision {
+    pub decided_ts: u64,
+    /// Decided before the reply timeout ran out (tracing stopped).
+    pub cut_short: bool,
+}
+
+pub(crate) fn verdict_of(flow: &Flow, known: &KnownReasons) -> Verdict {
+    match flow.client_reply {
+        Some(r) if r.reverse_nated => Verdict::Ok,
+        Some(_) => Verdict::ReplyNotReverseNated,
+        None if first_drop(flow, known).is_some() => Verdict::Dropped,
+        None => Verdict::NoReply,
+    }
+}
+
+fn first_drop<'f>(flow: &'f Flow, known: &KnownReasons) -> Option<&'f Obs> {
+    flow.obs
+        .iter()
+        .find(|o| o.hook == hook::DROP && known.is_drop(o.drop_reason))
+}
+
+pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport {
+    let verdict = verdict_of(flow, ctx.known);
+    let incomplete = flow.evicted;
+    let drop = first_drop(flow, ctx.known);
+    let rule_ctx = RuleCtx {
+        flow,
+        verdict,
+        facts: ctx.facts,
+        known: ctx.known,
+        node_netns: ctx.facts.netns_inode,
+        reply_timeout_ns: ctx.reply_timeout_ns,
+        drop,
+    };
+    // Causes rest on the absence of events too (no netfilter hook, no reply):
+    // with events missing they would be guesses.
+    let cause = if incomplete {
+        None
+    } else {
+        rules::infer(&rule_ctx)
+    };
+    let reply_src = flow.client_reply.map(|r| flow.obs[r.obs as usize].src);
+    let backend = flow
+        .backend
+        .or(reply_src.filter(|_| verdict == Verdict::ReplyNotReverseNated));
+    let detail = detail(flow, ctx, verdict, cause.as_ref(), drop, d);
+    FlowReport {
+        verdict,
+        proto: Proto::from_raw(flow.proto).unwrap_or(Proto::Tcp),
+        client: flow.client.socket_addr(),
+        service: flow.service.socket_addr(),
+        backend: backend.map(|b| b.socket_addr()),
+        snat: flow.snat.map(|s| s.socket_addr()),
+        cause,
+        detail,
+        incomplete,
+        truncated: flow.truncated,
+        first_ts_ns: flow.first_ts,
+        decided_ts_ns: d.decided_ts,
+        packets: evidence(flow, ctx),
+    }
+}
+
+fn kind(flow: &Flow, packet: u8) -> &'static str {
+    let p = &flow.packets[packet as usize];
+    packet_kind(p.key.proto, p.key.tcp_flags, p.dir)
+}
+
+/// "no socket" from NO_SOCKET: drop reasons read better in a sentence in lower case.
+fn reason_words(name: &Name) -> String {
+    name.as_str().to_ascii_lowercase().replace('_', " ")
+}
+
+fn detail(
+    flow: &Flow,
+    ctx: &ReportCtx<'_>,
+    verdict: Verdict,
+    cause: Option<&Cause>,
+    drop: Option<&Obs>,
+    d: Decision,
+) -> String {
+    let mut s = match (verdict, flow.client_reply) {
+        (Verdict::Ok, Some(r)) => {
+            let mut s = format!(
+                "{} reached the client from {} (reverse-NATed",
+                kind(flow, r.packet),
+                flow.service
+            );
+            if let Some(at) = reverse_nat_point(flow, r.packet) {
+                s.push_str(" at ");
+                s.push_str(at);
+            }
+            s.push(')');
+            if let Some(snat) = flow.snat {
+                s.push_str(&format!("; client masqueraded to {snat}"));
+            }
+            s
+        }
+        (Verdict::ReplyNotReverseNated, Some(r)) => {
+            let seen = &flow.obs[r.obs as usize];
+            let mut s = format!(
+                "{} reached the client with source {} instead of {}",
+                kind(flow, r.packet),
+                seen.src,
+                flow.service
+            );
+            if let Some(c) = cause {
+                s.push_str("; ");
+                s.push_str(&c.clause);
+            }
+            let client_drop = flow.packet_obs(r.packet).find(|o| {
+                o.hook == hook::DROP
+                    && ctx.known.is_drop(o.drop_reason)
+                    && (o.netns == flow.client_netns || flow.client_local)
+            });
+            if let Some(o) = client_drop {
+                s.push_str(&format!(
+                    "; the client dropped it ({})",
+                    reason_words(&ctx.reason_name(o.drop_reason))
+                ));
+                if flow.client_rst {
+                    s.push_str(" and sent RST");
+                }
+            } else if flow.client_rst {
+                s.push_str("; the client answered with RST");
+            }
+            s
+        }
+        (Verdict::Dropped, _) => {
+            let o = drop.expect("dropped verdict has a drop");
+            let place = if ctx.is_node(o.netns) {
+                format!("in the node namespace {}", rules::drop_place(flow, o))
+            } else if o.netns == flow.client_netns {
+                format!("in the client's namespace {}", rules::drop_place(flow, o))
+            } else {
+                format!("in namespace {} {}", o.netns, rules::drop_place(flow, o))
+            };
+            format!(
+                "the {} was dropped {place}, reason {}; no reply reached the client",
+                kind(flow, o.packet),
+                ctx.reason_name(o.drop_reason)
+            )
+        }
+        _ => no_reply_detail(flow, ctx, d),
+    };
+    if verdict != Verdict::ReplyNotReverseNated
+        && let Some(c) = cause
+    {
+        s.push_str("; ");
+        s.push_str(&c.clause);
+    }
+    if flow.evicted {
+        s.push_str("; evicted early (flow table full), evidence incomplete");
+    }
+    s
+}
+
+/// Events were lost while the flow was traced: its cause rested on the
+/// absence of events that may just have been lost.
+pub(crate) fn mark_incomplete(r: &mut FlowReport) {
+    r.incomplete = true;
+    if let Some(c) = r.cause.take() {
+        let clause = format!("; {}", c.clause);
+        if let Some(pos) = r.detail.find(&clause) {
+            r.detail.replace_range(pos..pos + clause.len(), "");
+        }
+    }
+    r.detail
+        .push_str("; events were lost while this flow was traced, evidence may be incomplete");
+}
+
+fn no_reply_detail(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> String {
+    let first = flow
+        .packets
+        .iter()
+        .position(|p| p.dir == Dir::Request)
+        .map_or("request", |i| kind(flow, i as u8));
+    let mut s = match flow.backend {
+        Some(b) => format!("{first} DNATed to {b}"),
+        None => format!("{first} sent"),
+    };
+    let last_reply = flow
+        .obs
+        .iter()
+        .filter(|o| flow.packets[o.packet as usize].dir == Dir::Reply)
+        .max_by_key(|o| o.ts_ns);
+    match last_reply {
+        Some(o) => s.push_str(&format!(
+            "; a reply was last seen at {} but never reached the client",
+            hop_words(o, ctx)
+        )),
+        None if d.cut_short => s.push_str(&format!(
+            "; no reply before tracing stopped ({} ms after the request)",
+            d.decided_ts.saturating_sub(flow.first_ts) / 1_000_000
+        )),
+        None => s.push_str(&format!(
+            "; no reply within {} ms",
+            ctx.reply_timeout_ns / 1_000_000
+        )),
+    }
+    s
+}
+
+fn hop_words(o: &Obs, ctx: &ReportCtx<'_>) -> String {
+    if o.hook == hook::NETFILTER {
+        return format!(
+            "netfilter {} {}",
+            nf_hook::name(o.nf_hook),
+            nat_stage::name(o.nat_stage)
+        )
+        .trim_end()
+        .to_string();
+    }
+    match ctx.ifnames.get(&o.ifindex).filter(|_| ctx.is_node(o.netns)) {
+        Some(n) => format!("{} {n}", hook::name(o.hook)),
+        None => format!("{} if{} (netns {})", hook::name(o.hook), o.ifindex, o.netns),
+    }
+}
+
+/// The netfilter hook where the reply's source became the Service address.
+fn reverse_nat_point(flow: &Flow, packet: u8) -> Option<&'static str> {
+    let mut prev: Option<&Obs> = None;
+    for o in flow.packet_obs(packet) {
+        if let Some(p) = prev
+            && p.src != flow.service
+            && o.src == flow.service
+            && o.hook == hook::NETFILTER
+        {
+            return Some(nf_hook::name(o.nf_hook));
+        }
+        prev = Some(o);
+    }
+    None
+}
+
+fn evidence(flow: &Flow, ctx: &ReportCtx<'_>) -> Vec<PacketEvidence> {
+    let client_obs = flow.client_reply.map(|r| r.obs as usize);
+    let mut packets: Vec<PacketEvidence> = flow
+        .packets
+        .iter()
+        .map(|p| PacketEvidence {
+            kind: packet_kind(p.key.proto, p.key.tcp_flags, p.dir),
+            dir: p.dir,
+            tcp_flags: p.key.tcp_flags,
+            seq: p.key.seq,
+            ack: p.key.ack,
+            ip_id: p.key.ip_id,
+            dns_id: None,
+            hops: Vec::new(),
+        })
+        .collect();
+    for (i, o) in flow.obs.iter().enumerate() {
+        let node = ctx.is_node(o.netns);
+        packets[o.packet as usize].hops.push(Hop {
+            ts_ns: o.ts_ns,
+            hook: hook::name(o.hook),
+            nf_hook: (o.hook == hook::NETFILTER).then(|| nf_hook::name(o.nf_hook)),
+            nat_stage: (o.nat_stage != nat_stage::NONE).then(|| nat_stage::name(o.nat_stage)),
+            ifindex: o.ifindex,
+            ifname: if node {
+                ctx.ifnames.get(&o.ifindex).cloned()
+            } else {
+                None
+            },
+            netns: if o.netns == 0 {
+                ctx.facts.netns_inode
+            } else {
+                o.netns
+            },
+            node_ns: node,
+            src: o.src.socket_addr(),
+            dst: o.dst.socket_addr(),
+            drop_reason: (o.hook == hook::DROP).then(|| ctx.reason_name(o.drop_reason)),
+            client_side: client_obs == Some(i),
+        });
+    }
+    let dns = flow.proto == proto::UDP && flow.service.port == 53;
+    for (ev, p) in packets.iter_mut().zip(&flow.packets) {
+        // Events arrive sorted, but a late one may have been appended out of order.
+        ev.hops.sort_by_key(|h| h.ts_ns);
+        if dns {
+            ev.dns_id = Some((p.key.payload_head >> 16) as u16);
+        }
+    }
+    packets.sort_by_key(|p| p.hops.first().map_or(0, |h| h.ts_ns));
+    packets
+}

@@ -1,0 +1,337 @@
+//! Causes: why a flow got its verdict, as a table of rules. Each rule looks
+//! at one decided flow (its evidence plus the node facts) and either names a
+//! cause or passes; the first rule that matches wins, so more specific rules
+//! come first. New incidents (issue 4: hairpin_mode off, missing masquerade,
+//! ...) add a `CauseId` variant with its hint and one `Rule` entry.
+use serde::Serialize;
+use tracer_common::{hook, nat_stage, nf_hook};
+
+use super::{
+    drop_reason::KnownReasons,
+    flow::Flow,
+    report::Verdict,
+    types::{Obs, packet_kind},
+};
+use crate::facts::NodeFacts;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CauseId {
+    /// Seed 000/001: the reply was bridged between two pods without netfilter.
+    BridgeNfCallIptablesOff,
+    /// Same evidence, but the sysctl read 1 at start: it changed, or another
+    /// namespace owns the bridge.
+    ReplyBridgedWithoutNetfilter,
+    /// Seed 003: DNATed here, the reply went back another way.
+    NoReplyThroughNode,
+    /// The request reached the nat table but no DNAT rule matched.
+    NotDnated,
+    DroppedByNetfilter,
+    DroppedByRpFilter,
+}
+
+impl CauseId {
+    pub const ALL: &'static [CauseId] = &[
+        CauseId::BridgeNfCallIptablesOff,
+        CauseId::ReplyBridgedWithoutNetfilter,
+        CauseId::NoReplyThroughNode,
+        CauseId::NotDnated,
+        CauseId::DroppedByNetfilter,
+        CauseId::DroppedByRpFilter,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CauseId::BridgeNfCallIptablesOff => "bridge_nf_call_iptables_off",
+            CauseId::ReplyBridgedWithoutNetfilter => "reply_bridged_without_netfilter",
+            CauseId::NoReplyThroughNode => "no_reply_through_node",
+            CauseId::NotDnated => "not_dnated",
+            CauseId::DroppedByNetfilter => "dropped_by_netfilter",
+            CauseId::DroppedByRpFilter => "dropped_by_rp_filter",
+        }
+    }
+
+    pub fn hint(self) -> &'static str {
+        match self {
+            CauseId::BridgeNfCallIptablesOff => {
+                "load br_netfilter and set net.bridge.bridge-nf-call-iptables=1 in the node namespace (before kubelet starts)"
+            }
+            CauseId::ReplyBridgedWithoutNetfilter => {
+                "check net.bridge.bridge-nf-call-iptables in the namespace that owns the bridge (it must be 1) and that br_netfilter is loaded"
+            }
+            CauseId::NoReplyThroughNode => {
+                "make replies return through the DNATing node: SNAT here (kube-proxy masqueradeAll: true, or externalTrafficPolicy: Cluster), or route the Service CIDR to the backend's node"
+            }
+            CauseId::NotDnated => {
+                "check that the Service has ready endpoints (kubectl get endpointslices) and that kube-proxy programmed its rules (iptables-save | grep the Service IP)"
+            }
+            CauseId::DroppedByNetfilter => {
+                "find the DROP/REJECT rule on that hook: iptables-save / nft list ruleset (NetworkPolicy, KUBE-FIREWALL, KUBE-FORWARD chains)"
+            }
+            CauseId::DroppedByRpFilter => {
+                "reverse-path filtering dropped it: fix the return route, or set net.ipv4.conf.<interface>.rp_filter=2 (loose)"
+            }
+        }
+    }
+}
+
+/// A cause as reported: `text` is the full sentence, `clause` the short
+/// form that goes into the flow's one-line detail.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Cause {
+    pub id: CauseId,
+    pub text: String,
+    #[serde(skip)]
+    pub clause: String,
+    pub hint: &'static str,
+}
+
+pub(crate) struct RuleCtx<'a> {
+    pub flow: &'a Flow,
+    pub verdict: Verdict,
+    pub facts: &'a NodeFacts,
+    pub known: &'a KnownReasons,
+    pub node_netns: u32,
+    pub reply_timeout_ns: u64,
+    /// The first real drop of the flow (dropped verdict).
+    pub drop: Option<&'a Obs>,
+}
+
+impl RuleCtx<'_> {
+    fn is_node(&self, netns: u32) -> bool {
+        netns == 0 || netns == self.node_netns
+    }
+
+    fn kind(&self, packet: u8) -> &'static str {
+        let p = &self.flow.packets[packet as usize];
+        packet_kind(p.key.proto, p.key.tcp_flags, p.dir)
+    }
+
+    fn ifname(&self, ifindex: u32) -> String {
+        match self.facts.interface(ifindex) {
+            Some(i) => i.name.clone(),
+            None => format!("if{ifindex}"),
+        }
+    }
+}
+
+/// (short clause, full text)
+type Found = (String, String);
+
+struct Rule {
+    id: CauseId,
+    verdict: Verdict,
+    check: fn(&RuleCtx<'_>) -> Option<Found>,
+}
+
+const RULES: &[Rule] = &[
+    Rule {
+        id: CauseId::BridgeNfCallIptablesOff,
+        verdict: Verdict::ReplyNotReverseNated,
+        check: bridged_reply_sysctl_off,
+    },
+    Rule {
+        id: CauseId::ReplyBridgedWithoutNetfilter,
+        verdict: Verdict::ReplyNotReverseNated,
+        check: bridged_reply_sysctl_on,
+    },
+    Rule {
+        id: CauseId::NoReplyThroughNode,
+        verdict: Verdict::NoReply,
+        check: no_reply_through_node,
+    },
+    Rule {
+        id: CauseId::NotDnated,
+        verdict: Verdict::NoReply,
+        check: not_dnated,
+    },
+    Rule {
+        id: CauseId::DroppedByNetfilter,
+        verdict: Verdict::Dropped,
+        check: dropped_by_netfilter,
+    },
+    Rule {
+        id: CauseId::DroppedByRpFilter,
+        verdict: Verdict::Dropped,
+        check: dropped_by_rp_filter,
+    },
+];
+
+pub(crate) fn infer(ctx: &RuleCtx<'_>) -> Option<Cause> {
+    RULES
+        .iter()
+        .filter(|r| r.verdict == ctx.verdict)
+        .find_map(|r| {
+            (r.check)(ctx).map(|(clause, text)| Cause {
+                id: r.id,
+                text,
+                clause,
+                hint: r.id.hint(),
+            })
+        })
+}
+
+/// The reply that reached the client entered a bridge port and left by
+/// another port of the same bridge, and no netfilter hook saw it.
+fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let reply = ctx.flow.client_reply?;
+    let obs: Vec<&Obs> = ctx.flow.packet_obs(reply.packet).collect();
+    if obs.iter().any(|o| o.hook == hook::NETFILTER) {
+        return None;
+    }
+    let port_of = |o: &&Obs, h: u8| {
+        (o.hook == h && ctx.is_node(o.netns))
+            .then(|| ctx.facts.interface(o.ifindex))
+            .flatten()
+            .and_then(|i| i.master.map(|m| (o.ifindex, m)))
+    };
+    let (in_port, bridge) = obs.iter().find_map(|o| port_of(o, hook::TC_INGRESS))?;
+    let out_port = obs
+        .iter()
+        .filter_map(|o| port_of(o, hook::TC_EGRESS))
+        .find(|&(i, m)| m == bridge && i != in_port)
+        .map(|(i, _)| i);
+    let bridged_by_kprobe = obs.iter().any(|o| o.hook == hook::BR_FORWARD);
+    if out_port.is_none() && !bridged_by_kprobe {
+        return None;
+    }
+    let br = ctx.ifname(bridge);
+    let to = out_port
+        .map(|i| format!(" to {}", ctx.ifname(i)))
+        .unwrap_or_default();
+    let clause = format!("it crossed {br} without passing netfilter");
+    let text = format!(
+        "the {} crossed the bridge {br} from {}{to} without passing any netfilter hook",
+        ctx.kind(reply.packet),
+        ctx.ifname(in_port)
+    );
+    Some((clause, text))
+}
+
+fn bridged_reply_sysctl_off(ctx: &RuleCtx<'_>) -> Option<Found> {
+    if ctx.facts.bridge_passes_netfilter() {
+        return None;
+    }
+    let (clause, text) = bridged_reply(ctx)?;
+    let why = match ctx.facts.bridge_nf_call_iptables {
+        None => "br_netfilter is not loaded (no net.bridge.bridge-nf-call-iptables)",
+        _ => "net.bridge.bridge-nf-call-iptables is 0",
+    };
+    Some((
+        clause,
+        format!("{text}; {why} in namespace {}", ctx.facts.netns_name),
+    ))
+}
+
+fn bridged_reply_sysctl_on(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let (clause, text) = bridged_reply(ctx)?;
+    Some((
+        clause,
+        format!(
+            "{text}, although net.bridge.bridge-nf-call-iptables was 1 in namespace {} at start (changed since, or another namespace owns the bridge?)",
+            ctx.facts.netns_name
+        ),
+    ))
+}
+
+fn first_request_kind(ctx: &RuleCtx<'_>) -> &'static str {
+    ctx.flow
+        .packets
+        .iter()
+        .position(|p| p.dir == super::types::Dir::Request)
+        .map_or("request", |i| ctx.kind(i as u8))
+}
+
+fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let backend = ctx.flow.backend?;
+    if ctx
+        .flow
+        .packets
+        .iter()
+        .any(|p| p.dir == super::types::Dir::Reply)
+    {
+        return None;
+    }
+    let at = ctx
+        .flow
+        .obs
+        .iter()
+        .find(|o| o.dst == backend && o.hook == hook::NETFILTER)
+        .map(|o| format!(" at {}", nf_hook::name(o.nf_hook)))
+        .unwrap_or_default();
+    Some((
+        "DNATed here, the reply never came back through this node".to_string(),
+        format!(
+            "the {} was DNATed here to {backend}{at}, but no reply came back through this node within {} ms (asymmetric return path?)",
+            first_request_kind(ctx),
+            ctx.reply_timeout_ns / 1_000_000
+        ),
+    ))
+}
+
+fn not_dnated(ctx: &RuleCtx<'_>) -> Option<Found> {
+    if ctx.flow.backend.is_some() {
+        return None;
+    }
+    let o = ctx.flow.obs.iter().find(|o| {
+        o.hook == hook::NETFILTER
+            && o.nat_stage == nat_stage::AFTER
+            && matches!(o.nf_hook, nf_hook::PRE_ROUTING | nf_hook::LOCAL_OUT)
+            && o.dst == ctx.flow.service
+    })?;
+    Some((
+        "no DNAT rule matched".to_string(),
+        format!(
+            "the {} passed the nat table at {} with destination still {}: no DNAT rule matched on this node",
+            first_request_kind(ctx),
+            nf_hook::name(o.nf_hook),
+            ctx.flow.service
+        ),
+    ))
+}
+
+/// Where a dropped packet was last seen before the drop, e.g. "after netfilter FORWARD".
+pub(crate) fn drop_place(flow: &Flow, drop: &Obs) -> String {
+    let before = flow
+        .obs
+        .iter()
+        .filter(|o| o.packet == drop.packet && o.ts_ns <= drop.ts_ns && o.hook != hook::DROP)
+        .max_by_key(|o| o.ts_ns);
+    match before {
+        Some(o) if o.hook == hook::NETFILTER => {
+            format!("after netfilter {}", nf_hook::name(o.nf_hook))
+        }
+        Some(o) => format!("after {} on if{}", hook::name(o.hook), o.ifindex),
+        None => "before any other observation point".to_string(),
+    }
+}
+
+fn dropped_with(ctx: &RuleCtx<'_>, reason: Option<u32>, by: &str) -> Option<Found> {
+    let drop = ctx.drop?;
+    if reason != Some(drop.drop_reason) {
+        return None;
+    }
+    let ns = if ctx.is_node(drop.netns) {
+        format!("the node namespace {}", ctx.facts.netns_name)
+    } else {
+        format!("namespace {}", drop.netns)
+    };
+    let place = drop_place(ctx.flow, drop);
+    Some((
+        format!("{by} dropped it"),
+        format!(
+            "{by} dropped the {} in {ns} {place} ({} → {})",
+            ctx.kind(drop.packet),
+            drop.src,
+            drop.dst
+        ),
+    ))
+}
+
+fn dropped_by_netfilter(ctx: &RuleCtx<'_>) -> Option<Found> {
+    dropped_with(ctx, ctx.known.netfilter_drop, "a netfilter rule")
+}
+
+fn dropped_by_rp_filter(ctx: &RuleCtx<'_>) -> Option<Found> {
+    dropped_with(ctx, ctx.known.rp_filter, "reverse-path filtering")
+}

@@ -1,0 +1,50 @@
+//! Counts over a whole session, for the last output line.
+use serde::Serialize;
+
+use super::report::Verdict;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct VerdictCounts {
+    pub ok: u64,
+    pub reply_not_reverse_nated: u64,
+    pub no_reply: u64,
+    pub dropped: u64,
+}
+
+impl VerdictCounts {
+    pub fn get(&self, v: Verdict) -> u64 {
+        match v {
+            Verdict::Ok => self.ok,
+            Verdict::ReplyNotReverseNated => self.reply_not_reverse_nated,
+            Verdict::NoReply => self.no_reply,
+            Verdict::Dropped => self.dropped,
+        }
+    }
+
+    pub(crate) fn add(&mut self, v: Verdict) {
+        match v {
+            Verdict::Ok => self.ok += 1,
+            Verdict::ReplyNotReverseNated => self.reply_not_reverse_nated += 1,
+            Verdict::NoReply => self.no_reply += 1,
+            Verdict::Dropped => self.dropped += 1,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Summary {
+    pub flows: u64,
+    pub by_verdict: VerdictCounts,
+    pub incomplete_flows: u64,
+    /// Events the kernel could not deliver (last value given to `note_lost`).
+    pub lost_events: u64,
+    /// Packets of muted flows counted in the kernel instead of emitted (filled in by the caller).
+    pub muted_packets: u64,
+    pub events: u64,
+    pub duplicate_events: u64,
+    /// Events older than what had already been processed (beyond the reorder window).
+    pub late_events: u64,
+    /// Events that belong to no traced flow (e.g. connections opened before tracing).
+    pub unmatched_events: u64,
+    pub evicted_flows: u64,
+}

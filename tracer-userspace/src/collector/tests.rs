@@ -1,0 +1,644 @@
+use tracer_common::{
+    PacketEvent,
+    direction::{REPLY, REQUEST},
+    nat_stage::{AFTER, BEFORE, NONE},
+    nf_hook::{FORWARD, LOCAL_IN, LOCAL_OUT, POST_ROUTING, PRE_ROUTING},
+    tcp_flags,
+};
+
+use super::{fixtures::*, *};
+
+const MS: u64 = 1_000_000;
+
+fn config(bridge_nf: Option<bool>) -> CollectorConfig {
+    CollectorConfig {
+        services: services(),
+        facts: facts(bridge_nf),
+        ..CollectorConfig::default()
+    }
+}
+
+fn run_with(cfg: CollectorConfig, events: &[PacketEvent], now: u64) -> (Vec<FlowReport>, Summary) {
+    let mut c = Collector::new(cfg);
+    let mut reports = Vec::new();
+    for ev in events {
+        c.push(*ev);
+    }
+    reports.extend(c.tick(now));
+    let (rest, summary) = c.finish(now);
+    reports.extend(rest);
+    (reports, summary)
+}
+
+fn run(events: &[PacketEvent], bridge_nf: Option<bool>) -> (Vec<FlowReport>, Summary) {
+    run_with(config(bridge_nf), events, T0 + 10_000 * MS)
+}
+
+fn fixture(name: &str) -> Vec<PacketEvent> {
+    let text = match name {
+        "seed000_broken.jsonl" => include_str!("fixtures/seed000_broken.jsonl"),
+        "seed000_healthy.jsonl" => include_str!("fixtures/seed000_healthy.jsonl"),
+        "cross_node_ok.jsonl" => include_str!("fixtures/cross_node_ok.jsonl"),
+        "dns_broken.jsonl" => include_str!("fixtures/dns_broken.jsonl"),
+        "dns_ok.jsonl" => include_str!("fixtures/dns_ok.jsonl"),
+        "no_reply.jsonl" => include_str!("fixtures/no_reply.jsonl"),
+        "reply_dropped.jsonl" => include_str!("fixtures/reply_dropped.jsonl"),
+        other => panic!("no fixture {other}"),
+    };
+    from_jsonl(text)
+}
+
+fn only(reports: &[FlowReport]) -> &FlowReport {
+    assert_eq!(reports.len(), 1, "{reports:#?}");
+    &reports[0]
+}
+
+fn cause_id(r: &FlowReport) -> Option<CauseId> {
+    r.cause.as_ref().map(|c| c.id)
+}
+
+#[test]
+fn fixture_files_match_builders() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/collector/fixtures");
+    for (name, events) in all() {
+        let path = dir.join(name);
+        if std::env::var_os("NATTRACE_REGEN_FIXTURES").is_some() {
+            std::fs::write(&path, to_jsonl(&events)).unwrap();
+        }
+        let on_disk = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            from_jsonl(&on_disk),
+            events,
+            "{name} is stale: rerun with NATTRACE_REGEN_FIXTURES=1"
+        );
+    }
+}
+
+#[test]
+fn seed000_broken_is_not_reverse_nated_because_of_bridge_nf() {
+    let (reports, summary) = run(&fixture("seed000_broken.jsonl"), Some(false));
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::ReplyNotReverseNated);
+    assert_eq!(r.proto, Proto::Tcp);
+    assert_eq!(r.client.to_string(), "100.96.54.240:43534");
+    assert_eq!(r.service.to_string(), "100.67.30.133:80");
+    assert_eq!(
+        r.backend.map(|b| b.to_string()).as_deref(),
+        Some("100.96.54.247:80")
+    );
+    assert_eq!(cause_id(r), Some(CauseId::BridgeNfCallIptablesOff));
+    assert_eq!(
+        r.detail,
+        "SYN-ACK reached the client with source 100.96.54.247:80 instead of 100.67.30.133:80; \
+         it crossed cni0 without passing netfilter; the client dropped it (no socket) and sent RST"
+    );
+    let cause = r.cause.as_ref().unwrap();
+    assert!(
+        cause.text.contains("from veth-backend to veth-client"),
+        "{}",
+        cause.text
+    );
+    assert!(
+        cause
+            .text
+            .contains("bridge-nf-call-iptables is 0 in namespace node-a"),
+        "{}",
+        cause.text
+    );
+    assert!(cause.hint.contains("br_netfilter"));
+    assert!(!r.incomplete);
+    // SYN, SYN-ACK (client side marked, dropped NO_SOCKET), RST.
+    let kinds: Vec<_> = r.packets.iter().map(|p| p.kind).collect();
+    assert_eq!(kinds, ["SYN", "SYN-ACK", "RST"]);
+    let synack = &r.packets[1];
+    assert!(synack.hops.iter().all(|h| h.hook != "netfilter"));
+    assert!(synack.hops.iter().any(|h| h.client_side));
+    assert!(
+        synack
+            .hops
+            .iter()
+            .any(|h| h.drop_reason.as_ref().map(Name::as_str) == Some("NO_SOCKET"))
+    );
+    let syn = &r.packets[0];
+    let after_dnat = syn
+        .hops
+        .iter()
+        .find(|h| h.nf_hook == Some("PREROUTING") && h.nat_stage == Some("after-nat"));
+    assert_eq!(after_dnat.unwrap().dst.to_string(), "100.96.54.247:80");
+    assert_eq!(summary.by_verdict.reply_not_reverse_nated, 1);
+    assert_eq!(summary.unmatched_events, 0);
+}
+
+#[test]
+fn seed000_without_br_netfilter_names_the_module() {
+    let (reports, _) = run(&fixture("seed000_broken.jsonl"), None);
+    let r = only(&reports);
+    assert_eq!(cause_id(r), Some(CauseId::BridgeNfCallIptablesOff));
+    assert!(
+        r.cause
+            .as_ref()
+            .unwrap()
+            .text
+            .contains("br_netfilter is not loaded")
+    );
+}
+
+#[test]
+fn bridged_reply_with_sysctl_on_gets_its_own_cause() {
+    let (reports, _) = run(&fixture("seed000_broken.jsonl"), Some(true));
+    assert_eq!(
+        cause_id(only(&reports)),
+        Some(CauseId::ReplyBridgedWithoutNetfilter)
+    );
+}
+
+#[test]
+fn seed000_healthy_is_ok_as_soon_as_certain_and_muted() {
+    let events = fixture("seed000_healthy.jsonl");
+    let mut c = Collector::new(config(Some(true)));
+    for ev in &events {
+        c.push(*ev);
+    }
+    let client_rx = events
+        .iter()
+        .find(|e| e.direction == REPLY && e.hook == tracer_common::hook::TC_EGRESS)
+        .unwrap();
+    let cfg = CollectorConfig::default();
+    let due = client_rx.ts_ns + cfg.settle_ns + cfg.reorder_window_ns;
+    assert!(c.tick(due - 1).is_empty());
+    let reports = c.tick(due);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Ok);
+    assert_eq!(r.cause, None);
+    assert_eq!(
+        r.detail,
+        "SYN-ACK reached the client from 100.67.30.133:80 (reverse-NATed at POSTROUTING)"
+    );
+    assert_eq!(
+        r.packets.iter().map(|p| p.kind).collect::<Vec<_>>(),
+        ["SYN", "SYN-ACK", "ACK"]
+    );
+    let mute = c.take_mute_candidates();
+    assert_eq!(mute.len(), 1);
+    assert_eq!(
+        (mute[0].addr, mute[0].port, mute[0].proto),
+        (CLIENT.0, CLIENT.1, 6)
+    );
+    assert!(c.take_mute_candidates().is_empty());
+    // Reported exactly once.
+    let (rest, summary) = c.finish(T0 + 10_000 * MS);
+    assert!(rest.is_empty());
+    assert_eq!(summary.by_verdict.ok, 1);
+    assert_eq!(summary.flows, 1);
+}
+
+#[test]
+fn cross_node_is_ok_in_both_settings() {
+    for bridge_nf in [Some(true), Some(false)] {
+        let (reports, _) = run(&fixture("cross_node_ok.jsonl"), bridge_nf);
+        let r = only(&reports);
+        assert_eq!(r.verdict, Verdict::Ok);
+        assert_eq!(r.backend.unwrap().to_string(), "100.96.12.5:80");
+        assert!(r.detail.contains("reverse-NATed at POSTROUTING"));
+        let synack = &r.packets[1];
+        assert_eq!(
+            synack.hops[0].ifname.as_ref().map(Name::as_str),
+            Some("flannel.1")
+        );
+    }
+}
+
+#[test]
+fn dns_reply_from_unexpected_source() {
+    let (reports, _) = run(&fixture("dns_broken.jsonl"), Some(false));
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::ReplyNotReverseNated);
+    assert_eq!(r.proto, Proto::Udp);
+    assert_eq!(r.backend.unwrap().to_string(), "10.200.2.177:53");
+    assert_eq!(cause_id(r), Some(CauseId::BridgeNfCallIptablesOff));
+    assert_eq!(
+        r.packets.iter().map(|p| p.kind).collect::<Vec<_>>(),
+        ["request", "reply"]
+    );
+    assert!(r.packets.iter().all(|p| p.dns_id == Some(0x1234)));
+    assert!(r.detail.starts_with(
+        "reply reached the client with source 10.200.2.177:53 instead of 10.32.0.10:53"
+    ));
+}
+
+#[test]
+fn dns_ok() {
+    let (reports, _) = run(&fixture("dns_ok.jsonl"), Some(true));
+    assert_eq!(only(&reports).verdict, Verdict::Ok);
+}
+
+#[test]
+fn no_reply_through_node_after_timeout() {
+    let events = fixture("no_reply.jsonl");
+    let mut c = Collector::new(config(Some(true)));
+    for ev in &events {
+        c.push(*ev);
+    }
+    let cfg = CollectorConfig::default();
+    let due = T0 + cfg.reply_timeout_ns + cfg.reorder_window_ns;
+    assert!(c.tick(due - 1).is_empty());
+    let reports = c.tick(due);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::NoReply);
+    assert_eq!(cause_id(r), Some(CauseId::NoReplyThroughNode));
+    assert_eq!(r.client.to_string(), "192.168.50.10:51000");
+    assert_eq!(r.backend.unwrap().to_string(), "100.96.12.5:80");
+    assert!(
+        r.cause
+            .as_ref()
+            .unwrap()
+            .text
+            .contains("DNATed here to 100.96.12.5:80 at PREROUTING")
+    );
+    assert!(r.cause.as_ref().unwrap().hint.contains("masqueradeAll"));
+    // Two SYNs before the deadline; the third (at 3 s) comes after it.
+    assert_eq!(r.packets.len(), 2);
+    let (rest, _) = c.finish(T0 + 10_000 * MS);
+    assert!(rest.is_empty());
+}
+
+#[test]
+fn reply_dropped_by_filter_rule() {
+    let (reports, _) = run(&fixture("reply_dropped.jsonl"), Some(true));
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Dropped);
+    assert_eq!(cause_id(r), Some(CauseId::DroppedByNetfilter));
+    assert_eq!(
+        r.detail,
+        "the SYN-ACK was dropped in the node namespace after netfilter FORWARD, reason NETFILTER_DROP; \
+         no reply reached the client; a netfilter rule dropped it"
+    );
+}
+
+#[test]
+fn reply_dropped_by_rp_filter() {
+    let mut events = fixture("reply_dropped.jsonl");
+    events
+        .iter_mut()
+        .filter(|e| e.drop_reason == NETFILTER_DROP)
+        .for_each(|e| e.drop_reason = 16);
+    let (reports, _) = run(&events, Some(true));
+    assert_eq!(cause_id(only(&reports)), Some(CauseId::DroppedByRpFilter));
+}
+
+#[test]
+fn not_dnated_when_no_rule_matched() {
+    let mut b = Builder::default();
+    let syn = tcp(tcp_flags::SYN, 1, 0, 1, 0x10, REQUEST);
+    b.path(
+        syn,
+        T0,
+        &[
+            (tc_in(VETH_CLIENT), CLIENT, SVC),
+            (nf(PRE_ROUTING, BEFORE), CLIENT, SVC),
+            (nf(PRE_ROUTING, AFTER), CLIENT, SVC),
+            (tc_out(ETH0), CLIENT, SVC),
+        ],
+    );
+    let (reports, _) = run(&b.events, Some(true));
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::NoReply);
+    assert_eq!(cause_id(r), Some(CauseId::NotDnated));
+    assert_eq!(r.backend, None);
+}
+
+#[test]
+fn reordered_events_give_the_same_reports() {
+    for (name, events) in all() {
+        let bridge_nf = Some(!name.contains("broken"));
+        let shuffled = reorder(events.clone(), 10 * MS);
+        assert_ne!(shuffled, events, "{name}: reorder did nothing");
+        assert_eq!(
+            run(&shuffled, bridge_nf).0,
+            run(&events, bridge_nf).0,
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn duplicated_events_are_ignored() {
+    for (name, events) in all() {
+        let bridge_nf = Some(!name.contains("broken"));
+        let doubled = duplicate(events.clone());
+        let (reports, summary) = run(&doubled, bridge_nf);
+        assert_eq!(reports, run(&events, bridge_nf).0, "{name}");
+        // Counted until the verdict; afterwards the flow keeps no evidence to compare with.
+        assert!(summary.duplicate_events > 0, "{name}");
+    }
+}
+
+#[test]
+fn loss_marks_flows_incomplete_and_withholds_causes() {
+    let mut c = Collector::new(config(Some(false)));
+    for ev in fixture("seed000_broken.jsonl") {
+        c.push(ev);
+    }
+    c.note_lost(3);
+    let (reports, summary) = c.finish(T0 + 10_000 * MS);
+    let r = only(&reports);
+    assert!(r.incomplete);
+    assert_eq!(r.cause, None);
+    assert!(r.detail.contains("events were lost"));
+    assert_eq!(summary.lost_events, 3);
+    assert_eq!(summary.incomplete_flows, 1);
+}
+
+#[test]
+fn loss_before_a_flow_does_not_touch_it() {
+    let mut c = Collector::new(config(Some(true)));
+    c.note_lost(5);
+    assert!(c.tick(T0 - 100 * MS).is_empty());
+    for ev in fixture("seed000_healthy.jsonl") {
+        c.push(ev);
+    }
+    let (reports, _) = c.finish(T0 + 10_000 * MS);
+    assert!(!only(&reports).incomplete);
+}
+
+#[test]
+fn new_syn_from_the_same_port_is_a_new_flow() {
+    let first = fixture("seed000_healthy.jsonl");
+    let mut second = first.clone();
+    for e in &mut second {
+        e.ts_ns += 5_000 * MS;
+        e.skb += 0x100;
+        if e.direction == REQUEST {
+            e.seq = e.seq.wrapping_add(99_999);
+        } else {
+            e.ack = e.ack.wrapping_add(99_999);
+        }
+    }
+    let events: Vec<_> = first.into_iter().chain(second).collect();
+    let (reports, summary) = run_with(config(Some(true)), &events, T0 + 20_000 * MS);
+    assert_eq!(reports.len(), 2);
+    assert!(reports.iter().all(|r| r.verdict == Verdict::Ok));
+    assert_eq!(summary.by_verdict.ok, 2);
+}
+
+#[test]
+fn flow_limit_evicts_the_oldest() {
+    let mut second = fixture("cross_node_ok.jsonl");
+    for e in &mut second {
+        for port in [&mut e.sport, &mut e.dport] {
+            if *port == CLIENT.1 {
+                *port += 1;
+            }
+        }
+        e.skb += 0x100;
+        e.ts_ns += 10 * MS;
+    }
+    let mut events = fixture("no_reply.jsonl");
+    events.truncate(8);
+    events.extend(second);
+    let cfg = CollectorConfig {
+        max_live_flows: 1,
+        ..config(Some(true))
+    };
+    let (reports, summary) = run_with(cfg, &events, T0 + 10_000 * MS);
+    assert_eq!(reports.len(), 2);
+    assert_eq!(summary.evicted_flows, 1);
+    let evicted = reports
+        .iter()
+        .find(|r| r.verdict == Verdict::NoReply)
+        .unwrap();
+    assert!(evicted.incomplete);
+    assert!(evicted.detail.contains("evicted"));
+}
+
+#[test]
+fn idle_decided_flows_are_forgotten() {
+    let mut c = Collector::new(config(Some(true)));
+    for ev in fixture("seed000_healthy.jsonl") {
+        c.push(ev);
+    }
+    assert_eq!(c.tick(T0 + 1_000 * MS).len(), 1);
+    assert_eq!(c.live_flows(), 1);
+    c.tick(T0 + 40_000 * MS);
+    assert_eq!(c.live_flows(), 0);
+    assert!(c.pairs.is_empty());
+}
+
+#[test]
+fn finish_before_timeout_says_tracing_stopped() {
+    let mut events = fixture("no_reply.jsonl");
+    events.truncate(8);
+    let (reports, _) = run_with(config(Some(true)), &events, T0 + 500 * MS);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::NoReply);
+    assert!(
+        r.detail
+            .contains("no reply before tracing stopped (500 ms after the request)"),
+        "{}",
+        r.detail
+    );
+}
+
+#[test]
+fn mid_stream_packets_open_no_flow() {
+    let mut b = Builder::default();
+    b.path(
+        tcp(tcp_flags::ACK, 5, 6, 1, 0x20, REQUEST),
+        T0,
+        &[(tc_in(VETH_CLIENT), CLIENT, SVC)],
+    );
+    let (reports, summary) = run(&b.events, Some(true));
+    assert!(reports.is_empty());
+    assert_eq!(summary.unmatched_events, 1);
+}
+
+#[test]
+fn drop_reason_numbering_comes_from_the_running_kernel() {
+    // Linux 6.1 has no SKB_CONSUMED: NO_SOCKET is 2 there.
+    let mut events = fixture("seed000_broken.jsonl");
+    events
+        .iter_mut()
+        .filter(|e| e.drop_reason == NO_SOCKET)
+        .for_each(|e| e.drop_reason = 2);
+    let reasons = DropReasons::from_pairs([
+        (0, "SKB_NOT_DROPPED_YET"),
+        (1, "SKB_DROP_REASON_NOT_SPECIFIED"),
+        (2, "SKB_DROP_REASON_NO_SOCKET"),
+    ]);
+    let cfg = CollectorConfig {
+        drop_reasons: reasons,
+        ..config(Some(false))
+    };
+    let (reports, _) = run_with(cfg, &events, T0 + 10_000 * MS);
+    assert!(
+        only(&reports)
+            .detail
+            .contains("the client dropped it (no socket)")
+    );
+}
+
+#[test]
+fn late_events_are_counted_and_still_attached() {
+    let mut events = fixture("seed000_healthy.jsonl");
+    let late = events.remove(3);
+    let mut c = Collector::new(config(Some(true)));
+    for ev in events {
+        c.push(ev);
+    }
+    c.tick(T0 + 100 * MS);
+    c.push(late);
+    let (_, summary) = c.finish(T0 + 10_000 * MS);
+    assert_eq!(summary.late_events, 1);
+    assert_eq!(summary.unmatched_events, 0);
+}
+
+#[test]
+fn node_local_client_is_ok_at_input() {
+    let mut b = Builder::default();
+    let node = ([100, 96, 54, 1], 61000);
+    let syn = tcp(tcp_flags::SYN, 10, 0, 1, 0x30, REQUEST);
+    let t = b.path(
+        syn,
+        T0,
+        &[
+            (nf(LOCAL_OUT, BEFORE), node, SVC),
+            (nf(LOCAL_OUT, AFTER), node, BACKEND),
+            (nf(POST_ROUTING, BEFORE), node, BACKEND),
+            (nf(POST_ROUTING, AFTER), node, BACKEND),
+            (tc_out(VETH_BACKEND), node, BACKEND),
+        ],
+    );
+    let synack = tcp(tcp_flags::SYN | tcp_flags::ACK, 20, 11, 0, 0x31, REPLY);
+    b.path(
+        synack,
+        t + 50_000,
+        &[
+            (tc_in(VETH_BACKEND), BACKEND, node),
+            (nf(PRE_ROUTING, BEFORE), BACKEND, node),
+            (nf(PRE_ROUTING, AFTER), BACKEND, node),
+            (nf(LOCAL_IN, BEFORE), BACKEND, node),
+            (nf(LOCAL_IN, AFTER), SVC, node),
+        ],
+    );
+    let (reports, _) = run(&b.events, Some(true));
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Ok);
+    assert!(r.detail.contains("reverse-NATed at INPUT"), "{}", r.detail);
+}
+
+#[test]
+fn hairpin_with_masquerade_is_ok_and_shows_snat() {
+    let mut b = Builder::default();
+    let me = CLIENT;
+    let me_backend = (CLIENT.0, 80);
+    let masq = ([100, 96, 54, 1], 61000);
+    let syn = tcp(tcp_flags::SYN, 10, 0, 1, 0x40, REQUEST);
+    let t = b.path(
+        syn,
+        T0,
+        &[
+            (tx(CLIENT_NS, POD_ETH0), me, SVC),
+            (tc_in(VETH_CLIENT), me, SVC),
+            (nf(PRE_ROUTING, BEFORE), me, SVC),
+            (nf(PRE_ROUTING, AFTER), me, me_backend),
+            (nf(FORWARD, NONE), me, me_backend),
+            (nf(POST_ROUTING, BEFORE), me, me_backend),
+            (nf(POST_ROUTING, AFTER), masq, me_backend),
+            (tc_out(VETH_CLIENT), masq, me_backend),
+            (rx(CLIENT_NS, POD_ETH0), masq, me_backend),
+        ],
+    );
+    let synack = tcp(tcp_flags::SYN | tcp_flags::ACK, 20, 11, 0, 0x41, REPLY);
+    b.path(
+        synack,
+        t + 50_000,
+        &[
+            (tx(CLIENT_NS, POD_ETH0), me_backend, masq),
+            (tc_in(VETH_CLIENT), me_backend, masq),
+            (nf(PRE_ROUTING, BEFORE), me_backend, masq),
+            (nf(PRE_ROUTING, AFTER), me_backend, me),
+            (nf(FORWARD, NONE), me_backend, me),
+            (nf(POST_ROUTING, BEFORE), me_backend, me),
+            (nf(POST_ROUTING, AFTER), SVC, me),
+            (tc_out(VETH_CLIENT), SVC, me),
+            (rx(CLIENT_NS, POD_ETH0), SVC, me),
+        ],
+    );
+    let mut c = Collector::new(config(Some(true)));
+    for ev in &b.events {
+        c.push(*ev);
+    }
+    let reports = c.tick(T0 + 1_000 * MS);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Ok);
+    assert_eq!(r.snat.unwrap().to_string(), "100.96.54.1:61000");
+    assert!(r.detail.contains("client masqueraded to 100.96.54.1:61000"));
+    assert_eq!(c.take_mute_candidates().len(), 2);
+}
+
+#[test]
+fn every_cause_has_an_id_and_hint() {
+    let mut ids: Vec<_> = CauseId::ALL.iter().map(|c| c.as_str()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), CauseId::ALL.len());
+    assert!(CauseId::ALL.iter().all(|c| !c.hint().is_empty()));
+}
+
+#[test]
+fn flow_state_stays_small() {
+    // The 100k-live-flow budget (64 MiB) leaves about 600 bytes per flow.
+    assert!(
+        std::mem::size_of::<flow::Flow>() <= 256,
+        "{}",
+        std::mem::size_of::<flow::Flow>()
+    );
+    assert_eq!(std::mem::size_of::<types::Obs>(), 40);
+}
+
+/// Rough throughput and memory check (the benchmark wants ≥ 2M events/s on
+/// one core): `cargo test --release -p tracer-userspace --lib -- --ignored throughput --nocapture`.
+#[test]
+#[ignore]
+fn throughput() {
+    let template = fixture("seed000_healthy.jsonl");
+    let flows = 100_000u32;
+    let mut events = Vec::with_capacity(template.len() * flows as usize);
+    for i in 0..flows {
+        let port = 1024 + (i % 60_000) as u16;
+        let host = (i / 60_000) as u8;
+        for e in &template {
+            let mut e = *e;
+            e.ts_ns += u64::from(i) * 10_000;
+            e.skb += u64::from(i) << 16;
+            for (addr, p) in [(&mut e.saddr, &mut e.sport), (&mut e.daddr, &mut e.dport)] {
+                if *addr == CLIENT.0 && *p == CLIENT.1 {
+                    *p = port;
+                    addr[2] = host;
+                }
+            }
+            events.push(e);
+        }
+    }
+    let cfg = CollectorConfig {
+        idle_timeout_ns: u64::MAX / 4,
+        ..config(Some(true))
+    };
+    let mut c = Collector::new(cfg);
+    let start = std::time::Instant::now();
+    let mut decided = 0;
+    for (i, ev) in events.iter().enumerate() {
+        c.push(*ev);
+        if i % 4096 == 0 {
+            decided += c.tick(ev.ts_ns).len();
+            c.take_mute_candidates();
+        }
+    }
+    let elapsed = start.elapsed();
+    eprintln!(
+        "{} events, {} flows live, {decided} decided: {:.2} M events/s",
+        events.len(),
+        c.live_flows(),
+        events.len() as f64 / elapsed.as_secs_f64() / 1e6
+    );
+}

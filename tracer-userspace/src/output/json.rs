@@ -1,0 +1,84 @@
+//! JSON lines: one `{"kind":"flow",...}` object per decided flow and a last
+//! `{"kind":"summary",...}`. Field names are an interface (tests and users
+//! parse them): add fields, do not rename them.
+use std::{io, net::SocketAddrV4};
+
+use serde::Serialize;
+
+use crate::collector::{FlowReport, PacketEvidence, Proto, Summary, Verdict};
+
+#[derive(Serialize)]
+struct JsonFlow<'a> {
+    kind: &'static str,
+    verdict: Verdict,
+    proto: Proto,
+    client: SocketAddrV4,
+    service: SocketAddrV4,
+    backend: Option<SocketAddrV4>,
+    snat: Option<SocketAddrV4>,
+    cause: Option<&'static str>,
+    cause_text: Option<&'a str>,
+    hint: Option<&'static str>,
+    detail: &'a str,
+    incomplete: bool,
+    truncated: bool,
+    first_ts_ns: u64,
+    decided_ts_ns: u64,
+    packets: &'a [PacketEvidence],
+}
+
+#[derive(Serialize)]
+struct JsonSummary<'a> {
+    kind: &'static str,
+    #[serde(flatten)]
+    summary: &'a Summary,
+}
+
+pub struct JsonOutput<W: io::Write> {
+    out: W,
+}
+
+impl<W: io::Write> JsonOutput<W> {
+    pub fn new(out: W) -> Self {
+        Self { out }
+    }
+
+    pub fn flow(&mut self, r: &FlowReport) -> io::Result<()> {
+        let line = JsonFlow {
+            kind: "flow",
+            verdict: r.verdict,
+            proto: r.proto,
+            client: r.client,
+            service: r.service,
+            backend: r.backend,
+            snat: r.snat,
+            cause: r.cause.as_ref().map(|c| c.id.as_str()),
+            cause_text: r.cause.as_ref().map(|c| c.text.as_str()),
+            hint: r.cause.as_ref().map(|c| c.hint),
+            detail: &r.detail,
+            incomplete: r.incomplete,
+            truncated: r.truncated,
+            first_ts_ns: r.first_ts_ns,
+            decided_ts_ns: r.decided_ts_ns,
+            packets: &r.packets,
+        };
+        serde_json::to_writer(&mut self.out, &line)?;
+        self.out.write_all(b"\n")
+    }
+
+    pub fn summary(&mut self, s: &Summary) -> io::Result<()> {
+        serde_json::to_writer(
+            &mut self.out,
+            &JsonSummary {
+                kind: "summary",
+                summary: s,
+            },
+        )?;
+        self.out.write_all(b"\n")?;
+        self.out.flush()
+    }
+
+    pub fn into_inner(self) -> W {
+        self.out
+    }
+}

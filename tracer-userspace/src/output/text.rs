@@ -1,0 +1,159 @@
+//! One line per decided flow, optionally each packet's hook path under it,
+//! and a summary line. Colour only when asked (the CLI asks when stdout is
+//! a terminal), so piped output stays plain.
+use std::io;
+
+use crate::collector::{FlowReport, Hop, PacketEvidence, Summary, Verdict};
+
+const GREEN: &str = "\x1b[32m";
+const RED: &str = "\x1b[31m";
+const YELLOW: &str = "\x1b[33m";
+const DIM: &str = "\x1b[2m";
+const BOLD: &str = "\x1b[1m";
+const RESET: &str = "\x1b[0m";
+
+pub struct TextOutput<W: io::Write> {
+    out: W,
+    color: bool,
+    verbose: bool,
+}
+
+impl<W: io::Write> TextOutput<W> {
+    pub fn new(out: W, color: bool, verbose: bool) -> Self {
+        Self {
+            out,
+            color,
+            verbose,
+        }
+    }
+
+    pub fn into_inner(self) -> W {
+        self.out
+    }
+
+    fn paint(&self, code: &'static str) -> &'static str {
+        if self.color { code } else { "" }
+    }
+
+    pub fn flow(&mut self, r: &FlowReport) -> io::Result<()> {
+        let (mark, colour) = match (r.verdict, r.incomplete) {
+            (_, true) => ("?", YELLOW),
+            (Verdict::Ok, _) => ("✓", GREEN),
+            _ => ("✗", RED),
+        };
+        let (c, b, reset) = (self.paint(colour), self.paint(BOLD), self.paint(RESET));
+        let mut line = format!(
+            "{c}{mark} {b}{}{reset} {} {} → {}",
+            r.verdict.as_str(),
+            r.proto.as_str(),
+            r.client,
+            r.service
+        );
+        if let Some(backend) = r.backend {
+            line.push_str(&format!(" DNAT→ {backend}"));
+        }
+        if let Some(snat) = r.snat {
+            line.push_str(&format!(" SNAT→ {snat}"));
+        }
+        line.push_str(&format!(" — {}.", r.detail));
+        if let Some(cause) = &r.cause {
+            line.push_str(&format!(
+                " {b}cause: {}{reset} — fix: {}",
+                cause.id.as_str(),
+                cause.hint
+            ));
+        }
+        if r.incomplete {
+            line.push_str(" (incomplete: verdict not confirmed)");
+        }
+        writeln!(self.out, "{line}")?;
+        if self.verbose {
+            if let Some(cause) = &r.cause {
+                writeln!(self.out, "    why: {}", cause.text)?;
+            }
+            for p in &r.packets {
+                self.packet(r, p)?;
+            }
+            if r.truncated {
+                writeln!(
+                    self.out,
+                    "    (more packets not recorded: per-flow evidence limit)"
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn packet(&mut self, r: &FlowReport, p: &PacketEvidence) -> io::Result<()> {
+        let mut head = format!(
+            "    {} seq={} ack={} ip_id={}",
+            p.kind, p.seq, p.ack, p.ip_id
+        );
+        if let Some(id) = p.dns_id {
+            head.push_str(&format!(" dns_id=0x{id:04x}"));
+        }
+        writeln!(self.out, "{head}")?;
+        for h in &p.hops {
+            let line = self.hop(r, h);
+            writeln!(self.out, "{line}")?;
+        }
+        Ok(())
+    }
+
+    fn hop(&self, r: &FlowReport, h: &Hop) -> String {
+        let ms = h.ts_ns.saturating_sub(r.first_ts_ns) as f64 / 1e6;
+        let mut place = h.hook.to_string();
+        if let Some(nf) = h.nf_hook {
+            place.push(' ');
+            place.push_str(nf);
+        }
+        if let Some(stage) = h.nat_stage {
+            place.push(' ');
+            place.push_str(stage);
+        }
+        if h.hook != "netfilter" {
+            match &h.ifname {
+                Some(n) => place.push_str(&format!(" {n}")),
+                None => place.push_str(&format!(" if{}", h.ifindex)),
+            }
+        }
+        let ns = if h.node_ns {
+            "node".to_string()
+        } else {
+            format!("ns {}", h.netns)
+        };
+        let (dim, reset) = (self.paint(DIM), self.paint(RESET));
+        let mut line = format!(
+            "      {dim}{ms:>9.3} ms{reset}  {place:<36} {ns:<14} {} → {}",
+            h.src, h.dst
+        );
+        if let Some(reason) = &h.drop_reason {
+            line.push_str(&format!("  {}drop: {reason}{reset}", self.paint(RED)));
+        }
+        if h.client_side {
+            line.push_str("  ← judged here");
+        }
+        line
+    }
+
+    pub fn summary(&mut self, s: &Summary) -> io::Result<()> {
+        let by = Verdict::ALL
+            .iter()
+            .map(|v| format!("{} {}", v.as_str(), s.by_verdict.get(*v)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut line = format!("summary: {} flows ({by})", s.flows);
+        if s.incomplete_flows > 0 {
+            line.push_str(&format!(", {} incomplete", s.incomplete_flows));
+        }
+        line.push_str(&format!("; lost events: {}", s.lost_events));
+        if self.verbose {
+            line.push_str(&format!(
+                "; events {}, duplicates {}, late {}, unmatched {}, evicted flows {}, muted packets {}",
+                s.events, s.duplicate_events, s.late_events, s.unmatched_events, s.evicted_flows, s.muted_packets
+            ));
+        }
+        writeln!(self.out, "{line}")?;
+        self.out.flush()
+    }
+}

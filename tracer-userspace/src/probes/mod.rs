@@ -1,0 +1,481 @@
+//! The loader: loads nattrace's kernel programs, attaches what the running
+//! kernel supports (see [`table`]) in the traced network namespace, and hands
+//! out the events, counters and node facts. Dropping the [`Tracer`] detaches
+//! everything it attached and removes what it created, nothing else.
+pub mod netns;
+pub mod nf_link;
+pub mod table;
+mod tc;
+
+use std::{io, os::fd::OwnedFd};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
+    programs::RawTracePoint,
+};
+use tokio::io::{Interest, unix::AsyncFd};
+use tracer_common::{
+    Config, EndpointKey, EndpointState, PacketEvent, ServiceKey, hook, proto, stat,
+};
+
+use self::{
+    netns::{Netns, NetnsError},
+    nf_link::NfPrograms,
+    table::{Attach, Backend, KernelFeatures},
+    tc::TcAttachments,
+};
+use crate::{
+    btf::{BtfError, KernelBtf},
+    facts::NodeFacts,
+    service::Service,
+};
+
+/// The kernel object built by build.rs (aya-build).
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer"));
+
+pub struct TraceOptions {
+    pub services: Vec<Service>,
+    /// `--netns NAME|PATH`; None = the current namespace.
+    pub netns: Option<String>,
+    /// Ring-buffer size: a power of two, at least one page.
+    pub ringbuf_bytes: u32,
+}
+
+/// A program of the table that is not running, and why (one line for the CLI).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Skipped {
+    pub program: String,
+    pub reason: String,
+}
+
+/// Kernel-side counters summed over CPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct KernelStats {
+    pub events: u64,
+    /// Events lost because the ring buffer was full.
+    pub ringbuf_full: u64,
+    pub muted: u64,
+    pub flow_map_full: u64,
+    pub read_errors: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("nattrace must run as root to load eBPF programs: run it with sudo")]
+    NotRoot,
+    #[error("cannot read kernel struct layouts: {0}")]
+    NoBtf(#[from] BtfError),
+    #[error("{0}")]
+    NoSuchNetns(NetnsError),
+    #[error("invalid option: {0}")]
+    Invalid(String),
+    #[error("kernel refused: {0}")]
+    Kernel(String),
+}
+
+impl From<NetnsError> for TraceError {
+    fn from(e: NetnsError) -> Self {
+        match e {
+            NetnsError::NotFound { .. } | NetnsError::Open { .. } => TraceError::NoSuchNetns(e),
+            other => TraceError::Kernel(other.to_string()),
+        }
+    }
+}
+
+fn kernel_err<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> TraceError + '_ {
+    move |e| TraceError::Kernel(format!("{what}: {e}"))
+}
+
+pub struct Tracer {
+    backend: Backend,
+    netns: Netns,
+    facts: NodeFacts,
+    skipped: Vec<Skipped>,
+    /// Labels of the non-tc programs attached.
+    attached: Vec<&'static str>,
+    tc: TcAttachments,
+    nf_links: Vec<OwnedFd>,
+    ring: Option<RingBuf<MapData>>,
+    async_ring: Option<AsyncFd<RingBuf<MapData>>>,
+    stats: PerCpuArray<MapData, u64>,
+    endpoints: HashMap<MapData, EndpointKey, EndpointState>,
+    // Last: dropping it detaches the raw tracepoints and unloads programs.
+    ebpf: Ebpf,
+}
+
+impl Tracer {
+    pub fn start(opts: &TraceOptions) -> Result<Tracer, TraceError> {
+        if !nix::unistd::geteuid().is_root() {
+            return Err(TraceError::NotRoot);
+        }
+        validate(opts)?;
+        let netns = Netns::open(opts.netns.as_deref())?;
+        let offsets = KernelBtf::load()?.kernel_offsets()?;
+        let kernel = KernelFeatures::probe();
+        log::debug!("kernel {:?}, offsets {offsets:?}", kernel.version);
+
+        let mut ebpf = EbpfLoader::new()
+            .map_max_entries("EVENTS", opts.ringbuf_bytes)
+            .load(OBJECT)
+            .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;
+        write_config(&mut ebpf, offsets, &opts.services)?;
+
+        let backend = Backend::Netfilter;
+        let (plan, mut skipped) =
+            table::plan(backend, &kernel, |name| ebpf.program(name).is_some());
+
+        // Netfilter programs share aya's maps, so load them before taking any.
+        let nf_names: Vec<&str> = plan
+            .iter()
+            .filter(|p| matches!(p.attach, Attach::Netfilter { .. }))
+            .map(|p| p.name)
+            .collect();
+        let nf_programs = if nf_names.is_empty() {
+            None
+        } else {
+            Some(NfPrograms::load(OBJECT, &ebpf, &nf_names).map_err(|e| {
+                log::error!("{e}");
+                TraceError::Kernel(e.to_string().lines().next().unwrap_or_default().to_owned())
+            })?)
+        };
+
+        let ring =
+            RingBuf::try_from(take_map(&mut ebpf, "EVENTS")?).map_err(kernel_err("EVENTS"))?;
+        let stats =
+            PerCpuArray::try_from(take_map(&mut ebpf, "STATS")?).map_err(kernel_err("STATS"))?;
+        let endpoints = HashMap::try_from(take_map(&mut ebpf, "ENDPOINTS")?)
+            .map_err(kernel_err("ENDPOINTS"))?;
+
+        let mut attached = Vec::new();
+        let mut tc_programs = Vec::new();
+        for spec in &plan {
+            match spec.attach {
+                Attach::RawTracepoint(tp) => {
+                    let prog: &mut RawTracePoint = ebpf
+                        .program_mut(spec.name)
+                        .expect("planned programs exist")
+                        .try_into()
+                        .map_err(|e| TraceError::Kernel(format!("{}: {e}", spec.name)))?;
+                    prog.load().map_err(|e| load_error(spec.name, e))?;
+                    prog.attach(tp).map_err(|e| load_error(spec.name, e))?;
+                    attached.push(spec.label);
+                }
+                Attach::Tc(attach_type) => {
+                    let prog: &mut aya::programs::SchedClassifier = ebpf
+                        .program_mut(spec.name)
+                        .expect("planned programs exist")
+                        .try_into()
+                        .map_err(|e| TraceError::Kernel(format!("{}: {e}", spec.name)))?;
+                    prog.load().map_err(|e| load_error(spec.name, e))?;
+                    tc_programs.push((spec.name, attach_type));
+                }
+                Attach::Netfilter { .. } | Attach::Kprobe(_) => {}
+            }
+        }
+
+        let mut tracer = Tracer {
+            backend,
+            facts: NodeFacts {
+                netns_inode: netns.inode,
+                netns_name: netns.name.clone(),
+                ..Default::default()
+            },
+            netns,
+            skipped: Vec::new(),
+            attached,
+            // NATTRACE_FORCE_CLSACT=1 exercises the pre-6.6 path on new kernels (tests).
+            tc: TcAttachments::new(
+                kernel.tcx && std::env::var_os("NATTRACE_FORCE_CLSACT").is_none(),
+                tc_programs,
+            ),
+            nf_links: Vec::new(),
+            ring: Some(ring),
+            async_ring: None,
+            stats,
+            endpoints,
+            ebpf,
+        };
+
+        // Everything namespace-scoped, in one visit to the namespace. On error
+        // `tracer` is dropped, which detaches whatever was attached so far.
+        let Tracer {
+            netns,
+            facts,
+            tc,
+            nf_links,
+            ebpf,
+            ..
+        } = &mut tracer;
+        let nf_links_result = netns.run(|| -> Result<Vec<Skipped>, TraceError> {
+            read_facts(facts)?;
+            let (_, tc_failed) = tc.sync(ebpf, &facts.interfaces);
+            if let Some(nf) = &nf_programs {
+                for spec in plan.iter() {
+                    if let Attach::Netfilter { hook, priority } = spec.attach {
+                        let fd = nf
+                            .attach(spec.name, hook as u32, priority)
+                            .map_err(|e| TraceError::Kernel(e.to_string()))?;
+                        nf_links.push(fd);
+                    }
+                }
+            }
+            Ok(tc_failed)
+        })?;
+        skipped.extend(nf_links_result?);
+        for spec in plan
+            .iter()
+            .filter(|p| matches!(p.attach, Attach::Netfilter { .. }))
+        {
+            tracer.attached.push(spec.label);
+        }
+        // The netfilter program fds may close now: links keep them alive.
+        drop(nf_programs);
+        tracer.skipped = skipped;
+        log::debug!("attached: {}", tracer.attached().join("; "));
+        Ok(tracer)
+    }
+
+    pub fn facts(&self) -> &NodeFacts {
+        &self.facts
+    }
+
+    pub fn skipped(&self) -> &[Skipped] {
+        &self.skipped
+    }
+
+    pub fn attached(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.tc.has_programs() {
+            out.push(format!(
+                "tc ingress+egress on {} interfaces of netns {} ({})",
+                self.tc.interface_count(),
+                self.facts.netns_name,
+                self.tc.mode()
+            ));
+        }
+        let nf: Vec<&str> = self
+            .attached
+            .iter()
+            .filter(|l| !l.starts_with("raw_tp") && !l.starts_with("tc"))
+            .copied()
+            .collect();
+        if !nf.is_empty() {
+            out.push(format!("netfilter links: {}", nf.join(", ")));
+        }
+        out.extend(
+            self.attached
+                .iter()
+                .filter(|l| l.starts_with("raw_tp"))
+                .map(|l| l.to_string()),
+        );
+        out
+    }
+
+    pub fn backend(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// Waits until the kernel has written events, then drains them into `out`.
+    pub async fn next_events(&mut self, out: &mut Vec<PacketEvent>) -> io::Result<()> {
+        let inode = self.facts.netns_inode;
+        if self.async_ring.is_none() {
+            // Created here, not in start(): AsyncFd needs a running tokio reactor.
+            let ring = self.ring.take().expect("ring buffer present");
+            // SAFETY: the RingBuf owns its map fd (MapData holds the OwnedFd)
+            // and never replaces it, so the fd stays valid and the same for
+            // the AsyncFd's whole life.
+            match unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) } {
+                Ok(fd) => self.async_ring = Some(fd),
+                Err(e) => {
+                    let (ring, error) = e.into_parts();
+                    self.ring = Some(ring);
+                    return Err(error);
+                }
+            }
+        }
+        let ring = self.async_ring.as_mut().expect("just set");
+        let before = out.len();
+        drain_ring(ring.get_mut(), out, inode);
+        if out.len() > before {
+            return Ok(());
+        }
+        let mut guard = ring.readable_mut().await?;
+        drain_ring(guard.get_inner_mut(), out, inode);
+        guard.clear_ready();
+        // Events committed between the drain and clear_ready raised no new
+        // edge: pick them up now.
+        drain_ring(guard.get_inner_mut(), out, inode);
+        Ok(())
+    }
+
+    /// Whatever is in the ring buffer now, without waiting.
+    pub fn drain(&mut self, out: &mut Vec<PacketEvent>) {
+        let inode = self.facts.netns_inode;
+        if let Some(ring) = self.ring.as_mut() {
+            drain_ring(ring, out, inode);
+        } else if let Some(ring) = self.async_ring.as_mut() {
+            drain_ring(ring.get_mut(), out, inode);
+        }
+    }
+
+    pub fn stats(&self) -> KernelStats {
+        let sum = |index: u32| -> u64 {
+            self.stats
+                .get(&index, 0)
+                .map(|values| values.iter().sum())
+                .unwrap_or(0)
+        };
+        KernelStats {
+            events: sum(stat::EVENTS),
+            ringbuf_full: sum(stat::RINGBUF_FULL),
+            muted: sum(stat::MUTED_PACKETS),
+            flow_map_full: sum(stat::FLOW_MAP_FULL),
+            read_errors: sum(stat::READ_ERRORS),
+        }
+    }
+
+    /// From now on, plain data packets of this flow are only counted
+    /// (KernelStats::muted); SYN/FIN/RST and drops are still reported.
+    pub fn mute(&mut self, client: EndpointKey) -> Result<(), TraceError> {
+        let mut state = match self.endpoints.get(&client, 0) {
+            Ok(state) => state,
+            // Evicted or never seen: nothing to mute.
+            Err(aya::maps::MapError::KeyNotFound) => return Ok(()),
+            Err(e) => return Err(TraceError::Kernel(format!("ENDPOINTS lookup: {e}"))),
+        };
+        state.muted = 1;
+        self.endpoints
+            .insert(client, state, 0)
+            .map_err(|e| TraceError::Kernel(format!("ENDPOINTS update: {e}")))
+    }
+
+    /// Attaches tc to interfaces that appeared since the last call (a new
+    /// pod's veth) and returns their names.
+    pub fn poll_new_interfaces(&mut self) -> Result<Vec<String>, TraceError> {
+        let Tracer {
+            netns,
+            facts,
+            tc,
+            ebpf,
+            skipped,
+            ..
+        } = self;
+        let (added, failed) = netns.run(|| -> Result<_, TraceError> {
+            facts.interfaces = netns::list_interfaces()?;
+            Ok(tc.sync(ebpf, &facts.interfaces))
+        })??;
+        for f in failed {
+            log::warn!("{}: {}", f.program, f.reason);
+            if !skipped.contains(&f) {
+                skipped.push(f);
+            }
+        }
+        Ok(added)
+    }
+}
+
+impl Drop for Tracer {
+    fn drop(&mut self) {
+        let Tracer { netns, tc, .. } = self;
+        if let Err(e) = netns.run(|| tc.detach_all()) {
+            log::warn!("could not detach tc programs: {e}");
+        }
+        // Netfilter links detach when their fds close; the raw tracepoints
+        // and programs go with `ebpf`.
+        self.nf_links.clear();
+    }
+}
+
+fn validate(opts: &TraceOptions) -> Result<(), TraceError> {
+    if opts.services.is_empty() {
+        return Err(TraceError::Invalid(
+            "no Service to trace: pass --svc IP[:PORT]".into(),
+        ));
+    }
+    if opts.services.len() > 255 {
+        return Err(TraceError::Invalid(format!(
+            "{} Services given, at most 255 can be traced at once",
+            opts.services.len()
+        )));
+    }
+    let b = opts.ringbuf_bytes;
+    if !b.is_power_of_two() || b < 4096 {
+        return Err(TraceError::Invalid(format!(
+            "ring buffer size {b} must be a power of two of at least 4096 bytes (e.g. 4194304)"
+        )));
+    }
+    Ok(())
+}
+
+fn load_error(name: &str, e: aya::programs::ProgramError) -> TraceError {
+    // The verifier log is long; keep the error one line and log the rest.
+    log::error!("{name}: {e:?}");
+    TraceError::Kernel(format!("cannot load program {name}: {e}"))
+}
+
+fn take_map(ebpf: &mut Ebpf, name: &str) -> Result<aya::maps::Map, TraceError> {
+    ebpf.take_map(name)
+        .ok_or_else(|| TraceError::Kernel(format!("map {name} missing from the eBPF object")))
+}
+
+fn write_config(
+    ebpf: &mut Ebpf,
+    offsets: tracer_common::KernelOffsets,
+    services: &[Service],
+) -> Result<(), TraceError> {
+    let config = Config {
+        offsets,
+        ..Default::default()
+    };
+    let mut array: Array<&mut MapData, Config> = Array::try_from(
+        ebpf.map_mut("CONFIG")
+            .ok_or_else(|| TraceError::Kernel("map CONFIG missing".into()))?,
+    )
+    .map_err(kernel_err("CONFIG"))?;
+    array.set(0, config, 0).map_err(kernel_err("CONFIG"))?;
+
+    let mut map: HashMap<&mut MapData, ServiceKey, u8> = HashMap::try_from(
+        ebpf.map_mut("SERVICES")
+            .ok_or_else(|| TraceError::Kernel("map SERVICES missing".into()))?,
+    )
+    .map_err(kernel_err("SERVICES"))?;
+    for (index, svc) in services.iter().enumerate() {
+        for proto in [proto::TCP, proto::UDP] {
+            let key = ServiceKey {
+                addr: svc.addr.octets(),
+                port: svc.port.unwrap_or(0),
+                proto,
+                _pad: 0,
+            };
+            map.insert(key, index as u8, 0)
+                .map_err(kernel_err("SERVICES"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Reads the namespace's facts; runs inside it (/proc/sys/net is per thread netns).
+fn read_facts(facts: &mut NodeFacts) -> Result<(), TraceError> {
+    facts.interfaces = netns::list_interfaces()?;
+    facts.bridge_nf_call_iptables =
+        netns::read_sysctl_bool("/proc/sys/net/bridge/bridge-nf-call-iptables");
+    facts.ip_forward = netns::read_sysctl_bool("/proc/sys/net/ipv4/ip_forward");
+    Ok(())
+}
+
+fn drain_ring(ring: &mut RingBuf<MapData>, out: &mut Vec<PacketEvent>, netns_inode: u32) {
+    while let Some(item) = ring.next() {
+        if item.len() < size_of::<PacketEvent>() {
+            continue;
+        }
+        // SAFETY: the kernel wrote a PacketEvent (repr(C), any bit pattern valid).
+        let mut ev: PacketEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+        // tc and netfilter programs run only in the traced namespace and
+        // leave netns 0; a drop without a device has no namespace to report.
+        if ev.netns == 0 && !(ev.hook == hook::DROP && ev.ifindex == 0) {
+            ev.netns = netns_inode;
+        }
+        out.push(ev);
+    }
+}

@@ -1,0 +1,244 @@
+//! The traced network namespace: opening it, running code inside it, and
+//! reading (never writing) what it looks like.
+//!
+//! tc and netfilter attachments, rtnetlink sockets and `/proc/sys/net` all
+//! act on the network namespace of the *calling thread*, so those calls run
+//! on a short-lived thread that `setns(CLONE_NEWNET)`s first. The rest of the
+//! process (and raw tracepoint attachment, which must see the original mount
+//! namespace's tracefs/bpffs) stays where it was. We never switch mount
+//! namespaces (unlike `ip netns exec`).
+use std::{
+    fs::File,
+    os::{fd::AsFd, unix::fs::MetadataExt},
+    path::{Path, PathBuf},
+};
+
+use netlink_packet_core::{
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
+    NetlinkPayload,
+};
+use netlink_packet_route::{
+    RouteNetlinkMessage,
+    link::{InfoBridgePort, InfoPortData, LinkAttribute, LinkInfo, LinkMessage},
+    tc::{TcAttribute, TcHandle, TcMessage},
+};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+use nix::sched::CloneFlags;
+
+use crate::facts::Interface;
+
+pub struct Netns {
+    file: File,
+    pub inode: u32,
+    /// How the user named it (or "current").
+    pub name: String,
+    /// Whether it is the namespace we started in (then no setns is needed).
+    current: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    #[error(
+        "no network namespace '{name}' ({path} does not exist); list them with `ip netns list`"
+    )]
+    NotFound { name: String, path: PathBuf },
+    #[error("cannot open network namespace {path}: {error}")]
+    Open {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("cannot enter network namespace {name}: {error}")]
+    Setns { name: String, error: nix::Error },
+    #[error("rtnetlink: {0}")]
+    Netlink(std::io::Error),
+}
+
+impl Netns {
+    /// `spec`: None = the current namespace, NAME = /run/netns/NAME, or a path
+    /// (e.g. /proc/PID/ns/net of a kind node container).
+    pub fn open(spec: Option<&str>) -> Result<Self, NetnsError> {
+        let (name, path, current) = match spec {
+            None => (
+                "current".to_owned(),
+                PathBuf::from("/proc/thread-self/ns/net"),
+                true,
+            ),
+            Some(s) if s.contains('/') => (s.to_owned(), PathBuf::from(s), false),
+            Some(s) => (s.to_owned(), Path::new("/run/netns").join(s), false),
+        };
+        if !path.exists() {
+            return Err(NetnsError::NotFound { name, path });
+        }
+        let file = File::open(&path).map_err(|error| NetnsError::Open {
+            path: path.clone(),
+            error,
+        })?;
+        let meta = file.metadata().map_err(|error| NetnsError::Open {
+            path: path.clone(),
+            error,
+        })?;
+        let own = std::fs::metadata("/proc/thread-self/ns/net")
+            .map(|m| m.ino())
+            .ok();
+        Ok(Netns {
+            inode: meta.ino() as u32,
+            current: current || own == Some(meta.ino()),
+            name,
+            file,
+        })
+    }
+
+    /// Runs `f` on a thread inside the namespace and returns its result.
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> Result<R, NetnsError> {
+        if self.current {
+            return Ok(f());
+        }
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                nix::sched::setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(
+                    |error| NetnsError::Setns {
+                        name: self.name.clone(),
+                        error,
+                    },
+                )?;
+                Ok(f())
+            })
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })
+    }
+}
+
+/// A `/proc/sys` boolean of the calling thread's network namespace; None if
+/// the file does not exist (e.g. br_netfilter not loaded).
+pub fn read_sysctl_bool(path: &str) -> Option<bool> {
+    let text = std::fs::read_to_string(path).ok()?;
+    Some(text.trim() != "0")
+}
+
+fn netlink_request(
+    msg: RouteNetlinkMessage,
+    flags: u16,
+) -> Result<Vec<RouteNetlinkMessage>, NetnsError> {
+    let err = NetnsError::Netlink;
+    let mut socket = Socket::new(NETLINK_ROUTE).map_err(err)?;
+    socket.bind_auto().map_err(err)?;
+    socket.connect(&SocketAddr::new(0, 0)).map_err(err)?;
+    let mut packet = NetlinkMessage::new(NetlinkHeader::default(), NetlinkPayload::from(msg));
+    packet.header.flags = flags;
+    packet.header.sequence_number = 1;
+    packet.finalize();
+    let mut buf = vec![0; packet.buffer_len()];
+    packet.serialize(&mut buf[..]);
+    socket.send(&buf[..], 0).map_err(err)?;
+
+    let mut replies = Vec::new();
+    let mut rx = Vec::with_capacity(64 * 1024);
+    loop {
+        rx.clear();
+        let size = socket.recv(&mut rx, 0).map_err(err)?;
+        let mut offset = 0;
+        while offset < size {
+            let msg: NetlinkMessage<RouteNetlinkMessage> =
+                NetlinkMessage::deserialize(&rx[offset..size])
+                    .map_err(|e| NetnsError::Netlink(std::io::Error::other(e.to_string())))?;
+            let len = msg.header.length as usize;
+            match msg.payload {
+                NetlinkPayload::Done(_) => return Ok(replies),
+                NetlinkPayload::Error(e) => {
+                    return match e.code {
+                        None => Ok(replies), // an ACK
+                        Some(_) => Err(NetnsError::Netlink(e.to_io())),
+                    };
+                }
+                NetlinkPayload::InnerMessage(m) => replies.push(m),
+                _ => {}
+            }
+            if len == 0 {
+                break;
+            }
+            offset += len;
+        }
+        if flags & NLM_F_DUMP == 0 && flags & NLM_F_ACK == 0 {
+            return Ok(replies);
+        }
+    }
+}
+
+/// The interfaces of the calling thread's network namespace.
+pub fn list_interfaces() -> Result<Vec<Interface>, NetnsError> {
+    let replies = netlink_request(
+        RouteNetlinkMessage::GetLink(LinkMessage::default()),
+        NLM_F_DUMP | NLM_F_REQUEST,
+    )?;
+    let mut out = Vec::new();
+    for reply in replies {
+        let RouteNetlinkMessage::NewLink(link) = reply else {
+            continue;
+        };
+        let mut iface = Interface {
+            ifindex: link.header.index,
+            ..Default::default()
+        };
+        for attr in &link.attributes {
+            match attr {
+                LinkAttribute::IfName(name) => iface.name = name.clone(),
+                LinkAttribute::Controller(master) => iface.master = Some(*master),
+                LinkAttribute::LinkInfo(infos) => {
+                    for info in infos {
+                        match info {
+                            LinkInfo::Kind(kind) => iface.kind = kind.to_string(),
+                            LinkInfo::PortData(InfoPortData::BridgePort(attrs)) => {
+                                // From rtnetlink rather than /sys: /sys shows the
+                                // mount namespace's view, not this netns.
+                                iface.hairpin = attrs.iter().find_map(|a| match a {
+                                    InfoBridgePort::HairpinMode(on) => Some(*on),
+                                    _ => None,
+                                });
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        out.push(iface);
+    }
+    out.sort_by_key(|i| i.ifindex);
+    Ok(out)
+}
+
+fn clsact_message(ifindex: u32) -> TcMessage {
+    let mut msg = TcMessage::with_index(ifindex as i32);
+    msg.header.parent = TcHandle::CLSACT;
+    msg.header.handle = TcHandle {
+        major: 0xffff,
+        minor: 0,
+    };
+    msg.attributes.push(TcAttribute::Kind("clsact".to_owned()));
+    msg
+}
+
+/// Adds a clsact qdisc to `ifindex` in the calling thread's namespace.
+/// Ok(false) = one already existed (it is not ours: we leave it on exit).
+pub fn add_clsact(ifindex: u32) -> Result<bool, NetnsError> {
+    match netlink_request(
+        RouteNetlinkMessage::NewQueueDiscipline(clsact_message(ifindex)),
+        NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
+    ) {
+        Ok(_) => Ok(true),
+        Err(NetnsError::Netlink(e)) if e.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Deletes the clsact qdisc of `ifindex` in the calling thread's namespace
+/// (only ever called for one we created).
+pub fn delete_clsact(ifindex: u32) -> Result<(), NetnsError> {
+    netlink_request(
+        RouteNetlinkMessage::DelQueueDiscipline(clsact_message(ifindex)),
+        NLM_F_REQUEST | NLM_F_ACK,
+    )?;
+    Ok(())
+}

@@ -1,0 +1,200 @@
+//! BPF netfilter links (kernel >= 6.4) by hand, because aya 0.14 cannot load
+//! BPF_PROG_TYPE_NETFILTER programs.
+//!
+//! The programs are compiled into the same object as everything else (filed
+//! under `socket/...` sections, which aya parses but we never ask it to load).
+//! Here we re-parse the object with aya-obj, point its map references at the
+//! maps aya already created for that object (so all programs share SERVICES,
+//! EVENTS, ...), link bpf-to-bpf calls, and issue
+//! `bpf(BPF_PROG_LOAD, prog_type=NETFILTER, expected_attach_type=BPF_NETFILTER)`
+//! and `bpf(BPF_LINK_CREATE, netfilter={pf, hooknum, priority})` ourselves.
+//! No BTF/func_info is passed: the programs are fully inlined and need none.
+//!
+//! Links are fd-owned: closing the fd detaches. A link attaches in the
+//! network namespace of the calling thread.
+use std::{
+    collections::{HashMap, HashSet},
+    ffi::CString,
+    io,
+    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+};
+
+use aya::{Ebpf, maps::Map};
+use aya_obj::generated::{bpf_attach_type, bpf_attr, bpf_cmd, bpf_insn, bpf_prog_type};
+
+pub const NFPROTO_IPV4: u32 = 2;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NfLinkError {
+    #[error("cannot re-parse the eBPF object: {0}")]
+    Parse(String),
+    #[error("cannot relocate netfilter programs: {0}")]
+    Relocate(String),
+    #[error("program {0} is not in the eBPF object")]
+    NoProgram(String),
+    #[error("map {0} used by the netfilter programs was not created by aya")]
+    NoMap(String),
+    #[error("the kernel rejected netfilter program {name}: {error}{log}")]
+    Load {
+        name: String,
+        error: io::Error,
+        log: String,
+    },
+    #[error(
+        "cannot attach netfilter program {name} (hook {hooknum}, priority {priority}): {error}"
+    )]
+    Attach {
+        name: String,
+        hooknum: u32,
+        priority: i32,
+        error: io::Error,
+    },
+}
+
+/// Loaded netfilter programs by name.
+pub struct NfPrograms {
+    fds: HashMap<String, OwnedFd>,
+}
+
+fn map_fd(map: &Map) -> Option<BorrowedFd<'_>> {
+    match map {
+        Map::Array(d)
+        | Map::HashMap(d)
+        | Map::LruHashMap(d)
+        | Map::PerCpuArray(d)
+        | Map::PerCpuHashMap(d)
+        | Map::RingBuf(d) => Some(d.fd().as_fd()),
+        _ => None,
+    }
+}
+
+fn sys_bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> io::Result<OwnedFd> {
+    // SAFETY: attr is a fully initialised bpf_attr of the size we pass; the
+    // kernel only reads memory the attr points to (insns, license, log_buf).
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd as libc::c_long,
+            attr as *mut bpf_attr,
+            std::mem::size_of::<bpf_attr>(),
+        )
+    };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: on success these commands return a new fd that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(ret as i32) })
+}
+
+impl NfPrograms {
+    /// Loads `names` from `elf`, sharing the maps of `ebpf` (which must have
+    /// been loaded from the same bytes and still own all its maps).
+    pub fn load(elf: &[u8], ebpf: &Ebpf, names: &[&str]) -> Result<Self, NfLinkError> {
+        let mut obj = aya_obj::Object::parse(elf).map_err(|e| NfLinkError::Parse(e.to_string()))?;
+        let obj_maps: HashMap<String, aya_obj::Map> = obj.maps.drain().collect();
+        let mut fds = Vec::new();
+        for name in obj_maps.keys() {
+            let fd = ebpf
+                .map(name)
+                .and_then(map_fd)
+                .ok_or_else(|| NfLinkError::NoMap(name.clone()))?;
+            fds.push((name.as_str(), fd.as_raw_fd(), &obj_maps[name]));
+        }
+        let text_sections: HashSet<usize> = obj.functions.keys().map(|(s, _)| *s).collect();
+        obj.relocate_maps(fds.into_iter(), &text_sections)
+            .map_err(|e| NfLinkError::Relocate(e.to_string()))?;
+        obj.relocate_calls(&text_sections)
+            .map_err(|e| NfLinkError::Relocate(e.to_string()))?;
+
+        let license = CString::new("GPL").expect("no NUL");
+        let mut loaded = HashMap::new();
+        for &name in names {
+            let prog = obj
+                .programs
+                .get(name)
+                .ok_or_else(|| NfLinkError::NoProgram(name.to_owned()))?;
+            let insns = &obj.functions[&prog.function_key()].instructions;
+            let fd = load_one(name, insns, &license)?;
+            loaded.insert(name.to_owned(), fd);
+        }
+        Ok(NfPrograms { fds: loaded })
+    }
+
+    /// Attaches `name` at `hooknum` (enum nf_inet_hooks) with `priority`, in
+    /// the calling thread's network namespace.
+    pub fn attach(&self, name: &str, hooknum: u32, priority: i32) -> Result<OwnedFd, NfLinkError> {
+        let prog = self
+            .fds
+            .get(name)
+            .ok_or_else(|| NfLinkError::NoProgram(name.to_owned()))?;
+        // SAFETY: bpf_attr is plain data; all-zero is its documented "unset".
+        let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: writing union fields of plain integers.
+        unsafe {
+            let lc = &mut attr.link_create;
+            lc.__bindgen_anon_1.prog_fd = prog.as_raw_fd() as u32;
+            lc.attach_type = bpf_attach_type::BPF_NETFILTER as u32;
+            let nf = &mut lc.__bindgen_anon_3.netfilter;
+            nf.pf = NFPROTO_IPV4;
+            nf.hooknum = hooknum;
+            nf.priority = priority;
+            nf.flags = 0;
+        }
+        sys_bpf(bpf_cmd::BPF_LINK_CREATE, &mut attr).map_err(|error| NfLinkError::Attach {
+            name: name.to_owned(),
+            hooknum,
+            priority,
+            error,
+        })
+    }
+}
+
+fn load_one(name: &str, insns: &[bpf_insn], license: &CString) -> Result<OwnedFd, NfLinkError> {
+    let attempt = |log: Option<&mut Vec<u8>>| {
+        // SAFETY: as above.
+        let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: writing plain-integer union fields; the pointers stay valid
+        // for the duration of the syscall.
+        unsafe {
+            let p = &mut attr.__bindgen_anon_3;
+            p.prog_type = bpf_prog_type::BPF_PROG_TYPE_NETFILTER as u32;
+            p.expected_attach_type = bpf_attach_type::BPF_NETFILTER as u32;
+            p.insn_cnt = insns.len() as u32;
+            p.insns = insns.as_ptr() as u64;
+            p.license = license.as_ptr() as u64;
+            for (dst, src) in p.prog_name.iter_mut().zip(name.bytes().take(15)) {
+                *dst = src as libc::c_char;
+            }
+            if let Some(log) = log {
+                p.log_level = 1;
+                p.log_size = log.len() as u32;
+                p.log_buf = log.as_mut_ptr() as u64;
+            }
+        }
+        sys_bpf(bpf_cmd::BPF_PROG_LOAD, &mut attr)
+    };
+    match attempt(None) {
+        Ok(fd) => Ok(fd),
+        Err(first) => {
+            // Load again only to get the verifier's explanation.
+            let mut buf = vec![0u8; 1 << 20];
+            let _ = attempt(Some(&mut buf));
+            let text = String::from_utf8_lossy(&buf);
+            let text = text.trim_end_matches('\0');
+            let tail: Vec<&str> = text.lines().rev().take(20).collect();
+            let log = if tail.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "\nverifier log (tail):\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                )
+            };
+            Err(NfLinkError::Load {
+                name: name.to_owned(),
+                error: first,
+                log,
+            })
+        }
+    }
+}

@@ -1,0 +1,439 @@
+//! Root test of the loader against the running kernel: two namespaces of our
+//! own joined by a veth pair, nattrace attached to one of them ("node"), real
+//! TCP traffic, and event-level checks of what the kernel programs read from
+//! kernel structs at BTF offsets (ifindex, netns inode, addresses, ports).
+//! Nothing is touched in the root namespace. Skips (passes) when not root.
+use std::{
+    net::Ipv4Addr,
+    os::unix::fs::MetadataExt,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use nattrace::{
+    probes::{TraceOptions, Tracer},
+    service::Service,
+};
+use tracer_common::{EndpointKey, PacketEvent, direction, hook, nat_stage, nf_hook, tcp_flags};
+
+// Documentation range (RFC 5737): only ever used inside our namespaces.
+const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+
+fn sh(args: &[&str]) {
+    let status = Command::new(args[0])
+        .args(&args[1..])
+        .status()
+        .expect("spawn");
+    assert!(status.success(), "{args:?} failed");
+}
+
+/// Two namespaces and a veth pair; all removed on drop (also on panic).
+struct Lab {
+    client: String,
+    node: String,
+    server: Option<Child>,
+}
+
+impl Lab {
+    fn new() -> Lab {
+        let tag = format!(
+            "nttr-{}-{}",
+            std::process::id(),
+            std::time::UNIX_EPOCH.elapsed().unwrap().subsec_micros()
+        );
+        let lab = Lab {
+            client: format!("{tag}-c"),
+            node: format!("{tag}-n"),
+            server: None,
+        };
+        sh(&["ip", "netns", "add", &lab.client]);
+        sh(&["ip", "netns", "add", &lab.node]);
+        sh(&[
+            "ip",
+            "-n",
+            &lab.client,
+            "link",
+            "add",
+            "c0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "n0",
+            "netns",
+            &lab.node,
+        ]);
+        for (ns, dev, ip) in [(&lab.client, "c0", CLIENT_IP), (&lab.node, "n0", NODE_IP)] {
+            sh(&[
+                "ip",
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("{ip}/24"),
+                "dev",
+                dev,
+            ]);
+            sh(&["ip", "-n", ns, "link", "set", dev, "up"]);
+            sh(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+        }
+        lab
+    }
+
+    fn ifindex(&self, ns: &str, dev: &str) -> u32 {
+        let out = Command::new("ip")
+            .args(["-n", ns, "-j", "link", "show", "dev", dev])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v[0]["ifindex"].as_u64().unwrap() as u32
+    }
+
+    fn inode(&self, ns: &str) -> u32 {
+        std::fs::metadata(format!("/run/netns/{ns}")).unwrap().ino() as u32
+    }
+
+    fn start_server(&mut self, port: u16) {
+        let code = format!(
+            "import socket\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n\
+             s.bind(('{NODE_IP}',{port}))\ns.listen()\nwhile True:\n c,_=s.accept()\n c.sendall(b'hi')\n c.close()\n"
+        );
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.node, "python3", "-c", &code])
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("python3");
+        self.server = Some(child);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+
+    /// `count` datagrams from CLIENT_IP:sport to NODE_IP:dport (nobody listens).
+    fn udp_send(&self, sport: u16, dport: u16, count: u32) {
+        let code = format!(
+            "import socket,time\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n\
+             s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\ns.bind(('{CLIENT_IP}',{sport}))\n\
+             for i in range({count}):\n s.sendto(b'data',('{NODE_IP}',{dport}))\n time.sleep(0.05)\n"
+        );
+        sh(&["ip", "netns", "exec", &self.client, "python3", "-c", &code]);
+    }
+
+    /// One TCP connection from the client namespace; returns what it read.
+    fn connect(&self, port: u16) -> String {
+        let code = format!(
+            "import socket\ns=socket.socket()\ns.settimeout(2)\n\
+             try:\n s.connect(('{NODE_IP}',{port}))\n print(s.recv(10).decode())\nexcept Exception as e:\n print(type(e).__name__)\n"
+        );
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.client, "python3", "-c", &code])
+            .output()
+            .expect("python3");
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.server.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        for ns in [&self.client, &self.node] {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+fn collect(tracer: &mut Tracer, rt: &tokio::runtime::Runtime, for_: Duration) -> Vec<PacketEvent> {
+    let mut out = Vec::new();
+    let deadline = Instant::now() + for_;
+    rt.block_on(async {
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            let _ = tokio::time::timeout(left, tracer.next_events(&mut out)).await;
+        }
+    });
+    out
+}
+
+fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+#[test]
+fn events_carry_correct_kernel_fields() {
+    if !is_root() {
+        eprintln!("skipped: needs root (creates network namespaces, loads eBPF)");
+        return;
+    }
+    let _ = env_logger::builder().is_test(true).try_init();
+    let port = 18000 + (std::process::id() % 1000) as u16;
+    let mut lab = Lab::new();
+    lab.start_server(port);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+
+    let opts = TraceOptions {
+        services: vec![Service {
+            addr: NODE_IP,
+            port: None,
+        }],
+        netns: Some(lab.node.clone()),
+        ringbuf_bytes: 1 << 20,
+    };
+    let mut tracer = Tracer::start(&opts).expect("start tracer");
+    for s in tracer.skipped() {
+        eprintln!("skipped: {} ({})", s.program, s.reason);
+    }
+    eprintln!("attached: {:#?}", tracer.attached());
+    assert!(
+        tracer.skipped().is_empty(),
+        "6.18 runs every netfilter-backend program"
+    );
+    let facts = tracer.facts().clone();
+    let node_inode = lab.inode(&lab.node);
+    let client_inode = lab.inode(&lab.client);
+    let n0 = lab.ifindex(&lab.node, "n0");
+    let c0 = lab.ifindex(&lab.client, "c0");
+    assert_eq!(facts.netns_inode, node_inode);
+    assert!(
+        facts
+            .interfaces
+            .iter()
+            .any(|i| i.name == "n0" && i.ifindex == n0 && i.kind == "veth")
+    );
+    assert_eq!(facts.ip_forward, Some(false));
+
+    assert_eq!(lab.connect(port), "hi");
+    // A closed port: the node drops the SYN (no socket) and answers RST.
+    let closed = port + 1;
+    assert_eq!(lab.connect(closed), "ConnectionRefusedError");
+    let events = collect(&mut tracer, &rt, Duration::from_millis(1500));
+    let ours: Vec<&PacketEvent> = events
+        .iter()
+        .filter(|e| e.netns == node_inode || e.netns == client_inode)
+        .collect();
+    for e in &ours {
+        eprintln!(
+            "{:>10} {:<11} {:<13} ns={} if={} {}:{} -> {}:{} flags={:#04x} dir={} reason={}",
+            hook::name(e.hook),
+            nf_hook::name(e.nf_hook),
+            nat_stage::name(e.nat_stage),
+            e.netns,
+            e.ifindex,
+            Ipv4Addr::from(e.saddr),
+            e.sport,
+            Ipv4Addr::from(e.daddr),
+            e.dport,
+            e.tcp_flags,
+            e.direction,
+            e.drop_reason
+        );
+    }
+    let syn = |e: &&&PacketEvent| {
+        e.tcp_flags & tcp_flags::SYN != 0 && e.tcp_flags & tcp_flags::ACK == 0 && e.dport == port
+    };
+    let request = |e: &PacketEvent| {
+        e.saddr == CLIENT_IP.octets()
+            && e.daddr == NODE_IP.octets()
+            && e.direction == direction::REQUEST
+    };
+    let has = |what: &str, pred: &dyn Fn(&PacketEvent) -> bool| {
+        assert!(ours.iter().any(|e| pred(e)), "no {what} event");
+    };
+    // Client side: raw tracepoint in the client namespace; ifindex and netns
+    // come from skb->dev->ifindex and dev->nd_net->ns.inum.
+    has("DEV_TX of the SYN in the client netns", &|e| {
+        syn(&&e)
+            && request(e)
+            && e.hook == hook::DEV_TX
+            && e.netns == client_inode
+            && e.ifindex == c0
+    });
+    has("DEV_RX of the SYN on n0", &|e| {
+        syn(&&e) && request(e) && e.hook == hook::DEV_RX && e.netns == node_inode && e.ifindex == n0
+    });
+    has("tc ingress of the SYN on n0", &|e| {
+        syn(&&e)
+            && request(e)
+            && e.hook == hook::TC_INGRESS
+            && e.ifindex == n0
+            && e.netns == node_inode
+            && e.skb != 0
+    });
+    for (hookno, stage) in [
+        (nf_hook::PRE_ROUTING, nat_stage::BEFORE),
+        (nf_hook::PRE_ROUTING, nat_stage::AFTER),
+        (nf_hook::LOCAL_IN, nat_stage::BEFORE),
+        (nf_hook::LOCAL_IN, nat_stage::AFTER),
+    ] {
+        has(
+            &format!(
+                "netfilter {} {}",
+                nf_hook::name(hookno),
+                nat_stage::name(stage)
+            ),
+            &|e| {
+                syn(&&e)
+                    && request(e)
+                    && e.hook == hook::NETFILTER
+                    && e.nf_hook == hookno
+                    && e.nat_stage == stage
+                    && e.ifindex == n0
+            },
+        );
+    }
+    has("SYN-ACK reply at OUTPUT", &|e| {
+        e.hook == hook::NETFILTER
+            && e.nf_hook == nf_hook::LOCAL_OUT
+            && e.direction == direction::REPLY
+            && e.sport == port
+            && e.saddr == NODE_IP.octets()
+            && e.tcp_flags & tcp_flags::SYN != 0
+    });
+    has("SYN-ACK reply at tc egress of n0", &|e| {
+        e.hook == hook::TC_EGRESS
+            && e.ifindex == n0
+            && e.direction == direction::REPLY
+            && e.sport == port
+    });
+    has("drop of the SYN to the closed port (NO_SOCKET)", &|e| {
+        e.hook == hook::DROP && e.dport == closed && e.netns == node_inode && e.drop_reason != 0
+    });
+    // The same skb is reported under one identity by tc, netfilter and the tracepoints.
+    let tc_skb = ours
+        .iter()
+        .find(|e| syn(e) && e.hook == hook::TC_INGRESS)
+        .unwrap()
+        .skb;
+    assert!(
+        ours.iter()
+            .any(|e| e.hook == hook::NETFILTER && e.skb == tc_skb)
+    );
+    assert!(
+        ours.iter()
+            .any(|e| e.hook == hook::DEV_RX && e.skb == tc_skb)
+    );
+
+    let stats = tracer.stats();
+    assert!(stats.events as usize >= ours.len(), "{stats:?}");
+    assert_eq!(stats.ringbuf_full, 0);
+
+    // Muting: after mute(), plain data packets of the flow are only counted.
+    let udp_port = 40000 + (std::process::id() % 1000) as u16;
+    lab.udp_send(udp_port, port, 1);
+    let first = collect(&mut tracer, &rt, Duration::from_millis(500));
+    assert!(
+        first
+            .iter()
+            .any(|e| e.proto == tracer_common::proto::UDP && e.sport == udp_port)
+    );
+    let client = EndpointKey {
+        addr: CLIENT_IP.octets(),
+        port: udp_port,
+        proto: tracer_common::proto::UDP,
+        _pad: 0,
+    };
+    tracer.mute(client).unwrap();
+    let muted_before = tracer.stats().muted;
+    lab.udp_send(udp_port, port, 3);
+    let later = collect(&mut tracer, &rt, Duration::from_millis(500));
+    assert!(
+        !later
+            .iter()
+            .any(|e| e.sport == udp_port && e.hook != hook::DROP),
+        "muted flow still emitted data events"
+    );
+    assert!(
+        tracer.stats().muted >= muted_before + 3,
+        "{:?}",
+        tracer.stats()
+    );
+
+    // An interface created while tracing (a new pod) gets attached.
+    sh(&[
+        "ip", "-n", &lab.node, "link", "add", "x0", "type", "veth", "peer", "name", "x1",
+    ]);
+    let mut added = tracer.poll_new_interfaces().unwrap();
+    added.sort();
+    assert_eq!(added, ["x0", "x1"]);
+    assert!(tracer.poll_new_interfaces().unwrap().is_empty());
+
+    drop(tracer);
+    assert_eq!(
+        tcx_programs(&lab.node, "n0"),
+        0,
+        "tcx programs left on n0 after drop"
+    );
+    assert_eq!(
+        tcx_programs(&lab.node, "x0"),
+        0,
+        "tcx programs left on x0 after drop"
+    );
+
+    // The pre-6.6 path: clsact qdiscs. One that exists (n0) stays, one we
+    // create (x0) is removed, and our filters go in both cases.
+    sh(&["ip", "-n", &lab.node, "link", "set", "x0", "up"]);
+    sh(&["tc", "-n", &lab.node, "qdisc", "add", "dev", "n0", "clsact"]);
+    // SAFETY: the only test in this binary; no other thread reads the environment.
+    unsafe { std::env::set_var("NATTRACE_FORCE_CLSACT", "1") };
+    let mut tracer = Tracer::start(&opts).expect("start tracer (clsact)");
+    unsafe { std::env::remove_var("NATTRACE_FORCE_CLSACT") };
+    assert!(
+        tracer.attached()[0].contains("clsact"),
+        "{:?}",
+        tracer.attached()
+    );
+    assert!(tc_show(&lab.node, &["filter", "show", "dev", "n0", "ingress"]).contains("tc_ingress"));
+    assert!(tc_show(&lab.node, &["qdisc", "show", "dev", "x0"]).contains("clsact"));
+    assert_eq!(lab.connect(port), "hi");
+    let events = collect(&mut tracer, &rt, Duration::from_millis(500));
+    assert!(
+        events
+            .iter()
+            .any(|e| e.hook == hook::TC_INGRESS && e.ifindex == n0 && e.dport == port)
+    );
+    drop(tracer);
+    assert!(
+        tc_show(&lab.node, &["qdisc", "show", "dev", "n0"]).contains("clsact"),
+        "pre-existing clsact removed"
+    );
+    assert!(
+        !tc_show(&lab.node, &["filter", "show", "dev", "n0", "ingress"]).contains("tc_ingress")
+    );
+    assert!(!tc_show(&lab.node, &["filter", "show", "dev", "n0", "egress"]).contains("tc_egress"));
+    assert!(
+        !tc_show(&lab.node, &["qdisc", "show", "dev", "x0"]).contains("clsact"),
+        "our clsact left behind"
+    );
+}
+
+fn tc_show(ns: &str, args: &[&str]) -> String {
+    let out = Command::new("tc")
+        .args(["-n", ns])
+        .args(args)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Number of tcx programs on `dev` (ingress + egress) in namespace `ns`.
+fn tcx_programs(ns: &str, dev: &str) -> usize {
+    let node_ns = std::fs::File::open(format!("/run/netns/{ns}")).unwrap();
+    let dev = dev.to_owned();
+    std::thread::spawn(move || {
+        nix::sched::setns(node_ns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let mut n = 0;
+        for at in [
+            aya::programs::TcAttachType::Ingress,
+            aya::programs::TcAttachType::Egress,
+        ] {
+            let (_, progs) = aya::programs::SchedClassifier::query_tcx(&dev, at).unwrap();
+            n += progs.len();
+        }
+        n
+    })
+    .join()
+    .unwrap()
+}

@@ -1,0 +1,166 @@
+//! `cargo xtask setup`: install what a fresh machine lacks, and nothing twice.
+//!
+//! Every step checks first and only then installs, so a second run takes
+//! seconds. A step that cannot complete stops setup with the name of the
+//! missing piece.
+use std::process::Command;
+
+use anyhow::{Context as _, bail};
+
+use crate::vm;
+
+/// Debian packages the build, the lab and the tests use.
+const APT_PACKAGES: &[&str] = &[
+    // bpf-linker links against LLVM 22, the nightly toolchain's LLVM.
+    "llvm-22-dev",
+    "libpolly-22-dev",
+    "libzstd-dev",
+    "zlib1g-dev",
+    // the lab and the tests
+    "iproute2",
+    "iptables",
+    "nftables",
+    "conntrack",
+    "curl",
+    "python3",
+    "dnsutils",
+    "tcpdump",
+    "tshark",
+    "iperf3",
+    "kmod",
+];
+
+const BPF_LINKER_VERSION: &str = "0.13.0";
+const NIGHTLY: &str = "nightly";
+
+pub fn run() -> anyhow::Result<()> {
+    if !nix_is_root() {
+        bail!("setup installs Debian packages and needs root: run it with sudo");
+    }
+    let mut packages: Vec<&str> = APT_PACKAGES.to_vec();
+    packages.extend_from_slice(vm::deps::APT_PACKAGES);
+    apt_install(&packages)?;
+    nightly_with_rust_src()?;
+    rustup_targets(vm::deps::RUSTUP_TARGETS)?;
+    bpf_linker()?;
+    eprintln!("setup: everything present");
+    Ok(())
+}
+
+fn nix_is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn output_of(program: &str, args: &[&str]) -> Option<String> {
+    let out = Command::new(program).args(args).output().ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn run_checked(cmd: &mut Command, what: &str) -> anyhow::Result<()> {
+    let status = cmd
+        .status()
+        .with_context(|| format!("setup: could not start {what}"))?;
+    if !status.success() {
+        bail!("setup: {what} failed ({status})");
+    }
+    Ok(())
+}
+
+fn apt_install(packages: &[&str]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages
+        .iter()
+        .copied()
+        .filter(|p| {
+            output_of("dpkg-query", &["-W", "-f=${Status}", p])
+                .is_none_or(|s| !s.contains("install ok installed"))
+        })
+        .collect();
+    if missing.is_empty() {
+        eprintln!("setup: {} Debian packages present", packages.len());
+        return Ok(());
+    }
+    eprintln!("setup: installing Debian packages: {}", missing.join(" "));
+    run_checked(
+        Command::new("apt-get").args(["update", "-q"]),
+        "apt-get update",
+    )?;
+    run_checked(
+        Command::new("apt-get")
+            .args(["install", "-y", "-q", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+        &format!("apt-get install {}", missing.join(" ")),
+    )
+}
+
+fn nightly_with_rust_src() -> anyhow::Result<()> {
+    let toolchains = output_of("rustup", &["toolchain", "list"])
+        .context("setup: rustup not found; nattrace builds need rustup's stable and nightly")?;
+    if !toolchains.lines().any(|l| l.starts_with(NIGHTLY)) {
+        eprintln!("setup: installing the nightly toolchain (builds the eBPF crate)");
+        run_checked(
+            Command::new("rustup").args(["toolchain", "install", NIGHTLY, "--profile", "minimal"]),
+            "rustup toolchain install nightly",
+        )?;
+    }
+    let components = output_of(
+        "rustup",
+        &["component", "list", "--installed", "--toolchain", NIGHTLY],
+    )
+    .unwrap_or_default();
+    if !components.lines().any(|l| l.starts_with("rust-src")) {
+        eprintln!("setup: adding rust-src to nightly (build-std for bpfel-unknown-none)");
+        run_checked(
+            Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", NIGHTLY]),
+            "rustup component add rust-src --toolchain nightly",
+        )?;
+    }
+    Ok(())
+}
+
+fn rustup_targets(targets: &[&str]) -> anyhow::Result<()> {
+    let installed =
+        output_of("rustup", &["target", "list", "--installed"]).unwrap_or_default();
+    for target in targets {
+        if !installed.lines().any(|l| l.trim() == *target) {
+            eprintln!("setup: adding rust target {target}");
+            run_checked(
+                Command::new("rustup").args(["target", "add", target]),
+                &format!("rustup target add {target}"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn bpf_linker() -> anyhow::Result<()> {
+    if output_of("bpf-linker", &["--version"]).is_some_and(|v| v.contains(BPF_LINKER_VERSION)) {
+        return Ok(());
+    }
+    eprintln!("setup: building bpf-linker {BPF_LINKER_VERSION} against LLVM 22 (about a minute)");
+    let path = format!(
+        "/usr/lib/llvm-22/bin:{}",
+        std::env::var("PATH").unwrap_or_default()
+    );
+    run_checked(
+        Command::new("cargo")
+            .args([
+                "install",
+                "bpf-linker",
+                "--version",
+                BPF_LINKER_VERSION,
+                "--no-default-features",
+                "--features",
+                "llvm-22",
+            ])
+            .env("PATH", path),
+        "cargo install bpf-linker (needs llvm-22-dev)",
+    )?;
+    if output_of("bpf-linker", &["--version"]).is_none() {
+        bail!("setup: bpf-linker installed but not on PATH: add ~/.cargo/bin to PATH");
+    }
+    Ok(())
+}
