@@ -14,7 +14,7 @@ use tracer_common::PacketEvent;
 use crate::{
     collector::{Collector, CollectorConfig, FlowReport, Summary, Verdict},
     output::{json::JsonOutput, text::TextOutput},
-    probes::{TraceError, TraceOptions, Tracer},
+    probes::{TraceError, TraceOptions, Tracer, table::BackendChoice},
     service::Service,
 };
 
@@ -34,6 +34,7 @@ pub struct SessionOptions {
     pub verbose: bool,
     pub color: bool,
     pub ringbuf_bytes: u32,
+    pub backend: BackendChoice,
 }
 
 /// What the session saw, for the exit status.
@@ -52,7 +53,7 @@ impl Outcome {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
-    #[error("nattrace needs root (CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON): run it with sudo")]
+    #[error("needs root (CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON): run it with sudo")]
     NotRoot,
     #[error(
         "this kernel has no BTF (/sys/kernel/btf/vmlinux missing): nattrace needs a kernel built with CONFIG_DEBUG_INFO_BTF=y"
@@ -119,12 +120,17 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         services: options.services.clone(),
         netns: options.netns.clone(),
         ringbuf_bytes: options.ringbuf_bytes,
+        backend: options.backend,
     })?;
     for skipped in tracer.skipped() {
         eprintln!("nattrace: skipped {}: {}", skipped.program, skipped.reason);
     }
     let mut sink = match options.format {
-        OutputFormat::Text => Sink::Text(TextOutput::new(io::stdout(), options.color, options.verbose)),
+        OutputFormat::Text => Sink::Text(TextOutput::new(
+            io::stdout(),
+            options.color,
+            options.verbose,
+        )),
         OutputFormat::Json => Sink::Json(JsonOutput::new(io::stdout())),
     };
     preamble(&options, &tracer).map_err(SessionError::Output)?;
@@ -178,7 +184,7 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
                         warn!("could not mute a decided flow: {err}");
                     }
                 }
-                if ticks % 5 == 0 {
+                if ticks.is_multiple_of(5) {
                     match tracer.poll_new_interfaces() {
                         Ok(names) if !names.is_empty() => eprintln!("nattrace: now also tracing {}", names.join(", ")),
                         Ok(_) => {}
@@ -207,7 +213,11 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     Ok(outcome)
 }
 
-fn emit(sink: &mut Sink, outcome: &mut Outcome, reports: Vec<FlowReport>) -> Result<(), SessionError> {
+fn emit(
+    sink: &mut Sink,
+    outcome: &mut Outcome,
+    reports: Vec<FlowReport>,
+) -> Result<(), SessionError> {
     for report in reports {
         outcome.flows += 1;
         if report.verdict != Verdict::Ok {
@@ -228,11 +238,12 @@ fn preamble(options: &SessionOptions, tracer: &Tracer) -> io::Result<()> {
         None => "absent (br_netfilter not loaded)",
     };
     let line = format!(
-        "tracing {} in netns {} (inode {}) with the {} backend on {} interfaces; bridge-nf-call-iptables={}",
+        "tracing {} in netns {} (inode {}) with the {} backend ({}) on {} interfaces; bridge-nf-call-iptables={}",
         services.join(", "),
         facts.netns_name,
         facts.netns_inode,
         tracer.backend(),
+        tracer.backend_reason(),
         facts.interfaces.len(),
         bridge_nf,
     );
@@ -248,6 +259,7 @@ fn preamble(options: &SessionOptions, tracer: &Tracer) -> io::Result<()> {
                 "netns": facts.netns_name,
                 "netns_inode": facts.netns_inode,
                 "backend": tracer.backend(),
+                "backend_reason": tracer.backend_reason(),
                 "interfaces": facts.interfaces,
                 "bridge_nf_call_iptables": facts.bridge_nf_call_iptables,
                 "ip_forward": facts.ip_forward,

@@ -23,7 +23,17 @@ fn node_state(lab: &Lab) -> String {
             String::from_utf8_lossy(&out.stderr)
         )
     };
-    let links = run(&["ip", "-o", "link", "show"]);
+    // The bridge's operstate settles on its own (UNKNOWN → UP): not ours.
+    let links: String = run(&["ip", "-o", "link", "show"])
+        .lines()
+        .map(|l| {
+            let mut words: Vec<&str> = l.split(' ').collect();
+            if let Some(i) = words.iter().position(|w| *w == "state") {
+                words.drain(i..(i + 2).min(words.len()));
+            }
+            words.join(" ") + "\n"
+        })
+        .collect();
     let mut state = links.clone();
     state.push_str(&run(&["tc", "qdisc", "show"]));
     let names = links.lines().skip(1).filter_map(|l| {

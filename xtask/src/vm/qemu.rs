@@ -115,6 +115,9 @@ pub fn boot(vm: &Vm) -> Result<Outcome> {
         });
     }
 
+    // Before the spawn: from there on, every early return would strand a qemu.
+    let log = File::create(&vm.log).with_context(|| format!("creating {}", vm.log.display()))?;
+    let log = std::sync::Arc::new(Mutex::new(log));
     let start = Instant::now();
     let mut child = {
         let mut running = RUNNING.lock().unwrap();
@@ -124,8 +127,6 @@ pub fn boot(vm: &Vm) -> Result<Outcome> {
         running.push(child.id());
         child
     };
-    let log = File::create(&vm.log).with_context(|| format!("creating {}", vm.log.display()))?;
-    let log = std::sync::Arc::new(Mutex::new(log));
     let out = stream(vm.label, child.stdout.take().unwrap(), log.clone(), start);
     let err = stream(
         &format!("{} qemu", vm.label),
