@@ -155,9 +155,11 @@ pub fn render_nat(config: &KubeProxyConfig, services: &[ResolvedService]) -> Str
             }
             // Hairpin: a pod reaching itself through its Service must be
             // SNATed, or its reply would never come back through the node.
-            rule(format!(
-                r#"-A {sep} -s {ip}/32 -m comment --comment "{name}" -j KUBE-MARK-MASQ"#
-            ));
+            if !config.omit_hairpin_masquerade {
+                rule(format!(
+                    r#"-A {sep} -s {ip}/32 -m comment --comment "{name}" -j KUBE-MARK-MASQ"#
+                ));
+            }
             rule(format!(
                 r#"-A {sep} -p {proto} -m comment --comment "{name}" -m {proto} -j DNAT --to-destination {endpoint}"#
             ));
@@ -227,6 +229,7 @@ mod tests {
         let config = KubeProxyConfig {
             cluster_cidr: Some(cidr("100.96.0.0/11")),
             masquerade_all: false,
+            omit_hairpin_masquerade: false,
         };
         let nat = render_nat(&config, &[web(None)]);
         let svc = svc_chain("default/web:http", Protocol::Tcp);
@@ -252,6 +255,7 @@ mod tests {
         let config = KubeProxyConfig {
             cluster_cidr: Some(cidr("100.96.0.0/11")),
             masquerade_all: true,
+            omit_hairpin_masquerade: false,
         };
         let nat = render_nat(&config, &[web(Some(1))]);
         assert!(

@@ -105,6 +105,7 @@ fn kops_kube_proxy() -> KubeProxyConfig {
     KubeProxyConfig {
         cluster_cidr: Some(CLUSTER_CIDR),
         masquerade_all: false,
+        omit_hairpin_masquerade: false,
     }
 }
 
@@ -219,6 +220,7 @@ pub fn seed003(opts: Seed003) -> LabSpec {
     spec.kube_proxy = KubeProxyConfig {
         cluster_cidr: None,
         masquerade_all: opts.masquerade_all,
+        omit_hairpin_masquerade: false,
     };
     spec.overlay = Overlay::Vxlan;
     spec.outside = Some(OutsideSpec {
@@ -247,5 +249,49 @@ pub fn single_node(bridge_nf_call_iptables: bool) -> LabSpec {
         .endpoint(BACKEND_POD, WEB_PORT),
     );
     spec.kube_proxy = kops_kube_proxy();
+    spec
+}
+
+/// Options of [`hairpin`].
+#[derive(Clone, Copy, Debug)]
+pub struct Hairpin {
+    /// `hairpin_mode` on the pod's bridge port (kubelet's hairpin-veth).
+    pub hairpin_mode: bool,
+    /// KUBE-SEP's `-s <podIP> -j KUBE-MARK-MASQ` (kube-proxy always writes it).
+    pub masquerade: bool,
+}
+
+impl Default for Hairpin {
+    fn default() -> Self {
+        Hairpin {
+            hairpin_mode: true,
+            masquerade: true,
+        }
+    }
+}
+
+/// Seed 004 case 3: pod [`BACKEND_POD`] calls its own Service
+/// `default/web:http` and is load-balanced to itself (the only endpoint).
+pub fn hairpin(opts: Hairpin) -> LabSpec {
+    let node = NodeSpec::new(NODE_A, NODE_A_POD_CIDR).pod(
+        PodSpec::new(BACKEND_POD, BACKEND_IP)
+            .http(WEB_PORT)
+            .hairpin(opts.hairpin_mode),
+    );
+    let mut spec = LabSpec::new(vec![node]).service(
+        ServiceSpec::new(
+            "default",
+            "web",
+            "http",
+            WEB_SERVICE_IP,
+            WEB_PORT,
+            Protocol::Tcp,
+        )
+        .endpoint(BACKEND_POD, WEB_PORT),
+    );
+    spec.kube_proxy = KubeProxyConfig {
+        omit_hairpin_masquerade: !opts.masquerade,
+        ..kops_kube_proxy()
+    };
     spec
 }

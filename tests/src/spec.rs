@@ -279,6 +279,10 @@ pub struct KubeProxyConfig {
     pub cluster_cidr: Option<Ipv4Cidr>,
     /// `masqueradeAll`: every Service packet is marked for SNAT.
     pub masquerade_all: bool,
+    /// Leaves out KUBE-SEP's `-s <endpoint> -j KUBE-MARK-MASQ`, so a pod
+    /// reaching itself through its Service is not masqueraded (a broken or
+    /// hand-edited ruleset, seed 004 case 3's failure).
+    pub omit_hairpin_masquerade: bool,
 }
 
 /// How one node's pods reach another node's pods.

@@ -150,6 +150,27 @@ impl Nattrace {
         }
     }
 
+    /// Waits until a stdout line satisfies `pred` (lines before it are
+    /// kept for [`Finished::stdout`]); None on timeout or exit.
+    pub fn wait_line(&mut self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            let line = self.lines.recv_timeout(left).ok()?;
+            self.stdout.push(line.clone());
+            if pred(&line) {
+                return Some(line);
+            }
+        }
+    }
+
+    /// Sends a signal (SIGINT, SIGKILL, ...).
+    pub fn signal(&self, sig: i32) {
+        if let Some(child) = &self.child {
+            unsafe { libc::kill(child.id() as i32, sig) };
+        }
+    }
+
     /// Sends SIGTERM (what `kubectl delete`/systemd/Ctrl-C-like stops do).
     pub fn terminate(&self) {
         if let Some(child) = &self.child {

@@ -207,16 +207,23 @@ pub struct KernelOffsets {
     /// `struct nf_hook_state.hook` (kprobe backend: `nf_hook_slow`).
     pub nf_hook_state_hook: u32,
     pub nf_hook_state_pf: u32,
+    /// `struct nf_hook_state.net`: kprobes fire in every namespace, the
+    /// netfilter events must come only from the traced one.
+    pub nf_hook_state_net: u32,
     /// `struct nf_conn.tuplehash` (kprobe backend: `nf_nat_manip_pkt`).
     pub nf_conn_tuplehash: u32,
     /// `sizeof(struct nf_conntrack_tuple_hash)`: stride between the original and reply tuples.
     pub nf_conntrack_tuple_hash_size: u32,
-    /// Offsets inside `struct nf_conntrack_tuple`.
+    /// Offsets of `tuple.src.u3`, ... inside `struct nf_conntrack_tuple_hash`
+    /// (the tuple follows the hash-list node).
     pub tuple_src_u3: u32,
     pub tuple_src_u: u32,
     pub tuple_dst_u3: u32,
     pub tuple_dst_u: u32,
-    pub _pad: u32,
+    /// `struct nf_conn.status` (kprobe on `nf_nat_packet`, kernels without `nf_nat_manip_pkt`).
+    pub nf_conn_status: u32,
+    /// `struct net_bridge_port.dev` (module bridge); 0 = unknown, report `skb->dev`.
+    pub net_bridge_port_dev: u32,
 }
 
 /// Global configuration of the kernel programs (one entry of the `CONFIG` array).
@@ -227,6 +234,10 @@ pub struct Config {
     /// Data packets of a flow beyond this many are only counted once the flow is muted.
     pub per_flow_event_budget: u32,
     pub flags: u32,
+    /// `ns.inum` of the traced node namespace, for the programs that fire in
+    /// every namespace but stand in for per-namespace attachments (kprobes on
+    /// netfilter functions).
+    pub node_netns: u32,
 }
 
 /// Indexes of the per-CPU counters in the `STATS` map. Summed by userspace.
@@ -269,6 +280,7 @@ mod tests {
         assert_eq!(core::mem::size_of::<ServiceKey>(), 8);
         assert_eq!(core::mem::size_of::<EndpointKey>(), 8);
         assert_eq!(core::mem::size_of::<EndpointState>(), 16);
-        assert_eq!(core::mem::size_of::<KernelOffsets>(), 64);
+        assert_eq!(core::mem::size_of::<KernelOffsets>(), 72);
+        assert_eq!(core::mem::size_of::<Config>(), 84);
     }
 }

@@ -5,6 +5,7 @@
 #![no_main]
 
 mod filter;
+mod kprobes;
 mod netfilter;
 mod skb;
 mod tc;

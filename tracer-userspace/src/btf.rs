@@ -132,23 +132,39 @@ impl KernelBtf {
             net_ns_inum: self.offset("net", "ns.inum")?,
             nf_hook_state_hook: self.offset("nf_hook_state", "hook")?,
             nf_hook_state_pf: self.offset("nf_hook_state", "pf")?,
+            nf_hook_state_net: self.offset("nf_hook_state", "net")?,
             ..Default::default()
         };
-        match self.conntrack_offsets(&mut o) {
-            Ok(()) => {}
-            Err(e) => log::debug!("conntrack offsets unavailable (kprobe backend only): {e}"),
+        if let Err(e) = self.conntrack_offsets(&mut o) {
+            // Left 0: the kernel programs then skip NAT events, and the
+            // loader says why (conntrack_missing).
+            o.nf_conn_tuplehash = 0;
+            log::debug!("conntrack offsets unavailable (kprobe backend only): {e}");
+        }
+        match self.offset_in_module("bridge", "net_bridge_port", "dev") {
+            Ok(off) => o.net_bridge_port_dev = off,
+            // br_forward then reports skb->dev (the ingress port) instead.
+            Err(e) => log::debug!("net_bridge_port.dev unavailable: {e}"),
         }
         Ok(o)
     }
 
+    /// Why the NAT kprobes cannot read conntrack entries, if they cannot.
+    pub fn conntrack_missing(&mut self) -> Option<String> {
+        let mut o = KernelOffsets::default();
+        self.conntrack_offsets(&mut o).err().map(|e| e.to_string())
+    }
+
     fn conntrack_offsets(&mut self, o: &mut KernelOffsets) -> Result<(), BtfError> {
         const M: &str = "nf_conntrack";
+        const H: &str = "nf_conntrack_tuple_hash";
         o.nf_conn_tuplehash = self.offset_in_module(M, "nf_conn", "tuplehash")?;
-        o.nf_conntrack_tuple_hash_size = self.size_in_module(M, "nf_conntrack_tuple_hash")?;
-        o.tuple_src_u3 = self.offset_in_module(M, "nf_conntrack_tuple", "src.u3")?;
-        o.tuple_src_u = self.offset_in_module(M, "nf_conntrack_tuple", "src.u")?;
-        o.tuple_dst_u3 = self.offset_in_module(M, "nf_conntrack_tuple", "dst.u3")?;
-        o.tuple_dst_u = self.offset_in_module(M, "nf_conntrack_tuple", "dst.u")?;
+        o.nf_conn_status = self.offset_in_module(M, "nf_conn", "status")?;
+        o.nf_conntrack_tuple_hash_size = self.size_in_module(M, H)?;
+        o.tuple_src_u3 = self.offset_in_module(M, H, "tuple.src.u3")?;
+        o.tuple_src_u = self.offset_in_module(M, H, "tuple.src.u")?;
+        o.tuple_dst_u3 = self.offset_in_module(M, H, "tuple.dst.u3")?;
+        o.tuple_dst_u = self.offset_in_module(M, H, "tuple.dst.u")?;
         Ok(())
     }
 }
@@ -255,6 +271,18 @@ mod tests {
         assert!(o.sk_buff_network_header > 150 && o.sk_buff_network_header < o.sk_buff_head);
         assert!(o.net_device_ifindex > 0 && o.net_device_nd_net > 0);
         assert!(o.net_ns_inum > 0 && o.net_ns_inum < 512, "{o:?}");
+        assert!(o.nf_hook_state_net > o.nf_hook_state_pf, "{o:?}");
+        if o.nf_conn_tuplehash != 0 {
+            // The tuple follows a two-pointer hlist_nulls_node; src before dst.
+            assert_eq!(o.tuple_src_u3, 16, "{o:?}");
+            assert!(o.tuple_dst_u3 > o.tuple_src_u && o.tuple_dst_u > o.tuple_dst_u3);
+            assert!(o.nf_conntrack_tuple_hash_size >= 56, "{o:?}");
+            // status follows tuplehash[IP_CT_DIR_MAX].
+            assert!(
+                o.nf_conn_status >= o.nf_conn_tuplehash + 2 * o.nf_conntrack_tuple_hash_size,
+                "{o:?}"
+            );
+        }
         let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
         if release.starts_with("6.18") {
             // Measured on the build VMs (../shared/docs/machine.md: bit 1536).

@@ -1,9 +1,9 @@
 //! Static facts about the traced node namespace, gathered (read-only) by the
 //! loader at start and handed to the collector, which uses them to name causes.
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// An interface of the traced node namespace.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Interface {
     pub ifindex: u32,
     pub name: String,
@@ -16,7 +16,7 @@ pub struct Interface {
 }
 
 /// What the node namespace looked like when tracing started.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeFacts {
     /// Inode of the traced network namespace (events with netns 0 are from it).
     pub netns_inode: u32,

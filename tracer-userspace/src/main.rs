@@ -1,8 +1,10 @@
 //! `nattrace`: the command line. Parsing and validation only; the work is in the library.
-use std::{io::IsTerminal as _, process::ExitCode, time::Duration};
+use std::{io::IsTerminal as _, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, ValueEnum};
 use nattrace::{
+    analyze::{self, AnalyzeOptions},
+    probes::table::BackendChoice,
     service::Service,
     session::{self, OutputFormat, SessionOptions},
 };
@@ -11,9 +13,14 @@ use nattrace::{
 #[command(
     name = "nattrace",
     version,
+    subcommand_negates_reqs = true,
+    args_conflicts_with_subcommands = true,
     about = "Follow connections to a Kubernetes Service through this node's kernel (tc, netfilter NAT, bridge) and say, per flow, whether the reply came back correctly, un-reverse-NATed, not at all, or was dropped — and why."
 )]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+
     /// Service cluster IP to trace, optionally with a port (repeatable). No port = all ports, TCP and UDP.
     #[arg(long = "svc", value_name = "IP[:PORT]", required = true)]
     services: Vec<Service>,
@@ -45,6 +52,66 @@ struct Cli {
     /// Kernel ring-buffer size in KiB (a power of two, at least 4 KiB page).
     #[arg(long, value_name = "KIB", default_value_t = 4096, value_parser = parse_ringbuf_kib)]
     ringbuf_kib: u32,
+
+    /// How to watch netfilter: BPF netfilter links (kernel >= 6.4) or kprobes; auto picks the first the kernel supports.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
+
+    /// Record every event (and what is needed to re-decide the flows) to FILE, for `nattrace analyze`.
+    #[arg(long, value_name = "FILE", value_parser = parse_out_path)]
+    write: Option<PathBuf>,
+
+    /// Stop recording (and keep tracing) once the --write file reaches this many MiB.
+    #[arg(long, value_name = "MB", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    write_max_mb: u64,
+
+    /// Write every packet of each decided flow at every point it passed to FILE as pcapng (for Wireshark).
+    #[arg(long, value_name = "FILE", value_parser = parse_out_path)]
+    pcap: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum BackendArg {
+    Auto,
+    Netfilter,
+    Kprobe,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Check the node's static facts behind broken Service traffic (read-only); exit 1 if any breaks it.
+    Doctor {
+        /// Network namespace of the node: a name under /run/netns or a path (default: the current one).
+        #[arg(long, value_name = "NAME|PATH")]
+        netns: Option<String>,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        output: Format,
+    },
+    /// Re-decide the flows of a recording made with --write, with the same output as the live run.
+    Analyze {
+        /// The recording.
+        #[arg(value_name = "FILE", value_parser = parse_in_file)]
+        file: PathBuf,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        output: Format,
+        /// Show every packet of each flow with every point it passed.
+        #[arg(short, long)]
+        verbose: bool,
+        /// Colour in text output.
+        #[arg(long, value_enum, default_value_t = Color::Auto)]
+        color: Color,
+        /// Also write the flows' packets to OUT as pcapng.
+        #[arg(long, value_name = "OUT", value_parser = parse_out_path)]
+        pcap: Option<PathBuf>,
+    },
+    /// Remove what a killed nattrace left attached (clsact tc filters), and nothing else.
+    Cleanup {
+        /// Network namespace of the node: a name under /run/netns or a path (default: the current one).
+        #[arg(long, value_name = "NAME|PATH")]
+        netns: Option<String>,
+    },
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -82,6 +149,46 @@ fn parse_ringbuf_kib(s: &str) -> Result<u32, String> {
     Ok(kib)
 }
 
+/// A file we will create: its directory must exist (checked before attaching anything).
+fn parse_out_path(s: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(s);
+    if s.is_empty() || path.is_dir() {
+        return Err(format!("'{s}' is not a file name"));
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(format!("directory '{}' does not exist", dir.display()));
+    }
+    Ok(path)
+}
+
+fn parse_in_file(s: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(s);
+    match std::fs::File::open(&path) {
+        Ok(f) if f.metadata().is_ok_and(|m| m.is_file()) => Ok(path),
+        Ok(_) => Err(format!("'{s}' is not a regular file")),
+        Err(e) => Err(format!("cannot read '{s}': {e}")),
+    }
+}
+
+fn color_on(c: Color) -> bool {
+    match c {
+        Color::Always => true,
+        Color::Never => false,
+        Color::Auto => std::io::stdout().is_terminal(),
+    }
+}
+
+fn format_of(f: Format) -> OutputFormat {
+    match f {
+        Format::Text => OutputFormat::Text,
+        Format::Json => OutputFormat::Json,
+    }
+}
+
 /// Clap's own error report is several lines; an on-call engineer gets one.
 fn usage_error(err: clap::Error) -> ExitCode {
     use clap::error::ErrorKind;
@@ -108,6 +215,38 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(err) => return usage_error(err),
     };
+    match cli.command {
+        Some(Command::Analyze {
+            file,
+            output,
+            verbose,
+            color,
+            pcap,
+        }) => {
+            let opts = AnalyzeOptions {
+                path: file,
+                format: format_of(output),
+                verbose,
+                color: color_on(color),
+                pcap,
+            };
+            return match analyze::run(&opts) {
+                Ok(outcome) => ExitCode::from(outcome.exit_status()),
+                Err(err) => {
+                    eprintln!("nattrace: {err}");
+                    ExitCode::from(2)
+                }
+            };
+        }
+        Some(Command::Cleanup { netns }) => return cleanup(netns.as_deref()),
+        _ => {}
+    }
+    if let Some(Command::Doctor { netns, output }) = cli.command {
+        return ExitCode::from(nattrace::doctor::run(
+            netns.as_deref(),
+            matches!(output, Format::Json),
+        ));
+    }
     let color = match cli.color {
         Color::Always => true,
         Color::Never => false,
@@ -125,9 +264,40 @@ fn main() -> ExitCode {
         verbose: cli.verbose,
         color,
         ringbuf_bytes: cli.ringbuf_kib * 1024,
+        backend: match cli.backend {
+            BackendArg::Auto => BackendChoice::Auto,
+            BackendArg::Netfilter => BackendChoice::Netfilter,
+            BackendArg::Kprobe => BackendChoice::Kprobe,
+        },
+        write: cli.write,
+        write_max_bytes: Some(cli.write_max_mb << 20),
+        pcap: cli.pcap,
     };
     match session::run(options) {
         Ok(outcome) => ExitCode::from(outcome.exit_status()),
+        Err(err) => {
+            eprintln!("nattrace: {err}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn cleanup(netns: Option<&str>) -> ExitCode {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("nattrace: cleanup needs root (CAP_NET_ADMIN): run it with sudo");
+        return ExitCode::from(2);
+    }
+    match nattrace::probes::cleanup::remove_leftovers(netns) {
+        Ok(removed) if removed.is_empty() => {
+            println!("nattrace: nothing left behind by nattrace");
+            ExitCode::SUCCESS
+        }
+        Ok(removed) => {
+            for r in removed {
+                println!("nattrace: removed {r}");
+            }
+            ExitCode::SUCCESS
+        }
         Err(err) => {
             eprintln!("nattrace: {err}");
             ExitCode::from(2)

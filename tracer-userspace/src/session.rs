@@ -2,27 +2,23 @@
 //! collector, print each flow as its verdict is decided, stop on Ctrl-C,
 //! SIGTERM or `--duration`, then detach and summarise.
 use std::{
-    io::{self, Write},
-    path::Path,
+    io,
+    path::{Path, PathBuf},
     time::Duration,
 };
 
 use log::warn;
-use tokio::signal::unix::{SignalKind, signal};
+use tokio::signal::unix::{Signal, SignalKind, signal};
 use tracer_common::PacketEvent;
 
+pub use crate::output::sink::{Outcome, OutputFormat};
 use crate::{
-    collector::{Collector, CollectorConfig, FlowReport, Summary, Verdict},
-    output::{json::JsonOutput, text::TextOutput},
-    probes::{TraceError, TraceOptions, Tracer, table::BackendChoice},
+    collector::{Collector, DropReasons},
+    output::sink::Outputs,
+    probes::{TraceError, TraceOptions, Tracer, cleanup, netns::NetnsError, table::BackendChoice},
+    recording::{Clock, FORMAT, Header, RecordingError, RecordingWriter, StatsLine, VERSION},
     service::Service,
 };
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OutputFormat {
-    Text,
-    Json,
-}
 
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
@@ -35,20 +31,12 @@ pub struct SessionOptions {
     pub color: bool,
     pub ringbuf_bytes: u32,
     pub backend: BackendChoice,
-}
-
-/// What the session saw, for the exit status.
-#[derive(Debug, Default)]
-pub struct Outcome {
-    pub flows: usize,
-    pub problem_flows: usize,
-}
-
-impl Outcome {
-    /// 0 = every flow fine, 1 = at least one flow not `ok`.
-    pub fn exit_status(&self) -> u8 {
-        u8::from(self.problem_flows > 0)
-    }
+    /// `--write FILE`: record every event for `nattrace analyze`.
+    pub write: Option<PathBuf>,
+    /// `--write-max-mb` in bytes.
+    pub write_max_bytes: Option<u64>,
+    /// `--pcap FILE`.
+    pub pcap: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -65,27 +53,8 @@ pub enum SessionError {
     Runtime(io::Error),
     #[error("writing output failed: {0}")]
     Output(io::Error),
-}
-
-enum Sink {
-    Text(TextOutput<io::Stdout>),
-    Json(JsonOutput<io::Stdout>),
-}
-
-impl Sink {
-    fn flow(&mut self, report: &FlowReport) -> io::Result<()> {
-        match self {
-            Sink::Text(out) => out.flow(report),
-            Sink::Json(out) => out.flow(report),
-        }
-    }
-
-    fn summary(&mut self, summary: &Summary) -> io::Result<()> {
-        match self {
-            Sink::Text(out) => out.summary(summary),
-            Sink::Json(out) => out.summary(summary),
-        }
-    }
+    #[error("{0}")]
+    Recording(#[from] RecordingError),
 }
 
 /// Checks that need no kernel objects, so bad setups fail before anything is attached.
@@ -101,8 +70,11 @@ fn preflight() -> Result<(), SessionError> {
 
 /// `bpf_ktime_get_ns()` is CLOCK_MONOTONIC: the collector's clock must be the same.
 fn monotonic_ns() -> u64 {
-    let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .expect("CLOCK_MONOTONIC is always available");
+    clock_ns(nix::time::ClockId::CLOCK_MONOTONIC)
+}
+
+fn clock_ns(id: nix::time::ClockId) -> u64 {
+    let ts = nix::time::clock_gettime(id).expect("CLOCK_MONOTONIC/REALTIME are always available");
     ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
 }
 
@@ -116,6 +88,20 @@ pub fn run(options: SessionOptions) -> Result<Outcome, SessionError> {
 }
 
 async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
+    // Before attaching: a Ctrl-C while attaching must still detach, which
+    // the default disposition (exit without unwinding) would not.
+    let mut sigint = signal(SignalKind::interrupt()).map_err(SessionError::Runtime)?;
+    let mut sigterm = signal(SignalKind::terminate()).map_err(SessionError::Runtime)?;
+    match cleanup::remove_leftovers(options.netns.as_deref()) {
+        Ok(removed) if !removed.is_empty() => eprintln!(
+            "nattrace: removed what a killed nattrace left behind: {}",
+            removed.join("; ")
+        ),
+        Ok(_) => {}
+        // Tracer::start reports a missing namespace in its one line.
+        Err(NetnsError::NotFound { .. } | NetnsError::Open { .. }) => {}
+        Err(err) => warn!("looking for leftovers of a killed nattrace failed: {err}"),
+    }
     let mut tracer = Tracer::start(&TraceOptions {
         services: options.services.clone(),
         netns: options.netns.clone(),
@@ -125,26 +111,23 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     for skipped in tracer.skipped() {
         eprintln!("nattrace: skipped {}: {}", skipped.program, skipped.reason);
     }
-    let mut sink = match options.format {
-        OutputFormat::Text => Sink::Text(TextOutput::new(
-            io::stdout(),
-            options.color,
-            options.verbose,
-        )),
-        OutputFormat::Json => Sink::Json(JsonOutput::new(io::stdout())),
+    let header = header(&options, &tracer);
+    let mut recorder = match &options.write {
+        Some(path) => Some(RecordingWriter::create(
+            path,
+            &header,
+            options.write_max_bytes,
+        )?),
+        None => None,
     };
-    preamble(&options, &tracer).map_err(SessionError::Output)?;
+    let mut outputs = Outputs::new(options.format, options.color, options.verbose);
+    if let Some(path) = &options.pcap {
+        outputs.pcap(path, &header).map_err(SessionError::Output)?;
+    }
+    outputs.preamble(&header).map_err(SessionError::Output)?;
+    let mut collector = Collector::new(header.collector_config()?);
 
-    let mut collector = Collector::new(CollectorConfig {
-        services: options.services.clone(),
-        reply_timeout_ns: options.reply_timeout.as_nanos() as u64,
-        facts: tracer.facts().clone(),
-        ..CollectorConfig::default()
-    });
-    let mut outcome = Outcome::default();
     let mut events: Vec<PacketEvent> = Vec::with_capacity(4096);
-    let mut sigint = signal(SignalKind::interrupt()).map_err(SessionError::Runtime)?;
-    let mut sigterm = signal(SignalKind::terminate()).map_err(SessionError::Runtime)?;
     let deadline = options.duration.map(|d| tokio::time::Instant::now() + d);
     let until_deadline = async {
         match deadline {
@@ -156,6 +139,11 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     let mut ticker = tokio::time::interval(Duration::from_millis(200));
     let mut last_lost = 0u64;
     let mut ticks = 0u64;
+    // Tests force ring-buffer overflow by reading slowly.
+    let stall = std::env::var("NATTRACE_TEST_STALL_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map(Duration::from_millis);
 
     loop {
         tokio::select! {
@@ -163,8 +151,9 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
                 if let Err(err) = res {
                     warn!("reading events failed: {err}");
                 }
-                for ev in events.drain(..) {
-                    collector.push(ev);
+                push(&mut collector, recorder.as_mut(), &mut events);
+                if let Some(stall) = stall {
+                    std::thread::sleep(stall);
                 }
             }
             _ = ticker.tick() => {
@@ -177,8 +166,15 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
                     );
                     last_lost = stats.ringbuf_full;
                 }
+                let now = monotonic_ns();
+                if let Some(rec) = recorder.as_mut() {
+                    rec.stats(StatsLine::new(now, &stats));
+                    if let Some(w) = rec.take_warning() {
+                        eprintln!("nattrace: warning: {w}");
+                    }
+                }
                 collector.note_lost(stats.ringbuf_full);
-                emit(&mut sink, &mut outcome, collector.tick(monotonic_ns()))?;
+                outputs.flows(collector.tick(now)).map_err(SessionError::Output)?;
                 for client in collector.take_mute_candidates() {
                     if let Err(err) = tracer.mute(client) {
                         warn!("could not mute a decided flow: {err}");
@@ -198,73 +194,141 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         }
     }
 
-    tracer.drain(&mut events);
+    let finishing = finish(
+        &mut tracer,
+        collector,
+        &mut outputs,
+        recorder.as_mut(),
+        &mut events,
+    );
+    let interrupted = tokio::select! {
+        biased;
+        _ = second_signal(&mut sigint, &mut sigterm) => true,
+        res = finishing => {
+            res?;
+            false
+        }
+    };
+    if interrupted {
+        eprintln!("nattrace: interrupted again: exiting now without the summary");
+    }
+    // Detaches everything, also after a second Ctrl-C.
+    drop(tracer);
+    Ok(outputs.outcome)
+}
+
+async fn second_signal(sigint: &mut Signal, sigterm: &mut Signal) {
+    tokio::select! {
+        _ = sigint.recv() => {}
+        _ = sigterm.recv() => {}
+    }
+}
+
+fn push(
+    collector: &mut Collector,
+    recorder: Option<&mut RecordingWriter>,
+    events: &mut Vec<PacketEvent>,
+) {
+    if let Some(rec) = recorder {
+        for ev in events.iter() {
+            rec.event(ev);
+        }
+    }
     for ev in events.drain(..) {
         collector.push(ev);
     }
-    collector.note_lost(tracer.stats().ringbuf_full);
-    let (reports, mut summary) = collector.finish(monotonic_ns());
-    emit(&mut sink, &mut outcome, reports)?;
-    let stats = tracer.stats();
-    summary.lost_events = stats.ringbuf_full;
-    summary.muted_packets = stats.muted;
-    drop(tracer);
-    sink.summary(&summary).map_err(SessionError::Output)?;
-    Ok(outcome)
 }
 
-fn emit(
-    sink: &mut Sink,
-    outcome: &mut Outcome,
-    reports: Vec<FlowReport>,
+/// Drain, decide what is pending, print it and the summary. Yields between
+/// batches of flows so a second Ctrl-C can cut a long output short.
+async fn finish(
+    tracer: &mut Tracer,
+    mut collector: Collector,
+    outputs: &mut Outputs,
+    mut recorder: Option<&mut RecordingWriter>,
+    events: &mut Vec<PacketEvent>,
 ) -> Result<(), SessionError> {
-    for report in reports {
-        outcome.flows += 1;
-        if report.verdict != Verdict::Ok {
-            outcome.problem_flows += 1;
+    tracer.drain(events);
+    push(&mut collector, recorder.as_deref_mut(), events);
+    let stats = tracer.stats();
+    let now = monotonic_ns();
+    collector.note_lost(stats.ringbuf_full);
+    if let Some(rec) = recorder {
+        rec.end(StatsLine::new(now, &stats));
+        if let Some(w) = rec.take_warning() {
+            eprintln!("nattrace: warning: {w}");
         }
-        sink.flow(&report).map_err(SessionError::Output)?;
     }
-    io::stdout().flush().map_err(SessionError::Output)
+    let (mut reports, mut summary) = collector.finish(now);
+    summary.lost_events = summary.lost_events.max(stats.ringbuf_full);
+    summary.muted_packets = stats.muted;
+    while !reports.is_empty() {
+        let rest = reports.split_off(reports.len().min(256));
+        outputs.flows(reports).map_err(SessionError::Output)?;
+        reports = rest;
+        tokio::task::yield_now().await;
+    }
+    outputs.summary(&summary).map_err(SessionError::Output)
 }
 
-/// One line of static facts before the flows, so a reader knows what was traced and how.
-fn preamble(options: &SessionOptions, tracer: &Tracer) -> io::Result<()> {
-    let facts = tracer.facts();
-    let services: Vec<String> = options.services.iter().map(ToString::to_string).collect();
-    let bridge_nf = match facts.bridge_nf_call_iptables {
-        Some(true) => "1",
-        Some(false) => "0",
-        None => "absent (br_netfilter not loaded)",
+/// What a recording and `analyze` need to re-decide this session's flows.
+fn header(options: &SessionOptions, tracer: &Tracer) -> Header {
+    // Read-only static facts (sysctls, kube-proxy's rules) for the preamble
+    // and for naming each flow's Service and chains.
+    let inputs = crate::doctor::gather(options.netns.as_deref()).unwrap_or_default();
+    let checks = crate::doctor::assess(&inputs);
+    let clock = Clock {
+        monotonic_ns: monotonic_ns(),
+        realtime_ns: clock_ns(nix::time::ClockId::CLOCK_REALTIME),
     };
-    let line = format!(
-        "tracing {} in netns {} (inode {}) with the {} backend ({}) on {} interfaces; bridge-nf-call-iptables={}",
-        services.join(", "),
-        facts.netns_name,
-        facts.netns_inode,
-        tracer.backend(),
-        tracer.backend_reason(),
-        facts.interfaces.len(),
-        bridge_nf,
-    );
-    let mut stdout = io::stdout().lock();
-    match options.format {
-        OutputFormat::Text => writeln!(stdout, "nattrace: {line}"),
-        OutputFormat::Json => writeln!(
-            stdout,
-            "{}",
-            serde_json::json!({
-                "kind": "start",
-                "services": services,
-                "netns": facts.netns_name,
-                "netns_inode": facts.netns_inode,
-                "backend": tracer.backend(),
-                "backend_reason": tracer.backend_reason(),
-                "interfaces": facts.interfaces,
-                "bridge_nf_call_iptables": facts.bridge_nf_call_iptables,
-                "ip_forward": facts.ip_forward,
-                "skipped": tracer.skipped().iter().map(|s| format!("{}: {}", s.program, s.reason)).collect::<Vec<_>>(),
-            })
-        ),
+    Header {
+        format: FORMAT.to_owned(),
+        version: VERSION,
+        nattrace_version: env!("CARGO_PKG_VERSION").to_owned(),
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_default(),
+        backend: tracer.backend().to_owned(),
+        backend_reason: tracer.backend_reason().to_owned(),
+        services: options.services.iter().map(ToString::to_string).collect(),
+        facts: tracer.facts().clone(),
+        reply_timeout_ms: options.reply_timeout.as_millis() as u64,
+        drop_reasons: kernel_drop_reasons()
+            .pairs()
+            .map(|(v, n)| (v, n.to_owned()))
+            .collect(),
+        clock: Some(clock),
+        skipped: tracer
+            .skipped()
+            .iter()
+            .map(|s| format!("{}: {}", s.program, s.reason))
+            .collect(),
+        kube_proxy: inputs.kube_proxy,
+        checks: serde_json::to_value(&checks.findings).unwrap_or_default(),
+        checks_line: Some(checks.one_line()),
     }
+}
+
+/// The running kernel's drop reason numbering (it differs between kernels);
+/// the built-in 6.18 table when tracefs is not mounted.
+fn kernel_drop_reasons() -> DropReasons {
+    let parsed = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"]
+        .iter()
+        .find_map(|root| {
+            let text = std::fs::read_to_string(Path::new(root).join("events/skb/kfree_skb/format"))
+                .ok()?;
+            DropReasons::parse_tracefs_format(&text).ok()
+        });
+    let Some(parsed) = parsed else {
+        return DropReasons::default();
+    };
+    // tracefs omits the values below NOT_SPECIFIED, but the collector needs
+    // them to tell consumed packets from drops: 0 is NOT_DROPPED_YET, and
+    // 1 is CONSUMED on kernels that have it (NOT_SPECIFIED = 2).
+    let mut pairs: Vec<(u32, String)> = vec![(0, "NOT_DROPPED_YET".into())];
+    if parsed.code("NOT_SPECIFIED") == Some(2) {
+        pairs.push((1, "CONSUMED".into()));
+    }
+    pairs.extend(parsed.pairs().map(|(v, n)| (v, n.to_owned())));
+    DropReasons::from_pairs(pairs)
 }

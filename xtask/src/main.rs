@@ -1,4 +1,5 @@
 //! Developer tasks. `cargo xtask <task>`; see README.md.
+mod bench;
 mod setup;
 mod tasks;
 mod vm;
@@ -22,6 +23,8 @@ enum Task {
     Test(tasks::TestArgs),
     /// Boot Debian 6.1 and 6.12 kernels under QEMU and run the lab scenarios against each backend.
     VmTest(vm::VmTestArgs),
+    /// Measure what nattrace costs a node (lab, release builds) and write BENCHMARKS.md.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -30,5 +33,6 @@ fn main() -> anyhow::Result<()> {
         Task::Demo => tasks::demo(),
         Task::Test(args) => tasks::test(args),
         Task::VmTest(args) => vm::run(args),
+        Task::Bench(args) => bench::run(args),
     }
 }

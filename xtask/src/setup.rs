@@ -122,8 +122,7 @@ fn nightly_with_rust_src() -> anyhow::Result<()> {
 }
 
 fn rustup_targets(targets: &[&str]) -> anyhow::Result<()> {
-    let installed =
-        output_of("rustup", &["target", "list", "--installed"]).unwrap_or_default();
+    let installed = output_of("rustup", &["target", "list", "--installed"]).unwrap_or_default();
     for target in targets {
         if !installed.lines().any(|l| l.trim() == *target) {
             eprintln!("setup: adding rust target {target}");

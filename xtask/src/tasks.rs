@@ -49,7 +49,15 @@ pub fn test(args: TestArgs) -> anyhow::Result<()> {
 /// Builds everything, creates the seed 000 lab node and traces it twice.
 pub fn demo() -> anyhow::Result<()> {
     setup::run()?;
-    cargo(&["build", "--bin", "nattrace", "--bin", "nattrace-demo", "--bin", "lab-server"])?;
+    cargo(&[
+        "build",
+        "--bin",
+        "nattrace",
+        "--bin",
+        "nattrace-demo",
+        "--bin",
+        "lab-server",
+    ])?;
     let target = workspace_root().join("target/debug");
     let status = Command::new(target.join("nattrace-demo"))
         .arg("--nattrace")

@@ -21,11 +21,19 @@ use anyhow::{Context, Result, bail};
 
 use kernel::{Kernel, Series};
 
-/// The smoke test shipped in every initramfs (xtask/src/vm/smoke.sh).
-const DEFAULT_PAYLOAD: &str = "/bin/vm-smoke";
+/// The smoke checks (xtask/src/vm/smoke.sh), then the scenario runner
+/// (tests/src/bin/vm-guest.rs). The runner runs even when a smoke check
+/// failed: its own report says more about what that breaks.
+const DEFAULT_PAYLOAD: &str =
+    "/bin/vm-smoke; smoke=$?; /bin/vm-guest; guest=$?; [ $smoke = 0 ] && [ $guest = 0 ]";
 
 /// Workspace binaries every guest gets in /bin, as PACKAGE:BIN (built for musl).
-pub const PAYLOAD_BINS: &[&str] = &["tracer-userspace:nattrace"];
+/// vm-guest finds nattrace and lab-server next to itself.
+pub const PAYLOAD_BINS: &[&str] = &[
+    "tracer-userspace:nattrace",
+    "nattrace-tests:vm-guest",
+    "nattrace-tests:lab-server",
+];
 
 #[derive(clap::Args)]
 pub struct VmTestArgs {

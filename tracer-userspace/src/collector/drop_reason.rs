@@ -226,6 +226,14 @@ impl DropReasons {
         self.names.get(value as usize).and_then(Option::as_ref)
     }
 
+    /// Every (value, name) known, for recordings to carry the table.
+    pub fn pairs(&self) -> impl Iterator<Item = (u32, &str)> {
+        self.names
+            .iter()
+            .enumerate()
+            .filter_map(|(v, n)| Some((v as u32, n.as_ref()?.as_str())))
+    }
+
     pub fn code(&self, name: &str) -> Option<u32> {
         self.names
             .iter()

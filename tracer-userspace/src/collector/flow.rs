@@ -39,6 +39,9 @@ pub(crate) struct Packet {
     pub dir: Dir,
     pub first_ts: u64,
     pub last_ts: u64,
+    /// Seen at a point of the traced node namespace (tc, netfilter, or a
+    /// device there): the node handled this packet.
+    pub in_node: bool,
 }
 
 /// The first reply event at the client side: what decides `ok` vs `reply_not_reverse_nated`.
@@ -80,6 +83,9 @@ pub(crate) struct Flow {
     /// The request came from a process of the node namespace (nat OUTPUT).
     pub client_local: bool,
     pub client_rst: bool,
+    /// Raw tracepoints see every namespace of the kernel: a flow that never
+    /// touched the traced node (another node on the same kernel) is foreign.
+    pub seen_in_node: bool,
     pub pairs: [PairKey; MAX_PAIRS],
     pub npairs: u8,
     pub client_reply: Option<ClientReply>,
@@ -111,6 +117,7 @@ impl Flow {
             client_ifindex: 0,
             client_local: false,
             client_rst: false,
+            seen_in_node: false,
             pairs: [first; MAX_PAIRS],
             npairs: 1,
             client_reply: None,
@@ -195,6 +202,7 @@ impl Flow {
                     dir,
                     first_ts: ev.ts_ns,
                     last_ts: ev.ts_ns,
+                    in_node: false,
                 });
                 out.new_packet = Some((ev.skb, key));
                 ((self.packets.len() - 1) as u8, None)
@@ -208,6 +216,10 @@ impl Flow {
             packet: idx,
             ..probe
         };
+        if observed_in_node(&obs, ctx) {
+            self.packets[idx as usize].in_node = true;
+            self.seen_in_node = true;
+        }
         match self.packets[idx as usize].dir {
             Dir::Request => self.learn_from_request(ev, &obs, prev.as_ref(), ctx),
             Dir::Reply => {
@@ -286,7 +298,15 @@ impl Flow {
         let node = ctx.is_node(obs.netns);
         match obs.hook {
             hook::DEV_RX | hook::DROP if !node => {
-                self.client_netns != 0 && obs.netns == self.client_netns && obs.dst == self.client
+                // A reply this node never handled came back another way: it
+                // says nothing about this node's NAT (seed 003 seen from the
+                // DNATing node) — unless it never left the client's own
+                // namespace (hairpin without masquerade).
+                let via_node = self.packets[obs.packet as usize].in_node;
+                self.client_netns != 0
+                    && obs.netns == self.client_netns
+                    && obs.dst == self.client
+                    && (via_node || obs.src.addr == self.client.addr)
             }
             hook::TC_EGRESS if node => {
                 self.client_ifindex != 0 && obs.ifindex == self.client_ifindex
@@ -299,5 +319,18 @@ impl Flow {
             }
             _ => false,
         }
+    }
+}
+
+/// tc and netfilter run only in the traced namespace; device events count
+/// when they are on one of its interfaces. Drops do not: a drop without a
+/// device has no namespace.
+fn observed_in_node(obs: &Obs, ctx: &FlowCtx<'_>) -> bool {
+    match obs.hook {
+        hook::TC_INGRESS | hook::TC_EGRESS | hook::NETFILTER | hook::BR_FORWARD => {
+            ctx.is_node(obs.netns)
+        }
+        hook::DEV_RX | hook::DEV_TX => obs.netns != 0 && obs.netns == ctx.node_netns,
+        _ => false,
     }
 }

@@ -9,6 +9,7 @@
 //! `finish(last ts)`.
 mod drop_reason;
 mod flow;
+mod path_rules;
 mod report;
 mod rules;
 mod summary;
@@ -18,6 +19,10 @@ mod types;
 pub(crate) mod fixtures;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_paths;
+#[cfg(test)]
+mod tests_scenarios;
 
 use std::collections::{HashMap, VecDeque};
 
@@ -32,11 +37,11 @@ use self::{
 pub use self::{
     drop_reason::{DropReasons, DropReasonsError},
     report::{FlowReport, Hop, PacketEvidence, Verdict},
-    rules::{Cause, CauseId},
+    rules::{Cause, CauseId, markdown_table},
     summary::{Summary, VerdictCounts},
     types::{Dir, Endpoint, Name, Proto, packet_kind},
 };
-use crate::{facts::NodeFacts, service::Service};
+use crate::{facts::NodeFacts, ruleset::KubeProxyRules, service::Service};
 
 const MS: u64 = 1_000_000;
 
@@ -62,6 +67,8 @@ pub struct CollectorConfig {
     pub max_live_flows: usize,
     pub max_packets_per_flow: usize,
     pub max_events_per_flow: usize,
+    /// kube-proxy's nat rules of the node, to name each flow's Service and chains.
+    pub kube_proxy: KubeProxyRules,
 }
 
 impl Default for CollectorConfig {
@@ -78,6 +85,7 @@ impl Default for CollectorConfig {
             max_live_flows: 200_000,
             max_packets_per_flow: 32,
             max_events_per_flow: 256,
+            kube_proxy: KubeProxyRules::default(),
         }
     }
 }
@@ -257,6 +265,31 @@ impl Collector {
 
     pub fn live_flows(&self) -> usize {
         self.live
+    }
+
+    /// Heap bytes held by the collector's tables (allocator overhead aside),
+    /// for the memory budget benchmark.
+    pub fn approx_memory_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let evidence: usize = self
+            .slots
+            .iter()
+            .filter_map(|s| s.flow.as_ref())
+            .map(|f| {
+                f.packets.capacity() * size_of::<flow::Packet>()
+                    + f.obs.capacity() * size_of::<types::Obs>()
+            })
+            .sum();
+        // hashbrown: one control byte per bucket, buckets ≈ capacity * 8 / 7.
+        let table = |cap: usize, entry: usize| cap * 8 / 7 * (entry + 1);
+        self.slots.capacity() * size_of::<Slot>()
+            + evidence
+            + table(self.pairs.capacity(), size_of::<(PairKey, FlowRef)>())
+            + table(self.skbs.capacity(), size_of::<(u64, SkbEntry)>())
+            + self.pending.capacity() * size_of::<PacketEvent>()
+            + (self.decide_q.capacity() + self.timeout_q.capacity()) * size_of::<(u64, FlowRef)>()
+            + self.age_q.capacity() * size_of::<FlowRef>()
+            + self.free.capacity() * 4
     }
 
     /// Loss is applied here rather than when deciding: a flow can be decided
@@ -506,6 +539,14 @@ impl Collector {
         if flow.reported {
             return;
         }
+        if !flow.seen_in_node {
+            self.summary.foreign_flows += 1;
+            if let Some(f) = self.flow_mut(r) {
+                f.reported = true;
+                f.drop_evidence();
+            }
+            return;
+        }
         let decision = Decision {
             decided_ts: at,
             cut_short: at < flow.first_ts + self.cfg.reply_timeout_ns,
@@ -516,6 +557,7 @@ impl Collector {
             reasons: &self.cfg.drop_reasons,
             known: &self.known,
             reply_timeout_ns: self.cfg.reply_timeout_ns,
+            kube: &self.cfg.kube_proxy,
         };
         let report = report::build(flow, &ctx, decision);
         if report.verdict == Verdict::Ok {

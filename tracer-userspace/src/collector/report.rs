@@ -11,7 +11,10 @@ use super::{
     rules::{self, Cause, RuleCtx},
     types::{Dir, Name, Obs, Proto, packet_kind},
 };
-use crate::facts::NodeFacts;
+use crate::{
+    facts::NodeFacts,
+    ruleset::{KubeMatch, KubeProxyRules},
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
 #[serde(rename_all = "snake_case")]
@@ -89,6 +92,10 @@ pub struct FlowReport {
     pub backend: Option<SocketAddrV4>,
     /// The client's address after SNAT/MASQUERADE, if it was rewritten.
     pub snat: Option<SocketAddrV4>,
+    /// The client reached itself through the Service (backend = client's own address).
+    pub hairpin: bool,
+    /// Service name and kube-proxy chains that sent the flow to its backend.
+    pub kube: Option<KubeMatch>,
     pub cause: Option<Cause>,
     /// One sentence: what happened, for the text line.
     pub detail: String,
@@ -108,6 +115,7 @@ pub(crate) struct ReportCtx<'a> {
     pub reasons: &'a DropReasons,
     pub known: &'a KnownReasons,
     pub reply_timeout_ns: u64,
+    pub kube: &'a KubeProxyRules,
 }
 
 impl ReportCtx<'_> {
@@ -140,10 +148,14 @@ pub(crate) fn verdict_of(flow: &Flow, known: &KnownReasons) -> Verdict {
     }
 }
 
+/// Only drops of packets this node handled: another node's drop of a reply
+/// that bypassed this one is that node's story.
 fn first_drop<'f>(flow: &'f Flow, known: &KnownReasons) -> Option<&'f Obs> {
-    flow.obs
-        .iter()
-        .find(|o| o.hook == hook::DROP && known.is_drop(o.drop_reason))
+    flow.obs.iter().find(|o| {
+        o.hook == hook::DROP
+            && known.is_drop(o.drop_reason)
+            && flow.packets[o.packet as usize].in_node
+    })
 }
 
 pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport {
@@ -158,6 +170,7 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         node_netns: ctx.facts.netns_inode,
         reply_timeout_ns: ctx.reply_timeout_ns,
         drop,
+        kube: ctx.kube,
     };
     // Causes rest on the absence of events too (no netfilter hook, no reply):
     // with events missing they would be guesses.
@@ -171,13 +184,21 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         .backend
         .or(reply_src.filter(|_| verdict == Verdict::ReplyNotReverseNated));
     let detail = detail(flow, ctx, verdict, cause.as_ref(), drop, d);
+    let proto = Proto::from_raw(flow.proto).unwrap_or(Proto::Tcp);
+    let kube = ctx.kube.lookup(
+        flow.service.socket_addr(),
+        proto.as_str(),
+        backend.map(|b| b.socket_addr()),
+    );
     FlowReport {
         verdict,
-        proto: Proto::from_raw(flow.proto).unwrap_or(Proto::Tcp),
+        proto,
         client: flow.client.socket_addr(),
         service: flow.service.socket_addr(),
         backend: backend.map(|b| b.socket_addr()),
         snat: flow.snat.map(|s| s.socket_addr()),
+        hairpin: is_hairpin(flow),
+        kube,
         cause,
         detail,
         incomplete,
@@ -186,6 +207,10 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         decided_ts_ns: d.decided_ts,
         packets: evidence(flow, ctx),
     }
+}
+
+pub(crate) fn is_hairpin(flow: &Flow) -> bool {
+    flow.backend.is_some_and(|b| b.addr == flow.client.addr)
 }
 
 fn kind(flow: &Flow, packet: u8) -> &'static str {
@@ -218,6 +243,9 @@ fn detail(
                 s.push_str(at);
             }
             s.push(')');
+            if is_hairpin(flow) {
+                s.push_str("; hairpin: the pod reached itself through the Service");
+            }
             if let Some(snat) = flow.snat {
                 s.push_str(&format!("; client masqueraded to {snat}"));
             }
@@ -309,7 +337,10 @@ fn no_reply_detail(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> String {
     let last_reply = flow
         .obs
         .iter()
-        .filter(|o| flow.packets[o.packet as usize].dir == Dir::Reply)
+        .filter(|o| {
+            let p = &flow.packets[o.packet as usize];
+            p.dir == Dir::Reply && p.in_node
+        })
         .max_by_key(|o| o.ts_ns);
     match last_reply {
         Some(o) => s.push_str(&format!(

@@ -8,15 +8,23 @@ use tracer_common::{hook, nat_stage, nf_hook};
 
 use super::{
     drop_reason::KnownReasons,
+    path_rules::{hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
     flow::Flow,
     report::Verdict,
-    types::{Obs, packet_kind},
+    types::{Dir, Obs, packet_kind},
 };
-use crate::facts::NodeFacts;
+use crate::{facts::NodeFacts, ruleset::KubeProxyRules};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CauseId {
+    /// Seed 003 seen from the backend's node: the request came in already
+    /// DNATed by another node, the reply left here straight to the client.
+    ReplyBypassesDnatNode,
+    /// Seed 004 case 3 without kube-proxy's `-s <podIP> -j KUBE-MARK-MASQ`.
+    HairpinNotMasqueraded,
+    /// Seed 004 case 3 with `hairpin_mode` off on the pod's bridge port.
+    HairpinModeOff,
     /// Seed 000/001: the reply was bridged between two pods without netfilter.
     BridgeNfCallIptablesOff,
     /// Same evidence, but the sysctl read 1 at start: it changed, or another
@@ -32,6 +40,9 @@ pub enum CauseId {
 
 impl CauseId {
     pub const ALL: &'static [CauseId] = &[
+        CauseId::ReplyBypassesDnatNode,
+        CauseId::HairpinNotMasqueraded,
+        CauseId::HairpinModeOff,
         CauseId::BridgeNfCallIptablesOff,
         CauseId::ReplyBridgedWithoutNetfilter,
         CauseId::NoReplyThroughNode,
@@ -42,6 +53,9 @@ impl CauseId {
 
     pub fn as_str(self) -> &'static str {
         match self {
+            CauseId::ReplyBypassesDnatNode => "reply_bypasses_dnat_node",
+            CauseId::HairpinNotMasqueraded => "hairpin_not_masqueraded",
+            CauseId::HairpinModeOff => "hairpin_mode_off",
             CauseId::BridgeNfCallIptablesOff => "bridge_nf_call_iptables_off",
             CauseId::ReplyBridgedWithoutNetfilter => "reply_bridged_without_netfilter",
             CauseId::NoReplyThroughNode => "no_reply_through_node",
@@ -53,6 +67,15 @@ impl CauseId {
 
     pub fn hint(self) -> &'static str {
         match self {
+            CauseId::ReplyBypassesDnatNode => {
+                "make replies return through the node that DNATed the request: kube-proxy masqueradeAll: true on the nodes the traffic enters by (or externalTrafficPolicy: Cluster), or route the Service CIDR so requests enter where the backend runs"
+            }
+            CauseId::HairpinNotMasqueraded => {
+                "restore kube-proxy's KUBE-SEP rule `-s <podIP>/32 -j KUBE-MARK-MASQ` (let kube-proxy resync its rules), or set masqueradeAll: true"
+            }
+            CauseId::HairpinModeOff => {
+                "turn hairpin mode on for pod bridge ports: kubelet --hairpin-mode=hairpin-veth (or promiscuous-bridge), or the CNI bridge plugin's \"hairpinMode\": true; now: ip link set <port> type bridge_slave hairpin on"
+            }
             CauseId::BridgeNfCallIptablesOff => {
                 "load br_netfilter and set net.bridge.bridge-nf-call-iptables=1 in the node namespace (before kubelet starts)"
             }
@@ -75,6 +98,63 @@ impl CauseId {
     }
 }
 
+impl CauseId {
+    /// The incident behind the cause, for the README's table.
+    pub fn incident(self) -> &'static str {
+        match self {
+            CauseId::ReplyBypassesDnatNode => {
+                "seed 003 seen from the backend's node: request arrives already DNATed, reply leaves with the pod's address"
+            }
+            CauseId::HairpinNotMasqueraded => {
+                "seed 004 case 3: pod → own Service → itself, KUBE-SEP's masquerade rule missing"
+            }
+            CauseId::HairpinModeOff => {
+                "seed 004 case 3: pod → own Service → itself, bridge port hairpin_mode off"
+            }
+            CauseId::BridgeNfCallIptablesOff => {
+                "seed 000/001: same-node reply bridged past netfilter (br_netfilter off), TCP or DNS"
+            }
+            CauseId::ReplyBridgedWithoutNetfilter => {
+                "seed 000 evidence although bridge-nf-call-iptables read 1 (changed, or another namespace owns the bridge)"
+            }
+            CauseId::NoReplyThroughNode => {
+                "seed 003 seen from the DNATing node: asymmetric return path"
+            }
+            CauseId::NotDnated => "Service without endpoints / rules not programmed",
+            CauseId::DroppedByNetfilter => "a DROP/REJECT rule (NetworkPolicy, firewall)",
+            CauseId::DroppedByRpFilter => "reverse-path filter drops an asymmetric packet",
+        }
+    }
+
+    /// The verdicts this cause explains.
+    pub fn verdicts(self) -> &'static [Verdict] {
+        RULES
+            .iter()
+            .find(|r| r.id == self)
+            .map_or(&[], |r| r.verdicts)
+    }
+}
+
+/// The README's "What nattrace recognises" table, one row per cause.
+pub fn markdown_table() -> String {
+    let mut out = String::from("| incident | verdict | cause | fix |\n|---|---|---|---|\n");
+    for id in CauseId::ALL {
+        let verdicts: Vec<String> = id
+            .verdicts()
+            .iter()
+            .map(|v| format!("`{}`", v.as_str()))
+            .collect();
+        out.push_str(&format!(
+            "| {} | {} | `{}` | {} |\n",
+            id.incident(),
+            verdicts.join(" / "),
+            id.as_str(),
+            id.hint().replace('|', "\\|")
+        ));
+    }
+    out
+}
+
 /// A cause as reported: `text` is the full sentence, `clause` the short
 /// form that goes into the flow's one-line detail.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -95,19 +175,24 @@ pub(crate) struct RuleCtx<'a> {
     pub reply_timeout_ns: u64,
     /// The first real drop of the flow (dropped verdict).
     pub drop: Option<&'a Obs>,
+    pub kube: &'a KubeProxyRules,
 }
 
 impl RuleCtx<'_> {
-    fn is_node(&self, netns: u32) -> bool {
+    pub(super) fn first_request_kind(&self) -> &'static str {
+        first_request_kind(self)
+    }
+
+    pub(super) fn is_node(&self, netns: u32) -> bool {
         netns == 0 || netns == self.node_netns
     }
 
-    fn kind(&self, packet: u8) -> &'static str {
+    pub(super) fn kind(&self, packet: u8) -> &'static str {
         let p = &self.flow.packets[packet as usize];
         packet_kind(p.key.proto, p.key.tcp_flags, p.dir)
     }
 
-    fn ifname(&self, ifindex: u32) -> String {
+    pub(super) fn ifname(&self, ifindex: u32) -> String {
         match self.facts.interface(ifindex) {
             Some(i) => i.name.clone(),
             None => format!("if{ifindex}"),
@@ -120,39 +205,54 @@ type Found = (String, String);
 
 struct Rule {
     id: CauseId,
-    verdict: Verdict,
+    verdicts: &'static [Verdict],
     check: fn(&RuleCtx<'_>) -> Option<Found>,
 }
 
 const RULES: &[Rule] = &[
     Rule {
+        id: CauseId::ReplyBypassesDnatNode,
+        verdicts: &[Verdict::ReplyNotReverseNated],
+        check: reply_bypasses_dnat_node,
+    },
+    Rule {
+        id: CauseId::HairpinNotMasqueraded,
+        verdicts: &[Verdict::ReplyNotReverseNated, Verdict::Dropped],
+        check: hairpin_not_masqueraded,
+    },
+    Rule {
+        id: CauseId::HairpinModeOff,
+        verdicts: &[Verdict::NoReply, Verdict::Dropped],
+        check: hairpin_mode_off,
+    },
+    Rule {
         id: CauseId::BridgeNfCallIptablesOff,
-        verdict: Verdict::ReplyNotReverseNated,
+        verdicts: &[Verdict::ReplyNotReverseNated],
         check: bridged_reply_sysctl_off,
     },
     Rule {
         id: CauseId::ReplyBridgedWithoutNetfilter,
-        verdict: Verdict::ReplyNotReverseNated,
+        verdicts: &[Verdict::ReplyNotReverseNated],
         check: bridged_reply_sysctl_on,
     },
     Rule {
         id: CauseId::NoReplyThroughNode,
-        verdict: Verdict::NoReply,
+        verdicts: &[Verdict::NoReply],
         check: no_reply_through_node,
     },
     Rule {
         id: CauseId::NotDnated,
-        verdict: Verdict::NoReply,
+        verdicts: &[Verdict::NoReply],
         check: not_dnated,
     },
     Rule {
         id: CauseId::DroppedByNetfilter,
-        verdict: Verdict::Dropped,
+        verdicts: &[Verdict::Dropped],
         check: dropped_by_netfilter,
     },
     Rule {
         id: CauseId::DroppedByRpFilter,
-        verdict: Verdict::Dropped,
+        verdicts: &[Verdict::Dropped],
         check: dropped_by_rp_filter,
     },
 ];
@@ -160,7 +260,7 @@ const RULES: &[Rule] = &[
 pub(crate) fn infer(ctx: &RuleCtx<'_>) -> Option<Cause> {
     RULES
         .iter()
-        .filter(|r| r.verdict == ctx.verdict)
+        .filter(|r| r.verdicts.contains(&ctx.verdict))
         .find_map(|r| {
             (r.check)(ctx).map(|(clause, text)| Cause {
                 id: r.id,
@@ -238,7 +338,7 @@ fn first_request_kind(ctx: &RuleCtx<'_>) -> &'static str {
     ctx.flow
         .packets
         .iter()
-        .position(|p| p.dir == super::types::Dir::Request)
+        .position(|p| p.dir == Dir::Request)
         .map_or("request", |i| ctx.kind(i as u8))
 }
 
@@ -248,10 +348,28 @@ fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
         .flow
         .packets
         .iter()
-        .any(|p| p.dir == super::types::Dir::Reply)
+        .any(|p| p.dir == Dir::Reply && p.in_node)
     {
         return None;
     }
+    // Seen by the global tracepoints only: the reply took another way.
+    let elsewhere = ctx
+        .flow
+        .obs
+        .iter()
+        .find(|o| {
+            ctx.flow.packets[o.packet as usize].dir == Dir::Reply
+                && o.dst == ctx.flow.client
+                && o.hook == hook::DEV_RX
+        })
+        .map(|o| {
+            format!(
+                "; the client got a {} from {} by another path",
+                ctx.kind(o.packet),
+                o.src
+            )
+        })
+        .unwrap_or_default();
     let at = ctx
         .flow
         .obs
@@ -262,7 +380,7 @@ fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
     Some((
         "DNATed here, the reply never came back through this node".to_string(),
         format!(
-            "the {} was DNATed here to {backend}{at}, but no reply came back through this node within {} ms (asymmetric return path?)",
+            "the {} was DNATed here to {backend}{at}, but no reply came back through this node within {} ms (asymmetric return path){elsewhere}",
             first_request_kind(ctx),
             ctx.reply_timeout_ns / 1_000_000
         ),

@@ -47,4 +47,7 @@ pub struct Summary {
     /// Events that belong to no traced flow (e.g. connections opened before tracing).
     pub unmatched_events: u64,
     pub evicted_flows: u64,
+    /// Flows seen only in other namespaces of this kernel (raw tracepoints
+    /// are global: another node of a kind cluster, a parallel lab), not reported.
+    pub foreign_flows: u64,
 }

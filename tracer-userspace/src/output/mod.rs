@@ -1,7 +1,9 @@
-//! Writers for decided flows: human text lines and JSON lines. Both are
-//! generic over `io::Write` and hold no state beyond formatting options, so
-//! the live run and a later offline analysis print the same thing.
+//! Writers for decided flows: human text lines, JSON lines and pcapng. They
+//! hold no state beyond formatting options (and the pcapng interface table),
+//! so the live run and a later offline analysis print the same thing.
 pub mod json;
+pub mod pcapng;
+pub mod sink;
 pub mod text;
 
 #[cfg(test)]

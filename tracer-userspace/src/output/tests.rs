@@ -45,6 +45,9 @@ fn text_line_for_seed000() {
 fn text_verbose_lists_every_hop_and_colour_is_optional() {
     let (reports, summary) = decide(&fixtures::seed000_same_node(false), false);
     let out = text(&reports, &summary, true, true);
+    if std::env::var_os("NATTRACE_SHOW").is_some() {
+        eprintln!("{}", text(&reports, &summary, false, true));
+    }
     assert!(out.contains('\x1b'));
     assert!(
         out.contains("why: the SYN-ACK crossed the bridge cni0 from veth-backend to veth-client")

@@ -55,6 +55,13 @@ impl<W: io::Write> TextOutput<W> {
         if let Some(snat) = r.snat {
             line.push_str(&format!(" SNAT→ {snat}"));
         }
+        if let Some(k) = &r.kube {
+            line.push_str(&format!(" [{} {}", k.service, k.svc_chain));
+            if let Some(sep) = &k.sep_chain {
+                line.push_str(&format!(" → {sep}"));
+            }
+            line.push(']');
+        }
         line.push_str(&format!(" — {}.", r.detail));
         if let Some(cause) = &r.cause {
             line.push_str(&format!(
@@ -147,6 +154,12 @@ impl<W: io::Write> TextOutput<W> {
             line.push_str(&format!(", {} incomplete", s.incomplete_flows));
         }
         line.push_str(&format!("; lost events: {}", s.lost_events));
+        if s.foreign_flows > 0 {
+            line.push_str(&format!(
+                "; {} flows of other namespaces ignored",
+                s.foreign_flows
+            ));
+        }
         if self.verbose {
             line.push_str(&format!(
                 "; events {}, duplicates {}, late {}, unmatched {}, evicted flows {}, muted packets {}",

@@ -2,6 +2,8 @@
 //! kernel supports (see [`table`]) in the traced network namespace, and hands
 //! out the events, counters and node facts. Dropping the [`Tracer`] detaches
 //! everything it attached and removes what it created, nothing else.
+pub mod cleanup;
+mod kprobes;
 pub mod netns;
 pub mod nf_link;
 pub mod table;
@@ -12,7 +14,7 @@ use std::{io, os::fd::OwnedFd};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
-    programs::RawTracePoint,
+    programs::{KProbe, RawTracePoint},
 };
 use tokio::io::{Interest, unix::AsyncFd};
 use tracer_common::{
@@ -22,7 +24,7 @@ use tracer_common::{
 use self::{
     netns::{Netns, NetnsError},
     nf_link::NfPrograms,
-    table::{Attach, Backend, KernelFeatures},
+    table::{Attach, Backend, BackendChoice, KernelFeatures},
     tc::TcAttachments,
 };
 use crate::{
@@ -40,6 +42,8 @@ pub struct TraceOptions {
     pub netns: Option<String>,
     /// Ring-buffer size: a power of two, at least one page.
     pub ringbuf_bytes: u32,
+    /// `--backend`.
+    pub backend: BackendChoice,
 }
 
 /// A program of the table that is not running, and why (one line for the CLI).
@@ -72,6 +76,9 @@ pub enum TraceError {
     Invalid(String),
     #[error("kernel refused: {0}")]
     Kernel(String),
+    /// A forced backend this kernel cannot run; names the missing feature.
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 impl From<NetnsError> for TraceError {
@@ -89,6 +96,8 @@ fn kernel_err<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> TraceError 
 
 pub struct Tracer {
     backend: Backend,
+    /// Why this backend (for the preamble).
+    backend_reason: String,
     netns: Netns,
     facts: NodeFacts,
     skipped: Vec<Skipped>,
@@ -110,20 +119,25 @@ impl Tracer {
             return Err(TraceError::NotRoot);
         }
         validate(opts)?;
-        let netns = Netns::open(opts.netns.as_deref())?;
-        let offsets = KernelBtf::load()?.kernel_offsets()?;
         let kernel = KernelFeatures::probe();
+        let (backend, backend_reason) =
+            table::choose(opts.backend, &kernel).map_err(TraceError::Unsupported)?;
+        let netns = Netns::open(opts.netns.as_deref())?;
+        let mut btf = KernelBtf::load()?;
+        let offsets = btf.kernel_offsets()?;
         log::debug!("kernel {:?}, offsets {offsets:?}", kernel.version);
 
         let mut ebpf = EbpfLoader::new()
             .map_max_entries("EVENTS", opts.ringbuf_bytes)
             .load(OBJECT)
             .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;
-        write_config(&mut ebpf, offsets, &opts.services)?;
+        write_config(&mut ebpf, offsets, netns.inode, &opts.services)?;
 
-        let backend = Backend::Netfilter;
-        let (plan, mut skipped) =
+        let (mut plan, mut skipped) =
             table::plan(backend, &kernel, |name| ebpf.program(name).is_some());
+        if backend == Backend::Kprobe {
+            kprobes::resolve(&mut plan, &mut skipped, &mut btf);
+        }
 
         // Netfilter programs share aya's maps, so load them before taking any.
         let nf_names: Vec<&str> = plan
@@ -170,12 +184,25 @@ impl Tracer {
                     prog.load().map_err(|e| load_error(spec.name, e))?;
                     tc_programs.push((spec.name, attach_type));
                 }
-                Attach::Netfilter { .. } | Attach::Kprobe(_) => {}
+                Attach::Kprobe { symbol, .. } => {
+                    // Global, like the raw tracepoints: no namespace switch.
+                    let prog: &mut KProbe = ebpf
+                        .program_mut(spec.name)
+                        .expect("planned programs exist")
+                        .try_into()
+                        .map_err(|e| TraceError::Kernel(format!("{}: {e}", spec.name)))?;
+                    prog.load().map_err(|e| load_error(spec.name, e))?;
+                    prog.attach(symbol, 0)
+                        .map_err(|e| load_error(spec.name, e))?;
+                    attached.push(spec.label);
+                }
+                Attach::Netfilter { .. } => {}
             }
         }
 
         let mut tracer = Tracer {
             backend,
+            backend_reason,
             facts: NodeFacts {
                 netns_inode: netns.inode,
                 netns_name: netns.name.clone(),
@@ -257,7 +284,9 @@ impl Tracer {
         let nf: Vec<&str> = self
             .attached
             .iter()
-            .filter(|l| !l.starts_with("raw_tp") && !l.starts_with("tc"))
+            .filter(|l| {
+                !l.starts_with("raw_tp") && !l.starts_with("tc") && !l.starts_with("kprobe")
+            })
             .copied()
             .collect();
         if !nf.is_empty() {
@@ -266,7 +295,7 @@ impl Tracer {
         out.extend(
             self.attached
                 .iter()
-                .filter(|l| l.starts_with("raw_tp"))
+                .filter(|l| l.starts_with("raw_tp") || l.starts_with("kprobe"))
                 .map(|l| l.to_string()),
         );
         out
@@ -274,6 +303,11 @@ impl Tracer {
 
     pub fn backend(&self) -> &'static str {
         self.backend.name()
+    }
+
+    /// Why [`backend`](Self::backend) was chosen, e.g. "no BPF netfilter links before 6.4".
+    pub fn backend_reason(&self) -> &str {
+        &self.backend_reason
     }
 
     /// Waits until the kernel has written events, then drains them into `out`.
@@ -387,6 +421,54 @@ impl Drop for Tracer {
     }
 }
 
+/// Loads every program of `backend` into the kernel (so the verifier checks
+/// it against this kernel) without attaching anything, and returns their
+/// names. This is how a kernel without kprobes still proves the kprobe
+/// programs load.
+pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
+    if !nix::unistd::geteuid().is_root() {
+        return Err(TraceError::NotRoot);
+    }
+    let offsets = KernelBtf::load()?.kernel_offsets()?;
+    let mut ebpf = EbpfLoader::new()
+        .load(OBJECT)
+        .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;
+    write_config(&mut ebpf, offsets, 0, &[])?;
+    let mut loaded = Vec::new();
+    let mut nf_names = Vec::new();
+    for spec in table::PROGRAMS
+        .iter()
+        .filter(|p| p.backends.contains(&backend))
+    {
+        let prog = ebpf.program_mut(spec.name).ok_or_else(|| {
+            TraceError::Kernel(format!("{} is not in the eBPF object", spec.name))
+        })?;
+        let loaded_one = match spec.attach {
+            Attach::Netfilter { .. } => {
+                nf_names.push(spec.name);
+                continue;
+            }
+            Attach::Tc(_) => <&mut aya::programs::SchedClassifier>::try_from(prog)
+                .map_err(|e| load_error(spec.name, e))?
+                .load(),
+            Attach::RawTracepoint(_) => <&mut RawTracePoint>::try_from(prog)
+                .map_err(|e| load_error(spec.name, e))?
+                .load(),
+            Attach::Kprobe { .. } => <&mut KProbe>::try_from(prog)
+                .map_err(|e| load_error(spec.name, e))?
+                .load(),
+        };
+        loaded_one.map_err(|e| load_error(spec.name, e))?;
+        loaded.push(spec.name);
+    }
+    if !nf_names.is_empty() {
+        NfPrograms::load(OBJECT, &ebpf, &nf_names)
+            .map_err(|e| TraceError::Kernel(e.to_string()))?;
+        loaded.extend(nf_names);
+    }
+    Ok(loaded)
+}
+
 fn validate(opts: &TraceOptions) -> Result<(), TraceError> {
     if opts.services.is_empty() {
         return Err(TraceError::Invalid(
@@ -422,10 +504,12 @@ fn take_map(ebpf: &mut Ebpf, name: &str) -> Result<aya::maps::Map, TraceError> {
 fn write_config(
     ebpf: &mut Ebpf,
     offsets: tracer_common::KernelOffsets,
+    node_netns: u32,
     services: &[Service],
 ) -> Result<(), TraceError> {
     let config = Config {
         offsets,
+        node_netns,
         ..Default::default()
     };
     let mut array: Array<&mut MapData, Config> = Array::try_from(

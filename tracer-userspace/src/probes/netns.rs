@@ -116,7 +116,7 @@ pub fn read_sysctl_bool(path: &str) -> Option<bool> {
     Some(text.trim() != "0")
 }
 
-fn netlink_request(
+pub(super) fn netlink_request(
     msg: RouteNetlinkMessage,
     flags: u16,
 ) -> Result<Vec<RouteNetlinkMessage>, NetnsError> {

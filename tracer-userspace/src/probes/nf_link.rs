@@ -149,6 +149,37 @@ impl NfPrograms {
     }
 }
 
+/// Whether this kernel loads BPF_PROG_TYPE_NETFILTER programs (they came
+/// with netfilter links, in 6.4 or a backport). None = cannot tell (e.g. not
+/// privileged).
+pub fn probe_support() -> Option<bool> {
+    // r0 = NF_ACCEPT; exit
+    let insns = [
+        bpf_insn {
+            code: 0xb7,
+            _bitfield_align_1: [],
+            _bitfield_1: bpf_insn::new_bitfield_1(0, 0),
+            off: 0,
+            imm: 1,
+        },
+        bpf_insn {
+            code: 0x95,
+            _bitfield_align_1: [],
+            _bitfield_1: bpf_insn::new_bitfield_1(0, 0),
+            off: 0,
+            imm: 0,
+        },
+    ];
+    let license = CString::new("GPL").expect("no NUL");
+    match load_one("nattrace_probe", &insns, &license) {
+        Ok(_) => Some(true),
+        Err(NfLinkError::Load { error, .. }) if error.raw_os_error() == Some(libc::EINVAL) => {
+            Some(false)
+        }
+        Err(_) => None,
+    }
+}
+
 fn load_one(name: &str, insns: &[bpf_insn], license: &CString) -> Result<OwnedFd, NfLinkError> {
     let attempt = |log: Option<&mut Vec<u8>>| {
         // SAFETY: as above.

@@ -33,8 +33,12 @@ pub enum Attach {
     Netfilter { hook: u8, priority: i32 },
     /// Global raw tracepoint.
     RawTracepoint(&'static str),
-    /// Kernel function entry.
-    Kprobe(&'static str),
+    /// Kernel function entry, global. With `unless`, only when the kernel
+    /// lacks that symbol (a fallback for an older kernel's function).
+    Kprobe {
+        symbol: &'static str,
+        unless: Option<&'static str>,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,30 +136,86 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         need: Need::RawTracepoint,
         label: "raw_tp kfree_skb",
     },
-    // Kprobe backend (issue 5): rows exist so the table is complete; the
-    // programs are not in the object yet and are reported as such.
-    ProgramSpec {
-        name: "kp_nf_hook_slow",
-        attach: Attach::Kprobe("nf_hook_slow"),
-        backends: KP,
-        need: Need::Kprobes,
-        label: "kprobe nf_hook_slow",
-    },
-    ProgramSpec {
-        name: "kp_nf_nat_manip_pkt",
-        attach: Attach::Kprobe("nf_nat_manip_pkt"),
-        backends: KP,
-        need: Need::Kprobes,
-        label: "kprobe nf_nat_manip_pkt",
-    },
-    ProgramSpec {
-        name: "kp_br_forward",
-        attach: Attach::Kprobe("br_forward"),
-        backends: KP,
-        need: Need::Kprobes,
-        label: "kprobe br_forward",
-    },
+    // nf_hook_slow first: the NAT probes read the hook it records.
+    kp(
+        "kp_nf_hook_slow",
+        "nf_hook_slow",
+        None,
+        "kprobe nf_hook_slow",
+    ),
+    kp(
+        "kp_nf_nat_manip_pkt",
+        "nf_nat_manip_pkt",
+        None,
+        "kprobe nf_nat_manip_pkt",
+    ),
+    // nf_nat_manip_pkt exists since 5.1; before, the rewrite is only
+    // reachable through nf_nat_packet.
+    kp(
+        "kp_nf_nat_packet",
+        "nf_nat_packet",
+        Some("nf_nat_manip_pkt"),
+        "kprobe nf_nat_packet",
+    ),
+    kp("kp_br_forward", "br_forward", None, "kprobe br_forward"),
 ];
+
+const fn kp(
+    name: &'static str,
+    symbol: &'static str,
+    unless: Option<&'static str>,
+    label: &'static str,
+) -> ProgramSpec {
+    ProgramSpec {
+        name,
+        attach: Attach::Kprobe { symbol, unless },
+        backends: KP,
+        need: Need::Kprobes,
+        label,
+    }
+}
+
+/// `--backend`: which one the user asked for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackendChoice {
+    #[default]
+    Auto,
+    Netfilter,
+    Kprobe,
+}
+
+/// The backend to run and why (for the preamble), or why the forced one
+/// cannot run here (one line, naming the missing kernel feature).
+pub fn choose(choice: BackendChoice, kernel: &KernelFeatures) -> Result<(Backend, String), String> {
+    let nf = kernel.check(Need::NetfilterLink);
+    let kp = kernel.check(Need::Kprobes);
+    match choice {
+        BackendChoice::Netfilter => nf
+            .map(|()| (Backend::Netfilter, "forced with --backend".to_owned()))
+            .map_err(|_| {
+                "BPF netfilter links not available in this kernel (needs >= 6.4)".to_owned()
+            }),
+        BackendChoice::Kprobe => kp
+            .map(|()| (Backend::Kprobe, "forced with --backend".to_owned()))
+            .map_err(|_| "kprobes not available in this kernel (CONFIG_KPROBES)".to_owned()),
+        BackendChoice::Auto => Ok(match (nf, kp) {
+            (Ok(()), _) => (
+                Backend::Netfilter,
+                "BPF netfilter links available".to_owned(),
+            ),
+            (Err(_), Ok(())) => (
+                Backend::Kprobe,
+                "no BPF netfilter links before 6.4".to_owned(),
+            ),
+            // tc and the tracepoints still show where packets went.
+            (Err(_), Err(_)) => (
+                Backend::Netfilter,
+                "no BPF netfilter links before 6.4 and no kprobes: tc and tracepoints only"
+                    .to_owned(),
+            ),
+        }),
+    }
+}
 
 /// What the running kernel offers, probed once at start.
 #[derive(Clone, Copy, Debug)]
@@ -163,6 +223,7 @@ pub struct KernelFeatures {
     pub version: (u8, u8, u16),
     pub kprobes: bool,
     pub tcx: bool,
+    pub netfilter_links: bool,
 }
 
 impl KernelFeatures {
@@ -174,10 +235,18 @@ impl KernelFeatures {
                 ((c >> 16) as u8, (c >> 8) as u8, (c & 0xff) as u16)
             })
             .unwrap_or((0, 0, 0));
-        Self::from_parts(
+        let mut features = Self::from_parts(
             version,
-            Path::new("/sys/bus/event_source/devices/kprobe").exists(),
-        )
+            // aya attaches kprobes through this PMU; it is missing when
+            // CONFIG_KPROBES is off (these build machines).
+            Path::new("/sys/bus/event_source/devices/kprobe/type").exists(),
+        );
+        // Distributions backport BPF netfilter links: ask the kernel rather
+        // than trust the version.
+        if let Some(loads) = super::nf_link::probe_support() {
+            features.netfilter_links = loads;
+        }
+        features
     }
 
     pub fn from_parts(version: (u8, u8, u16), kprobes: bool) -> Self {
@@ -185,22 +254,19 @@ impl KernelFeatures {
             version,
             kprobes,
             tcx: version >= (6, 6, 0),
+            netfilter_links: (version.0, version.1) >= (6, 4),
         }
-    }
-
-    fn at_least(&self, major: u8, minor: u8) -> bool {
-        (self.version.0, self.version.1) >= (major, minor)
     }
 
     /// Err = one human reason why `need` is not met.
     pub fn check(&self, need: Need) -> Result<(), String> {
         match need {
             Need::Tc | Need::RawTracepoint => Ok(()),
-            Need::NetfilterLink if self.at_least(6, 4) => Ok(()),
+            Need::NetfilterLink if self.netfilter_links => Ok(()),
             Need::NetfilterLink => Err("BPF netfilter links need kernel >= 6.4".to_owned()),
             Need::Kprobes if self.kprobes => Ok(()),
             Need::Kprobes => Err(
-                "kprobes not available in this kernel (CONFIG_KPROBES; no /sys/bus/event_source/devices/kprobe)"
+                "kprobes not available in this kernel (CONFIG_KPROBES; no /sys/bus/event_source/devices/kprobe/type)"
                     .to_owned(),
             ),
         }
@@ -261,8 +327,47 @@ mod tests {
     fn kprobe_backend_without_kprobes_says_why() {
         let k = KernelFeatures::from_parts((6, 18, 0), false);
         let (_, skipped) = plan(Backend::Kprobe, &k, |_| true);
-        assert_eq!(skipped.len(), 3);
+        assert_eq!(skipped.len(), 4);
         assert!(skipped.iter().all(|s| s.reason.contains("CONFIG_KPROBES")));
+    }
+
+    #[test]
+    fn backend_choice() {
+        let host = KernelFeatures::from_parts((6, 18, 0), false);
+        let old = KernelFeatures::from_parts((6, 1, 0), true);
+        let mid = KernelFeatures::from_parts((6, 12, 0), true);
+        let bare = KernelFeatures::from_parts((5, 10, 0), false);
+        let pick = |c, k: &KernelFeatures| choose(c, k).map(|(b, _)| b);
+        assert_eq!(pick(BackendChoice::Auto, &host), Ok(Backend::Netfilter));
+        assert_eq!(pick(BackendChoice::Auto, &mid), Ok(Backend::Netfilter));
+        let (b, why) = choose(BackendChoice::Auto, &old).unwrap();
+        assert_eq!(b, Backend::Kprobe);
+        assert!(why.contains("6.4"), "{why}");
+        assert_eq!(pick(BackendChoice::Auto, &bare), Ok(Backend::Netfilter));
+        assert_eq!(
+            choose(BackendChoice::Kprobe, &host).unwrap_err(),
+            "kprobes not available in this kernel (CONFIG_KPROBES)"
+        );
+        assert_eq!(pick(BackendChoice::Kprobe, &mid), Ok(Backend::Kprobe));
+        assert!(
+            choose(BackendChoice::Netfilter, &old)
+                .unwrap_err()
+                .contains("6.4")
+        );
+    }
+
+    #[test]
+    fn kprobe_backend_on_old_kernel_plans_tc_tracepoints_and_kprobes() {
+        let k = KernelFeatures::from_parts((6, 1, 0), true);
+        let (run, skipped) = plan(Backend::Kprobe, &k, |_| true);
+        assert!(skipped.is_empty());
+        assert_eq!(run.len(), 9);
+        // nf_hook_slow must be attached before the NAT probes that read its slot.
+        let first_kp = run
+            .iter()
+            .position(|p| matches!(p.attach, Attach::Kprobe { .. }))
+            .unwrap();
+        assert_eq!(run[first_kp].name, "kp_nf_hook_slow");
     }
 
     #[test]

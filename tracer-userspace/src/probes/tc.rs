@@ -8,7 +8,7 @@ use aya::{
     Ebpf,
     programs::{
         Link, LinkOrder, SchedClassifier, TcAttachType,
-        tc::{NlOptions, SchedClassifierLink, TcAttachOptions},
+        tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
     },
 };
 
@@ -70,7 +70,12 @@ impl TcAttachments {
                     // program redirects or rewrites it; we always pass it on.
                     TcAttachOptions::TcxOrder(LinkOrder::first())
                 } else {
-                    TcAttachOptions::Netlink(NlOptions::default())
+                    // A handle nobody else uses marks the filter as ours, so
+                    // a later run can remove it if this one is SIGKILLed.
+                    TcAttachOptions::Netlink(NlOptions {
+                        handle: TcHandle::from(super::cleanup::FILTER_HANDLE),
+                        ..NlOptions::default()
+                    })
                 };
                 let id = prog
                     .attach_with_options(&iface.name, attach_type, options)

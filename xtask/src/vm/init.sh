@@ -31,11 +31,13 @@ while read -r m; do
 done < /etc/modules.order
 [ -n "$failed" ] && echo "vm: modules that did not load:$failed"
 
-echo "vm: running payload: $(cat /etc/payload)"
+# Uptimes on the console show where a slow guest spends its time.
+echo "vm: running payload at uptime $(cut -d' ' -f1 /proc/uptime)s: $(cat /etc/payload)"
 sh -c "$(cat /etc/payload)"
 rc=$?
 # A leading newline so the marker never shares a line with payload output.
 echo
+echo "vm: payload done at uptime $(cut -d' ' -f1 /proc/uptime)s"
 echo "NATTRACE-VM-RESULT rc=$rc"
 sync
 poweroff -f

@@ -17,6 +17,8 @@ use super::kernel::Kernel;
 /// Host programs copied into the guest together with the shared libraries they load.
 const HOST_PROGRAMS: &[&str] = &[
     "/usr/sbin/ip",
+    // The lab writes the vxlan overlay's fdb entries with it.
+    "/usr/sbin/bridge",
     "/usr/sbin/xtables-nft-multi",
     "/usr/sbin/xtables-legacy-multi",
     "/usr/sbin/conntrack",

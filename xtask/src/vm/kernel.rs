@@ -20,6 +20,8 @@ pub const MODULES: &[&str] = &[
     "bridge",
     "br_netfilter",
     "veth",
+    // Seed 000's two nodes are joined by a flannel-style vxlan overlay.
+    "vxlan",
     "crc32c-intel",
     "crc32c_generic",
     "libcrc32c",
@@ -43,6 +45,8 @@ pub const MODULES: &[&str] = &[
     "xt_tcpudp",
     "xt_addrtype",
     "xt_conntrack",
+    // kube-proxy picks among endpoints with `-m statistic --mode random`.
+    "xt_statistic",
     "sch_ingress",
     "cls_bpf",
 ];

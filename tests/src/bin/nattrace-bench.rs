@@ -1,0 +1,478 @@
+//! The lab half of `cargo xtask bench` (issue 7): what nattrace costs a node,
+//! side by side with no tracer and with tcpdump, on one lab node built here.
+//!
+//! ```text
+//! nattrace-bench --nattrace PATH [--collector-json PATH] [--out BENCHMARKS.md]
+//!                [--runs 5] [--secs 3] [--conn-secs 3] [--pods 200] [--only bulk,conn,startup]
+//! ```
+//!
+//! Conditions alternate run by run, so slow drifts of a shared machine hit
+//! all of them alike; results are ratios to the no-tracer median.
+
+#[path = "../bench/report.rs"]
+mod report;
+#[path = "../bench/shared.rs"]
+mod shared;
+
+use std::net::SocketAddrV4;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use lab::Lab;
+use report::{BulkSample, Cond, ConnResults, Results, StartupResults};
+use shared::{Addrs, BULK_PORT, CONN_PORT, ClientLoad, NODE, OTHER_PORT};
+
+struct Opts {
+    nattrace: PathBuf,
+    collector_json: Option<PathBuf>,
+    out: Option<PathBuf>,
+    runs: usize,
+    secs: u64,
+    conn_secs: f64,
+    pods: usize,
+    only: Vec<String>,
+}
+
+fn parse_opts() -> anyhow::Result<Opts> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let get = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let num = |name: &str, default: f64| -> anyhow::Result<f64> {
+        get(name).map_or(Ok(default), |v| {
+            v.parse().with_context(|| format!("{name} {v}"))
+        })
+    };
+    Ok(Opts {
+        nattrace: get("--nattrace")
+            .context("--nattrace PATH is required")?
+            .into(),
+        collector_json: get("--collector-json").map(PathBuf::from),
+        out: get("--out").map(PathBuf::from),
+        runs: num("--runs", 5.0)?.max(1.0) as usize,
+        secs: num("--secs", 3.0)?.max(1.0) as u64,
+        conn_secs: num("--conn-secs", 3.0)?.max(0.5),
+        pods: (num("--pods", 200.0)? as usize).clamp(2, 222),
+        only: get("--only")
+            .unwrap_or_else(|| "bulk,conn,startup".into())
+            .split(',')
+            .map(str::to_string)
+            .collect(),
+    })
+}
+
+fn sibling(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let path = exe.with_file_name(name);
+    if !path.is_file() {
+        bail!(
+            "{} not found: build it with cargo build --release -p nattrace-tests",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("nattrace-bench: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    if !lab::is_root() {
+        bail!("needs root (network namespaces, eBPF)");
+    }
+    let opts = parse_opts()?;
+    let conn_bench = sibling("conn-bench")?;
+    let mut results = Results {
+        machine: report::machine(),
+        runs: opts.runs,
+        secs: opts.secs,
+        conn_secs: opts.conn_secs,
+        ..Results::default()
+    };
+    // Held for the whole bench: while this fd is open the kernel keeps
+    // per-program run time (BPF_ENABLE_STATS), and it stops when we exit.
+    let stats_fd = enable_bpf_stats();
+    results.bpf_stats = stats_fd.is_some();
+    let addrs = Addrs::for_this_process(0);
+    if opts.only.iter().any(|s| s == "bulk" || s == "conn") {
+        let lab = Lab::build(shared::spec(&addrs, true, 0))?;
+        let ctx = Ctx {
+            lab: &lab,
+            addrs,
+            opts: &opts,
+            conn_bench: &conn_bench,
+        };
+        if opts.only.iter().any(|s| s == "bulk") {
+            results.bulk = bulk(&ctx)?;
+        }
+        if opts.only.iter().any(|s| s == "conn") {
+            results.conn = Some(conn(&ctx)?);
+        }
+        results.startup_small = startup_runs(&ctx, 3)?.0;
+    }
+    if opts.only.iter().any(|s| s == "startup") {
+        say(&format!("building a lab node with {} pods", opts.pods));
+        let big_addrs = Addrs::for_this_process(7);
+        let t0 = Instant::now();
+        let lab = Lab::build(shared::spec(&big_addrs, true, opts.pods - 2))?;
+        say(&format!("  built in {:.1} s", t0.elapsed().as_secs_f64()));
+        let ctx = Ctx {
+            lab: &lab,
+            addrs: big_addrs,
+            opts: &opts,
+            conn_bench: &conn_bench,
+        };
+        let (start_ms, detach_ms, interfaces) = startup_runs(&ctx, 5)?;
+        results.startup = Some(StartupResults {
+            pods: opts.pods,
+            interfaces,
+            start_ms,
+            detach_ms,
+        });
+    }
+    if let Some(path) = &opts.collector_json {
+        let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
+        results.collector = Some(serde_json::from_str(&text)?);
+    }
+    results.load_after = report::loadavg();
+    drop(stats_fd);
+    let md = report::markdown(&results);
+    println!("\n{md}");
+    if let Some(out) = &opts.out {
+        std::fs::write(out, &md).with_context(|| format!("writing {}", out.display()))?;
+        say(&format!("wrote {}", out.display()));
+    }
+    Ok(())
+}
+
+fn say(s: &str) {
+    lab::tracer::say(s);
+}
+
+struct Ctx<'a> {
+    lab: &'a Lab,
+    addrs: Addrs,
+    opts: &'a Opts,
+    conn_bench: &'a Path,
+}
+
+impl Ctx<'_> {
+    fn svc(&self, cond: Cond) -> SocketAddrV4 {
+        match cond {
+            Cond::Other => SocketAddrV4::new(self.addrs.other_svc, OTHER_PORT),
+            _ => SocketAddrV4::new(self.addrs.bulk_svc, BULK_PORT),
+        }
+    }
+}
+
+fn bulk(ctx: &Ctx) -> anyhow::Result<Vec<(Cond, Vec<BulkSample>)>> {
+    let port = BULK_PORT.to_string();
+    ctx.lab
+        .spawn(shared::BACKEND, &["iperf3", "-s", "-p", &port])?;
+    shared::wait_listening(ctx.lab, shared::BACKEND, BULK_PORT, Duration::from_secs(10))?;
+    let conds = [Cond::None, Cond::Other, Cond::This, Cond::Tcpdump];
+    let mut out: Vec<(Cond, Vec<BulkSample>)> = conds.iter().map(|c| (*c, Vec::new())).collect();
+    for r in 0..ctx.opts.runs {
+        for (cond, samples) in &mut out {
+            let s = bulk_run(ctx, *cond)?;
+            say(&format!(
+                "bulk run {}/{} {:<28} {:6.2} Gbit/s  events {:>7} muted {:>8}",
+                r + 1,
+                ctx.opts.runs,
+                cond.label(),
+                s.gbps,
+                s.events,
+                s.muted
+            ));
+            samples.push(s);
+        }
+    }
+    Ok(out)
+}
+
+fn iperf(ctx: &Ctx) -> anyhow::Result<f64> {
+    let (svc, port, secs) = (
+        ctx.addrs.bulk_svc.to_string(),
+        BULK_PORT.to_string(),
+        ctx.opts.secs.to_string(),
+    );
+    let out = ctx.lab.exec_timeout(
+        shared::CLIENT,
+        &[
+            "iperf3",
+            "-c",
+            &svc,
+            "-p",
+            &port,
+            "-t",
+            &secs,
+            "-J",
+            "--connect-timeout",
+            "3000",
+        ],
+        Duration::from_secs(ctx.opts.secs + 30),
+    )?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("iperf3: {}", String::from_utf8_lossy(&out.stderr)))?;
+    v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .map(|b| b / 1e9)
+        .with_context(|| format!("iperf3 failed: {}", v["error"]))
+}
+
+fn bulk_run(ctx: &Ctx, cond: Cond) -> anyhow::Result<BulkSample> {
+    match cond {
+        Cond::None => Ok(BulkSample {
+            gbps: iperf(ctx)?,
+            ..Default::default()
+        }),
+        Cond::Other | Cond::This => {
+            let (tracer, _) =
+                shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[ctx.svc(cond)], &[])?;
+            let pid = tracer.pid();
+            let before = prog_runtime(pid);
+            let gbps = iperf(ctx);
+            let after = prog_runtime(pid);
+            let hwm = status_kib(pid, "VmHWM:");
+            let done = shared::stop_nattrace(tracer)?;
+            let summary = done.summary()?;
+            Ok(BulkSample {
+                gbps: gbps?,
+                events: summary["events"].as_u64().unwrap_or(0),
+                muted: summary["muted_packets"].as_u64().unwrap_or(0),
+                lost: summary["lost_events"].as_u64().unwrap_or(0),
+                bpf_ns: after.0.saturating_sub(before.0),
+                bpf_runs: after.1.saturating_sub(before.1),
+                rss_kib: hwm,
+                pcap_bytes: 0,
+            })
+        }
+        Cond::Tcpdump => {
+            let file =
+                std::env::temp_dir().join(format!("nattrace-bench-{}.pcap", std::process::id()));
+            let mut dump = start_tcpdump(ctx.lab, &file)?;
+            let gbps = iperf(ctx);
+            unsafe { libc::kill(dump.id() as i32, libc::SIGTERM) };
+            let _ = dump.wait();
+            let size = std::fs::metadata(&file).map_or(0, |m| m.len());
+            let _ = std::fs::remove_file(&file);
+            Ok(BulkSample {
+                gbps: gbps?,
+                pcap_bytes: size,
+                ..Default::default()
+            })
+        }
+    }
+}
+
+/// `tcpdump -i cni0 -w FILE` in the node namespace, once it says it listens.
+fn start_tcpdump(lab: &Lab, file: &Path) -> anyhow::Result<Child> {
+    use std::io::{BufRead, BufReader};
+    let mut cmd = lab.netns(NODE)?.command("tcpdump")?;
+    cmd.args(["-i", "cni0", "-n", "-w"]).arg(file);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().context("starting tcpdump")?;
+    let stderr = child.stderr.take().expect("piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("listening on") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    if rx.recv_timeout(Duration::from_secs(10)).is_err() {
+        let _ = child.kill();
+        let _ = child.wait();
+        bail!("tcpdump did not start listening on cni0");
+    }
+    Ok(child)
+}
+
+fn conn(ctx: &Ctx) -> anyhow::Result<ConnResults> {
+    shared::start_conn_server(ctx.lab, ctx.conn_bench)?;
+    let load = ClientLoad {
+        count: 1_000_000,
+        secs: ctx.opts.conn_secs,
+        parallel: 2,
+        timeout_ms: 2000,
+    };
+    let svc = SocketAddrV4::new(ctx.addrs.conn_svc, CONN_PORT);
+    let mut res = ConnResults::default();
+    for r in 0..ctx.opts.runs {
+        let plain = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load)?;
+        let (tracer, _) = shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[svc], &[])?;
+        let traced = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load);
+        // The last replies and the client's reactions still have to be read.
+        std::thread::sleep(Duration::from_millis(300));
+        let done = shared::stop_nattrace(tracer)?;
+        let traced = traced?;
+        let check = shared::count_check(&done, &ctx.addrs, &traced, true);
+        say(&format!(
+            "conn run {}/{}: {:7.0} conns/s untraced, {:7.0} traced; count check: {} conns, {} flows, {} ok, {} lost{}",
+            r + 1,
+            ctx.opts.runs,
+            plain.per_sec,
+            traced.per_sec,
+            traced.attempted,
+            check.flows,
+            check.ok,
+            check.lost_events,
+            if check.problems.is_empty() {
+                String::new()
+            } else {
+                format!(" FAILED: {:?}", check.problems)
+            }
+        ));
+        res.plain.push(plain);
+        res.traced.push((traced, check));
+    }
+    ctx.lab.run(
+        NODE,
+        &["sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0"],
+    )?;
+    let small = ClientLoad {
+        count: 20,
+        secs: 30.0,
+        parallel: 4,
+        timeout_ms: 300,
+    };
+    let (tracer, _) = shared::start_nattrace(
+        &ctx.opts.nattrace,
+        ctx.lab,
+        &[svc],
+        &["--reply-timeout", "1000"],
+    )?;
+    let run = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &small);
+    std::thread::sleep(Duration::from_millis(300));
+    let done = shared::stop_nattrace(tracer)?;
+    ctx.lab.run(
+        NODE,
+        &["sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1"],
+    )?;
+    let run = run?;
+    let check = shared::count_check(&done, &ctx.addrs, &run, false);
+    say(&format!(
+        "bridge-nf-call-iptables=0: {} conns ({} completed), {} flows, {} flagged{}",
+        run.attempted,
+        run.ok,
+        check.flows,
+        check.flagged,
+        if check.problems.is_empty() {
+            String::new()
+        } else {
+            format!(" FAILED: {:?}", check.problems)
+        }
+    ));
+    res.broken = Some((run, check));
+    Ok(res)
+}
+
+/// Start (spawn → first line) and detach (SIGTERM → exit) times in ms, and
+/// how many interfaces nattrace reported.
+fn startup_runs(ctx: &Ctx, n: usize) -> anyhow::Result<(Vec<f64>, Vec<f64>, usize)> {
+    let (mut start, mut detach) = (Vec::new(), Vec::new());
+    let links = ctx
+        .lab
+        .run(NODE, &["ip", "-o", "link", "show"])?
+        .lines()
+        .count();
+    for _ in 0..n {
+        let (tracer, took) =
+            shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[ctx.svc(Cond::Other)], &[])?;
+        std::thread::sleep(Duration::from_millis(200));
+        let pid = tracer.pid();
+        tracer.terminate();
+        let t0 = Instant::now();
+        // Exited = a zombie (or reaped); polled finely, Nattrace::wait polls at 20 ms.
+        while t0.elapsed() < Duration::from_secs(30) {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            if stat.is_empty() || stat.rsplit(") ").next().is_some_and(|s| s.starts_with('Z')) {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
+        detach.push(t0.elapsed().as_secs_f64() * 1e3);
+        start.push(took.as_secs_f64() * 1e3);
+        shared::stop_nattrace(tracer)?;
+    }
+    say(&format!(
+        "startup on {links} interfaces: start {:?} ms, detach {:?} ms",
+        start.iter().map(|v| v.round()).collect::<Vec<_>>(),
+        detach.iter().map(|v| v.round()).collect::<Vec<_>>()
+    ));
+    Ok((start, detach, links))
+}
+
+/// BPF_ENABLE_STATS(BPF_STATS_RUN_TIME): run time is counted while the fd lives.
+fn enable_bpf_stats() -> Option<OwnedFd> {
+    const BPF_ENABLE_STATS: libc::c_long = 32;
+    let attr: [u32; 2] = [0, 0];
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_ENABLE_STATS,
+            attr.as_ptr(),
+            std::mem::size_of_val(&attr),
+        )
+    };
+    if fd < 0 {
+        say(&format!(
+            "BPF_ENABLE_STATS unavailable: {}",
+            std::io::Error::last_os_error()
+        ));
+        return None;
+    }
+    Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Sum of run_time_ns and run_cnt over the programs a process holds.
+fn prog_runtime(pid: u32) -> (u64, u64) {
+    let mut seen = std::collections::HashSet::new();
+    let (mut ns, mut cnt) = (0, 0);
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
+        return (0, 0);
+    };
+    for entry in dir.flatten() {
+        let Ok(info) = std::fs::read_to_string(entry.path()) else {
+            continue;
+        };
+        let field = |k: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(k))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        };
+        // Links name a prog_id too, but only program fds carry run_time_ns.
+        if let (Some(id), Some(t), Some(c)) =
+            (field("prog_id:"), field("run_time_ns:"), field("run_cnt:"))
+            && seen.insert(id)
+        {
+            ns += t;
+            cnt += c;
+        }
+    }
+    (ns, cnt)
+}
+
+fn status_kib(pid: u32, key: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix(key))
+                .map(str::to_string)
+        })
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}

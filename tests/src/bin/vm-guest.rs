@@ -1,0 +1,445 @@
+//! `vm-guest`: the scenario runner of `cargo xtask vm-test`, run as root inside
+//! a guest kernel (xtask/src/vm.rs puts it in the initramfs next to nattrace
+//! and lab-server).
+//!
+//! ```text
+//! vm-guest [--backends kprobe,netfilter] [--nattrace PATH]
+//! ```
+//!
+//! For each probe backend the running kernel supports it traces seed 000
+//! broken (bridge-nf-call-iptables=0) and healthy with the real nattrace, and
+//! checks: the exit status, every flow's verdict and cause; that the fields the
+//! probes read from kernel structs (ifindex, netns inode, addresses, conntrack
+//! tuples) are what the lab configured — a wrong BTF offset must fail here, not
+//! silently produce no events; and that all backends agree flow for flow.
+//! One `vm-guest: PASS|FAIL` line per check; exit 0 only if all pass.
+
+// Not tests/src/bin/facts.rs: cargo would take that for a binary of its own.
+#[path = "vm-guest/facts.rs"]
+mod facts;
+
+use std::fs::File;
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, SocketAddrV4, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use facts::{LabFacts, check_fields, compare, lab_facts};
+use lab::Lab;
+use lab::presets::{self, BACKEND_IP, Seed000, WEB_PORT, WEB_SERVICE_IP};
+use lab::tracer::{Finished, Nattrace, nattrace_path, say};
+use serde_json::Value;
+
+/// Connections per run; all are made at once, so a broken run costs one timeout.
+const CONNECTIONS: usize = 3;
+/// Seed 000's connections never complete; this bounds what each one costs.
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(1500);
+/// Tracing time after attach: the connections plus one SYN retransmission.
+const TRACE_SECS: u64 = 4;
+/// Loading (BTF parsing, verifier) under TCG emulation is far slower than on hardware.
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(120);
+const CAUSE: &str = "bridge_nf_call_iptables_off";
+
+struct Scenario {
+    name: &'static str,
+    bridge_nf_call_iptables: bool,
+    exit: i32,
+    verdict: &'static str,
+    cause: Option<&'static str>,
+    /// Whether the client's connections succeed (a lab check, apart from nattrace).
+    connects: bool,
+}
+
+const SCENARIOS: [Scenario; 2] = [
+    Scenario {
+        name: "seed000-broken",
+        bridge_nf_call_iptables: false,
+        exit: 1,
+        verdict: "reply_not_reverse_nated",
+        cause: Some(CAUSE),
+        connects: false,
+    },
+    Scenario {
+        name: "seed000-healthy",
+        bridge_nf_call_iptables: true,
+        exit: 0,
+        verdict: "ok",
+        cause: None,
+        connects: true,
+    },
+];
+
+#[derive(Default)]
+struct Checks {
+    passed: usize,
+    failed: Vec<String>,
+}
+
+impl Checks {
+    fn record(&mut self, name: &str, result: Result<String, String>) {
+        match result {
+            Ok(detail) => {
+                self.passed += 1;
+                say(&format!("vm-guest: PASS {name}: {detail}"));
+            }
+            Err(why) => {
+                let mut lines = why.lines();
+                say(&format!(
+                    "vm-guest: FAIL {name}: {}",
+                    lines.next().unwrap_or("")
+                ));
+                for l in lines {
+                    say(&format!("vm-guest:      {l}"));
+                }
+                self.failed.push(name.to_string());
+            }
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            say(&format!("vm-guest: FAIL setup: {e:#}"));
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run() -> anyhow::Result<bool> {
+    let started = Instant::now();
+    let (backends, nattrace) = parse_args()?;
+    if !lab::is_root() {
+        bail!("vm-guest needs root (network namespaces, eBPF)");
+    }
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")?
+        .trim()
+        .to_string();
+    let backends = match backends {
+        Some(b) => b,
+        None => BACKENDS
+            .into_iter()
+            .filter(|b| kernel_has(b, &release))
+            .collect(),
+    };
+    say(&format!(
+        "vm-guest: kernel {release}, backends {}, nattrace {}",
+        backends.join(", "),
+        nattrace.display()
+    ));
+    let mut checks = Checks::default();
+    if backends.is_empty() {
+        checks.record(
+            "backends",
+            Err("this kernel supports no backend (no kprobes, no BPF netfilter links)".into()),
+        );
+    }
+    for b in BACKENDS.into_iter().filter(|b| !kernel_has(b, &release)) {
+        checks.record(
+            &format!("forced {b} backend refused"),
+            forced_backend_refused(&nattrace, b),
+        );
+    }
+
+    for sc in &SCENARIOS {
+        let t = Instant::now();
+        let lab = Lab::build(presets::seed000(Seed000 {
+            bridge_nf_call_iptables: sc.bridge_nf_call_iptables,
+            backend: presets::Backend::SameNode,
+        }))
+        .with_context(|| format!("building the {} lab", sc.name))?;
+        let facts = lab_facts(&lab)?;
+        say(&format!(
+            "vm-guest: {} lab up in {:.1}s (node netns inode {}, client port ifindex {}, backend port ifindex {})",
+            sc.name,
+            t.elapsed().as_secs_f64(),
+            facts.node_ns,
+            facts.client_port,
+            facts.backend_port
+        ));
+        let mut runs: Vec<(&str, Vec<Value>)> = Vec::new();
+        for &backend in &backends {
+            let name = format!("{} {backend}", sc.name);
+            match trace(&nattrace, backend, &facts) {
+                Ok(run) => {
+                    let flows = judge(&mut checks, &name, sc, backend, &facts, &run);
+                    runs.push((backend, flows));
+                }
+                Err(e) => checks.record(&format!("{name} trace"), Err(format!("{e:#}"))),
+            }
+        }
+        if runs.len() > 1 {
+            checks.record(&format!("{} backends agree", sc.name), compare(&runs));
+        }
+    }
+
+    say(&format!(
+        "vm-guest: {} passed, {} failed ({}) in {:.1}s on {release}",
+        checks.passed,
+        checks.failed.len(),
+        if checks.failed.is_empty() {
+            "-".to_string()
+        } else {
+            checks.failed.join("; ")
+        },
+        started.elapsed().as_secs_f64()
+    ));
+    Ok(checks.failed.is_empty())
+}
+
+fn parse_args() -> anyhow::Result<(Option<Vec<&'static str>>, PathBuf)> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut backends = None;
+    let mut nattrace = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let value = it.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--backends" => {
+                let mut list = Vec::new();
+                for b in value?.split(',') {
+                    match BACKENDS.into_iter().find(|k| *k == b) {
+                        Some(k) => list.push(k),
+                        None => bail!("unknown backend {b:?} (kprobe, netfilter)"),
+                    }
+                }
+                backends = Some(list);
+            }
+            "--nattrace" => nattrace = Some(PathBuf::from(value?)),
+            _ => bail!("usage: vm-guest [--backends kprobe,netfilter] [--nattrace PATH]"),
+        }
+    }
+    let nattrace = match nattrace {
+        Some(p) => p,
+        None => nattrace_path()?,
+    };
+    Ok((backends, nattrace))
+}
+
+const BACKENDS: [&str; 2] = ["kprobe", "netfilter"];
+
+/// The kernel version and the kprobe PMU decide, not a trial attach: a guest
+/// whose kernel should run a backend but cannot must fail, not quietly test less.
+fn kernel_has(backend: &str, release: &str) -> bool {
+    let mut v = release
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse::<u32>().ok());
+    match backend {
+        "kprobe" => Path::new("/sys/bus/event_source/devices/kprobe/type").exists(),
+        // BPF netfilter links appeared in 6.4.
+        _ => (v.next().unwrap_or(0), v.next().unwrap_or(0)) >= (6, 4),
+    }
+}
+
+fn forced_backend_refused(nattrace: &Path, backend: &str) -> Result<String, String> {
+    let svc = format!("{WEB_SERVICE_IP}:{WEB_PORT}");
+    let out = std::process::Command::new(nattrace)
+        .args(["--backend", backend, "--svc", &svc, "--duration", "1"])
+        .output()
+        .map_err(|e| format!("running {}: {e}", nattrace.display()))?;
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    if out.status.code() == Some(2) && !stderr.is_empty() {
+        Ok(format!("exit 2: {stderr}"))
+    } else {
+        Err(format!(
+            "expected exit 2 with a reason, got {}: {stderr}",
+            out.status
+        ))
+    }
+}
+
+/// What one nattrace run printed, and what the client saw meanwhile.
+struct Run {
+    done: Finished,
+    /// The `"kind":"start"` line.
+    start: Value,
+    /// Per connection: the HTTP status line, or why there was none.
+    traffic: Vec<Result<String, String>>,
+}
+
+/// One nattrace run: attach, make the connections, wait for the summary.
+fn trace(nattrace: &Path, backend: &str, facts: &LabFacts) -> anyhow::Result<Run> {
+    let args: Vec<String> = [
+        "--backend",
+        backend,
+        "--svc",
+        &format!("{WEB_SERVICE_IP}:{WEB_PORT}"),
+        "--netns",
+        &facts.node_path.to_string_lossy(),
+        "--duration",
+        &TRACE_SECS.to_string(),
+        "--output",
+        "json",
+        "-v",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let t = Instant::now();
+    let mut tracer = Nattrace::spawn(nattrace, &args, &[], false)?;
+    let first = tracer.wait_started(ATTACH_TIMEOUT)?;
+    let attach = t.elapsed();
+    let start: Value =
+        serde_json::from_str(&first).with_context(|| format!("first line is not JSON: {first}"))?;
+    let traffic = connect_all(&facts.client_path);
+    let done = tracer.wait(Duration::from_secs(TRACE_SECS + 60))?;
+    say(&format!(
+        "vm-guest: info nattrace --backend {backend}: attached in {:.1}s, ran {:.1}s, {} stdout lines",
+        attach.as_secs_f64(),
+        t.elapsed().as_secs_f64(),
+        done.stdout.len()
+    ));
+    Ok(Run {
+        done,
+        start,
+        traffic,
+    })
+}
+
+fn connect_all(client_ns: &Path) -> Vec<Result<String, String>> {
+    thread::scope(|s| {
+        let handles: Vec<_> = (0..CONNECTIONS)
+            .map(|_| s.spawn(|| http_get_in(client_ns)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("panicked".into())))
+            .collect()
+    })
+}
+
+/// GET from inside the client pod. setns moves only the calling thread, and
+/// this thread ends with the request, so the rest of the runner stays put;
+/// it also spares the guest curl and its libraries.
+fn http_get_in(ns: &Path) -> Result<String, String> {
+    let f = File::open(ns).map_err(|e| format!("opening {}: {e}", ns.display()))?;
+    nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET)
+        .map_err(|e| format!("setns: {e}"))?;
+    let addr = SocketAddr::V4(SocketAddrV4::new(WEB_SERVICE_IP, WEB_PORT));
+    let mut s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
+    s.write_all(format!("GET / HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .map_err(|e| format!("send: {e}"))?;
+    let mut body = String::new();
+    s.read_to_string(&mut body)
+        .map_err(|e| format!("read: {e}"))?;
+    match body.lines().next() {
+        Some(status) if status.contains(" 200") => Ok(status.to_string()),
+        other => Err(format!("unexpected response {other:?}")),
+    }
+}
+
+fn judge(
+    checks: &mut Checks,
+    name: &str,
+    sc: &Scenario,
+    backend: &str,
+    facts: &LabFacts,
+    run: &Run,
+) -> Vec<Value> {
+    let Run {
+        done,
+        start,
+        traffic,
+    } = run;
+    let ran = start["backend"].as_str().unwrap_or("?");
+    let skipped: Vec<&str> = start["skipped"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    say(&format!(
+        "vm-guest: info {name}: backend {ran} ({}); skipped: {}",
+        start["backend_reason"].as_str().unwrap_or("?"),
+        if skipped.is_empty() {
+            "none".into()
+        } else {
+            skipped.join("; ")
+        }
+    ));
+    let ok_connects = traffic.iter().filter(|t| t.is_ok()).count();
+    let want = if sc.connects { CONNECTIONS } else { 0 };
+    checks.record(
+        &format!("{name} lab traffic"),
+        if ok_connects == want {
+            Ok(format!(
+                "{ok_connects}/{CONNECTIONS} connections succeeded, as the lab is built"
+            ))
+        } else {
+            Err(format!(
+                "{ok_connects}/{CONNECTIONS} connections succeeded, expected {want}: {traffic:?}"
+            ))
+        },
+    );
+    let flows = match done.flows() {
+        Ok(f) => f,
+        Err(e) => {
+            checks.record(
+                &format!("{name} output"),
+                Err(format!("{e:#}\n{}", done.describe())),
+            );
+            return Vec::new();
+        }
+    };
+    let mut problems = Vec::new();
+    if ran != backend {
+        problems.push(format!("the start line says backend {ran:?}"));
+    }
+    if done.status.code() != Some(sc.exit) {
+        problems.push(format!("exit status {}, expected {}", done.status, sc.exit));
+    }
+    if flows.len() < CONNECTIONS {
+        problems.push(format!(
+            "{} flows for {CONNECTIONS} connections",
+            flows.len()
+        ));
+    }
+    let backend_addr = SocketAddrV4::new(BACKEND_IP, WEB_PORT).to_string();
+    for f in &flows {
+        let (verdict, cause) = (f["verdict"].as_str(), f["cause"].as_str());
+        if verdict != Some(sc.verdict) || cause != sc.cause || f["backend"] != backend_addr.as_str()
+        {
+            problems.push(format!(
+                "flow {} -> {} via {}: {} cause {} (expected {} cause {:?}): {}",
+                f["client"],
+                f["service"],
+                f["backend"],
+                f["verdict"],
+                f["cause"],
+                sc.verdict,
+                sc.cause,
+                f["detail"]
+            ));
+        }
+    }
+    let summary = done
+        .summary()
+        .map(|s| s.to_string())
+        .unwrap_or_else(|e| format!("{e:#}"));
+    checks.record(
+        &format!("{name} verdicts"),
+        if problems.is_empty() {
+            Ok(format!(
+                "exit {}, {} flows {}{}",
+                sc.exit,
+                flows.len(),
+                sc.verdict,
+                sc.cause.map(|c| format!(" ({c})")).unwrap_or_default()
+            ))
+        } else {
+            problems.push(format!("summary: {summary}"));
+            problems.push(format!("stderr: {}", done.stderr.trim()));
+            Err(problems.join("\n"))
+        },
+    );
+    checks.record(
+        &format!("{name} kernel fields"),
+        check_fields(&flows, facts, backend),
+    );
+    flows
+}

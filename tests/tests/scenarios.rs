@@ -1,0 +1,586 @@
+//! Every seed incident as a lab scenario, traced by the real nattrace
+//! (issue 4): DNS (001), the asymmetric return path (003), hairpin,
+//! node-local and cross-node clients and the kube-proxy chains (004), and
+//! `nattrace doctor`. Needs root (tests are prefixed `root_`); without it
+//! they print why they are skipped and pass.
+//!
+//! Raw tracepoints see every namespace and labs reuse the seeds' addresses,
+//! so tests that trace hold [`TRACING`] for the whole lab + trace.
+
+use std::net::Ipv4Addr;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use lab::kube_proxy::{sep_chain, svc_chain};
+use lab::presets::{self, Backend};
+use lab::tracer::{Finished, Nattrace, nattrace_path};
+use lab::{Lab, LabSpec, Protocol};
+use serde_json::Value;
+
+macro_rules! require_root {
+    () => {
+        if !lab::is_root() {
+            eprintln!(
+                "SKIPPED: scenario tests need root (network namespaces, eBPF); \
+                 run `sudo cargo test -p nattrace-tests --test scenarios` or in CI"
+            );
+            return;
+        }
+    };
+}
+
+static TRACING: Mutex<()> = Mutex::new(());
+
+fn tracing_lock() -> MutexGuard<'static, ()> {
+    TRACING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
+const TRACE_SECS: &str = "4";
+const REPLY_TIMEOUT_MS: &str = "1000";
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(1);
+
+fn build(spec: LabSpec) -> Lab {
+    Lab::build(spec).unwrap_or_else(|e| panic!("building the lab failed: {e}"))
+}
+
+/// Traces `svc` on `node` (JSON, plus `extra`) while `traffic` runs.
+fn trace(lab: &Lab, node: &str, svc: &str, extra: &[&str], traffic: impl FnOnce()) -> Finished {
+    let bin = nattrace_path().unwrap_or_else(|e| panic!("{e:#}"));
+    let ns = lab.node_netns(node).expect("node").path();
+    let mut args: Vec<String> = [
+        "--svc",
+        svc,
+        "--netns",
+        &ns.display().to_string(),
+        "--duration",
+        TRACE_SECS,
+        "--reply-timeout",
+        REPLY_TIMEOUT_MS,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if !extra.contains(&"text") {
+        args.extend(["--output".to_string(), "json".to_string()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let mut tracer = Nattrace::spawn(&bin, &args, &[], false).expect("starting nattrace");
+    tracer
+        .wait_started(ATTACH_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    traffic();
+    tracer
+        .wait(Duration::from_secs(4) + ATTACH_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+fn flows(done: &Finished) -> Vec<Value> {
+    done.flows()
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", done.describe()))
+}
+
+/// The one flow of the trace.
+fn only_flow(done: &Finished) -> Value {
+    let flows = flows(done);
+    assert_eq!(flows.len(), 1, "one flow expected:\n{}", done.describe());
+    flows.into_iter().next().unwrap()
+}
+
+fn web_svc() -> String {
+    format!("{}:{}", presets::WEB_SERVICE_IP, presets::WEB_PORT)
+}
+
+fn ip_of(endpoint: &Value) -> Ipv4Addr {
+    endpoint
+        .as_str()
+        .and_then(|s| s.rsplit_once(':'))
+        .and_then(|(ip, _)| ip.parse().ok())
+        .unwrap_or_else(|| panic!("not an ip:port: {endpoint}"))
+}
+
+fn curl(lab: &Lab, from: &str) -> bool {
+    lab.http_get(from, presets::WEB_SERVICE_IP, presets::WEB_PORT, CLIENT_TIMEOUT)
+        .expect("running curl")
+        .status
+        .success()
+}
+
+/// The flow's hops, as (packet kind, "hook nf_hook nat_stage ifname", src, dst).
+fn hops(flow: &Value) -> Vec<(String, String, String, String)> {
+    let mut out = Vec::new();
+    for p in flow["packets"].as_array().expect("packets") {
+        for h in p["hops"].as_array().expect("hops") {
+            let place = [&h["hook"], &h["nf_hook"], &h["nat_stage"], &h["ifname"]]
+                .iter()
+                .filter_map(|v| v.as_str())
+                .collect::<Vec<_>>()
+                .join(" ");
+            out.push((
+                p["kind"].as_str().unwrap_or("").to_string(),
+                place,
+                h["src"].as_str().unwrap_or("").to_string(),
+                h["dst"].as_str().unwrap_or("").to_string(),
+            ));
+        }
+    }
+    out
+}
+
+fn has_hop(flow: &Value, kind: &str, place: &str, test: impl Fn(&str, &str) -> bool) -> bool {
+    hops(flow)
+        .iter()
+        .any(|(k, p, s, d)| k == kind && p.starts_with(place) && test(s, d))
+}
+
+fn assert_common(f: &Value, verdict: &str, cause: Option<&str>, done: &Finished) {
+    assert_eq!(f["verdict"], verdict, "{}", done.describe());
+    match cause {
+        Some(c) => assert_eq!(f["cause"], c, "{}", done.describe()),
+        None => assert!(f["cause"].is_null(), "{}", done.describe()),
+    }
+}
+
+// ---------------------------------------------------------------- 1: DNS
+
+fn dns_trace(bridge_nf_call_iptables: bool) -> (Finished, bool) {
+    let lab = build(presets::dns(presets::Dns {
+        bridge_nf_call_iptables,
+        backend: Backend::SameNode,
+    }));
+    let svc = format!("{}:53", presets::DNS_SERVICE_IP);
+    let mut answered = false;
+    let done = trace(&lab, presets::NODE_A, &svc, &[], || {
+        let out = lab
+            .dig(
+                presets::CLIENT_POD,
+                presets::DNS_SERVICE_IP,
+                presets::DNS_NAME,
+                CLIENT_TIMEOUT,
+            )
+            .expect("running dig");
+        answered = String::from_utf8_lossy(&out.stdout)
+            .contains(&presets::WEB_SERVICE_IP.to_string());
+    });
+    (done, answered)
+}
+
+fn assert_dns_flow(f: &Value) {
+    assert_eq!(f["proto"], "udp", "{f}");
+    assert_eq!(ip_of(&f["client"]), presets::CLIENT_IP, "{f}");
+    assert_eq!(f["service"], format!("{}:53", presets::DNS_SERVICE_IP), "{f}");
+    assert_eq!(f["backend"], format!("{}:53", presets::DNS_POD_IP), "{f}");
+    assert_eq!(f["k8s_service"], "kube-system/kube-dns:dns", "{f}");
+}
+
+#[test]
+fn root_dns_seed001_broken_reply_from_unexpected_source() {
+    require_root!();
+    let _lock = tracing_lock();
+    let (done, answered) = dns_trace(false);
+    assert!(!answered, "seed 001: dig gets no usable answer");
+    let f = only_flow(&done);
+    assert_common(&f, "reply_not_reverse_nated", Some("bridge_nf_call_iptables_off"), &done);
+    assert_dns_flow(&f);
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+}
+
+#[test]
+fn root_dns_seed001_healthy_is_ok() {
+    require_root!();
+    let _lock = tracing_lock();
+    let (done, answered) = dns_trace(true);
+    assert!(answered, "{}", done.describe());
+    let f = only_flow(&done);
+    assert_common(&f, "ok", None, &done);
+    assert_dns_flow(&f);
+    assert_eq!(done.status.code(), Some(0), "{}", done.describe());
+}
+
+// ------------------------------------------------------ 4: node-local client
+
+#[test]
+fn root_node_local_client_shows_output_dnat_and_masquerade() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = build(presets::seed000(presets::Seed000::default()));
+    let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
+        assert!(curl(&lab, presets::NODE_A), "curl from the node works");
+    });
+    let f = only_flow(&done);
+    assert_common(&f, "ok", None, &done);
+    assert_eq!(ip_of(&f["client"]), lab::node_underlay_ip(0), "{f}");
+    let backend = format!("{}:80", presets::BACKEND_IP);
+    assert_eq!(f["backend"], backend, "{f}");
+    let gateway = presets::NODE_A_POD_CIDR.host(1);
+    assert_eq!(ip_of(&f["snat"]), gateway, "masqueraded to cni0's address: {f}");
+    assert!(
+        has_hop(&f, "SYN", "netfilter OUTPUT before-nat", |_, d| d == web_svc()),
+        "{f}"
+    );
+    assert!(
+        has_hop(&f, "SYN", "netfilter OUTPUT after-nat", |_, d| d == backend),
+        "{f}"
+    );
+    assert!(
+        has_hop(&f, "SYN", "netfilter POSTROUTING after-nat", |s, _| s
+            .starts_with(&format!("{gateway}:"))),
+        "{f}"
+    );
+}
+
+// ---------------------------------------------------------- 5: cross-node
+
+#[test]
+fn root_cross_node_path_shows_prerouting_forward_postrouting_and_overlay() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = build(presets::seed000(presets::Seed000 {
+        bridge_nf_call_iptables: true,
+        backend: Backend::OtherNode,
+    }));
+    let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
+        assert!(curl(&lab, presets::CLIENT_POD));
+    });
+    let f = only_flow(&done);
+    assert_common(&f, "ok", None, &done);
+    assert_eq!(ip_of(&f["client"]), presets::CLIENT_IP, "{f}");
+    let backend = format!("{}:80", presets::REMOTE_BACKEND_IP);
+    assert_eq!(f["backend"], backend, "{f}");
+    assert!(f["snat"].is_null(), "pod → pod is not masqueraded: {f}");
+    for place in [
+        "netfilter PREROUTING after-nat",
+        "netfilter FORWARD",
+        "netfilter POSTROUTING after-nat",
+        "tc-egress flannel.1",
+    ] {
+        assert!(
+            has_hop(&f, "SYN", place, |_, d| d == backend),
+            "{place}: {f}"
+        );
+    }
+    assert!(has_hop(&f, "SYN", "netfilter PREROUTING before-nat", |_, d| d == web_svc()), "{f}");
+}
+
+// -------------------------------------------------- 2: asymmetric return path
+
+fn seed003(masquerade_all: bool) -> Lab {
+    build(presets::seed003(presets::Seed003 {
+        masquerade_all,
+        backend: Backend::OtherNode,
+    }))
+}
+
+fn outside_curl(lab: &Lab) -> bool {
+    curl(lab, lab::OUTSIDE)
+}
+
+fn assert_outside_flow(f: &Value) {
+    assert_eq!(ip_of(&f["client"]), presets::OUTSIDE_CLIENT.addr(), "{f}");
+    assert_eq!(f["service"], web_svc(), "{f}");
+    assert_eq!(f["backend"], format!("{}:80", presets::BACKEND_IP), "{f}");
+}
+
+#[test]
+fn root_seed003_on_the_dnating_node_no_reply_through_node() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = seed003(false);
+    let done = trace(&lab, presets::NODE_B, &web_svc(), &[], || {
+        assert!(!outside_curl(&lab), "seed 003: the connection fails");
+    });
+    let f = only_flow(&done);
+    assert_common(&f, "no_reply", Some("no_reply_through_node"), &done);
+    assert_outside_flow(&f);
+    assert!(f["hint"].as_str().unwrap().contains("masqueradeAll"), "{f}");
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+}
+
+#[test]
+fn root_seed003_with_masquerade_all_is_ok_and_snated() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = seed003(true);
+    let done = trace(&lab, presets::NODE_B, &web_svc(), &[], || {
+        assert!(outside_curl(&lab), "masqueradeAll fixes seed 003");
+    });
+    let f = only_flow(&done);
+    assert_common(&f, "ok", None, &done);
+    assert_outside_flow(&f);
+    assert!(f["snat"].is_string(), "the flow shows the SNAT: {f}");
+    assert_eq!(
+        ip_of(&f["snat"]),
+        presets::NODE_B_POD_CIDR.network(),
+        "masqueraded to node-b's flannel.1 address: {f}"
+    );
+}
+
+#[test]
+fn root_seed003_on_the_backend_node_reply_bypasses_the_dnating_node() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = seed003(false);
+    let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
+        assert!(!outside_curl(&lab));
+    });
+    let f = only_flow(&done);
+    assert_common(&f, "reply_not_reverse_nated", Some("reply_bypasses_dnat_node"), &done);
+    assert_outside_flow(&f);
+    let backend = format!("{}:80", presets::BACKEND_IP);
+    assert!(
+        has_hop(&f, "SYN-ACK", "tc-egress eth0", |s, d| s == backend
+            && ip_of(&Value::from(d)) == presets::OUTSIDE_CLIENT.addr()),
+        "the reply leaves node-a by eth0 with the pod's source: {f}"
+    );
+}
+
+// --------------------------------------------------------------- 3: hairpin
+
+fn hairpin_trace(hairpin_mode: bool, masquerade: bool, accept_local: bool) -> (Finished, bool) {
+    let mut spec = presets::hairpin(presets::Hairpin {
+        hairpin_mode,
+        masquerade,
+    });
+    if accept_local {
+        for key in ["net.ipv4.conf.all.accept_local", "net.ipv4.conf.eth0.accept_local"] {
+            spec.nodes[0].pods[0].sysctls.push((key.into(), "1".into()));
+        }
+    }
+    let lab = build(spec);
+    let mut worked = false;
+    let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
+        worked = curl(&lab, presets::BACKEND_POD);
+    });
+    (done, worked)
+}
+
+fn assert_hairpin_flow(f: &Value) {
+    assert_eq!(ip_of(&f["client"]), presets::BACKEND_IP, "{f}");
+    assert_eq!(f["backend"], format!("{}:80", presets::BACKEND_IP), "{f}");
+    assert_eq!(f["hairpin"], true, "{f}");
+}
+
+#[test]
+fn root_hairpin_with_masquerade_is_ok() {
+    require_root!();
+    let _lock = tracing_lock();
+    let (done, worked) = hairpin_trace(true, true, false);
+    assert!(worked, "{}", done.describe());
+    let f = only_flow(&done);
+    assert_common(&f, "ok", None, &done);
+    assert_hairpin_flow(&f);
+    assert_eq!(ip_of(&f["snat"]), presets::NODE_A_POD_CIDR.host(1), "{f}");
+    let detail = f["detail"].as_str().unwrap();
+    assert!(detail.contains("hairpin") && detail.contains("masqueraded"), "{f}");
+}
+
+#[test]
+fn root_hairpin_mode_off_is_named() {
+    require_root!();
+    let _lock = tracing_lock();
+    let (done, worked) = hairpin_trace(false, true, false);
+    assert!(!worked);
+    let f = only_flow(&done);
+    assert!(
+        f["verdict"] == "no_reply" || f["verdict"] == "dropped",
+        "{}",
+        done.describe()
+    );
+    assert_eq!(f["cause"], "hairpin_mode_off", "{}", done.describe());
+    assert_hairpin_flow(&f);
+}
+
+/// Without masquerade the pod receives its own SYN with its own address as
+/// source: Linux drops it (IP_LOCAL_SOURCE) unless accept_local is set.
+#[test]
+fn root_hairpin_without_masquerade_is_dropped_as_local_source() {
+    require_root!();
+    let _lock = tracing_lock();
+    let (done, worked) = hairpin_trace(true, false, false);
+    assert!(!worked);
+    let f = only_flow(&done);
+    assert_common(&f, "dropped", Some("hairpin_not_masqueraded"), &done);
+    assert_hairpin_flow(&f);
+    assert!(f["snat"].is_null(), "{f}");
+    assert!(f["cause_text"].as_str().unwrap().contains("KUBE-SEP-"), "{f}");
+}
+
+/// With accept_local the SYN is accepted and the SYN-ACK goes straight back
+/// inside the pod: the reply is not reverse-NATed (the issue's description).
+#[test]
+fn root_hairpin_without_masquerade_accept_local_is_not_reverse_nated() {
+    require_root!();
+    let _lock = tracing_lock();
+    let (done, worked) = hairpin_trace(true, false, true);
+    assert!(!worked);
+    let f = only_flow(&done);
+    assert_common(&f, "reply_not_reverse_nated", Some("hairpin_not_masqueraded"), &done);
+    assert_hairpin_flow(&f);
+    assert!(f["snat"].is_null(), "{f}");
+}
+
+// ------------------------------------------------ 6: hook path and chains
+
+#[test]
+fn root_chains_and_full_hook_path_are_reported() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = build(presets::seed000(presets::Seed000::default()));
+    let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
+        assert!(curl(&lab, presets::CLIENT_POD));
+    });
+    let f = only_flow(&done);
+    assert_common(&f, "ok", None, &done);
+    let name = "default/web:http";
+    assert_eq!(f["k8s_service"], name, "{f}");
+    assert_eq!(f["svc_chain"], svc_chain(name, Protocol::Tcp), "{f}");
+    let backend = format!("{}:80", presets::BACKEND_IP);
+    assert_eq!(f["sep_chain"], sep_chain(name, Protocol::Tcp, &backend), "{f}");
+    // Every packet until the verdict (an `ok` flow is then muted in the
+    // kernel), each with its whole path through the node.
+    let packets = f["packets"].as_array().unwrap();
+    assert!(packets.len() >= 2, "{f}");
+    for p in packets {
+        let places: Vec<String> = hops(&serde_json::json!({ "packets": [p] }))
+            .into_iter()
+            .map(|h| h.1)
+            .collect();
+        for want in [
+            "tc-ingress",
+            "netfilter PREROUTING",
+            "netfilter POSTROUTING",
+            "tc-egress",
+        ] {
+            assert!(
+                places.iter().any(|pl| pl.starts_with(want)),
+                "{want} missing for {}: {places:?}",
+                p["kind"]
+            );
+        }
+    }
+
+    // The text form names the same chains on the flow line, and -v lists the hops.
+    let text = trace(&lab, presets::NODE_A, &web_svc(), &["--output", "text", "-v"], || {
+        assert!(curl(&lab, presets::CLIENT_POD));
+    });
+    let out = text.stdout.join("\n");
+    assert!(out.contains(&format!("[{name} {}", svc_chain(name, Protocol::Tcp))), "{out}");
+    assert!(out.contains("netfilter PREROUTING after-nat"), "{out}");
+    assert!(out.contains("nattrace: checks: "), "{out}");
+}
+
+// ---------------------------------------------------------------- 7: doctor
+
+fn doctor(lab: &Lab) -> (Option<i32>, Value) {
+    let bin = nattrace_path().unwrap_or_else(|e| panic!("{e:#}"));
+    let ns = lab.node_netns(presets::NODE_A).unwrap().path();
+    let out = std::process::Command::new(bin)
+        .args(["doctor", "--netns", &ns.display().to_string(), "--output", "json"])
+        .output()
+        .expect("running nattrace doctor");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(text.trim())
+        .unwrap_or_else(|e| panic!("{e}: {text} {}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.code(), v)
+}
+
+fn finding<'a>(report: &'a Value, check: &str) -> &'a Value {
+    report["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["check"] == check)
+        .unwrap_or_else(|| panic!("no {check} finding: {report}"))
+}
+
+#[test]
+fn root_doctor_finds_bridge_nf_off_and_passes_a_healthy_node() {
+    require_root!();
+    let broken = build(presets::seed000(presets::Seed000 {
+        bridge_nf_call_iptables: false,
+        backend: Backend::SameNode,
+    }));
+    let (code, report) = doctor(&broken);
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(finding(&report, "bridge_nf_call_iptables")["severity"], "error");
+    assert!(finding(&report, "bridge_nf_call_iptables")["fix"].is_string());
+    assert_eq!(finding(&report, "hairpin_mode")["severity"], "warning");
+    assert_eq!(finding(&report, "kube_proxy_mode")["value"], "kube-proxy=iptables");
+    assert_eq!(finding(&report, "masquerade_all")["value"], "masqueradeAll=false");
+    drop(broken);
+
+    let healthy = build(presets::hairpin(presets::Hairpin::default()));
+    let (code, report) = doctor(&healthy);
+    assert_eq!(code, Some(0), "{report}");
+    assert_eq!(finding(&report, "bridge_nf_call_iptables")["severity"], "ok");
+    assert_eq!(finding(&report, "hairpin_mode")["severity"], "ok");
+    assert_eq!(finding(&report, "ip_forward")["severity"], "ok");
+    assert!(finding(&report, "conntrack")["value"].as_str().unwrap().starts_with("conntrack="));
+}
+
+// ------------------------------------------------- foreign namespaces
+
+#[test]
+fn root_same_service_in_another_lab_is_foreign_not_a_flow() {
+    require_root!();
+    let _lock = tracing_lock();
+    let traced = build(presets::seed000(presets::Seed000::default()));
+    let other = build(presets::seed000(presets::Seed000::default()));
+    let done = trace(&traced, presets::NODE_A, &web_svc(), &[], || {
+        assert!(curl(&other, presets::CLIENT_POD));
+    });
+    assert!(flows(&done).is_empty(), "{}", done.describe());
+    let summary = done.summary().unwrap();
+    assert!(summary["foreign_flows"].as_u64().unwrap() >= 1, "{summary}");
+    assert_eq!(done.status.code(), Some(0));
+}
+
+// ----------------------------------------------- ruleset fixture in sync
+
+/// tracer-userspace's ruleset parser is unit-tested against this lab's
+/// rendered rules; the copy it reads must not drift from the renderer.
+#[test]
+fn ruleset_fixture_matches_the_lab_renderer() {
+    let spec = presets::seed000(presets::Seed000::default())
+        .service(
+            lab::ServiceSpec::new(
+                "kube-system",
+                "kube-dns",
+                "dns",
+                presets::DNS_SERVICE_IP,
+                53,
+                Protocol::Udp,
+            )
+            .endpoint(presets::BACKEND_POD, 53),
+        );
+    let rendered = render(&spec);
+    let fixture = include_str!("../../tracer-userspace/src/ruleset/fixtures/lab_nat.txt");
+    assert_eq!(
+        rendered, fixture,
+        "regenerate tracer-userspace/src/ruleset/fixtures/lab_nat.txt from this output"
+    );
+}
+
+fn render(spec: &LabSpec) -> String {
+    let ip = |pod: &str| {
+        spec.nodes
+            .iter()
+            .flat_map(|n| &n.pods)
+            .find(|p| p.name == pod)
+            .map(|p| p.ip)
+            .unwrap()
+    };
+    let services: Vec<lab::kube_proxy::ResolvedService> = spec
+        .services
+        .iter()
+        .map(|s| lab::kube_proxy::ResolvedService {
+            port_name: s.port_name_string(),
+            cluster_ip: s.cluster_ip,
+            port: s.port,
+            protocol: s.protocol,
+            endpoints: s.endpoints.iter().map(|e| (ip(&e.pod), e.port)).collect(),
+            pinned: s.pinned,
+        })
+        .collect();
+    lab::kube_proxy::render_nat(&spec.kube_proxy, &services)
+}

@@ -1,0 +1,247 @@
+//! Kprobe backend: what the netfilter-link programs report, for kernels
+//! without BPF netfilter links (< 6.4), plus the bridge's forwarding decision.
+//!
+//! Kprobes fire in every network namespace, while netfilter links were
+//! attached in the traced one only: the netfilter events here are kept only
+//! when the hook runs in `Config::node_netns`, so the collector sees the same
+//! picture from both backends. Kprobe arguments are plain scalars in
+//! `pt_regs`, so pointer arithmetic with CONFIG offsets passes the verifier.
+use aya_ebpf::{
+    macros::{kprobe, map},
+    maps::PerCpuArray,
+    programs::ProbeContext,
+};
+use tracer_common::{Config, hook, nat_stage, nf_hook, stat};
+
+use crate::{
+    filter::{Packet, Point, observe, stat_inc},
+    skb::{self, L3, read},
+};
+
+const NFPROTO_IPV4: u8 = 2;
+/// `enum nf_nat_manip_type`.
+const NF_NAT_MANIP_SRC: u64 = 0;
+/// `enum ip_conntrack_dir`.
+const IP_CT_DIR_REPLY: u64 = 1;
+/// `enum ip_conntrack_info`: values from here on are reply-direction packets.
+const IP_CT_IS_REPLY: u64 = 3;
+const IPS_SRC_NAT: u64 = 1 << 4;
+const IPS_DST_NAT: u64 = 1 << 5;
+const IPS_NAT_MASK: u64 = IPS_SRC_NAT | IPS_DST_NAT;
+
+/// The netfilter hook this CPU is running for `skb`. NAT runs synchronously
+/// inside `nf_hook_slow` on the same CPU, and only the probe on
+/// `nf_hook_slow` sees `struct nf_hook_state`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CurrentHook {
+    /// 0 = no traced IPv4 hook: NAT outside one (another namespace, the
+    /// bridge family, openvswitch, tc act_ct) is not reported.
+    pub skb: u64,
+    pub hook: u8,
+    pub _pad: [u8; 7],
+}
+
+#[map]
+static NF_CURRENT: PerCpuArray<CurrentHook> = PerCpuArray::with_max_entries(1, 0);
+
+/// `int nf_hook_slow(struct sk_buff *skb, struct nf_hook_state *state, ...)`.
+#[kprobe]
+pub fn kp_nf_hook_slow(ctx: ProbeContext) -> u32 {
+    let _ = try_nf_hook_slow(&ctx);
+    0
+}
+
+/// `unsigned int nf_nat_manip_pkt(struct sk_buff *skb, struct nf_conn *ct,
+/// enum nf_nat_manip_type mtype, enum ip_conntrack_dir dir)`: called only
+/// when the packet is really rewritten.
+#[kprobe]
+pub fn kp_nf_nat_manip_pkt(ctx: ProbeContext) -> u32 {
+    let _ = try_nf_nat_manip_pkt(&ctx);
+    0
+}
+
+/// `unsigned int nf_nat_packet(struct nf_conn *ct, enum ip_conntrack_info
+/// ctinfo, unsigned int hooknum, struct sk_buff *skb)`: for kernels where
+/// `nf_nat_manip_pkt` does not exist (< 5.1) or is not probeable.
+#[kprobe]
+pub fn kp_nf_nat_packet(ctx: ProbeContext) -> u32 {
+    let _ = try_nf_nat_packet(&ctx);
+    0
+}
+
+/// `void br_forward(const struct net_bridge_port *to, struct sk_buff *skb,
+/// bool local_rcv, bool local_orig)`.
+#[kprobe]
+pub fn kp_br_forward(ctx: ProbeContext) -> u32 {
+    let _ = try_br_forward(&ctx);
+    0
+}
+
+#[inline(always)]
+fn arg(ctx: &ProbeContext, n: usize) -> Result<u64, ()> {
+    ctx.arg::<u64>(n).ok_or(())
+}
+
+#[inline(always)]
+fn try_nf_hook_slow(ctx: &ProbeContext) -> Result<(), ()> {
+    let skb = arg(ctx, 0)?;
+    let state = arg(ctx, 1)?;
+    let cfg = skb::config().ok_or(())?;
+    let off = &cfg.offsets;
+    let slot = NF_CURRENT.get_ptr_mut(0).ok_or(())?;
+    // Forget the previous hook first, so an early return below can never
+    // leave NAT attributed to a stale one.
+    unsafe { (*slot).skb = 0 };
+    // With br_netfilter loaded, the bridge family's hooks call nf_hook_slow
+    // too (pf NFPROTO_BRIDGE) even when bridge-nf-call-iptables=0: they are
+    // not "the packet passed netfilter" in the collector's sense.
+    let pf = read::<u8>(state + off.nf_hook_state_pf as u64)?;
+    if pf != NFPROTO_IPV4 {
+        return Ok(());
+    }
+    let net = read::<u64>(state + off.nf_hook_state_net as u64)?;
+    if net == 0 || read::<u32>(net + off.net_ns_inum as u64)? != cfg.node_netns {
+        return Ok(());
+    }
+    let nf_hook = read::<u8>(state + off.nf_hook_state_hook as u64)?;
+    unsafe {
+        (*slot).hook = nf_hook;
+        (*slot).skb = skb;
+    }
+    let pkt = skb::parse(skb, off, L3::NetworkHeader)?;
+    emit_netfilter(&pkt, skb, nf_hook, nat_stage::NONE, cfg);
+    Ok(())
+}
+
+/// The hook `skb` is in on this CPU, if it is a traced one.
+#[inline(always)]
+fn current_hook(skb: u64) -> Option<u8> {
+    let slot = NF_CURRENT.get(0)?;
+    (slot.skb == skb && skb != 0).then_some(slot.hook)
+}
+
+#[inline(always)]
+fn try_nf_nat_manip_pkt(ctx: &ProbeContext) -> Result<(), ()> {
+    let skb = arg(ctx, 0)?;
+    let ct = arg(ctx, 1)?;
+    let mtype = arg(ctx, 2)?;
+    let dir = arg(ctx, 3)?;
+    let nf_hook = current_hook(skb).ok_or(())?;
+    nat_events(skb, ct, mtype, dir, nf_hook)
+}
+
+#[inline(always)]
+fn try_nf_nat_packet(ctx: &ProbeContext) -> Result<(), ()> {
+    let ct = arg(ctx, 0)?;
+    let ctinfo = arg(ctx, 1)?;
+    let hooknum = arg(ctx, 2)?;
+    let skb = arg(ctx, 3)?;
+    // Also the namespace filter: only set for traced IPv4 hooks.
+    let nf_hook = current_hook(skb).ok_or(())?;
+    let off = skb::offsets().ok_or(())?;
+    // The decision nf_nat_packet makes before calling nf_nat_manip_pkt
+    // (HOOK2MANIP, CTINFO2DIR, the status bit test).
+    let h = hooknum as u8;
+    let mtype = if h == nf_hook::PRE_ROUTING || h == nf_hook::LOCAL_OUT {
+        1
+    } else {
+        NF_NAT_MANIP_SRC
+    };
+    let dir = u64::from(ctinfo >= IP_CT_IS_REPLY);
+    let mut statusbit = if mtype == NF_NAT_MANIP_SRC {
+        IPS_SRC_NAT
+    } else {
+        IPS_DST_NAT
+    };
+    if dir == IP_CT_DIR_REPLY {
+        statusbit ^= IPS_NAT_MASK;
+    }
+    if off.nf_conn_status == 0 {
+        return Err(());
+    }
+    let status = read::<u64>(ct + off.nf_conn_status as u64)?;
+    if status & statusbit == 0 {
+        return Ok(());
+    }
+    nat_events(skb, ct, mtype, dir, nf_hook)
+}
+
+/// A BEFORE/AFTER pair like the netfilter-link programs' around the nat
+/// table. The rewrite has not happened yet at function entry, so AFTER is
+/// computed the way nf_nat_manip_pkt does it: the new tuple for direction
+/// `dir` is the inverse of the other direction's tuple.
+#[inline(always)]
+fn nat_events(skb: u64, ct: u64, mtype: u64, dir: u64, nf_hook: u8) -> Result<(), ()> {
+    let cfg = skb::config().ok_or(())?;
+    let off = &cfg.offsets;
+    if off.nf_conn_tuplehash == 0 {
+        // nf_conntrack's BTF was not available at start.
+        return Err(());
+    }
+    let before = skb::parse(skb, off, L3::NetworkHeader)?;
+    let other_dir = (dir & 1) ^ 1;
+    let other =
+        ct + off.nf_conn_tuplehash as u64 + other_dir * off.nf_conntrack_tuple_hash_size as u64;
+    let mut after = before;
+    // u3 is union nf_inet_addr (IPv4 in its first bytes); u starts with the
+    // port in network order for TCP and UDP.
+    let (addr_off, port_off) = if mtype == NF_NAT_MANIP_SRC {
+        (off.tuple_dst_u3, off.tuple_dst_u)
+    } else {
+        (off.tuple_src_u3, off.tuple_src_u)
+    };
+    let addr = read::<[u8; 4]>(other + addr_off as u64).map_err(count_error)?;
+    let port = u16::from_be_bytes(read::<[u8; 2]>(other + port_off as u64).map_err(count_error)?);
+    if mtype == NF_NAT_MANIP_SRC {
+        after.saddr = addr;
+        after.sport = port;
+    } else {
+        after.daddr = addr;
+        after.dport = port;
+    }
+    emit_netfilter(&before, skb, nf_hook, nat_stage::BEFORE, cfg);
+    emit_netfilter(&after, skb, nf_hook, nat_stage::AFTER, cfg);
+    Ok(())
+}
+
+#[inline(always)]
+fn count_error(_: ()) {
+    stat_inc(stat::READ_ERRORS);
+}
+
+#[inline(always)]
+fn emit_netfilter(pkt: &Packet, skb: u64, nf_hook: u8, stage: u8, cfg: &Config) {
+    let off = &cfg.offsets;
+    // Like the netfilter programs: skb->dev, NULL at LOCAL_OUT.
+    let (ifindex, _) = skb::dev_info(skb::skb_dev(skb, off), off);
+    let mut at = Point::new(hook::NETFILTER);
+    at.nf_hook = nf_hook;
+    at.nat_stage = stage;
+    at.skb = skb;
+    at.ifindex = ifindex;
+    at.netns = cfg.node_netns;
+    observe(pkt, &at);
+}
+
+#[inline(always)]
+fn try_br_forward(ctx: &ProbeContext) -> Result<(), ()> {
+    let to = arg(ctx, 0)?;
+    let skb = arg(ctx, 1)?;
+    let off = skb::offsets().ok_or(())?;
+    // The bridge pulled the Ethernet header: data is at the IP header.
+    let pkt = skb::parse(skb, off, L3::Data)?;
+    // The port the frame leaves by; skb->dev is still the one it came in on.
+    let dev = if off.net_bridge_port_dev != 0 && to != 0 {
+        read::<u64>(to + off.net_bridge_port_dev as u64).unwrap_or(0)
+    } else {
+        skb::skb_dev(skb, off)
+    };
+    let (ifindex, netns) = skb::dev_info(dev, off);
+    let mut at = Point::new(hook::BR_FORWARD);
+    at.skb = skb;
+    at.ifindex = ifindex;
+    at.netns = netns;
+    observe(&pkt, &at);
+    Ok(())
+}

@@ -1,0 +1,253 @@
+//! Collector replay benchmark: synthetic streams built from the recorded
+//! fixtures (one template flow, copied with fresh client ports and skb
+//! addresses) pushed through `Collector` on one core, the way the live loop
+//! does (`push` each event, `tick` + `take_mute_candidates` every 4096).
+//!
+//! `cargo bench -p tracer-userspace --bench collector [-- --quick]`
+//!
+//! Peak memory is measured in a child process (this binary re-executed) that
+//! streams 100,000 flows in without ever holding the events, so its VmHWM is
+//! the collector's and not the benchmark's. With `NATTRACE_BENCH_OUT=path`
+//! the results are also written there as JSON (cargo xtask bench reads it).
+
+use std::process::Command;
+use std::time::Instant;
+
+use nattrace::collector::{Collector, CollectorConfig, VerdictCounts};
+use nattrace::facts::{Interface, NodeFacts};
+use nattrace::service::Service;
+use tracer_common::PacketEvent;
+
+const FLOWS: u32 = 100_000;
+/// New flows per second of trace time: 100k flows arrive within one second,
+/// far inside the idle timeout, so all of them are live at the end.
+const FLOW_SPACING_NS: u64 = 10_000;
+const TICK_EVERY: usize = 4096;
+const RSS_CHILD_ENV: &str = "NATTRACE_COLLECTOR_RSS_CHILD";
+
+const HEALTHY: &str = include_str!("../src/collector/fixtures/seed000_healthy.jsonl");
+const MIXED: &[&str] = &[
+    HEALTHY,
+    include_str!("../src/collector/fixtures/seed000_broken.jsonl"),
+    include_str!("../src/collector/fixtures/cross_node_ok.jsonl"),
+    include_str!("../src/collector/fixtures/dns_ok.jsonl"),
+    include_str!("../src/collector/fixtures/no_reply.jsonl"),
+    include_str!("../src/collector/fixtures/reply_dropped.jsonl"),
+];
+
+fn parse(text: &str) -> Vec<PacketEvent> {
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).expect("fixture line"))
+        .collect()
+}
+
+/// Mirrors the collector tests' fixture node, which the templates were built for.
+fn config() -> CollectorConfig {
+    let iface = |ifindex, name: &str, kind: &str, master| Interface {
+        ifindex,
+        name: name.to_string(),
+        kind: kind.to_string(),
+        master,
+        hairpin: master.map(|_| false),
+    };
+    CollectorConfig {
+        services: vec![
+            "100.67.30.133:80".parse::<Service>().expect("service"),
+            "10.32.0.10".parse::<Service>().expect("service"),
+        ],
+        facts: NodeFacts {
+            netns_inode: 4026531840,
+            netns_name: "node-a".into(),
+            interfaces: vec![
+                iface(2, "eth0", "", None),
+                iface(3, "cni0", "bridge", None),
+                iface(4, "flannel.1", "vxlan", None),
+                iface(5, "veth-client", "veth", Some(3)),
+                iface(6, "veth-backend", "veth", Some(3)),
+                iface(7, "veth-dns", "veth", Some(3)),
+            ],
+            bridge_nf_call_iptables: Some(true),
+            ip_forward: Some(true),
+        },
+        ..CollectorConfig::default()
+    }
+}
+
+/// Flow `i` of a template: its client moved to a port/host of its own, its
+/// packets to skb addresses of their own, its time shifted.
+fn instance(template: &[PacketEvent], i: u32, out: &mut Vec<PacketEvent>) {
+    let first = template[0];
+    let client = (first.saddr, first.sport);
+    let port = 1024 + (i % 60_000) as u16;
+    let host = (i / 60_000) as u8;
+    for e in template {
+        let mut e = *e;
+        e.ts_ns += u64::from(i) * FLOW_SPACING_NS;
+        e.skb = e.skb.wrapping_add(u64::from(i) << 16);
+        for (addr, p) in [(&mut e.saddr, &mut e.sport), (&mut e.daddr, &mut e.dport)] {
+            if (*addr, *p) == client {
+                *p = port;
+                addr[2] = host;
+            }
+        }
+        out.push(e);
+    }
+}
+
+/// Time order with a little cross-CPU skew, as the ring buffer delivers it:
+/// a deterministic shuffle within windows of 8 events.
+fn stream(templates: &[Vec<PacketEvent>], flows: u32) -> Vec<PacketEvent> {
+    let mut events = Vec::new();
+    for i in 0..flows {
+        instance(&templates[i as usize % templates.len()], i, &mut events);
+    }
+    events.sort_by_key(|e| e.ts_ns);
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for chunk in events.chunks_mut(8) {
+        for j in (1..chunk.len()).rev() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            chunk.swap(j, (x % (j as u64 + 1)) as usize);
+        }
+    }
+    events
+}
+
+struct Replay {
+    events_per_sec: f64,
+    decided: usize,
+    verdicts: VerdictCounts,
+}
+
+fn replay(events: &[PacketEvent]) -> Replay {
+    let mut c = Collector::new(config());
+    let start = Instant::now();
+    let mut decided = 0;
+    for (i, ev) in events.iter().enumerate() {
+        c.push(*ev);
+        if i % TICK_EVERY == 0 {
+            decided += c.tick(ev.ts_ns).len();
+            c.take_mute_candidates();
+        }
+    }
+    let last = events.last().map_or(0, |e| e.ts_ns);
+    let (rest, summary) = c.finish(last + 10_000_000_000);
+    let elapsed = start.elapsed();
+    Replay {
+        events_per_sec: events.len() as f64 / elapsed.as_secs_f64(),
+        decided: decided + rest.len(),
+        verdicts: summary.by_verdict,
+    }
+}
+
+fn status_kib(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// The child: streams 100k healthy flows in flow by flow (the collector
+/// reorders them), holding one flow's events at a time, and prints its memory.
+fn rss_child() {
+    let template = parse(HEALTHY);
+    let baseline = status_kib("VmHWM:");
+    let mut c = Collector::new(config());
+    let mut buf = Vec::with_capacity(template.len());
+    for i in 0..FLOWS {
+        buf.clear();
+        instance(&template, i, &mut buf);
+        for ev in &buf {
+            c.push(*ev);
+        }
+        if i % 128 == 0 {
+            let now = buf[0].ts_ns;
+            c.tick(now);
+            c.take_mute_candidates();
+        }
+    }
+    // Past the reorder window, so the last flows leave the reorder buffer
+    // and all 100k are flow state; well inside the idle timeout.
+    c.tick(buf[0].ts_ns + 50_000_000);
+    let live = c.live_flows();
+    let approx = c.approx_memory_bytes();
+    let s = c.summary();
+    println!(
+        "{{\"flows\":{},\"evicted\":{},\"late\":{},\"live_flows\":{live},\"vm_hwm_kib\":{},\"baseline_hwm_kib\":{baseline},\"approx_bytes\":{approx}}}",
+        s.flows,
+        s.evicted_flows,
+        s.late_events,
+        status_kib("VmHWM:")
+    );
+}
+
+fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+fn main() {
+    if std::env::var_os(RSS_CHILD_ENV).is_some() {
+        rss_child();
+        return;
+    }
+    let quick = std::env::args().any(|a| a == "--quick");
+    let (reps, flows) = if quick { (2, 20_000) } else { (5, FLOWS) };
+    let mut results = serde_json::Map::new();
+    for (name, texts) in [("healthy", &[HEALTHY][..]), ("mixed", MIXED)] {
+        let templates: Vec<Vec<PacketEvent>> = texts.iter().map(|t| parse(t)).collect();
+        let events = stream(&templates, flows);
+        let runs: Vec<Replay> = (0..reps).map(|_| replay(&events)).collect();
+        let (med, min, max) = median(runs.iter().map(|r| r.events_per_sec).collect());
+        let last = &runs[runs.len() - 1];
+        println!(
+            "collector {name}: {} events, {flows} flows ({} decided; ok {} / flagged {}): \
+             {:.2} M events/s median (min {:.2}, max {:.2}, {reps} runs)",
+            events.len(),
+            last.decided,
+            last.verdicts.ok,
+            last.decided as u64 - last.verdicts.ok,
+            med / 1e6,
+            min / 1e6,
+            max / 1e6
+        );
+        results.insert(
+            name.into(),
+            serde_json::json!({
+                "events": events.len(), "flows": flows, "decided": last.decided,
+                "ok": last.verdicts.ok, "runs": reps,
+                "events_per_sec": {"median": med, "min": min, "max": max},
+            }),
+        );
+    }
+    let exe = std::env::current_exe().expect("own path");
+    let out = Command::new(exe)
+        .env(RSS_CHILD_ENV, "1")
+        .output()
+        .expect("running the memory child");
+    let mem: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "memory child ({}): {e}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    println!(
+        "collector memory: {} live flows, peak RSS (VmHWM) {:.1} MiB (process baseline {:.1} MiB), tables ≈ {:.1} MiB",
+        mem["live_flows"],
+        mem["vm_hwm_kib"].as_f64().unwrap_or(0.0) / 1024.0,
+        mem["baseline_hwm_kib"].as_f64().unwrap_or(0.0) / 1024.0,
+        mem["approx_bytes"].as_f64().unwrap_or(0.0) / 1048576.0
+    );
+    results.insert("memory".into(), mem);
+    if let Some(path) = std::env::var_os("NATTRACE_BENCH_OUT") {
+        let text = serde_json::to_string_pretty(&results).expect("json");
+        std::fs::write(&path, text).expect("writing NATTRACE_BENCH_OUT");
+    }
+}

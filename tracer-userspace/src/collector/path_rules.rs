@@ -1,0 +1,121 @@
+//! Causes that depend on the path a flow took through the node rather than
+//! on a sysctl: replies that bypass the DNATing node, and hairpin flows.
+use tracer_common::hook;
+
+use super::{
+    report::is_hairpin,
+    rules::RuleCtx,
+    types::{Dir, Obs},
+};
+
+type Found = (String, String);
+
+fn node_obs<'a>(ctx: &'a RuleCtx<'_>, dir: Dir) -> impl Iterator<Item = &'a Obs> + 'a {
+    let flow = ctx.flow;
+    let node = ctx.node_netns;
+    flow.obs.iter().filter(move |o| {
+        flow.packets[o.packet as usize].dir == dir
+            && (o.netns == 0 || o.netns == node)
+            && o.hook != hook::DROP
+    })
+}
+
+/// This node saw the request only after another node had DNATed it, and the
+/// reply left here with the backend's address: the node holding the
+/// conntrack entry never sees the reply.
+pub(super) fn reply_bypasses_dnat_node(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let backend = ctx.flow.backend?;
+    let mut requests = node_obs(ctx, Dir::Request).peekable();
+    requests.peek()?;
+    let mut came_in = None;
+    for o in requests {
+        if o.dst == ctx.flow.service {
+            return None;
+        }
+        if came_in.is_none() && o.hook == hook::TC_INGRESS {
+            came_in = Some(o.ifindex);
+        }
+    }
+    let reply = ctx.flow.client_reply?;
+    let left = ctx
+        .flow
+        .packet_obs(reply.packet)
+        .filter(|o| o.hook == hook::TC_EGRESS && (o.netns == 0 || o.netns == ctx.node_netns))
+        .last()?;
+    let came_in = came_in
+        .map(|i| format!(" by {}", ctx.ifname(i)))
+        .unwrap_or_default();
+    Some((
+        "the request was DNATed by another node and the reply left here without going back through it".to_string(),
+        format!(
+            "the {} arrived at this node{came_in} already DNATed to {backend} by another node, and the {} left by {} with source {} straight towards the client {}, bypassing the node that DNATed it (asymmetric return path)",
+            ctx.first_request_kind(),
+            ctx.kind(reply.packet),
+            ctx.ifname(left.ifindex),
+            left.src,
+            ctx.flow.client,
+        ),
+    ))
+}
+
+pub(super) fn hairpin_not_masqueraded(ctx: &RuleCtx<'_>) -> Option<Found> {
+    if !is_hairpin(ctx.flow) || ctx.flow.snat.is_some() {
+        return None;
+    }
+    let backend = ctx.flow.backend?;
+    let what = match (ctx.flow.client_reply, ctx.drop) {
+        (Some(reply), _) => format!(
+            "so the {} stayed inside the pod with source {backend} and never passed the node's reverse NAT",
+            ctx.kind(reply.packet)
+        ),
+        // Without accept_local the pod drops its own source address.
+        (None, Some(d)) if !ctx.is_node(d.netns) => format!(
+            "so it came back into the pod with the pod's own address {} as source and was dropped there",
+            std::net::Ipv4Addr::from(d.src.addr)
+        ),
+        _ => return None,
+    };
+    let missing = ctx
+        .kube
+        .lookup(
+            ctx.flow.service.socket_addr(),
+            super::types::Proto::from_raw(ctx.flow.proto)?.as_str(),
+            Some(backend.socket_addr()),
+        )
+        .and_then(|m| Some((m.sep_chain?, m.hairpin_masq?)))
+        .filter(|(_, masq)| !masq)
+        .map(|(sep, _)| {
+            format!(
+                "; {sep} has no `-s {}/32 -j KUBE-MARK-MASQ`",
+                std::net::Ipv4Addr::from(backend.addr)
+            )
+        })
+        .unwrap_or_default();
+    Some((
+        "hairpin without masquerade (KUBE-SEP did not mark it)".to_string(),
+        format!(
+            "the pod reached itself through the Service (hairpin) and the {} was not masqueraded, {what}{missing}",
+            ctx.first_request_kind(),
+        ),
+    ))
+}
+
+pub(super) fn hairpin_mode_off(ctx: &RuleCtx<'_>) -> Option<Found> {
+    if !is_hairpin(ctx.flow) {
+        return None;
+    }
+    let port = ctx.facts.interface(ctx.flow.client_ifindex)?;
+    port.master?;
+    if port.hairpin != Some(false) {
+        return None;
+    }
+    let backend = ctx.flow.backend?;
+    Some((
+        format!("hairpin_mode is off on the bridge port {}", port.name),
+        format!(
+            "the pod reached itself through the Service (hairpin): the {} was DNATed back to {backend} and had to leave by the bridge port {} it came in by, but hairpin_mode is off on that port, so the bridge never sent it back",
+            ctx.first_request_kind(),
+            port.name
+        ),
+    ))
+}

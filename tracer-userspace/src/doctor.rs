@@ -1,0 +1,298 @@
+//! `nattrace doctor`: the static facts behind the seed incidents, read-only,
+//! each judged with a severity and a fix. Gathering ([`gather`]) is the only
+//! I/O; judging ([`assess`]) is pure, so every rule is unit-tested.
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::{
+    facts::Interface,
+    probes::netns::{self, Netns, NetnsError},
+    ruleset::{self, KubeProxyRules, ProxyMode},
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    Ok,
+    Info,
+    Warning,
+    /// Breaks Service traffic: `nattrace doctor` exits 1.
+    Error,
+}
+
+impl Severity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Severity::Ok => "ok",
+            Severity::Info => "info",
+            Severity::Warning => "warning",
+            Severity::Error => "error",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Finding {
+    /// Stable id, e.g. "bridge_nf_call_iptables".
+    pub check: &'static str,
+    pub severity: Severity,
+    /// Short "key=value" form for the one-line preamble.
+    pub value: String,
+    pub message: String,
+    pub fix: Option<&'static str>,
+}
+
+/// What [`gather`] read; everything [`assess`] judges.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Inputs {
+    pub netns: String,
+    pub br_netfilter_loaded: bool,
+    pub bridge_nf_call_iptables: Option<bool>,
+    pub interfaces: Vec<Interface>,
+    pub ip_forward: Option<bool>,
+    /// `all`, then each interface: the value in effect is the max of the two.
+    pub rp_filter: Vec<(String, u8)>,
+    pub conntrack_count: Option<u64>,
+    pub conntrack_max: Option<u64>,
+    pub kube_proxy: KubeProxyRules,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Report {
+    pub netns: String,
+    pub findings: Vec<Finding>,
+}
+
+impl Report {
+    /// Whether a finding would break Service traffic (exit status 1).
+    pub fn breaks_services(&self) -> bool {
+        self.findings.iter().any(|f| f.severity == Severity::Error)
+    }
+
+    /// The trace preamble: every value, problems first, in one line.
+    pub fn one_line(&self) -> String {
+        let mut sorted: Vec<&Finding> = self.findings.iter().collect();
+        sorted.sort_by_key(|f| std::cmp::Reverse(f.severity));
+        let problems = sorted
+            .iter()
+            .filter(|f| f.severity >= Severity::Warning)
+            .count();
+        let values: Vec<String> = sorted
+            .iter()
+            .map(|f| match f.severity {
+                Severity::Error | Severity::Warning => {
+                    format!("{} ({})", f.value, f.severity.as_str())
+                }
+                _ => f.value.clone(),
+            })
+            .collect();
+        format!(
+            "checks: {} problem(s): {}",
+            problems,
+            values.join(", ")
+        )
+    }
+
+    pub fn text(&self) -> String {
+        let mut out = format!("nattrace doctor: netns {}\n", self.netns);
+        for f in &self.findings {
+            let _ = writeln!(out, "{:<7} {}: {}", f.severity.as_str(), f.check, f.message);
+            if let Some(fix) = f.fix.filter(|_| f.severity >= Severity::Warning) {
+                let _ = writeln!(out, "        fix: {fix}");
+            }
+        }
+        let verdict = if self.breaks_services() {
+            "Service traffic will break on this node"
+        } else {
+            "nothing found that breaks Service traffic"
+        };
+        let _ = writeln!(out, "{verdict}");
+        out
+    }
+}
+
+const FIX_BR_NETFILTER: &str =
+    "modprobe br_netfilter (and list it in /etc/modules-load.d) before kubelet starts";
+const FIX_BRIDGE_NF: &str =
+    "sysctl -w net.bridge.bridge-nf-call-iptables=1 in the namespace that owns the bridge (persist it in /etc/sysctl.d)";
+const FIX_HAIRPIN: &str = "kubelet --hairpin-mode=hairpin-veth or the CNI bridge plugin's \"hairpinMode\": true; now: ip link set <port> type bridge_slave hairpin on";
+const FIX_FORWARD: &str = "sysctl -w net.ipv4.ip_forward=1";
+const FIX_RP_FILTER: &str =
+    "sysctl -w net.ipv4.conf.all.rp_filter=2 (loose) and the same for the interface";
+const FIX_CONNTRACK: &str = "raise net.netfilter.nf_conntrack_max (kube-proxy --conntrack-max-per-core) or find what fills the table (conntrack -S)";
+const FIX_KUBE_PROXY: &str = "check that kube-proxy runs on this node and syncs its rules (its logs, iptables-save | grep KUBE-SERVICES)";
+const FIX_MASQ_ALL: &str = "if clients outside the cluster reach ClusterIPs through one node, set kube-proxy masqueradeAll: true so replies return through it";
+
+fn finding(
+    check: &'static str,
+    severity: Severity,
+    value: String,
+    message: String,
+    fix: &'static str,
+) -> Finding {
+    Finding {
+        check,
+        severity,
+        value,
+        message,
+        fix: Some(fix),
+    }
+}
+
+/// Judges what [`gather`] read. Pure.
+pub fn assess(i: &Inputs) -> Report {
+    let mut out = Vec::new();
+    let bridges: Vec<&Interface> = i.interfaces.iter().filter(|x| x.kind == "bridge").collect();
+    let names = |v: &[&Interface]| {
+        v.iter()
+            .map(|x| x.name.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let (sev, msg) = match (i.br_netfilter_loaded, bridges.is_empty()) {
+        (true, _) => (Severity::Ok, "br_netfilter is loaded".to_string()),
+        (false, true) => (Severity::Info, "br_netfilter is not loaded (no bridge in this namespace)".to_string()),
+        (false, false) => (
+            Severity::Error,
+            format!("br_netfilter is not loaded: replies bridged on {} skip Service reverse NAT (seed 000)", names(&bridges)),
+        ),
+    };
+    out.push(finding("br_netfilter", sev, format!("br_netfilter={}", if i.br_netfilter_loaded { "loaded" } else { "absent" }), msg, FIX_BR_NETFILTER));
+    if !bridges.is_empty() {
+        let (sev, v, msg) = match i.bridge_nf_call_iptables {
+            Some(true) => (Severity::Ok, "1", format!("bridged traffic on {} passes iptables", names(&bridges))),
+            Some(false) => (Severity::Error, "0", format!("bridged traffic on {} skips iptables: same-node Service replies are not reverse-NATed (seed 000/001)", names(&bridges))),
+            None => (Severity::Error, "absent", "net.bridge.bridge-nf-call-iptables does not exist (br_netfilter not loaded)".to_string()),
+        };
+        out.push(finding("bridge_nf_call_iptables", sev, format!("bridge-nf-call-iptables={v} on {}", names(&bridges)), msg, FIX_BRIDGE_NF));
+        let ports: Vec<&Interface> = i.interfaces.iter().filter(|x| x.master.is_some()).collect();
+        let off: Vec<&Interface> = ports.iter().copied().filter(|x| x.hairpin == Some(false)).collect();
+        if !ports.is_empty() {
+            let (sev, value, msg) = if off.is_empty() {
+                (Severity::Ok, "hairpin=on".to_string(), format!("hairpin_mode is on for all {} bridge ports", ports.len()))
+            } else {
+                (Severity::Warning, format!("hairpin=off on {}", names(&off)), format!("hairpin_mode is off on {} of {} bridge ports ({}): a pod there cannot reach itself through its Service (seed 004 case 3)", off.len(), ports.len(), names(&off)))
+            };
+            out.push(finding("hairpin_mode", sev, value, msg, FIX_HAIRPIN));
+        }
+    }
+    let (sev, v) = match i.ip_forward {
+        Some(true) => (Severity::Ok, "1"),
+        Some(false) => (Severity::Error, "0"),
+        None => (Severity::Warning, "unknown"),
+    };
+    out.push(finding("ip_forward", sev, format!("ip_forward={v}"), match sev {
+        Severity::Ok => "the node forwards IPv4".to_string(),
+        _ => "the node does not forward IPv4: pod and Service traffic through it is dropped".to_string(),
+    }, FIX_FORWARD));
+    let all = i.rp_filter.iter().find(|(n, _)| n == "all").map_or(0, |(_, v)| *v);
+    let strict: Vec<&str> = i
+        .rp_filter
+        .iter()
+        .filter(|(n, v)| n != "all" && n != "default" && (*v).max(all) == 1)
+        .map(|(n, _)| n.as_str())
+        .collect();
+    out.push(if strict.is_empty() {
+        finding("rp_filter", Severity::Ok, "rp_filter=loose/off".into(), "no interface has strict reverse-path filtering".into(), FIX_RP_FILTER)
+    } else {
+        finding("rp_filter", Severity::Warning, format!("rp_filter=strict on {}", strict.join(",")), format!("strict reverse-path filtering on {}: packets of asymmetric paths are dropped", strict.join(", ")), FIX_RP_FILTER)
+    });
+    if let (Some(count), Some(max)) = (i.conntrack_count, i.conntrack_max) {
+        let pct = if max == 0 { 0 } else { count * 100 / max };
+        let sev = match pct {
+            90.. => Severity::Error,
+            75.. => Severity::Warning,
+            _ => Severity::Ok,
+        };
+        out.push(finding("conntrack", sev, format!("conntrack={count}/{max}"), format!("{count} of {max} conntrack entries in use ({pct}%); a full table drops new connections"), FIX_CONNTRACK));
+    }
+    let mode = i.kube_proxy.mode;
+    let (sev, msg) = match mode {
+        ProxyMode::None => (Severity::Warning, "no kube-proxy rules found in the nat table (not a node, kube-proxy down, or a kube-proxy replacement)".to_string()),
+        m => (Severity::Info, format!("kube-proxy runs in {} mode ({} Services{})", m.as_str(), i.kube_proxy.services.len(), i.kube_proxy.source.map(|s| format!(", iptables-{s}")).unwrap_or_default())),
+    };
+    out.push(finding("kube_proxy_mode", sev, format!("kube-proxy={}", mode.as_str()), msg, FIX_KUBE_PROXY));
+    if let Some(all) = i.kube_proxy.masquerade_all() {
+        out.push(finding(
+            "masquerade_all",
+            Severity::Info,
+            format!("masqueradeAll={all}"),
+            if all {
+                "masqueradeAll is in effect: every Service packet is SNATed".into()
+            } else {
+                "masqueradeAll is off: clients outside the cluster CIDR keep their address (seed 003 if their replies can bypass this node)".into()
+            },
+            FIX_MASQ_ALL,
+        ));
+    }
+    Report {
+        netns: i.netns.clone(),
+        findings: out,
+    }
+}
+
+fn read_u64(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Reads the facts of `netns` (None = current). Read-only.
+pub fn gather(netns_spec: Option<&str>) -> Result<Inputs, NetnsError> {
+    let ns = Netns::open(netns_spec)?;
+    let mut inputs = ns.run(|| -> Result<Inputs, NetnsError> {
+        let interfaces = netns::list_interfaces()?;
+        let mut rp_filter = Vec::new();
+        for name in std::iter::once("all").chain(interfaces.iter().map(|i| i.name.as_str())) {
+            if let Some(v) = read_u64(&format!("/proc/sys/net/ipv4/conf/{name}/rp_filter")) {
+                rp_filter.push((name.to_string(), v as u8));
+            }
+        }
+        Ok(Inputs {
+            bridge_nf_call_iptables: netns::read_sysctl_bool(
+                "/proc/sys/net/bridge/bridge-nf-call-iptables",
+            ),
+            ip_forward: netns::read_sysctl_bool("/proc/sys/net/ipv4/ip_forward"),
+            conntrack_count: read_u64("/proc/sys/net/netfilter/nf_conntrack_count"),
+            conntrack_max: read_u64("/proc/sys/net/netfilter/nf_conntrack_max"),
+            interfaces,
+            rp_filter,
+            ..Inputs::default()
+        })
+    })??;
+    inputs.netns = netns_spec.unwrap_or("current").to_string();
+    // Built in, it has no /sys/module entry; its per-namespace sysctls say it is there.
+    inputs.br_netfilter_loaded = inputs.bridge_nf_call_iptables.is_some()
+        || std::path::Path::new("/sys/module/br_netfilter").exists();
+    inputs.kube_proxy = ruleset::read(netns_spec);
+    Ok(inputs)
+}
+
+/// `nattrace doctor`: prints the report, returns the exit status (0 fine,
+/// 1 Service traffic breaks, 2 could not look).
+pub fn run(netns: Option<&str>, json: bool) -> u8 {
+    let inputs = match gather(netns) {
+        Ok(i) => i,
+        Err(err) => {
+            eprintln!("nattrace: {err}");
+            return 2;
+        }
+    };
+    let report = assess(&inputs);
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "kind": "doctor",
+                "netns": report.netns,
+                "breaks_services": report.breaks_services(),
+                "findings": report.findings,
+            })
+        );
+    } else {
+        print!("{}", report.text());
+    }
+    u8::from(report.breaks_services())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,98 @@
+use super::*;
+use crate::ruleset::parse_nat;
+
+fn port(ifindex: u32, name: &str, hairpin: bool) -> Interface {
+    Interface {
+        ifindex,
+        name: name.into(),
+        kind: "veth".into(),
+        master: Some(3),
+        hairpin: Some(hairpin),
+    }
+}
+
+fn healthy() -> Inputs {
+    Inputs {
+        netns: "node-a".into(),
+        br_netfilter_loaded: true,
+        bridge_nf_call_iptables: Some(true),
+        interfaces: vec![
+            Interface {
+                ifindex: 3,
+                name: "cni0".into(),
+                kind: "bridge".into(),
+                ..Interface::default()
+            },
+            port(4, "veth0", true),
+            port(5, "veth1", true),
+        ],
+        ip_forward: Some(true),
+        rp_filter: vec![("all".into(), 0), ("eth0".into(), 2)],
+        conntrack_count: Some(10),
+        conntrack_max: Some(1000),
+        kube_proxy: parse_nat(include_str!("../ruleset/fixtures/lab_nat.txt")),
+    }
+}
+
+fn severity(r: &Report, check: &str) -> Severity {
+    r.findings
+        .iter()
+        .find(|f| f.check == check)
+        .unwrap_or_else(|| panic!("no {check}: {r:#?}"))
+        .severity
+}
+
+#[test]
+fn healthy_node_passes() {
+    let r = assess(&healthy());
+    assert!(!r.breaks_services(), "{}", r.text());
+    assert_eq!(severity(&r, "kube_proxy_mode"), Severity::Info);
+    let line = r.one_line();
+    assert!(line.starts_with("checks: 0 problem(s): "), "{line}");
+    assert!(line.contains("bridge-nf-call-iptables=1 on cni0"), "{line}");
+    assert!(line.contains("kube-proxy=iptables"), "{line}");
+    assert!(line.contains("masqueradeAll=false"), "{line}");
+    assert!(line.contains("conntrack=10/1000"), "{line}");
+    assert!(!line.contains('\n'));
+}
+
+#[test]
+fn bridge_nf_off_breaks_services_with_a_fix() {
+    let r = assess(&Inputs {
+        bridge_nf_call_iptables: Some(false),
+        ..healthy()
+    });
+    assert!(r.breaks_services());
+    assert_eq!(severity(&r, "bridge_nf_call_iptables"), Severity::Error);
+    assert!(r.text().contains("fix: sysctl -w net.bridge.bridge-nf-call-iptables=1"));
+    assert!(r.one_line().starts_with("checks: 1 problem(s): bridge-nf-call-iptables=0 on cni0 (error)"));
+}
+
+#[test]
+fn missing_module_forward_and_full_conntrack_are_errors() {
+    let r = assess(&Inputs {
+        br_netfilter_loaded: false,
+        bridge_nf_call_iptables: None,
+        ip_forward: Some(false),
+        conntrack_count: Some(950),
+        ..healthy()
+    });
+    for check in ["br_netfilter", "bridge_nf_call_iptables", "ip_forward", "conntrack"] {
+        assert_eq!(severity(&r, check), Severity::Error, "{check}");
+    }
+}
+
+#[test]
+fn hairpin_off_strict_rp_filter_and_no_kube_proxy_are_warnings() {
+    let mut i = healthy();
+    i.interfaces[2].hairpin = Some(false);
+    i.rp_filter = vec![("all".into(), 1), ("eth0".into(), 0)];
+    i.kube_proxy = KubeProxyRules::default();
+    let r = assess(&i);
+    assert!(!r.breaks_services());
+    assert_eq!(severity(&r, "hairpin_mode"), Severity::Warning);
+    assert_eq!(severity(&r, "rp_filter"), Severity::Warning);
+    assert_eq!(severity(&r, "kube_proxy_mode"), Severity::Warning);
+    assert!(r.one_line().contains("hairpin=off on veth1 (warning)"));
+    assert!(r.findings.iter().all(|f| f.check != "masquerade_all"));
+}

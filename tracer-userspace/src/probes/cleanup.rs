@@ -1,0 +1,216 @@
+//! What a SIGKILLed nattrace leaves behind, and removing it. tcx, netfilter
+//! and raw tracepoint links are owned by file descriptors and die with the
+//! process; clsact filters (pre-6.6 kernels, or NATTRACE_FORCE_CLSACT=1) are
+//! not, and keep running our program.
+//!
+//! Ours = a `bpf` filter whose program name is one of nattrace's tc programs
+//! AND whose handle is [`FILTER_HANDLE`] (nobody else picks that value)
+//! AND whose program no running process holds open (a live nattrace holds
+//! its programs; a leftover's program is held only by the filter). Anything
+//! else is left alone. A clsact qdisc is removed only when we removed a
+//! filter from it and no filter at all is left on it: an empty clsact does
+//! nothing, and one holding someone else's filters is theirs.
+use std::collections::HashSet;
+
+use netlink_packet_core::{NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST};
+use netlink_packet_route::{
+    RouteNetlinkMessage,
+    tc::{TcAttribute, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
+};
+
+use super::netns::{self, Netns, NetnsError};
+
+/// The tc filter handle nattrace attaches with ("natt").
+pub const FILTER_HANDLE: u32 = 0x6e61_7474;
+/// nattrace's tc programs (the kernel keeps the name the loader gave).
+const PROGRAM_NAMES: &[&str] = &["tc_ingress", "tc_egress"];
+
+const INGRESS: TcHandle = TcHandle {
+    major: 0xffff,
+    minor: TcHandle::MIN_INGRESS,
+};
+const EGRESS: TcHandle = TcHandle {
+    major: 0xffff,
+    minor: TcHandle::MIN_EGRESS,
+};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Filter {
+    parent: TcHandle,
+    handle: TcHandle,
+    info: u32,
+    kind: String,
+    prog_name: Option<String>,
+    prog_id: Option<u32>,
+}
+
+impl Filter {
+    fn is_nattrace(&self) -> bool {
+        self.kind == "bpf"
+            && u32::from(self.handle) == FILTER_HANDLE
+            && self
+                .prog_name
+                .as_deref()
+                .is_some_and(|n| PROGRAM_NAMES.contains(&n))
+    }
+}
+
+/// Removes leftovers in the namespace `spec` (None = current) and returns
+/// one description per removed object ("tc filter tc_ingress on eth0").
+pub fn remove_leftovers(spec: Option<&str>) -> Result<Vec<String>, NetnsError> {
+    let ns = Netns::open(spec)?;
+    let live = live_program_ids();
+    ns.run(|| remove_in_current(&live))?
+}
+
+fn remove_in_current(live: &HashSet<u32>) -> Result<Vec<String>, NetnsError> {
+    let mut removed = Vec::new();
+    for iface in netns::list_interfaces()? {
+        let mut took_ours = false;
+        let mut left = 0usize;
+        for parent in [INGRESS, EGRESS] {
+            // EINVAL/ENOENT: no clsact on this device.
+            let Ok(filters) = list_filters(iface.ifindex, parent) else {
+                continue;
+            };
+            for f in filters {
+                let held = f.prog_id.is_some_and(|id| live.contains(&id));
+                if f.is_nattrace() && !held {
+                    delete_filter(iface.ifindex, &f)?;
+                    took_ours = true;
+                    removed.push(format!(
+                        "tc filter {} on {}",
+                        f.prog_name.as_deref().unwrap_or("?"),
+                        iface.name
+                    ));
+                } else {
+                    left += 1;
+                }
+            }
+        }
+        if took_ours && left == 0 && netns::delete_clsact(iface.ifindex).is_ok() {
+            removed.push(format!("clsact qdisc on {}", iface.name));
+        }
+    }
+    Ok(removed)
+}
+
+/// Filters of one clsact hook; a dump lists each filter once per
+/// (priority, handle) plus a header entry without options, which is skipped.
+fn list_filters(ifindex: u32, parent: TcHandle) -> Result<Vec<Filter>, NetnsError> {
+    let mut msg = TcMessage::with_index(ifindex as i32);
+    msg.header.parent = parent;
+    let replies = netns::netlink_request(
+        RouteNetlinkMessage::GetTrafficFilter(msg),
+        NLM_F_REQUEST | NLM_F_DUMP,
+    )?;
+    let mut out = Vec::new();
+    for reply in replies {
+        let RouteNetlinkMessage::NewTrafficFilter(m) = reply else {
+            continue;
+        };
+        let mut f = Filter {
+            parent,
+            handle: m.header.handle,
+            info: m.header.info,
+            kind: String::new(),
+            prog_name: None,
+            prog_id: None,
+        };
+        let mut has_options = false;
+        for attr in &m.attributes {
+            match attr {
+                TcAttribute::Kind(k) => f.kind = k.clone(),
+                TcAttribute::Options(opts) => {
+                    has_options = true;
+                    for o in opts {
+                        match o {
+                            TcOption::Bpf(TcFilterBpfOption::ProgName(n)) => {
+                                f.prog_name = Some(n.clone());
+                            }
+                            TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => f.prog_id = Some(*id),
+                            _ => {}
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        if has_options || u32::from(f.handle) != 0 {
+            out.push(f);
+        }
+    }
+    Ok(out)
+}
+
+fn delete_filter(ifindex: u32, f: &Filter) -> Result<(), NetnsError> {
+    let mut msg = TcMessage::with_index(ifindex as i32);
+    msg.header.parent = f.parent;
+    msg.header.handle = f.handle;
+    msg.header.info = f.info;
+    msg.attributes.push(TcAttribute::Kind(f.kind.clone()));
+    netns::netlink_request(
+        RouteNetlinkMessage::DelTrafficFilter(msg),
+        NLM_F_REQUEST | NLM_F_ACK,
+    )?;
+    Ok(())
+}
+
+/// BPF program ids held open by any process (fdinfo `prog_id:`), i.e. in
+/// use by a running loader such as another nattrace.
+fn live_program_ids() -> HashSet<u32> {
+    let mut ids = HashSet::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return ids;
+    };
+    for p in procs.flatten() {
+        let name = p.file_name();
+        if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(p.path().join("fdinfo")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            // Only BPF fds carry prog_id; skip the read for plain files by
+            // checking the link target first.
+            let target = std::fs::read_link(p.path().join("fd").join(fd.file_name()));
+            if !target.is_ok_and(|t| t.to_string_lossy().starts_with("anon_inode:")) {
+                continue;
+            }
+            if let Ok(info) = std::fs::read_to_string(fd.path())
+                && let Some(id) = info
+                    .lines()
+                    .find_map(|l| l.strip_prefix("prog_id:"))
+                    .and_then(|v| v.trim().parse().ok())
+            {
+                ids.insert(id);
+            }
+        }
+    }
+    ids
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filter(kind: &str, handle: u32, name: &str) -> Filter {
+        Filter {
+            parent: INGRESS,
+            handle: TcHandle::from(handle),
+            info: 0,
+            kind: kind.into(),
+            prog_name: Some(name.into()),
+            prog_id: Some(7),
+        }
+    }
+
+    #[test]
+    fn only_our_handle_name_and_kind_are_ours() {
+        assert!(filter("bpf", FILTER_HANDLE, "tc_ingress").is_nattrace());
+        assert!(!filter("bpf", 1, "tc_ingress").is_nattrace());
+        assert!(!filter("bpf", FILTER_HANDLE, "cil_from_netdev").is_nattrace());
+        assert!(!filter("u32", FILTER_HANDLE, "tc_ingress").is_nattrace());
+    }
+}

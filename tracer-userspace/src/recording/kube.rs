@@ -1,0 +1,78 @@
+//! Reading kube-proxy's rules back from a header. `ruleset` types are
+//! serialize-only (they hold `&'static str`), so the reader has its own
+//! mirror and converts; a field added there shows up here as a compile error
+//! in `from`.
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use serde::{Deserialize, Deserializer};
+
+use crate::ruleset::{KubeProxyRules, ProxyMode, SepRule, SvcRule};
+
+#[derive(Deserialize)]
+struct Rules {
+    #[serde(default)]
+    mode: String,
+    #[serde(default)]
+    source: Option<String>,
+    #[serde(default)]
+    services: Vec<Svc>,
+}
+
+#[derive(Deserialize)]
+struct Svc {
+    name: String,
+    cluster_ip: Ipv4Addr,
+    port: u16,
+    proto: String,
+    chain: String,
+    #[serde(default)]
+    masquerade_all: bool,
+    #[serde(default)]
+    endpoints: Vec<Sep>,
+}
+
+#[derive(Deserialize)]
+struct Sep {
+    chain: String,
+    endpoint: SocketAddrV4,
+    #[serde(default)]
+    hairpin_masq: bool,
+}
+
+pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<KubeProxyRules, D::Error> {
+    let r = Rules::deserialize(d)?;
+    Ok(KubeProxyRules {
+        mode: match r.mode.as_str() {
+            "iptables" => ProxyMode::Iptables,
+            "ipvs" => ProxyMode::Ipvs,
+            "nftables" => ProxyMode::Nftables,
+            _ => ProxyMode::None,
+        },
+        source: r.source.as_deref().map(|s| match s {
+            "nft" => "nft",
+            "legacy" => "legacy",
+            _ => "default",
+        }),
+        services: r
+            .services
+            .into_iter()
+            .map(|s| SvcRule {
+                name: s.name,
+                cluster_ip: s.cluster_ip,
+                port: s.port,
+                proto: s.proto,
+                chain: s.chain,
+                masquerade_all: s.masquerade_all,
+                endpoints: s
+                    .endpoints
+                    .into_iter()
+                    .map(|e| SepRule {
+                        chain: e.chain,
+                        endpoint: e.endpoint,
+                        hairpin_masq: e.hairpin_masq,
+                    })
+                    .collect(),
+            })
+            .collect(),
+    })
+}

@@ -1,0 +1,388 @@
+//! Recordings (`--write FILE`): every raw event of a session plus what is
+//! needed to decide its flows again later (`nattrace analyze FILE`).
+//!
+//! Format (documented in docs/RECORDING.md): JSON lines. A `header` object
+//! first, then `event` lines in the order they were read from the ring
+//! buffer, a `stats` line at every collector tick (the kernel's loss counter
+//! and the tick's clock, so offline re-analysis ticks exactly where the live
+//! run did), and an `end` line on a clean exit. Nothing is ever rewritten, so
+//! a file cut anywhere (SIGKILL, full disk, size cap) is valid up to its last
+//! complete line.
+mod kube;
+mod reader;
+#[cfg(test)]
+mod tests;
+
+use std::{
+    fs::File,
+    io::{self, BufWriter, Write},
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use serde::{Deserialize, Serialize};
+use tracer_common::PacketEvent;
+
+pub use self::reader::{MAX_LINE_BYTES, ReadProblem, Reader, Record};
+use crate::{
+    collector::{CollectorConfig, DropReasons},
+    facts::NodeFacts,
+    probes::KernelStats,
+    ruleset::KubeProxyRules,
+    service::Service,
+};
+
+pub const FORMAT: &str = "nattrace-recording";
+/// Bumped when a reader of the previous version would misread a file; new
+/// optional fields do not bump it (readers ignore unknown fields).
+pub const VERSION: u32 = 1;
+/// A SIGKILL loses at most this much of the recording.
+const FLUSH_EVERY: Duration = Duration::from_secs(1);
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Clock {
+    /// CLOCK_MONOTONIC (the events' clock) and CLOCK_REALTIME read together,
+    /// so event times can be shown as wall-clock time (pcapng).
+    pub monotonic_ns: u64,
+    pub realtime_ns: u64,
+}
+
+impl Clock {
+    /// Add to an event's `ts_ns` to get nanoseconds since the Unix epoch.
+    pub fn to_unix(&self, ts_ns: u64) -> u64 {
+        (self.realtime_ns as i128 - self.monotonic_ns as i128 + ts_ns as i128).max(0) as u64
+    }
+}
+
+/// Everything about the session that is not an event: what was traced, how,
+/// and the node facts and tables the collector needs to name causes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Header {
+    pub format: String,
+    pub version: u32,
+    pub nattrace_version: String,
+    /// `uname -r` of the traced node.
+    #[serde(default)]
+    pub kernel: String,
+    #[serde(default)]
+    pub backend: String,
+    #[serde(default)]
+    pub backend_reason: String,
+    /// `--svc` values as typed (IP or IP:PORT).
+    pub services: Vec<String>,
+    pub facts: NodeFacts,
+    pub reply_timeout_ms: u64,
+    /// The running kernel's `enum skb_drop_reason` (value, name): numbering
+    /// differs between kernels, so the reader must not use its own.
+    #[serde(default)]
+    pub drop_reasons: Vec<(u32, String)>,
+    #[serde(default)]
+    pub clock: Option<Clock>,
+    /// Programs that could not be attached (so a reader knows what the
+    /// recording cannot contain).
+    #[serde(default)]
+    pub skipped: Vec<String>,
+    /// kube-proxy's nat rules at start: flows are named after them.
+    #[serde(default, deserialize_with = "kube::deserialize")]
+    pub kube_proxy: KubeProxyRules,
+    /// The node checks shown in the preamble (`doctor` findings), verbatim.
+    #[serde(default)]
+    pub checks: serde_json::Value,
+    #[serde(default)]
+    pub checks_line: Option<String>,
+}
+
+impl Header {
+    /// The collector configuration of this session. The live run builds its
+    /// collector from the header too, so offline verdicts cannot drift.
+    pub fn collector_config(&self) -> Result<CollectorConfig, RecordingError> {
+        // The CLI's limits: beyond them the collector's deadline arithmetic
+        // is not meant to work (a crafted header must not make it overflow).
+        if !(1..=600_000).contains(&self.reply_timeout_ms) {
+            return Err(RecordingError::BadHeader(format!(
+                "reply timeout {} ms is outside 1..600000",
+                self.reply_timeout_ms
+            )));
+        }
+        if self.services.is_empty() || self.services.len() > 255 {
+            return Err(RecordingError::BadHeader(format!(
+                "{} Services (1 to 255 expected)",
+                self.services.len()
+            )));
+        }
+        let services = self
+            .services
+            .iter()
+            .map(|s| {
+                s.parse::<Service>()
+                    .map_err(|e| RecordingError::BadHeader(e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let drop_reasons = if self.drop_reasons.is_empty() {
+            DropReasons::default()
+        } else {
+            DropReasons::from_pairs(self.drop_reasons.iter().map(|(v, n)| (*v, n.as_str())))
+        };
+        Ok(CollectorConfig {
+            services,
+            reply_timeout_ns: self.reply_timeout_ms * 1_000_000,
+            facts: self.facts.clone(),
+            drop_reasons,
+            kube_proxy: self.kube_proxy.clone(),
+            ..CollectorConfig::default()
+        })
+    }
+}
+
+/// One event as recorded: the kernel's [`PacketEvent`] with addresses as
+/// dotted quads, so `grep 10.0.0.7` finds them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecEvent {
+    pub ts_ns: u64,
+    pub skb: u64,
+    pub netns: u32,
+    pub ifindex: u32,
+    pub saddr: Ipv4Addr,
+    pub daddr: Ipv4Addr,
+    pub sport: u16,
+    pub dport: u16,
+    pub seq: u32,
+    pub ack: u32,
+    pub drop_reason: u32,
+    pub payload_head: u32,
+    pub ip_len: u16,
+    pub ip_id: u16,
+    pub hook: u8,
+    pub nf_hook: u8,
+    pub nat_stage: u8,
+    pub proto: u8,
+    pub tcp_flags: u8,
+    pub direction: u8,
+    pub svc: u8,
+}
+
+impl From<&PacketEvent> for RecEvent {
+    fn from(e: &PacketEvent) -> Self {
+        Self {
+            ts_ns: e.ts_ns,
+            skb: e.skb,
+            netns: e.netns,
+            ifindex: e.ifindex,
+            saddr: e.saddr.into(),
+            daddr: e.daddr.into(),
+            sport: e.sport,
+            dport: e.dport,
+            seq: e.seq,
+            ack: e.ack,
+            drop_reason: e.drop_reason,
+            payload_head: e.payload_head,
+            ip_len: e.ip_len,
+            ip_id: e.ip_id,
+            hook: e.hook,
+            nf_hook: e.nf_hook,
+            nat_stage: e.nat_stage,
+            proto: e.proto,
+            tcp_flags: e.tcp_flags,
+            direction: e.direction,
+            svc: e.svc,
+        }
+    }
+}
+
+impl From<RecEvent> for PacketEvent {
+    fn from(e: RecEvent) -> Self {
+        Self {
+            ts_ns: e.ts_ns,
+            skb: e.skb,
+            netns: e.netns,
+            ifindex: e.ifindex,
+            saddr: e.saddr.octets(),
+            daddr: e.daddr.octets(),
+            sport: e.sport,
+            dport: e.dport,
+            seq: e.seq,
+            ack: e.ack,
+            drop_reason: e.drop_reason,
+            payload_head: e.payload_head,
+            ip_len: e.ip_len,
+            ip_id: e.ip_id,
+            hook: e.hook,
+            nf_hook: e.nf_hook,
+            nat_stage: e.nat_stage,
+            proto: e.proto,
+            tcp_flags: e.tcp_flags,
+            direction: e.direction,
+            svc: e.svc,
+            _pad: 0,
+        }
+    }
+}
+
+/// The kernel counters at a collector tick (`stats`) or at the end (`end`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatsLine {
+    /// The `now` the collector was ticked (or finished) with.
+    pub now_ns: u64,
+    /// Events the kernel could not deliver, cumulative.
+    pub lost_events: u64,
+    #[serde(default)]
+    pub kernel_events: u64,
+    #[serde(default)]
+    pub muted_packets: u64,
+    #[serde(default)]
+    pub flow_map_full: u64,
+}
+
+impl StatsLine {
+    pub fn new(now_ns: u64, s: &KernelStats) -> Self {
+        Self {
+            now_ns,
+            lost_events: s.ringbuf_full,
+            kernel_events: s.events,
+            muted_packets: s.muted,
+            flow_map_full: s.flow_map_full,
+        }
+    }
+}
+
+/// One line of a recording.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Line {
+    Header(Box<Header>),
+    Event(RecEvent),
+    Stats(StatsLine),
+    /// `--write-max-mb` was reached: nothing follows.
+    Capped {
+        bytes: u64,
+    },
+    End(StatsLine),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RecordingError {
+    #[error("cannot create recording {path}: {error}")]
+    Create { path: PathBuf, error: io::Error },
+    #[error("cannot read recording {path}: {error}")]
+    Open { path: PathBuf, error: io::Error },
+    #[error("{path} is not a nattrace recording: {why}")]
+    NotARecording { path: PathBuf, why: String },
+    #[error("bad recording header: {0}")]
+    BadHeader(String),
+    #[error("writing the recording failed: {0}")]
+    Write(io::Error),
+}
+
+/// Appends a session to a recording file. Write errors and the size cap
+/// stop the recording, never the trace: [`warn`](Self::take_warning) says so once.
+pub struct RecordingWriter {
+    out: Option<BufWriter<File>>,
+    path: PathBuf,
+    written: u64,
+    limit: Option<u64>,
+    last_flush: Instant,
+    warning: Option<String>,
+}
+
+impl RecordingWriter {
+    pub fn create(
+        path: &Path,
+        header: &Header,
+        limit_bytes: Option<u64>,
+    ) -> Result<Self, RecordingError> {
+        let file = File::create(path).map_err(|error| RecordingError::Create {
+            path: path.to_owned(),
+            error,
+        })?;
+        let mut w = Self {
+            out: Some(BufWriter::with_capacity(256 * 1024, file)),
+            path: path.to_owned(),
+            written: 0,
+            limit: limit_bytes,
+            last_flush: Instant::now(),
+            warning: None,
+        };
+        w.line(&Line::Header(Box::new(header.clone())));
+        // The header is what makes the file readable at all: on disk now.
+        w.flush();
+        match w.warning.take() {
+            Some(why) => Err(RecordingError::Write(io::Error::other(why))),
+            None => Ok(w),
+        }
+    }
+
+    pub fn event(&mut self, ev: &PacketEvent) {
+        self.line(&Line::Event(ev.into()));
+    }
+
+    /// At every collector tick; also where the ≤ 1 s flush happens.
+    pub fn stats(&mut self, line: StatsLine) {
+        self.line(&Line::Stats(line));
+        if self.last_flush.elapsed() >= FLUSH_EVERY {
+            self.flush();
+        }
+    }
+
+    pub fn end(&mut self, line: StatsLine) {
+        self.line(&Line::End(line));
+        self.flush();
+    }
+
+    /// A one-line warning, once, when the recording stopped (cap or error).
+    pub fn take_warning(&mut self) -> Option<String> {
+        self.warning.take()
+    }
+
+    pub fn bytes_written(&self) -> u64 {
+        self.written
+    }
+
+    fn line(&mut self, line: &Line) {
+        let Some(out) = self.out.as_mut() else {
+            return;
+        };
+        // serde_json cannot fail on these types; a Vec keeps a line atomic
+        // with respect to the cap.
+        let mut buf = serde_json::to_vec(line).unwrap_or_default();
+        buf.push(b'\n');
+        if let Some(limit) = self.limit
+            && self.written + buf.len() as u64 > limit
+        {
+            let capped = Line::Capped {
+                bytes: self.written,
+            };
+            let mut marker = serde_json::to_vec(&capped).unwrap_or_default();
+            marker.push(b'\n');
+            let _ = out.write_all(&marker).and_then(|()| out.flush());
+            self.out = None;
+            self.warning = Some(format!(
+                "recording {} reached the --write-max-mb limit ({} bytes): no longer recording, still tracing",
+                self.path.display(),
+                self.written
+            ));
+            return;
+        }
+        match out.write_all(&buf) {
+            Ok(()) => self.written += buf.len() as u64,
+            Err(e) => self.fail(e),
+        }
+    }
+
+    fn flush(&mut self) {
+        self.last_flush = Instant::now();
+        if let Some(out) = self.out.as_mut()
+            && let Err(e) = out.flush()
+        {
+            self.fail(e);
+        }
+    }
+
+    fn fail(&mut self, e: io::Error) {
+        self.out = None;
+        self.warning = Some(format!(
+            "writing recording {} failed ({e}): no longer recording, still tracing",
+            self.path.display()
+        ));
+    }
+}

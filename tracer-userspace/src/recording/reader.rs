@@ -1,0 +1,225 @@
+//! Reading a recording that may be cut short, corrupt, from another version,
+//! or crafted: every line is bounded, nothing panics, and the first line
+//! that does not make sense ends the reading with a [`ReadProblem`].
+use std::{
+    fs::File,
+    io::{self, BufRead, BufReader, Read},
+    path::Path,
+};
+
+use tracer_common::PacketEvent;
+
+use super::{FORMAT, Header, Line, RecordingError, StatsLine, VERSION};
+
+/// A line longer than this is not one we wrote (a header with thousands of
+/// interfaces is ~1 MiB): reading stops instead of allocating without bound.
+pub const MAX_LINE_BYTES: usize = 8 << 20;
+/// Event times beyond this would overflow the collector's deadline
+/// arithmetic; CLOCK_MONOTONIC reaches it after ~146 years of uptime.
+const MAX_TS_NS: u64 = 1 << 62;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Record {
+    Event(PacketEvent),
+    Stats(StatsLine),
+    Capped { bytes: u64 },
+    End(StatsLine),
+}
+
+/// Why the recording was read only in part (one line for the user).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadProblem {
+    /// 1-based number of the first line not used.
+    pub line: u64,
+    pub why: String,
+}
+
+pub struct Reader<R> {
+    inner: R,
+    line_no: u64,
+    buf: Vec<u8>,
+    problem: Option<ReadProblem>,
+    finished: bool,
+    /// Lines of a kind this version does not know (a newer writer): skipped.
+    pub unknown_lines: u64,
+    /// The header's format version when newer than [`VERSION`].
+    pub newer_version: Option<u32>,
+}
+
+enum Raw {
+    Eof,
+    Line,
+    /// EOF in the middle of a line: the writer was cut off.
+    Partial,
+    TooLong,
+}
+
+impl Reader<BufReader<File>> {
+    pub fn open(path: &Path) -> Result<(Self, Header), RecordingError> {
+        let file = File::open(path).map_err(|error| RecordingError::Open {
+            path: path.to_owned(),
+            error,
+        })?;
+        if file.metadata().is_ok_and(|m| m.is_dir()) {
+            return Err(RecordingError::Open {
+                path: path.to_owned(),
+                error: io::Error::other("it is a directory"),
+            });
+        }
+        Reader::new(BufReader::with_capacity(256 * 1024, file)).map_err(|why| {
+            RecordingError::NotARecording {
+                path: path.to_owned(),
+                why,
+            }
+        })
+    }
+}
+
+impl<R: BufRead> Reader<R> {
+    /// Reads the header; Err(why) if the input does not start with one.
+    pub fn new(inner: R) -> Result<(Self, Header), String> {
+        let mut r = Reader {
+            inner,
+            line_no: 0,
+            buf: Vec::new(),
+            problem: None,
+            finished: false,
+            unknown_lines: 0,
+            newer_version: None,
+        };
+        match r.raw_line() {
+            Ok(Raw::Line | Raw::Partial) => {}
+            Ok(Raw::Eof) => return Err("the file is empty".into()),
+            Ok(Raw::TooLong) => return Err("the first line is not a header (too long)".into()),
+            Err(e) => return Err(e.to_string()),
+        }
+        let header = match serde_json::from_slice::<Line>(&r.buf) {
+            Ok(Line::Header(h)) => *h,
+            Ok(_) => return Err("the first line is not a header".into()),
+            Err(e) => return Err(format!("the first line is not a header ({e})")),
+        };
+        if header.format != FORMAT {
+            return Err(format!(
+                "format '{}', expected '{FORMAT}'",
+                header.format.chars().take(64).collect::<String>()
+            ));
+        }
+        if header.version > VERSION {
+            r.newer_version = Some(header.version);
+        }
+        Ok((r, header))
+    }
+
+    /// Why reading stopped early, if it did (only meaningful once `next`
+    /// has returned None).
+    pub fn problem(&self) -> Option<&ReadProblem> {
+        self.problem.as_ref()
+    }
+
+    /// Lines read so far (header included).
+    pub fn lines_read(&self) -> u64 {
+        self.line_no
+    }
+
+    fn raw_line(&mut self) -> io::Result<Raw> {
+        self.buf.clear();
+        let limit = MAX_LINE_BYTES as u64 + 1;
+        let n = (&mut self.inner)
+            .take(limit)
+            .read_until(b'\n', &mut self.buf)?;
+        if n == 0 {
+            return Ok(Raw::Eof);
+        }
+        self.line_no += 1;
+        if self.buf.last() == Some(&b'\n') {
+            self.buf.pop();
+            return Ok(Raw::Line);
+        }
+        if self.buf.len() > MAX_LINE_BYTES {
+            return Ok(Raw::TooLong);
+        }
+        Ok(Raw::Partial)
+    }
+
+    fn stop(&mut self, why: impl Into<String>) -> Option<Record> {
+        self.finished = true;
+        self.problem = Some(ReadProblem {
+            line: self.line_no,
+            why: why.into(),
+        });
+        None
+    }
+
+    fn next_record(&mut self) -> Option<Record> {
+        loop {
+            if self.finished {
+                return None;
+            }
+            match self.raw_line() {
+                Err(e) => return self.stop(format!("read error: {e}")),
+                Ok(Raw::Eof) => {
+                    self.line_no += 1;
+                    return self.stop("no end record (nattrace was killed or the file was cut)");
+                }
+                Ok(Raw::TooLong) => {
+                    return self.stop(format!("line longer than {MAX_LINE_BYTES} bytes"));
+                }
+                Ok(Raw::Partial) => {
+                    return self.stop("the last line is incomplete (the writer was cut off)");
+                }
+                Ok(Raw::Line) => {}
+            }
+            if self.buf.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            let line = match serde_json::from_slice::<Line>(&self.buf) {
+                Ok(line) => line,
+                Err(e) => {
+                    if self.is_unknown_kind() {
+                        self.unknown_lines += 1;
+                        continue;
+                    }
+                    return self.stop(format!("not a valid record ({e})"));
+                }
+            };
+            return match line {
+                Line::Event(ev) if ev.ts_ns >= MAX_TS_NS => self.stop("event time out of range"),
+                Line::Event(ev) => Some(Record::Event(ev.into())),
+                Line::Stats(s) if s.now_ns >= MAX_TS_NS => self.stop("stats time out of range"),
+                Line::Stats(s) => Some(Record::Stats(s)),
+                Line::Header(_) => self.stop("a second header"),
+                Line::Capped { bytes } => {
+                    self.finished = true;
+                    Some(Record::Capped { bytes })
+                }
+                Line::End(s) => {
+                    self.finished = true;
+                    if s.now_ns >= MAX_TS_NS {
+                        return self.stop("end time out of range");
+                    }
+                    Some(Record::End(s))
+                }
+            };
+        }
+    }
+
+    /// A well-formed object whose `kind` this version does not know:
+    /// written by a newer nattrace, safe to skip.
+    fn is_unknown_kind(&self) -> bool {
+        #[derive(serde::Deserialize)]
+        struct Kind<'a> {
+            #[serde(borrow)]
+            kind: std::borrow::Cow<'a, str>,
+        }
+        serde_json::from_slice::<Kind>(&self.buf)
+            .is_ok_and(|k| !matches!(&*k.kind, "header" | "event" | "stats" | "capped" | "end"))
+    }
+}
+
+impl<R: BufRead> Iterator for Reader<R> {
+    type Item = Record;
+
+    fn next(&mut self) -> Option<Record> {
+        self.next_record()
+    }
+}

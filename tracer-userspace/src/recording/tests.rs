@@ -1,0 +1,221 @@
+use std::io::{BufReader, Cursor};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::collector::{Collector, fixtures};
+
+fn header() -> Header {
+    Header {
+        format: FORMAT.into(),
+        version: VERSION,
+        nattrace_version: "test".into(),
+        kernel: "6.18".into(),
+        backend: "netfilter".into(),
+        backend_reason: String::new(),
+        services: fixtures::services()
+            .iter()
+            .map(ToString::to_string)
+            .collect(),
+        facts: fixtures::facts(Some(false)),
+        reply_timeout_ms: 3000,
+        drop_reasons: Vec::new(),
+        clock: Some(Clock {
+            monotonic_ns: 1,
+            realtime_ns: 1_700_000_000_000_000_000,
+        }),
+        skipped: Vec::new(),
+        kube_proxy: Default::default(),
+        checks: serde_json::Value::Null,
+        checks_line: None,
+    }
+}
+
+fn temp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("nattrace-rec-{}-{name}", std::process::id()))
+}
+
+/// Records the seed-000 fixture like a live session would (events, a stats
+/// line, end) and returns the file's bytes.
+fn record(limit: Option<u64>) -> (Vec<u8>, Option<String>) {
+    let path = temp(&format!("rec-{limit:?}"));
+    let mut w = RecordingWriter::create(&path, &header(), limit).unwrap();
+    let events = fixtures::seed000_same_node(false);
+    let last = events.iter().map(|e| e.ts_ns).max().unwrap();
+    for ev in &events {
+        w.event(ev);
+    }
+    w.stats(StatsLine {
+        now_ns: last + 1,
+        ..Default::default()
+    });
+    w.end(StatsLine {
+        now_ns: fixtures::T0 + 10_000_000_000,
+        ..Default::default()
+    });
+    let warning = w.take_warning();
+    let bytes = std::fs::read(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    (bytes, warning)
+}
+
+fn decide(bytes: &[u8]) -> (Vec<crate::collector::FlowReport>, Option<ReadProblem>) {
+    let (mut reader, header) = Reader::new(BufReader::new(Cursor::new(bytes))).unwrap();
+    let mut c = Collector::new(header.collector_config().unwrap());
+    let mut out = Vec::new();
+    let mut end = 0;
+    for rec in reader.by_ref() {
+        match rec {
+            Record::Event(ev) => c.push(ev),
+            Record::Stats(s) => {
+                c.note_lost(s.lost_events);
+                out.extend(c.tick(s.now_ns));
+            }
+            Record::End(s) => end = s.now_ns,
+            Record::Capped { .. } => {}
+        }
+    }
+    out.extend(c.finish(end).0);
+    (out, reader.problem().cloned())
+}
+
+#[test]
+fn a_recording_decides_like_the_events_it_holds() {
+    let (bytes, warning) = record(None);
+    assert_eq!(warning, None);
+    let text = String::from_utf8(bytes.clone()).unwrap();
+    assert!(text.starts_with("{\"kind\":\"header\""));
+    assert!(
+        text.contains("\"saddr\":\"100.96.54.240\""),
+        "greppable addresses"
+    );
+    let (reports, problem) = decide(&bytes);
+    assert_eq!(problem, None);
+    let mut direct = Collector::new(header().collector_config().unwrap());
+    for ev in fixtures::seed000_same_node(false) {
+        direct.push(ev);
+    }
+    let (expected, _) = direct.finish(fixtures::T0 + 10_000_000_000);
+    assert_eq!(reports, expected);
+    assert_eq!(
+        reports[0].verdict,
+        crate::collector::Verdict::ReplyNotReverseNated
+    );
+}
+
+#[test]
+fn events_round_trip_exactly() {
+    for ev in fixtures::seed000_same_node(false) {
+        let line = serde_json::to_string(&Line::Event((&ev).into())).unwrap();
+        let Line::Event(back) = serde_json::from_str(&line).unwrap() else {
+            panic!("{line}");
+        };
+        assert_eq!(PacketEvent::from(back), ev);
+    }
+}
+
+#[test]
+fn a_cut_file_reads_up_to_the_cut_and_says_so() {
+    let (bytes, _) = record(None);
+    let header_len = bytes.iter().position(|&b| b == b'\n').unwrap() + 1;
+    for cut in (header_len..bytes.len() - 1).step_by(37) {
+        let (_, problem) = decide(&bytes[..cut]);
+        assert!(problem.is_some(), "cut at {cut} must be reported");
+    }
+}
+
+#[test]
+fn the_size_cap_stops_recording_with_a_warning() {
+    let (bytes, warning) = record(Some(4096));
+    assert!(warning.unwrap().contains("--write-max-mb"));
+    assert!(bytes.len() <= 4096 + 64);
+    let text = String::from_utf8(bytes).unwrap();
+    assert!(text.trim_end().ends_with("}"));
+    assert!(text.lines().last().unwrap().contains("\"capped\""));
+}
+
+#[test]
+fn unknown_kinds_from_newer_versions_are_skipped() {
+    let (bytes, _) = record(None);
+    let mut text = String::from_utf8(bytes).unwrap();
+    let at = text.find('\n').unwrap() + 1;
+    text.insert_str(at, "{\"kind\":\"future_thing\",\"x\":1}\n");
+    let (reports, problem) = decide(text.as_bytes());
+    assert_eq!(problem, None);
+    assert_eq!(reports.len(), 1);
+}
+
+#[test]
+fn not_a_recording_is_refused_in_one_line() {
+    for input in [
+        "",
+        "hello\n",
+        "{\"kind\":\"event\"}\n",
+        "{\"kind\":\"header\"}",
+    ] {
+        let err = Reader::new(BufReader::new(Cursor::new(input.as_bytes())))
+            .err()
+            .unwrap();
+        assert!(!err.contains('\n'), "{err}");
+    }
+}
+
+/// Lines a crafted or corrupt recording may hold: valid records with
+/// extreme values, near-misses, and junk.
+fn line_strategy() -> impl Strategy<Value = String> {
+    prop_oneof![
+        any::<(u64, u64, u32, u32, u8, u8, u8, u8, u8, u32)>().prop_map(
+            |(ts, skb, netns, ifindex, hook, nf, stage, proto, flags, reason)| {
+                format!(
+                    "{{\"kind\":\"event\",\"ts_ns\":{ts},\"skb\":{skb},\"netns\":{netns},\"ifindex\":{ifindex},\
+                     \"saddr\":\"100.96.54.240\",\"daddr\":\"100.67.30.133\",\"sport\":43534,\"dport\":80,\
+                     \"seq\":{reason},\"ack\":0,\"drop_reason\":{reason},\"payload_head\":0,\"ip_len\":60,\
+                     \"ip_id\":1,\"hook\":{hook},\"nf_hook\":{nf},\"nat_stage\":{stage},\"proto\":{proto},\
+                     \"tcp_flags\":{flags},\"direction\":1,\"svc\":0}}"
+                )
+            }
+        ),
+        (0u64..(1 << 40), any::<u64>())
+            .prop_map(|(t, l)| format!("{{\"kind\":\"stats\",\"now_ns\":{t},\"lost_events\":{l}}}")),
+        any::<u64>().prop_map(|t| format!("{{\"kind\":\"end\",\"now_ns\":{t},\"lost_events\":0}}")),
+        "[ -~]{0,80}",
+        proptest::collection::vec(any::<u8>(), 0..120)
+            .prop_map(|b| String::from_utf8_lossy(&b).into_owned()),
+        Just("{\"kind\":\"capped\",\"bytes\":1}".to_owned()),
+        Just("{\"kind\":".to_owned()),
+    ]
+}
+
+proptest! {
+    // Bounded so the normal `cargo test` stays fast; raise with PROPTEST_CASES.
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..4096)) {
+        let mut input = serde_json::to_vec(&Line::Header(Box::new(header()))).unwrap();
+        input.push(b'\n');
+        input.extend_from_slice(&bytes);
+        let _ = decide(&input);
+        // And without a header in front.
+        let _ = Reader::new(BufReader::new(Cursor::new(&bytes[..]))).map(|(r, _)| r.count());
+    }
+
+    #[test]
+    fn arbitrary_lines_never_panic(lines in proptest::collection::vec(line_strategy(), 0..64)) {
+        let mut input = serde_json::to_string(&Line::Header(Box::new(header()))).unwrap();
+        for l in &lines {
+            input.push('\n');
+            input.push_str(l);
+        }
+        let _ = decide(input.as_bytes());
+    }
+}
+
+#[test]
+fn an_overlong_line_stops_reading_without_buffering_it_all() {
+    let mut input = serde_json::to_vec(&Line::Header(Box::new(header()))).unwrap();
+    input.push(b'\n');
+    input.extend(std::iter::repeat_n(b'x', MAX_LINE_BYTES + 10));
+    let (_, problem) = decide(&input);
+    assert!(problem.unwrap().why.contains("longer"));
+}

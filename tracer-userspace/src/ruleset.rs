@@ -1,0 +1,308 @@
+//! kube-proxy's nat rules, read-only: which Service, `KUBE-SVC-…` and
+//! `KUBE-SEP-…` chain sent a flow to its backend. Parsing is pure; the only
+//! I/O is [`read`], which runs `iptables-save -t nat` (never a command that
+//! changes the ruleset) in the traced namespace.
+use std::{
+    collections::HashMap,
+    net::{Ipv4Addr, SocketAddrV4},
+    process::Command,
+};
+
+use serde::Serialize;
+
+use crate::probes::netns::Netns;
+
+/// How kube-proxy programs Services on this node, judged from the rules present.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProxyMode {
+    Iptables,
+    Ipvs,
+    Nftables,
+    /// No kube-proxy rules found (not a node, or another proxy such as Cilium's).
+    #[default]
+    None,
+}
+
+impl ProxyMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProxyMode::Iptables => "iptables",
+            ProxyMode::Ipvs => "ipvs",
+            ProxyMode::Nftables => "nftables",
+            ProxyMode::None => "none",
+        }
+    }
+}
+
+/// One `KUBE-SEP-…` chain: an endpoint of a Service port.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SepRule {
+    pub chain: String,
+    pub endpoint: SocketAddrV4,
+    /// `-s <endpoint ip> -j KUBE-MARK-MASQ`: a pod reaching itself is masqueraded.
+    pub hairpin_masq: bool,
+}
+
+/// One Service port: `KUBE-SERVICES -d ip -p proto --dport port -j KUBE-SVC-…`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SvcRule {
+    /// kube-proxy's comment, `namespace/name:port`.
+    pub name: String,
+    pub cluster_ip: Ipv4Addr,
+    pub port: u16,
+    /// "tcp" / "udp".
+    pub proto: String,
+    pub chain: String,
+    /// The KUBE-SVC chain marks every packet for masquerade (`masqueradeAll`).
+    pub masquerade_all: bool,
+    pub endpoints: Vec<SepRule>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct KubeProxyRules {
+    pub mode: ProxyMode,
+    /// Which iptables backend held the rules: "legacy" / "nft".
+    pub source: Option<&'static str>,
+    pub services: Vec<SvcRule>,
+}
+
+/// What a flow's Service and backend map to in the ruleset.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct KubeMatch {
+    pub service: String,
+    pub svc_chain: String,
+    /// None when the backend is unknown or no KUBE-SEP chain DNATs to it.
+    pub sep_chain: Option<String>,
+    /// The SEP chain masquerades the endpoint reaching itself (hairpin).
+    pub hairpin_masq: Option<bool>,
+}
+
+impl KubeProxyRules {
+    pub fn lookup(
+        &self,
+        service: SocketAddrV4,
+        proto: &str,
+        backend: Option<SocketAddrV4>,
+    ) -> Option<KubeMatch> {
+        let svc = self.services.iter().find(|s| {
+            s.cluster_ip == *service.ip() && s.port == service.port() && s.proto == proto
+        })?;
+        let sep = backend.and_then(|b| svc.endpoints.iter().find(|e| e.endpoint == b));
+        Some(KubeMatch {
+            service: svc.name.clone(),
+            svc_chain: svc.chain.clone(),
+            sep_chain: sep.map(|e| e.chain.clone()),
+            hairpin_masq: sep.map(|e| e.hairpin_masq),
+        })
+    }
+
+    /// Whether every Service's chain masquerades all traffic (`masqueradeAll: true`).
+    pub fn masquerade_all(&self) -> Option<bool> {
+        if self.services.is_empty() {
+            return None;
+        }
+        Some(self.services.iter().all(|s| s.masquerade_all))
+    }
+}
+
+/// Splits an `iptables-save` rule into words, honouring double quotes
+/// (kube-proxy's comments contain spaces).
+fn words(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let (mut quoted, mut escaped, mut any) = (false, false, false);
+    for c in line.chars() {
+        if escaped {
+            cur.push(c);
+            escaped = false;
+            continue;
+        }
+        match c {
+            '\\' => escaped = true,
+            '"' => {
+                quoted = !quoted;
+                any = true;
+            }
+            c if c.is_whitespace() && !quoted => {
+                if any || !cur.is_empty() {
+                    out.push(std::mem::take(&mut cur));
+                }
+                any = false;
+            }
+            c => cur.push(c),
+        }
+    }
+    if any || !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// A rule as the options kube-proxy uses. A `!` before an option negates it.
+#[derive(Default)]
+struct Rule {
+    chain: String,
+    dst: Option<String>,
+    src: Option<String>,
+    src_negated: bool,
+    proto: Option<String>,
+    dport: Option<u16>,
+    comment: Option<String>,
+    jump: Option<String>,
+    to_destination: Option<String>,
+}
+
+fn parse_rule(line: &str) -> Option<Rule> {
+    let w = words(line.strip_prefix("-A ")?);
+    let mut r = Rule {
+        chain: w.first()?.clone(),
+        ..Rule::default()
+    };
+    let mut negate = false;
+    let mut i = 1;
+    while i < w.len() {
+        let next = w.get(i + 1).cloned();
+        let mut took = true;
+        match w[i].as_str() {
+            "!" => {
+                negate = true;
+                i += 1;
+                continue;
+            }
+            "-d" | "--destination" => r.dst = next,
+            "-s" | "--source" => {
+                r.src = next;
+                r.src_negated = negate;
+            }
+            "-p" | "--protocol" => r.proto = next,
+            "--dport" | "--destination-port" => r.dport = next.and_then(|p| p.parse().ok()),
+            "--comment" => r.comment = next,
+            "-j" | "--jump" | "-g" | "--goto" => r.jump = next,
+            "--to-destination" => r.to_destination = next,
+            _ => took = false,
+        }
+        negate = false;
+        i += if took { 2 } else { 1 };
+    }
+    Some(r)
+}
+
+fn host(cidr: &str) -> Option<Ipv4Addr> {
+    cidr.strip_suffix("/32").unwrap_or(cidr).parse().ok()
+}
+
+/// Parses `iptables-save -t nat` output (either backend's: the text format is the same).
+pub fn parse_nat(text: &str) -> KubeProxyRules {
+    let rules: Vec<Rule> = text.lines().filter_map(parse_rule).collect();
+    let mut out = KubeProxyRules::default();
+    let mut by_chain: HashMap<&str, Vec<&Rule>> = HashMap::new();
+    for r in &rules {
+        by_chain.entry(r.chain.as_str()).or_default().push(r);
+    }
+    for r in by_chain.get("KUBE-SERVICES").into_iter().flatten() {
+        let (Some(jump), Some(dst), Some(port), Some(proto)) = (&r.jump, &r.dst, r.dport, &r.proto)
+        else {
+            continue;
+        };
+        if !jump.starts_with("KUBE-SVC-") {
+            continue;
+        }
+        let Some(ip) = host(dst) else { continue };
+        let name = r
+            .comment
+            .as_deref()
+            .map(|c| c.trim_end_matches(" cluster IP").to_string())
+            .unwrap_or_default();
+        let chain_rules = by_chain.get(jump.as_str()).map(Vec::as_slice).unwrap_or(&[]);
+        let masquerade_all = chain_rules.iter().any(|c| {
+            c.jump.as_deref() == Some("KUBE-MARK-MASQ") && c.src.is_none() && c.dst.is_some()
+        });
+        let endpoints = chain_rules
+            .iter()
+            .filter_map(|c| c.jump.as_deref())
+            .filter(|j| j.starts_with("KUBE-SEP-"))
+            .filter_map(|sep| endpoint(sep, by_chain.get(sep)?))
+            .collect();
+        out.services.push(SvcRule {
+            name,
+            cluster_ip: ip,
+            port,
+            proto: proto.clone(),
+            chain: jump.clone(),
+            masquerade_all,
+            endpoints,
+        });
+    }
+    out.mode = if !out.services.is_empty() || by_chain.contains_key("KUBE-SERVICES") {
+        if text.contains("KUBE-CLUSTER-IP") || by_chain.contains_key("KUBE-LOAD-BALANCER") {
+            ProxyMode::Ipvs
+        } else {
+            ProxyMode::Iptables
+        }
+    } else {
+        ProxyMode::None
+    };
+    out
+}
+
+fn endpoint(chain: &str, rules: &[&Rule]) -> Option<SepRule> {
+    let to = rules.iter().find_map(|r| r.to_destination.as_deref())?;
+    let endpoint: SocketAddrV4 = to.parse().ok()?;
+    let hairpin_masq = rules.iter().any(|r| {
+        r.jump.as_deref() == Some("KUBE-MARK-MASQ")
+            && !r.src_negated
+            && r.src.as_deref().and_then(host) == Some(*endpoint.ip())
+    });
+    Some(SepRule {
+        chain: chain.to_string(),
+        endpoint,
+        hairpin_masq,
+    })
+}
+
+/// Runs `program args` in the namespace; None when it is missing or fails.
+fn run_in(netns: &Netns, program: &str, args: &[&str]) -> Option<String> {
+    netns
+        .run(|| Command::new(program).args(args).output())
+        .ok()?
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+}
+
+/// Reads the nat table of `netns` (None = current) from whichever iptables
+/// backend holds kube-proxy's rules. Read-only: `*-save` commands only.
+pub fn read(netns: Option<&str>) -> KubeProxyRules {
+    let Ok(ns) = Netns::open(netns) else {
+        return KubeProxyRules::default();
+    };
+    let mut best = KubeProxyRules::default();
+    for (program, source) in [
+        ("iptables-nft-save", "nft"),
+        ("iptables-legacy-save", "legacy"),
+        ("iptables-save", "default"),
+    ] {
+        let Some(text) = run_in(&ns, program, &["-t", "nat"]) else {
+            continue;
+        };
+        let rules = parse_nat(&text);
+        if rules.services.len() > best.services.len()
+            || (best.mode == ProxyMode::None && rules.mode != ProxyMode::None)
+        {
+            best = KubeProxyRules {
+                source: Some(source),
+                ..rules
+            };
+        }
+    }
+    if best.mode == ProxyMode::None
+        && run_in(&ns, "nft", &["list", "tables"]).is_some_and(|t| t.contains("kube-proxy"))
+    {
+        best.mode = ProxyMode::Nftables;
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests;

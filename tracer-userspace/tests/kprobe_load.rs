@@ -1,0 +1,72 @@
+//! Root test: every program of both backends passes this kernel's verifier,
+//! even where it cannot be attached (the build machines have no kprobes, see
+//! ../shared/docs/machine.md), and a forced backend the kernel cannot run is
+//! refused with one line naming the missing feature. Skips when not root.
+use std::path::Path;
+
+use nattrace::{
+    probes::{
+        TraceError, TraceOptions, Tracer, check_load,
+        table::{Backend, BackendChoice, PROGRAMS},
+    },
+    service::Service,
+};
+
+fn root() -> bool {
+    let root = nix::unistd::geteuid().is_root();
+    if !root {
+        eprintln!("skipped: needs root");
+    }
+    root
+}
+
+#[test]
+fn every_kprobe_program_loads() {
+    if !root() {
+        return;
+    }
+    let loaded = check_load(Backend::Kprobe).expect("kprobe backend programs load");
+    for spec in PROGRAMS
+        .iter()
+        .filter(|p| p.backends.contains(&Backend::Kprobe))
+    {
+        assert!(loaded.contains(&spec.name), "{} not loaded", spec.name);
+    }
+    assert!(loaded.contains(&"kp_nf_nat_manip_pkt") && loaded.contains(&"kp_br_forward"));
+}
+
+#[test]
+fn every_netfilter_program_loads() {
+    if !root() {
+        return;
+    }
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let loaded = check_load(Backend::Netfilter).expect("netfilter backend programs load");
+    if release.starts_with("6.18") {
+        assert_eq!(loaded.len(), 14, "{loaded:?}");
+    }
+}
+
+#[test]
+fn forced_kprobe_backend_without_kprobes_is_one_line() {
+    if !root() || Path::new("/sys/bus/event_source/devices/kprobe/type").exists() {
+        return;
+    }
+    let opts = TraceOptions {
+        services: vec![Service {
+            addr: [198, 51, 100, 9].into(),
+            port: None,
+        }],
+        netns: None,
+        ringbuf_bytes: 1 << 16,
+        backend: BackendChoice::Kprobe,
+    };
+    match Tracer::start(&opts) {
+        Err(e @ TraceError::Unsupported(_)) => assert_eq!(
+            e.to_string(),
+            "kprobes not available in this kernel (CONFIG_KPROBES)"
+        ),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("kprobe backend started without kprobes"),
+    }
+}
