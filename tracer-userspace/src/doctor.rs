@@ -87,11 +87,7 @@ impl Report {
                 _ => f.value.clone(),
             })
             .collect();
-        format!(
-            "checks: {} problem(s): {}",
-            problems,
-            values.join(", ")
-        )
+        format!("checks: {} problem(s): {}", problems, values.join(", "))
     }
 
     pub fn text(&self) -> String {
@@ -114,8 +110,7 @@ impl Report {
 
 const FIX_BR_NETFILTER: &str =
     "modprobe br_netfilter (and list it in /etc/modules-load.d) before kubelet starts";
-const FIX_BRIDGE_NF: &str =
-    "sysctl -w net.bridge.bridge-nf-call-iptables=1 in the namespace that owns the bridge (persist it in /etc/sysctl.d)";
+const FIX_BRIDGE_NF: &str = "sysctl -w net.bridge.bridge-nf-call-iptables=1 in the namespace that owns the bridge (persist it in /etc/sysctl.d)";
 const FIX_HAIRPIN: &str = "kubelet --hairpin-mode=hairpin-veth or the CNI bridge plugin's \"hairpinMode\": true; now: ip link set <port> type bridge_slave hairpin on";
 const FIX_FORWARD: &str = "sysctl -w net.ipv4.ip_forward=1";
 const FIX_RP_FILTER: &str =
@@ -152,27 +147,85 @@ pub fn assess(i: &Inputs) -> Report {
     };
     let (sev, msg) = match (i.br_netfilter_loaded, bridges.is_empty()) {
         (true, _) => (Severity::Ok, "br_netfilter is loaded".to_string()),
-        (false, true) => (Severity::Info, "br_netfilter is not loaded (no bridge in this namespace)".to_string()),
+        (false, true) => (
+            Severity::Info,
+            "br_netfilter is not loaded (no bridge in this namespace)".to_string(),
+        ),
         (false, false) => (
             Severity::Error,
-            format!("br_netfilter is not loaded: replies bridged on {} skip Service reverse NAT (seed 000)", names(&bridges)),
+            format!(
+                "br_netfilter is not loaded: replies bridged on {} skip Service reverse NAT (seed 000)",
+                names(&bridges)
+            ),
         ),
     };
-    out.push(finding("br_netfilter", sev, format!("br_netfilter={}", if i.br_netfilter_loaded { "loaded" } else { "absent" }), msg, FIX_BR_NETFILTER));
+    out.push(finding(
+        "br_netfilter",
+        sev,
+        format!(
+            "br_netfilter={}",
+            if i.br_netfilter_loaded {
+                "loaded"
+            } else {
+                "absent"
+            }
+        ),
+        msg,
+        FIX_BR_NETFILTER,
+    ));
     if !bridges.is_empty() {
         let (sev, v, msg) = match i.bridge_nf_call_iptables {
-            Some(true) => (Severity::Ok, "1", format!("bridged traffic on {} passes iptables", names(&bridges))),
-            Some(false) => (Severity::Error, "0", format!("bridged traffic on {} skips iptables: same-node Service replies are not reverse-NATed (seed 000/001)", names(&bridges))),
-            None => (Severity::Error, "absent", "net.bridge.bridge-nf-call-iptables does not exist (br_netfilter not loaded)".to_string()),
+            Some(true) => (
+                Severity::Ok,
+                "1",
+                format!("bridged traffic on {} passes iptables", names(&bridges)),
+            ),
+            Some(false) => (
+                Severity::Error,
+                "0",
+                format!(
+                    "bridged traffic on {} skips iptables: same-node Service replies are not reverse-NATed (seed 000/001)",
+                    names(&bridges)
+                ),
+            ),
+            None => (
+                Severity::Error,
+                "absent",
+                "net.bridge.bridge-nf-call-iptables does not exist (br_netfilter not loaded)"
+                    .to_string(),
+            ),
         };
-        out.push(finding("bridge_nf_call_iptables", sev, format!("bridge-nf-call-iptables={v} on {}", names(&bridges)), msg, FIX_BRIDGE_NF));
+        out.push(finding(
+            "bridge_nf_call_iptables",
+            sev,
+            format!("bridge-nf-call-iptables={v} on {}", names(&bridges)),
+            msg,
+            FIX_BRIDGE_NF,
+        ));
         let ports: Vec<&Interface> = i.interfaces.iter().filter(|x| x.master.is_some()).collect();
-        let off: Vec<&Interface> = ports.iter().copied().filter(|x| x.hairpin == Some(false)).collect();
+        let off: Vec<&Interface> = ports
+            .iter()
+            .copied()
+            .filter(|x| x.hairpin == Some(false))
+            .collect();
         if !ports.is_empty() {
             let (sev, value, msg) = if off.is_empty() {
-                (Severity::Ok, "hairpin=on".to_string(), format!("hairpin_mode is on for all {} bridge ports", ports.len()))
+                (
+                    Severity::Ok,
+                    "hairpin=on".to_string(),
+                    format!("hairpin_mode is on for all {} bridge ports", ports.len()),
+                )
             } else {
-                (Severity::Warning, format!("hairpin=off on {}", names(&off)), format!("hairpin_mode is off on {} of {} bridge ports ({}): a pod there cannot reach itself through its Service (seed 004 case 3)", off.len(), ports.len(), names(&off)))
+                (
+                    Severity::Warning,
+                    format!("hairpin=off on {}", names(&off)),
+                    format!(
+                        "hairpin_mode is off on {} of {} bridge ports ({}): a pod there cannot reach itself through its Service (seed 004 case 3)",
+                        off.len(),
+                        ports.len(),
+                        names(&off)
+                    ),
+                )
             };
             out.push(finding("hairpin_mode", sev, value, msg, FIX_HAIRPIN));
         }
@@ -182,11 +235,22 @@ pub fn assess(i: &Inputs) -> Report {
         Some(false) => (Severity::Error, "0"),
         None => (Severity::Warning, "unknown"),
     };
-    out.push(finding("ip_forward", sev, format!("ip_forward={v}"), match sev {
-        Severity::Ok => "the node forwards IPv4".to_string(),
-        _ => "the node does not forward IPv4: pod and Service traffic through it is dropped".to_string(),
-    }, FIX_FORWARD));
-    let all = i.rp_filter.iter().find(|(n, _)| n == "all").map_or(0, |(_, v)| *v);
+    out.push(finding(
+        "ip_forward",
+        sev,
+        format!("ip_forward={v}"),
+        match sev {
+            Severity::Ok => "the node forwards IPv4".to_string(),
+            _ => "the node does not forward IPv4: pod and Service traffic through it is dropped"
+                .to_string(),
+        },
+        FIX_FORWARD,
+    ));
+    let all = i
+        .rp_filter
+        .iter()
+        .find(|(n, _)| n == "all")
+        .map_or(0, |(_, v)| *v);
     let strict: Vec<&str> = i
         .rp_filter
         .iter()
@@ -194,12 +258,27 @@ pub fn assess(i: &Inputs) -> Report {
         .map(|(n, _)| n.as_str())
         .collect();
     out.push(if strict.is_empty() {
-        finding("rp_filter", Severity::Ok, "rp_filter=loose/off".into(), "no interface has strict reverse-path filtering".into(), FIX_RP_FILTER)
+        finding(
+            "rp_filter",
+            Severity::Ok,
+            "rp_filter=loose/off".into(),
+            "no interface has strict reverse-path filtering".into(),
+            FIX_RP_FILTER,
+        )
     } else {
-        finding("rp_filter", Severity::Warning, format!("rp_filter=strict on {}", strict.join(",")), format!("strict reverse-path filtering on {}: packets of asymmetric paths are dropped", strict.join(", ")), FIX_RP_FILTER)
+        finding(
+            "rp_filter",
+            Severity::Warning,
+            format!("rp_filter=strict on {}", strict.join(",")),
+            format!(
+                "strict reverse-path filtering on {}: packets of asymmetric paths are dropped",
+                strict.join(", ")
+            ),
+            FIX_RP_FILTER,
+        )
     });
     if let (Some(count), Some(max)) = (i.conntrack_count, i.conntrack_max) {
-        let pct = if max == 0 { 0 } else { count * 100 / max };
+        let pct = (count * 100).checked_div(max).unwrap_or(0);
         let sev = match pct {
             90.. => Severity::Error,
             75.. => Severity::Warning,
@@ -212,7 +291,13 @@ pub fn assess(i: &Inputs) -> Report {
         ProxyMode::None => (Severity::Warning, "no kube-proxy rules found in the nat table (not a node, kube-proxy down, or a kube-proxy replacement)".to_string()),
         m => (Severity::Info, format!("kube-proxy runs in {} mode ({} Services{})", m.as_str(), i.kube_proxy.services.len(), i.kube_proxy.source.map(|s| format!(", iptables-{s}")).unwrap_or_default())),
     };
-    out.push(finding("kube_proxy_mode", sev, format!("kube-proxy={}", mode.as_str()), msg, FIX_KUBE_PROXY));
+    out.push(finding(
+        "kube_proxy_mode",
+        sev,
+        format!("kube-proxy={}", mode.as_str()),
+        msg,
+        FIX_KUBE_PROXY,
+    ));
     if let Some(all) = i.kube_proxy.masquerade_all() {
         out.push(finding(
             "masquerade_all",

@@ -214,7 +214,10 @@ pub fn parse_nat(text: &str) -> KubeProxyRules {
             .as_deref()
             .map(|c| c.trim_end_matches(" cluster IP").to_string())
             .unwrap_or_default();
-        let chain_rules = by_chain.get(jump.as_str()).map(Vec::as_slice).unwrap_or(&[]);
+        let chain_rules = by_chain
+            .get(jump.as_str())
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
         let masquerade_all = chain_rules.iter().any(|c| {
             c.jump.as_deref() == Some("KUBE-MARK-MASQ") && c.src.is_none() && c.dst.is_some()
         });

@@ -40,7 +40,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(1500);
 /// Tracing time after attach: the connections plus one SYN retransmission.
 const TRACE_SECS: u64 = 4;
 /// Loading (BTF parsing, verifier) under TCG emulation is far slower than on hardware.
-const ATTACH_TIMEOUT: Duration = Duration::from_secs(120);
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(45);
 const CAUSE: &str = "bridge_nf_call_iptables_off";
 
 struct Scenario {

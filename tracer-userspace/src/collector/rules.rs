@@ -8,8 +8,8 @@ use tracer_common::{hook, nat_stage, nf_hook};
 
 use super::{
     drop_reason::KnownReasons,
-    path_rules::{hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
     flow::Flow,
+    path_rules::{hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
     report::Verdict,
     types::{Dir, Obs, packet_kind},
 };

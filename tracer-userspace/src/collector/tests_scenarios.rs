@@ -147,8 +147,12 @@ fn seed003_on_the_backend_node_reply_bypasses_the_dnating_node() {
     let cause = r.cause.as_ref().unwrap();
     assert_eq!(cause.id, CauseId::ReplyBypassesDnatNode);
     assert!(
-        cause.text.contains("by flannel.1 already DNATed to 100.96.54.247:80")
-            && cause.text.contains("left by eth0 with source 100.96.54.247:80"),
+        cause
+            .text
+            .contains("by flannel.1 already DNATed to 100.96.54.247:80")
+            && cause
+                .text
+                .contains("left by eth0 with source 100.96.54.247:80"),
         "{}",
         cause.text
     );
@@ -204,7 +208,10 @@ fn hairpin_without_masquerade_reply_stays_in_the_pod() {
     b.path(
         synack,
         t + 20_000,
-        &[(tx(CLIENT_NS, 1), me_backend, me), (rx(CLIENT_NS, 1), me_backend, me)],
+        &[
+            (tx(CLIENT_NS, 1), me_backend, me),
+            (rx(CLIENT_NS, 1), me_backend, me),
+        ],
     );
     let (reports, _) = run(&b.events, Some(true));
     let r = only(&reports);

@@ -64,8 +64,14 @@ fn bridge_nf_off_breaks_services_with_a_fix() {
     });
     assert!(r.breaks_services());
     assert_eq!(severity(&r, "bridge_nf_call_iptables"), Severity::Error);
-    assert!(r.text().contains("fix: sysctl -w net.bridge.bridge-nf-call-iptables=1"));
-    assert!(r.one_line().starts_with("checks: 1 problem(s): bridge-nf-call-iptables=0 on cni0 (error)"));
+    assert!(
+        r.text()
+            .contains("fix: sysctl -w net.bridge.bridge-nf-call-iptables=1")
+    );
+    assert!(
+        r.one_line()
+            .starts_with("checks: 1 problem(s): bridge-nf-call-iptables=0 on cni0 (error)")
+    );
 }
 
 #[test]
@@ -77,7 +83,12 @@ fn missing_module_forward_and_full_conntrack_are_errors() {
         conntrack_count: Some(950),
         ..healthy()
     });
-    for check in ["br_netfilter", "bridge_nf_call_iptables", "ip_forward", "conntrack"] {
+    for check in [
+        "br_netfilter",
+        "bridge_nf_call_iptables",
+        "ip_forward",
+        "conntrack",
+    ] {
         assert_eq!(severity(&r, check), Severity::Error, "{check}");
     }
 }

@@ -23,7 +23,10 @@ fn lab_rules_name_service_and_chains() {
     let other = rules
         .lookup(ep("100.67.30.133:80"), "tcp", Some(ep("100.96.55.21:80")))
         .unwrap();
-    assert_eq!(other.sep_chain.as_deref(), Some("KUBE-SEP-CXHVRYFTTQ53DHQQ"));
+    assert_eq!(
+        other.sep_chain.as_deref(),
+        Some("KUBE-SEP-CXHVRYFTTQ53DHQQ")
+    );
     let dns = rules
         .lookup(ep("100.64.0.10:53"), "udp", Some(ep("100.96.54.247:53")))
         .unwrap();
@@ -81,7 +84,10 @@ fn iptables_save_format_unquoted_comments_and_other_tables() {
 
 #[test]
 fn no_kube_proxy_and_ipvs_modes() {
-    assert_eq!(parse_nat("*nat\n:PREROUTING ACCEPT [0:0]\nCOMMIT\n").mode, ProxyMode::None);
+    assert_eq!(
+        parse_nat("*nat\n:PREROUTING ACCEPT [0:0]\nCOMMIT\n").mode,
+        ProxyMode::None
+    );
     let ipvs = "*nat\n:KUBE-SERVICES - [0:0]\n\
         -A KUBE-SERVICES -m set --match-set KUBE-CLUSTER-IP dst,dst -j ACCEPT\nCOMMIT\n";
     let rules = parse_nat(ipvs);

@@ -1,6 +1,8 @@
 #!/bin/sh
-# Default vm-test payload until the scenario runner exists: proves, on this guest
-# kernel, each thing the real tests will rely on. Exit status = number of failures.
+# First half of the default vm-test payload (vm-guest, the scenario runner, is
+# the second): proves, on this guest kernel, each thing the scenarios rely on,
+# so a failing scenario can be told from a guest that lacks a feature.
+# Exit status = number of failures.
 fails=0
 check() {
     desc=$1

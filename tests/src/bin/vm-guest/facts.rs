@@ -268,3 +268,81 @@ pub fn compare(runs: &[(&str, Vec<Value>)]) -> Result<String, String> {
         Err(differ.join("\n"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn lab() -> LabFacts {
+        let links = |names: &[(u64, &str)]| {
+            names
+                .iter()
+                .map(|(i, n)| (*i, n.to_string()))
+                .collect::<HashMap<_, _>>()
+        };
+        LabFacts {
+            node_path: PathBuf::new(),
+            client_path: PathBuf::new(),
+            node_ns: 100,
+            client_ns: 200,
+            backend_ns: 300,
+            links: HashMap::from([
+                (
+                    100,
+                    links(&[(1, "lo"), (3, "cni0"), (4, "veth0"), (5, "veth1")]),
+                ),
+                (200, links(&[(1, "lo"), (2, "eth0")])),
+                (300, links(&[(1, "lo"), (2, "eth0")])),
+            ]),
+            client_eth0: 2,
+            client_port: 4,
+            backend_port: 5,
+        }
+    }
+
+    fn hop(hook: &str, netns: u64, ifindex: u64, src: &str, dst: &str) -> Value {
+        json!({"hook": hook, "netns": netns, "ifindex": ifindex, "src": src, "dst": dst,
+               "nat_stage": if hook == "netfilter" { json!("after-nat") } else { Value::Null }})
+    }
+
+    /// One netfilter-backend flow of seed 000, as a correct kernel read gives it.
+    fn flow(netns_of_client_hops: u64) -> Value {
+        let (c, s, b) = (
+            "100.96.54.240:40000",
+            "100.67.30.133:80",
+            "100.96.54.247:80",
+        );
+        let request = vec![
+            hop("dev-tx", netns_of_client_hops, 2, c, s),
+            hop("dev-rx", 100, 4, c, s),
+            hop("netfilter", 100, 3, c, b),
+        ];
+        let reply = vec![hop("dev-rx", netns_of_client_hops, 2, b, c)];
+        json!({"packets": [{"dir": "request", "hops": request}, {"dir": "reply", "hops": reply}]})
+    }
+
+    #[test]
+    fn right_fields_pass() {
+        check_fields(&[flow(200)], &lab(), "netfilter").unwrap();
+    }
+
+    /// What a wrong `net.ns.inum` offset looks like: a netns the lab never made.
+    #[test]
+    fn a_wrong_netns_fails() {
+        let err = check_fields(&[flow(12345)], &lab(), "netfilter").unwrap_err();
+        assert!(
+            err.contains("netns inode 12345 is none of the lab's"),
+            "{err}"
+        );
+        assert!(err.contains("no hop at dev-tx client eth0"), "{err}");
+    }
+
+    /// The kprobe backend must also show the bridge's forwarding decision.
+    #[test]
+    fn kprobe_needs_br_forward() {
+        let err = check_fields(&[flow(200)], &lab(), "kprobe").unwrap_err();
+        assert!(err.contains("no hop at br-forward to client-port"), "{err}");
+    }
+}

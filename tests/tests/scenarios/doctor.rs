@@ -1,0 +1,140 @@
+//! `nattrace doctor`, foreign namespaces, and the ruleset fixture's sync.
+use super::*;
+
+// ---------------------------------------------------------------- 7: doctor
+
+fn doctor(lab: &Lab) -> (Option<i32>, Value) {
+    let bin = nattrace_path().unwrap_or_else(|e| panic!("{e:#}"));
+    let ns = lab.node_netns(presets::NODE_A).unwrap().path();
+    let out = std::process::Command::new(bin)
+        .args([
+            "doctor",
+            "--netns",
+            &ns.display().to_string(),
+            "--output",
+            "json",
+        ])
+        .output()
+        .expect("running nattrace doctor");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(text.trim())
+        .unwrap_or_else(|e| panic!("{e}: {text} {}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.code(), v)
+}
+
+fn finding<'a>(report: &'a Value, check: &str) -> &'a Value {
+    report["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["check"] == check)
+        .unwrap_or_else(|| panic!("no {check} finding: {report}"))
+}
+
+#[test]
+fn root_doctor_finds_bridge_nf_off_and_passes_a_healthy_node() {
+    require_root!();
+    let broken = build(presets::seed000(presets::Seed000 {
+        bridge_nf_call_iptables: false,
+        backend: Backend::SameNode,
+    }));
+    let (code, report) = doctor(&broken);
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(
+        finding(&report, "bridge_nf_call_iptables")["severity"],
+        "error"
+    );
+    assert!(finding(&report, "bridge_nf_call_iptables")["fix"].is_string());
+    assert_eq!(finding(&report, "hairpin_mode")["severity"], "warning");
+    assert_eq!(
+        finding(&report, "kube_proxy_mode")["value"],
+        "kube-proxy=iptables"
+    );
+    assert_eq!(
+        finding(&report, "masquerade_all")["value"],
+        "masqueradeAll=false"
+    );
+    drop(broken);
+
+    let healthy = build(presets::hairpin(presets::Hairpin::default()));
+    let (code, report) = doctor(&healthy);
+    assert_eq!(code, Some(0), "{report}");
+    assert_eq!(
+        finding(&report, "bridge_nf_call_iptables")["severity"],
+        "ok"
+    );
+    assert_eq!(finding(&report, "hairpin_mode")["severity"], "ok");
+    assert_eq!(finding(&report, "ip_forward")["severity"], "ok");
+    assert!(
+        finding(&report, "conntrack")["value"]
+            .as_str()
+            .unwrap()
+            .starts_with("conntrack=")
+    );
+}
+
+// ------------------------------------------------- foreign namespaces
+
+#[test]
+fn root_same_service_in_another_lab_is_foreign_not_a_flow() {
+    require_root!();
+    let _lock = tracing_lock();
+    let traced = build(presets::seed000(presets::Seed000::default()));
+    let other = build(presets::seed000(presets::Seed000::default()));
+    let done = trace(&traced, presets::NODE_A, &web_svc(), &[], || {
+        assert!(curl(&other, presets::CLIENT_POD));
+    });
+    assert!(flows(&done).is_empty(), "{}", done.describe());
+    let summary = done.summary().unwrap();
+    assert!(summary["foreign_flows"].as_u64().unwrap() >= 1, "{summary}");
+    assert_eq!(done.status.code(), Some(0));
+}
+
+// ----------------------------------------------- ruleset fixture in sync
+
+/// tracer-userspace's ruleset parser is unit-tested against this lab's
+/// rendered rules; the copy it reads must not drift from the renderer.
+#[test]
+fn ruleset_fixture_matches_the_lab_renderer() {
+    let spec = presets::seed000(presets::Seed000::default()).service(
+        lab::ServiceSpec::new(
+            "kube-system",
+            "kube-dns",
+            "dns",
+            presets::DNS_SERVICE_IP,
+            53,
+            Protocol::Udp,
+        )
+        .endpoint(presets::BACKEND_POD, 53),
+    );
+    let rendered = render(&spec);
+    let fixture = include_str!("../../../tracer-userspace/src/ruleset/fixtures/lab_nat.txt");
+    assert_eq!(
+        rendered, fixture,
+        "regenerate tracer-userspace/src/ruleset/fixtures/lab_nat.txt from this output"
+    );
+}
+
+fn render(spec: &LabSpec) -> String {
+    let ip = |pod: &str| {
+        spec.nodes
+            .iter()
+            .flat_map(|n| &n.pods)
+            .find(|p| p.name == pod)
+            .map(|p| p.ip)
+            .unwrap()
+    };
+    let services: Vec<lab::kube_proxy::ResolvedService> = spec
+        .services
+        .iter()
+        .map(|s| lab::kube_proxy::ResolvedService {
+            port_name: s.port_name_string(),
+            cluster_ip: s.cluster_ip,
+            port: s.port,
+            protocol: s.protocol,
+            endpoints: s.endpoints.iter().map(|e| (ip(&e.pod), e.port)).collect(),
+            pinned: s.pinned,
+        })
+        .collect();
+    lab::kube_proxy::render_nat(&spec.kube_proxy, &services)
+}
