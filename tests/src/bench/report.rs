@@ -135,6 +135,20 @@ pub fn markdown(r: &Results) -> String {
         let _ = writeln!(w, "| {k} | {v} |");
     }
     let _ = writeln!(w, "| load average at end | {} |\n", r.load_after);
+    let busy = |l: &str| {
+        l.split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    if busy(&r.load_after).is_some_and(|l| l > cores * 0.5) {
+        let _ = writeln!(
+            w,
+            "**The machine was shared and busy during this run** (load average above; other \
+             builds ran alongside), so the spreads are wide and single ratios can be off by \
+             ±15%; the BPF run-time column does not depend on the noise.\n"
+        );
+    }
     let mut targets: Vec<String> = Vec::new();
     bulk_section(w, r, &mut targets);
     conn_section(w, r, &mut targets);
