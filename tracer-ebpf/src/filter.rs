@@ -2,8 +2,8 @@
 //! and event emission.
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use tracer_common::{
-    EndpointKey, EndpointState, InflightPacket, PacketEvent, ServiceKey, direction, hook, proto,
-    stat, tcp_flags,
+    EndpointKey, EndpointState, InflightPacket, PacketEvent, ServiceKey, direction, hook,
+    nat_stage, proto, stat, tcp_flags,
 };
 
 use crate::{ENDPOINTS, EVENTS, INFLIGHT, SERVICES, STATS};
@@ -181,45 +181,126 @@ fn endpoint(client: &EndpointKey, svc: u8) -> Option<*mut EndpointState> {
     ENDPOINTS.get_ptr_mut(client)
 }
 
-/// Applies the filter to one observed packet and emits an event if it belongs
-/// to a traced flow.
+/// How the filter matched a packet (rules 1-4 of DESIGN.md).
+struct Match {
+    dir: u8,
+    svc: u8,
+    state: Option<*mut EndpointState>,
+}
+
+/// Rules 1-4 of DESIGN.md, in order. Only reads the packet's addresses and
+/// ports: this is the path every packet of the node takes.
 #[inline(always)]
-pub fn observe(pkt: &Packet, at: &Point) {
+fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
     let src = key(pkt.saddr, pkt.sport, pkt.proto);
     let dst = key(pkt.daddr, pkt.dport, pkt.proto);
+    if let Some(svc) = service_index(pkt) {
+        return Some(Match {
+            dir: direction::REQUEST,
+            svc,
+            state: endpoint(&src, svc),
+        });
+    }
+    if let Some(state) = ENDPOINTS.get_ptr_mut(&src) {
+        let svc = unsafe { (*state).svc };
+        return Some(Match {
+            dir: direction::REQUEST,
+            svc,
+            state: Some(state),
+        });
+    }
+    if let Some(state) = ENDPOINTS.get_ptr_mut(&dst) {
+        let svc = unsafe { (*state).svc };
+        return Some(Match {
+            dir: direction::REPLY,
+            svc,
+            state: Some(state),
+        });
+    }
+    // Rule 4 can only apply right after a NAT stage rewrote a client side
+    // that no map knows yet (SNAT/masquerade); everywhere else the packet
+    // already matched by its addresses, so the miss path skips the lookup.
+    if at.skb == 0 || at.nat_stage != nat_stage::AFTER {
+        return None;
+    }
+    let seen = unsafe { INFLIGHT.get(&at.skb) }?;
+    if seen.ip_id != pkt.ip_id || seen.seq != pkt.seq {
+        return None;
+    }
+    let (dir, svc) = (seen.direction, seen.svc);
+    // NAT rewrote the client side: follow the new one too.
+    let client = if dir == direction::REPLY { dst } else { src };
+    Some(Match {
+        dir,
+        svc,
+        state: endpoint(&client, svc),
+    })
+}
+
+/// A reply from a Service address (SERVICES holds (addr, port) of each).
+#[inline(always)]
+fn from_service(pkt: &Packet) -> bool {
+    let mut k = ServiceKey {
+        addr: pkt.saddr,
+        port: pkt.sport,
+        proto: pkt.proto,
+        _pad: 0,
+    };
+    if unsafe { SERVICES.get(&k) }.is_some() {
+        return true;
+    }
+    k.port = 0;
+    unsafe { SERVICES.get(&k) }.is_some()
+}
+
+/// Applies the filter to one observed packet and emits an event if it belongs
+/// to a traced flow. `details` reads what only a matched packet needs (payload
+/// head, device, namespace) and returns false when this point adds nothing.
+#[inline(always)]
+pub fn observe(
+    pkt: &mut Packet,
+    at: &mut Point,
+    details: impl FnOnce(&mut Packet, &mut Point) -> bool,
+) {
+    let Some(m) = classify(pkt, at) else {
+        return;
+    };
+    if !details(pkt, at) {
+        return;
+    }
     let is_drop = at.hook == hook::DROP;
 
-    // Rules 1-4 of DESIGN.md, in order.
-    let (dir, svc, state) = if let Some(svc) = service_index(pkt) {
-        (direction::REQUEST, svc, endpoint(&src, svc))
-    } else if let Some(state) = ENDPOINTS.get_ptr_mut(&src) {
-        (direction::REQUEST, unsafe { (*state).svc }, Some(state))
-    } else if let Some(state) = ENDPOINTS.get_ptr_mut(&dst) {
-        (direction::REPLY, unsafe { (*state).svc }, Some(state))
-    } else {
-        let Some(seen) = (if at.skb != 0 {
-            unsafe { INFLIGHT.get(&at.skb) }
-        } else {
-            None
-        }) else {
-            return;
-        };
-        if seen.ip_id != pkt.ip_id || seen.seq != pkt.seq {
-            return;
-        }
-        let (dir, svc) = (seen.direction, seen.svc);
-        // NAT rewrote the client side (SNAT/masquerade): follow the new one too.
-        let client = if dir == direction::REPLY { dst } else { src };
-        (dir, svc, endpoint(&client, svc))
-    };
-
-    if let Some(state) = state {
+    if let Some(state) = m.state {
         let state = unsafe { &mut *state };
         state.packets += 1;
-        let control = pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::FIN | tcp_flags::RST);
+        let mut mute_now = false;
+        if pkt.proto == proto::TCP && !is_drop {
+            let syn_ack = pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK);
+            if m.dir == direction::REQUEST && syn_ack == tcp_flags::SYN {
+                // A new connection from this client port: trace it afresh.
+                state.muted = 0;
+            } else if m.dir == direction::REPLY && at.hook == hook::DEV_RX && at_client(at) {
+                // The reply reached the client's namespace. Reverse-NATed
+                // (source = a Service) means the collector's verdict is `ok`
+                // (it decides on the SYN-ACK, which is always emitted), so
+                // the rest of the connection is only counted; anything else
+                // is an anomaly and the flow is reported per packet again.
+                if from_service(pkt) {
+                    mute_now = true;
+                } else {
+                    state.muted = 0;
+                }
+            }
+        }
+        // Handshakes and resets are always reported; FINs of an `ok` flow
+        // only close it and are counted like data.
+        let control = pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST);
         if state.muted != 0 && control == 0 && !is_drop {
             stat_inc(stat::MUTED_PACKETS);
             return;
+        }
+        if mute_now {
+            state.muted = 1;
         }
     }
 
@@ -227,18 +308,25 @@ pub fn observe(pkt: &Packet, at: &Point) {
         if is_drop {
             // The skb is being freed and its address will be reused.
             let _ = INFLIGHT.remove(&at.skb);
-        } else {
+        } else if at.nat_stage == nat_stage::BEFORE {
+            // Only the AFTER point of the same hook looks this up (rule 4).
             let seen = InflightPacket {
                 seq: pkt.seq,
                 ip_id: pkt.ip_id,
-                direction: dir,
-                svc,
+                direction: m.dir,
+                svc: m.svc,
             };
             let _ = INFLIGHT.insert(&at.skb, &seen, 0);
         }
     }
 
-    emit(pkt, at, dir, svc);
+    emit(pkt, at, m.dir, m.svc);
+}
+
+/// A device event outside the traced node namespace (the pods' side).
+#[inline(always)]
+fn at_client(at: &Point) -> bool {
+    at.netns != 0 && crate::skb::config().is_some_and(|c| at.netns != c.node_netns)
 }
 
 #[inline(always)]
@@ -267,8 +355,26 @@ fn emit(pkt: &Packet, at: &Point, dir: u8, svc: u8) {
         svc,
         _pad: 0,
     };
-    match EVENTS.output::<PacketEvent>(&ev, 0) {
+    match EVENTS.output::<PacketEvent>(&ev, wakeup_flag()) {
         Ok(()) => stat_inc(stat::EVENTS),
         Err(_) => stat_inc(stat::RINGBUF_FULL),
+    }
+}
+
+const BPF_RB_NO_WAKEUP: u64 = 1;
+const BPF_RB_FORCE_WAKEUP: u64 = 2;
+const BPF_RB_AVAIL_DATA: u64 = 0;
+const BPF_RB_RING_SIZE: u64 = 1;
+
+/// A wakeup per event costs an irq_work and a reader context switch each;
+/// the reader polls every few ms anyway, so only a filling buffer wakes it.
+#[inline(always)]
+fn wakeup_flag() -> u64 {
+    let avail = EVENTS.query(BPF_RB_AVAIL_DATA);
+    let size = EVENTS.query(BPF_RB_RING_SIZE);
+    if avail >= size / 4 {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
     }
 }

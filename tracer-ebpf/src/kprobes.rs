@@ -109,8 +109,8 @@ fn try_nf_hook_slow(ctx: &ProbeContext) -> Result<(), ()> {
         (*slot).hook = nf_hook;
         (*slot).skb = skb;
     }
-    let pkt = skb::parse(skb, off, L3::NetworkHeader)?;
-    emit_netfilter(&pkt, skb, nf_hook, nat_stage::NONE, cfg);
+    let (pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
+    emit_netfilter(pkt, payload, skb, nf_hook, nat_stage::NONE, cfg);
     Ok(())
 }
 
@@ -179,7 +179,7 @@ fn nat_events(skb: u64, ct: u64, mtype: u64, dir: u64, nf_hook: u8) -> Result<()
         // nf_conntrack's BTF was not available at start.
         return Err(());
     }
-    let before = skb::parse(skb, off, L3::NetworkHeader)?;
+    let (before, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
     let other_dir = (dir & 1) ^ 1;
     let other =
         ct + off.nf_conn_tuplehash as u64 + other_dir * off.nf_conntrack_tuple_hash_size as u64;
@@ -200,8 +200,8 @@ fn nat_events(skb: u64, ct: u64, mtype: u64, dir: u64, nf_hook: u8) -> Result<()
         after.daddr = addr;
         after.dport = port;
     }
-    emit_netfilter(&before, skb, nf_hook, nat_stage::BEFORE, cfg);
-    emit_netfilter(&after, skb, nf_hook, nat_stage::AFTER, cfg);
+    emit_netfilter(before, payload, skb, nf_hook, nat_stage::BEFORE, cfg);
+    emit_netfilter(after, payload, skb, nf_hook, nat_stage::AFTER, cfg);
     Ok(())
 }
 
@@ -211,17 +211,19 @@ fn count_error(_: ()) {
 }
 
 #[inline(always)]
-fn emit_netfilter(pkt: &Packet, skb: u64, nf_hook: u8, stage: u8, cfg: &Config) {
+fn emit_netfilter(mut pkt: Packet, payload: u64, skb: u64, nf_hook: u8, stage: u8, cfg: &Config) {
     let off = &cfg.offsets;
-    // Like the netfilter programs: skb->dev, NULL at LOCAL_OUT.
-    let (ifindex, _) = skb::dev_info(skb::skb_dev(skb, off), off);
     let mut at = Point::new(hook::NETFILTER);
     at.nf_hook = nf_hook;
     at.nat_stage = stage;
     at.skb = skb;
-    at.ifindex = ifindex;
     at.netns = cfg.node_netns;
-    observe(pkt, &at);
+    observe(&mut pkt, &mut at, |pkt, at| {
+        // Like the netfilter programs: skb->dev, NULL at LOCAL_OUT.
+        at.ifindex = skb::dev_ifindex(skb::skb_dev(skb, off), off);
+        skb::payload_head(pkt, payload);
+        true
+    });
 }
 
 #[inline(always)]
@@ -230,18 +232,21 @@ fn try_br_forward(ctx: &ProbeContext) -> Result<(), ()> {
     let skb = arg(ctx, 1)?;
     let off = skb::offsets().ok_or(())?;
     // The bridge pulled the Ethernet header: data is at the IP header.
-    let pkt = skb::parse(skb, off, L3::Data)?;
-    // The port the frame leaves by; skb->dev is still the one it came in on.
-    let dev = if off.net_bridge_port_dev != 0 && to != 0 {
-        read::<u64>(to + off.net_bridge_port_dev as u64).unwrap_or(0)
-    } else {
-        skb::skb_dev(skb, off)
-    };
-    let (ifindex, netns) = skb::dev_info(dev, off);
+    let (mut pkt, payload) = skb::parse(skb, off, L3::Data)?;
     let mut at = Point::new(hook::BR_FORWARD);
     at.skb = skb;
-    at.ifindex = ifindex;
-    at.netns = netns;
-    observe(&pkt, &at);
+    observe(&mut pkt, &mut at, |pkt, at| {
+        // The port the frame leaves by; skb->dev is still the one it came in on.
+        let dev = if off.net_bridge_port_dev != 0 && to != 0 {
+            read::<u64>(to + off.net_bridge_port_dev as u64).unwrap_or(0)
+        } else {
+            skb::skb_dev(skb, off)
+        };
+        let (ifindex, netns) = skb::dev_info(dev, off);
+        at.ifindex = ifindex;
+        at.netns = netns;
+        skb::payload_head(pkt, payload);
+        true
+    });
     Ok(())
 }

@@ -35,6 +35,12 @@ static INFLIGHT: LruHashMap<u64, InflightPacket> = LruHashMap::with_max_entries(
 #[map]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
+/// Interfaces of the traced namespace whose tc programs are attached (by
+/// ifindex). The device tracepoints stand in for tc on the others (while
+/// tc is being attached, or where it could not be).
+#[map]
+static TC_IFACES: HashMap<u32, u8> = HashMap::with_max_entries(16384, 0);
+
 /// Byte size is replaced by userspace at load time (`--ringbuf` / TraceOptions).
 #[map]
 static EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);

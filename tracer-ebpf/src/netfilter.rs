@@ -27,16 +27,18 @@ fn try_netfilter(ctx: *mut c_void, nf_hook: u8, stage: u8) -> Result<(), ()> {
         unsafe { bpf_probe_read_kernel((ctx as *const u8).wrapping_add(8) as *const u64) }
             .map_err(|_| ())?;
     let off = skb::offsets().ok_or(())?;
-    let pkt = skb::parse(skb, off, L3::NetworkHeader)?;
-    // skb->dev is NULL at LOCAL_OUT (set by ip_output before POSTROUTING).
-    let (ifindex, _) = skb::dev_info(skb::skb_dev(skb, off), off);
+    let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
     let mut at = Point::new(hook::NETFILTER);
     at.nf_hook = nf_hook;
     at.nat_stage = stage;
     at.skb = skb;
-    at.ifindex = ifindex;
     // netns stays 0: these programs only run in the traced namespace.
-    observe(&pkt, &at);
+    observe(&mut pkt, &mut at, |pkt, at| {
+        // skb->dev is NULL at LOCAL_OUT (set by ip_output before POSTROUTING).
+        at.ifindex = skb::dev_ifindex(skb::skb_dev(skb, off), off);
+        skb::payload_head(pkt, payload);
+        true
+    });
     Ok(())
 }
 

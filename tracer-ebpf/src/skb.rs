@@ -55,15 +55,26 @@ pub fn dev_info(dev: u64, off: &KernelOffsets) -> (u32, u32) {
     (ifindex, inum)
 }
 
+/// `dev->ifindex`, 0 when `dev` is NULL (no need for the namespace).
+#[inline(always)]
+pub fn dev_ifindex(dev: u64, off: &KernelOffsets) -> u32 {
+    if dev == 0 {
+        return 0;
+    }
+    read::<u32>(dev + off.net_device_ifindex as u64).unwrap_or(0)
+}
+
 #[inline(always)]
 pub fn skb_dev(skb: u64, off: &KernelOffsets) -> u64 {
     read::<u64>(skb + off.sk_buff_dev as u64).unwrap_or(0)
 }
 
-/// Parses the IPv4 + TCP/UDP headers of `skb`. Err(()) = not a packet we
-/// trace (or unreadable, which is counted in STATS[READ_ERRORS]).
+/// Parses the IPv4 + TCP/UDP headers of `skb`: what the filter decides on.
+/// Also returns where the payload starts (0 = no payload), for
+/// [`payload_head`] once the packet matched. Err(()) = not a packet we trace
+/// (or unreadable, which is counted in STATS[READ_ERRORS]).
 #[inline(always)]
-pub fn parse(skb: u64, off: &KernelOffsets, l3: L3) -> Result<Packet, ()> {
+pub fn parse(skb: u64, off: &KernelOffsets, l3: L3) -> Result<(Packet, u64), ()> {
     let ip_addr = match l3 {
         L3::Data => read::<u64>(skb + off.sk_buff_data as u64).map_err(read_error)?,
         L3::NetworkHeader => {
@@ -81,30 +92,57 @@ pub fn parse(skb: u64, off: &KernelOffsets, l3: L3) -> Result<Packet, ()> {
     parse_ip(ip_addr)
 }
 
+/// IPv4 header without options followed by a TCP header: one read covers
+/// both for nearly every packet.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Headers {
+    ip: IpHdr,
+    l4: TcpHdr,
+}
+
 #[inline(always)]
 fn read_error(_: ()) {
     stat_inc(stat::READ_ERRORS);
 }
 
 #[inline(always)]
-fn parse_ip(ip_addr: u64) -> Result<Packet, ()> {
-    let ip = read::<IpHdr>(ip_addr).map_err(read_error)?;
+fn parse_ip(ip_addr: u64) -> Result<(Packet, u64), ()> {
+    // The linear data is followed by skb_shared_info, so reading 40 bytes
+    // of a shorter (UDP) packet stays inside the buffer; only the bytes the
+    // headers say are there are used.
+    let (ip, first_l4) = match read::<Headers>(ip_addr) {
+        Ok(h) => (h.ip, Some(h.l4)),
+        Err(()) => (read::<IpHdr>(ip_addr).map_err(read_error)?, None),
+    };
     let (mut pkt, ihl) = Packet::from_ip(&ip).ok_or(())?;
     let l4 = ip_addr + ihl as u64;
+    let hdr = match first_l4 {
+        Some(h) if ihl == size_of::<IpHdr>() => h,
+        _ => read::<TcpHdr>(l4).map_err(read_error)?,
+    };
     let l4_len = if pkt.proto == proto::TCP {
-        let tcp = read::<TcpHdr>(l4).map_err(read_error)?;
-        pkt.set_tcp(&tcp)
+        pkt.set_tcp(&hdr)
     } else {
-        let ports = read::<[[u8; 2]; 2]>(l4).map_err(read_error)?;
-        pkt.set_ports(ports[0], ports[1]);
+        pkt.set_ports(hdr.sport, hdr.dport);
         UDP_HDR_LEN
     };
     // Only when the IP length says there is a payload: otherwise these bytes
     // are whatever follows the packet in memory.
-    if (pkt.ip_len as usize) >= ihl + l4_len + 4 {
-        pkt.payload_head = read::<[u8; 4]>(l4 + l4_len as u64)
+    let payload = if (pkt.ip_len as usize) >= ihl + l4_len + 4 {
+        l4 + l4_len as u64
+    } else {
+        0
+    };
+    Ok((pkt, payload))
+}
+
+/// First four payload bytes; `payload` as returned by [`parse`].
+#[inline(always)]
+pub fn payload_head(pkt: &mut Packet, payload: u64) {
+    if payload != 0 {
+        pkt.payload_head = read::<[u8; 4]>(payload)
             .map(u32::from_be_bytes)
             .unwrap_or(0);
     }
-    Ok(pkt)
 }

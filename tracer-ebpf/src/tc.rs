@@ -65,6 +65,6 @@ fn try_tc(ctx: &TcContext, hook: u8) -> Result<(), ()> {
     // allow_ptr_leaks, i.e. a privileged loader, which we are.
     at.skb = ctx.skb.skb as u64;
     at.ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    observe(&pkt, &at);
+    observe(&mut pkt, &mut at, |_, _| true);
     Ok(())
 }

@@ -5,6 +5,7 @@ use aya_ebpf::{macros::raw_tracepoint, programs::RawTracePointContext};
 use tracer_common::hook;
 
 use crate::{
+    TC_IFACES,
     filter::{Point, observe},
     skb::{self, L3},
 };
@@ -40,19 +41,34 @@ pub fn kfree_skb(ctx: RawTracePointContext) -> i32 {
 /// `dev` 0 = take it from `skb->dev`.
 #[inline(always)]
 fn try_device(skb: u64, dev: u64, hook: u8, l3: L3, drop_reason: u32) -> Result<(), ()> {
-    let off = skb::offsets().ok_or(())?;
-    let pkt = skb::parse(skb, off, l3)?;
-    let dev = if dev != 0 {
-        dev
-    } else {
-        skb::skb_dev(skb, off)
-    };
-    let (ifindex, netns) = skb::dev_info(dev, off);
+    let cfg = skb::config().ok_or(())?;
+    let off = &cfg.offsets;
+    let (mut pkt, payload) = skb::parse(skb, off, l3)?;
     let mut at = Point::new(hook);
     at.skb = skb;
-    at.ifindex = ifindex;
-    at.netns = netns;
     at.drop_reason = drop_reason;
-    observe(&pkt, &at);
+    observe(&mut pkt, &mut at, |pkt, at| {
+        let dev = if dev != 0 {
+            dev
+        } else {
+            skb::skb_dev(skb, off)
+        };
+        let (ifindex, netns) = skb::dev_info(dev, off);
+        // In the traced namespace tc sees the same packet on the same
+        // device (ingress right after netif_receive_skb, egress right
+        // before the transmit), with nothing in between that the collector
+        // uses: one event there is enough, where tc is attached.
+        if hook != hook::DROP
+            && netns != 0
+            && netns == cfg.node_netns
+            && unsafe { TC_IFACES.get(&ifindex) }.is_some()
+        {
+            return false;
+        }
+        at.ifindex = ifindex;
+        at.netns = netns;
+        skb::payload_head(pkt, payload);
+        true
+    });
     Ok(())
 }

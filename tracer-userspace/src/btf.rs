@@ -53,10 +53,14 @@ impl KernelBtf {
         if !path.exists() {
             return Err(BtfError::NoBtf(path.to_owned()));
         }
-        let vmlinux = Btf::from_file(path).map_err(|e| BtfError::Parse {
+        // One read, then parse from memory: btf-rs's file reader asks the
+        // kernel for its position (lseek) once per type, ~150k syscalls.
+        let parse_err = |msg: String| BtfError::Parse {
             path: path.to_owned(),
-            msg: e.to_string(),
-        })?;
+            msg,
+        };
+        let bytes = std::fs::read(path).map_err(|e| parse_err(e.to_string()))?;
+        let vmlinux = Btf::from_bytes(&bytes).map_err(|e| parse_err(e.to_string()))?;
         Ok(KernelBtf {
             vmlinux,
             modules: HashMap::new(),
@@ -74,7 +78,11 @@ impl KernelBtf {
                 if !path.exists() {
                     return None;
                 }
-                Btf::from_split_file(&path, vmlinux)
+                std::fs::read(&path)
+                    .map_err(|e| e.to_string())
+                    .and_then(|bytes| {
+                        Btf::from_split_bytes(&bytes, vmlinux).map_err(|e| e.to_string())
+                    })
                     .map_err(|e| log::warn!("cannot parse {}: {e}", path.display()))
                     .ok()
             })

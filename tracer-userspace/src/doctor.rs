@@ -323,9 +323,22 @@ fn read_u64(path: &str) -> Option<u64> {
 
 /// Reads the facts of `netns` (None = current). Read-only.
 pub fn gather(netns_spec: Option<&str>) -> Result<Inputs, NetnsError> {
+    gather_with(netns_spec, None)
+}
+
+/// [`gather`], reusing an interface list the caller just read (a second
+/// rtnetlink dump would wait for the RTNL lock behind nattrace's own tc
+/// attachments at start-up).
+pub fn gather_with(
+    netns_spec: Option<&str>,
+    interfaces: Option<Vec<crate::facts::Interface>>,
+) -> Result<Inputs, NetnsError> {
     let ns = Netns::open(netns_spec)?;
     let mut inputs = ns.run(|| -> Result<Inputs, NetnsError> {
-        let interfaces = netns::list_interfaces()?;
+        let interfaces = match interfaces {
+            Some(i) => i,
+            None => netns::list_interfaces()?,
+        };
         let mut rp_filter = Vec::new();
         for name in std::iter::once("all").chain(interfaces.iter().map(|i| i.name.as_str())) {
             if let Some(v) = read_u64(&format!("/proc/sys/net/ipv4/conf/{name}/rp_filter")) {

@@ -158,6 +158,14 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
             }
             _ = ticker.tick() => {
                 ticks += 1;
+                // The kernel wakes the reader only when the ring buffer is
+                // filling: read what is there before deciding by the clock.
+                tracer.drain(&mut events);
+                push(&mut collector, recorder.as_mut(), &mut events);
+                let attached = tracer.collect_tc();
+                if attached > 0 {
+                    eprintln!("nattrace: tc now attached on {attached} more interfaces (their device tracepoints stood in until now)");
+                }
                 let stats = tracer.stats();
                 if stats.ringbuf_full > last_lost {
                     eprintln!(
@@ -275,7 +283,11 @@ async fn finish(
 fn header(options: &SessionOptions, tracer: &Tracer) -> Header {
     // Read-only static facts (sysctls, kube-proxy's rules) for the preamble
     // and for naming each flow's Service and chains.
-    let inputs = crate::doctor::gather(options.netns.as_deref()).unwrap_or_default();
+    let inputs = crate::doctor::gather_with(
+        options.netns.as_deref(),
+        Some(tracer.facts().interfaces.clone()),
+    )
+    .unwrap_or_default();
     let checks = crate::doctor::assess(&inputs);
     let clock = Clock {
         monotonic_ns: monotonic_ns(),

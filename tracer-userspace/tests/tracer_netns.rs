@@ -252,9 +252,13 @@ fn events_carry_correct_kernel_fields() {
             && e.netns == client_inode
             && e.ifindex == c0
     });
-    has("DEV_RX of the SYN on n0", &|e| {
-        syn(&&e) && request(e) && e.hook == hook::DEV_RX && e.netns == node_inode && e.ifindex == n0
-    });
+    // tc covers n0, so the receive tracepoint does not report it a second time.
+    assert!(
+        !ours
+            .iter()
+            .any(|e| e.hook == hook::DEV_RX && e.netns == node_inode && e.ifindex == n0),
+        "DEV_RX on n0 duplicates tc ingress"
+    );
     has("tc ingress of the SYN on n0", &|e| {
         syn(&&e)
             && request(e)
@@ -312,9 +316,18 @@ fn events_carry_correct_kernel_fields() {
         ours.iter()
             .any(|e| e.hook == hook::NETFILTER && e.skb == tc_skb)
     );
+    let closed_syn_skb = ours
+        .iter()
+        .find(|e| {
+            e.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
+                && e.dport == closed
+                && e.hook == hook::TC_INGRESS
+        })
+        .unwrap()
+        .skb;
     assert!(
         ours.iter()
-            .any(|e| e.hook == hook::DEV_RX && e.skb == tc_skb)
+            .any(|e| e.hook == hook::DROP && e.dport == closed && e.skb == closed_syn_skb)
     );
 
     let stats = tracer.stats();

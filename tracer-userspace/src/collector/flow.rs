@@ -5,7 +5,7 @@ use tracer_common::{PacketEvent, hook, nat_stage, nf_hook, proto, tcp_flags};
 
 use super::{
     drop_reason::KnownReasons,
-    types::{Dir, Endpoint, Obs, PacketKey, PairKey},
+    types::{Dir, Endpoint, Obs, PacketKey, PairKey, node_egress, node_ingress},
 };
 
 /// Tuples a flow can be seen with: client→Service, client→backend,
@@ -280,7 +280,7 @@ impl Flow {
             self.client_netns = obs.netns;
         }
         if node && self.client_ifindex == 0 && !self.client_local {
-            if obs.hook == hook::TC_INGRESS {
+            if node_ingress(obs.hook) {
                 self.client_ifindex = obs.ifindex;
             } else if obs.hook == hook::NETFILTER && obs.nf_hook == nf_hook::LOCAL_OUT {
                 self.client_local = true;
@@ -308,7 +308,7 @@ impl Flow {
                     && obs.dst == self.client
                     && (via_node || obs.src.addr == self.client.addr)
             }
-            hook::TC_EGRESS if node => {
+            h if node && node_egress(h) => {
                 self.client_ifindex != 0 && obs.ifindex == self.client_ifindex
             }
             hook::NETFILTER if node && self.client_local => {

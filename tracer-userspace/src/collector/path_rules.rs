@@ -5,7 +5,7 @@ use tracer_common::hook;
 use super::{
     report::is_hairpin,
     rules::RuleCtx,
-    types::{Dir, Obs},
+    types::{Dir, Obs, node_egress, node_ingress},
 };
 
 type Found = (String, String);
@@ -32,7 +32,7 @@ pub(super) fn reply_bypasses_dnat_node(ctx: &RuleCtx<'_>) -> Option<Found> {
         if o.dst == ctx.flow.service {
             return None;
         }
-        if came_in.is_none() && o.hook == hook::TC_INGRESS {
+        if came_in.is_none() && node_ingress(o.hook) {
             came_in = Some(o.ifindex);
         }
     }
@@ -40,7 +40,7 @@ pub(super) fn reply_bypasses_dnat_node(ctx: &RuleCtx<'_>) -> Option<Found> {
     let left = ctx
         .flow
         .packet_obs(reply.packet)
-        .filter(|o| o.hook == hook::TC_EGRESS && (o.netns == 0 || o.netns == ctx.node_netns))
+        .filter(|o| node_egress(o.hook) && (o.netns == 0 || o.netns == ctx.node_netns))
         .last()?;
     let came_in = came_in
         .map(|i| format!(" by {}", ctx.ifname(i)))

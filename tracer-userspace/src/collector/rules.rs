@@ -11,7 +11,7 @@ use super::{
     flow::Flow,
     path_rules::{hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
     report::Verdict,
-    types::{Dir, Obs, packet_kind},
+    types::{Dir, Obs, node_egress, node_ingress, packet_kind},
 };
 use crate::{facts::NodeFacts, ruleset::KubeProxyRules};
 
@@ -279,16 +279,16 @@ fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
     if obs.iter().any(|o| o.hook == hook::NETFILTER) {
         return None;
     }
-    let port_of = |o: &&Obs, h: u8| {
-        (o.hook == h && ctx.is_node(o.netns))
+    let port_of = |o: &&Obs, is: fn(u8) -> bool| {
+        (is(o.hook) && ctx.is_node(o.netns))
             .then(|| ctx.facts.interface(o.ifindex))
             .flatten()
             .and_then(|i| i.master.map(|m| (o.ifindex, m)))
     };
-    let (in_port, bridge) = obs.iter().find_map(|o| port_of(o, hook::TC_INGRESS))?;
+    let (in_port, bridge) = obs.iter().find_map(|o| port_of(o, node_ingress))?;
     let out_port = obs
         .iter()
-        .filter_map(|o| port_of(o, hook::TC_EGRESS))
+        .filter_map(|o| port_of(o, node_egress))
         .find(|&(i, m)| m == bridge && i != in_port)
         .map(|(i, _)| i);
     let bridged_by_kprobe = obs.iter().any(|o| o.hook == hook::BR_FORWARD);

@@ -209,3 +209,16 @@ pub fn packet_kind(proto: u8, tcp_flags: u8, dir: Dir) -> &'static str {
         "ACK"
     }
 }
+
+/// A packet entering a device of the node namespace: tc ingress, or the
+/// receive tracepoint of the same device where tc is not attached (yet: the
+/// kernel reports one of the two, see tracer-ebpf/src/tracepoints.rs).
+pub(crate) fn node_ingress(hook: u8) -> bool {
+    hook == tracer_common::hook::TC_INGRESS || hook == tracer_common::hook::DEV_RX
+}
+
+/// A packet leaving a device of the node namespace (tc egress, or the
+/// transmit tracepoint where tc is not attached).
+pub(crate) fn node_egress(hook: u8) -> bool {
+    hook == tracer_common::hook::TC_EGRESS || hook == tracer_common::hook::DEV_TX
+}

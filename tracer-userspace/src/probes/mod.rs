@@ -25,13 +25,17 @@ use self::{
     netns::{Netns, NetnsError},
     nf_link::NfPrograms,
     table::{Attach, Backend, BackendChoice, KernelFeatures},
-    tc::TcAttachments,
+    tc::{Synced, TcAttachments},
 };
 use crate::{
     btf::{BtfError, KernelBtf},
     facts::NodeFacts,
     service::Service,
 };
+
+/// How often the reader looks at the ring buffer when the kernel did not wake
+/// it: well inside the collector's 20 ms reorder window.
+const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The kernel object built by build.rs (aya-build).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer"));
@@ -109,6 +113,8 @@ pub struct Tracer {
     async_ring: Option<AsyncFd<RingBuf<MapData>>>,
     stats: PerCpuArray<MapData, u64>,
     endpoints: HashMap<MapData, EndpointKey, EndpointState>,
+    /// Interfaces with tc attached, for the device tracepoints (main.rs, TC_IFACES).
+    tc_ifaces: HashMap<MapData, u32, u8>,
     // Last: dropping it detaches the raw tracepoints and unloads programs.
     ebpf: Ebpf,
 }
@@ -127,7 +133,10 @@ impl Tracer {
         let offsets = btf.kernel_offsets()?;
         log::debug!("kernel {:?}, offsets {offsets:?}", kernel.version);
 
+        // No CO-RE in these programs (offsets come from `btf` above), so aya
+        // need not parse the kernel's BTF a second time.
         let mut ebpf = EbpfLoader::new()
+            .btf(None)
             .map_max_entries("EVENTS", opts.ringbuf_bytes)
             .load(OBJECT)
             .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;
@@ -160,6 +169,8 @@ impl Tracer {
             PerCpuArray::try_from(take_map(&mut ebpf, "STATS")?).map_err(kernel_err("STATS"))?;
         let endpoints = HashMap::try_from(take_map(&mut ebpf, "ENDPOINTS")?)
             .map_err(kernel_err("ENDPOINTS"))?;
+        let tc_ifaces = HashMap::try_from(take_map(&mut ebpf, "TC_IFACES")?)
+            .map_err(kernel_err("TC_IFACES"))?;
 
         let mut attached = Vec::new();
         let mut tc_programs = Vec::new();
@@ -221,6 +232,7 @@ impl Tracer {
             async_ring: None,
             stats,
             endpoints,
+            tc_ifaces,
             ebpf,
         };
 
@@ -234,9 +246,9 @@ impl Tracer {
             ebpf,
             ..
         } = &mut tracer;
-        let nf_links_result = netns.run(|| -> Result<Vec<Skipped>, TraceError> {
+        let nf_links_result = netns.run(|| -> Result<Synced, TraceError> {
             read_facts(facts)?;
-            let (_, tc_failed) = tc.sync(ebpf, &facts.interfaces);
+            let synced = tc.sync(ebpf, &facts.interfaces);
             if let Some(nf) = &nf_programs {
                 for spec in plan.iter() {
                     if let Attach::Netfilter { hook, priority } = spec.attach {
@@ -247,9 +259,11 @@ impl Tracer {
                     }
                 }
             }
-            Ok(tc_failed)
+            Ok(synced)
         })?;
-        skipped.extend(nf_links_result?);
+        let synced = nf_links_result?;
+        tracer.note_tc(&synced);
+        skipped.extend(synced.failed);
         for spec in plan
             .iter()
             .filter(|p| matches!(p.attach, Attach::Netfilter { .. }))
@@ -274,8 +288,12 @@ impl Tracer {
     pub fn attached(&self) -> Vec<String> {
         let mut out = Vec::new();
         if self.tc.has_programs() {
+            let pending = match self.tc.pending_count() {
+                0 => String::new(),
+                n => format!(", {n} more being attached"),
+            };
             out.push(format!(
-                "tc ingress+egress on {} interfaces of netns {} ({})",
+                "tc ingress+egress on {} interfaces of netns {} ({}{pending})",
                 self.tc.interface_count(),
                 self.facts.netns_name,
                 self.tc.mode()
@@ -330,17 +348,28 @@ impl Tracer {
         }
         let ring = self.async_ring.as_mut().expect("just set");
         let before = out.len();
-        drain_ring(ring.get_mut(), out, inode);
-        if out.len() > before {
-            return Ok(());
+        loop {
+            drain_ring(ring.get_mut(), out, inode);
+            if out.len() > before {
+                return Ok(());
+            }
+            // The kernel wakes us only when the buffer is filling up
+            // (filter.rs, wakeup_flag): otherwise look every POLL_INTERVAL.
+            tokio::select! {
+                guard = ring.readable_mut() => {
+                    let mut guard = guard?;
+                    drain_ring(guard.get_inner_mut(), out, inode);
+                    guard.clear_ready();
+                    // Events committed between the drain and clear_ready
+                    // raised no new edge: pick them up now.
+                    drain_ring(guard.get_inner_mut(), out, inode);
+                    if out.len() > before {
+                        return Ok(());
+                    }
+                }
+                _ = tokio::time::sleep(POLL_INTERVAL) => {}
+            }
         }
-        let mut guard = ring.readable_mut().await?;
-        drain_ring(guard.get_inner_mut(), out, inode);
-        guard.clear_ready();
-        // Events committed between the drain and clear_ready raised no new
-        // edge: pick them up now.
-        drain_ring(guard.get_inner_mut(), out, inode);
-        Ok(())
     }
 
     /// Whatever is in the ring buffer now, without waiting.
@@ -392,20 +421,43 @@ impl Tracer {
             facts,
             tc,
             ebpf,
-            skipped,
             ..
         } = self;
-        let (added, failed) = netns.run(|| -> Result<_, TraceError> {
+        let synced = netns.run(|| -> Result<_, TraceError> {
             facts.interfaces = netns::list_interfaces()?;
             Ok(tc.sync(ebpf, &facts.interfaces))
         })??;
-        for f in failed {
+        Ok(self.note_tc(&synced))
+    }
+
+    /// Takes in the tc links a background attach finished (start-up with
+    /// many interfaces); cheap, call it often.
+    /// Returns how many interfaces were attached now.
+    pub fn collect_tc(&mut self) -> usize {
+        let synced = self.tc.collect(false);
+        self.note_tc(&synced).len()
+    }
+
+    /// Tells the kernel which interfaces tc covers now, records failures,
+    /// and returns the names of the interfaces attached.
+    fn note_tc(&mut self, synced: &Synced) -> Vec<String> {
+        for ifindex in &synced.gone {
+            let _ = self.tc_ifaces.remove(ifindex);
+        }
+        let mut names = Vec::new();
+        for (name, ifindex) in &synced.added {
+            if let Err(e) = self.tc_ifaces.insert(ifindex, 1, 0) {
+                log::warn!("TC_IFACES update for {name}: {e}");
+            }
+            names.push(name.clone());
+        }
+        for f in &synced.failed {
             log::warn!("{}: {}", f.program, f.reason);
-            if !skipped.contains(&f) {
-                skipped.push(f);
+            if !self.skipped.contains(f) {
+                self.skipped.push(f.clone());
             }
         }
-        Ok(added)
+        names
     }
 }
 

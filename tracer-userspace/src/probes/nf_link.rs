@@ -68,7 +68,7 @@ fn map_fd(map: &Map) -> Option<BorrowedFd<'_>> {
     }
 }
 
-fn sys_bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> io::Result<OwnedFd> {
+pub(super) fn sys_bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> io::Result<OwnedFd> {
     // SAFETY: attr is a fully initialised bpf_attr of the size we pass; the
     // kernel only reads memory the attr points to (insns, license, log_buf).
     let ret = unsafe {

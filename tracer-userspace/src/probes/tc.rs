@@ -2,30 +2,82 @@
 //! here must run inside that namespace (see [`super::netns::Netns::run`]):
 //! aya resolves interface names and opens its netlink sockets in the calling
 //! thread's namespace, and so does detaching a clsact filter.
-use std::collections::BTreeMap;
+//!
+//! Creating or closing a tcx link waits for an RCU grace period in the
+//! kernel (the device's program array is swapped, then synchronized) while
+//! holding the RTNL lock: 5-25 ms each on these VMs, whatever we do in
+//! userspace, and concurrent attaches only queue on the lock. With two links
+//! per interface a node with many pods takes seconds, so past [`INLINE_MAX`]
+//! interfaces the links are created on a background thread while tracing
+//! already runs: until an interface is in the kernel's TC_IFACES map, the
+//! device tracepoints report its packets instead (tracer-ebpf/src/tracepoints.rs).
+use std::{
+    collections::BTreeMap,
+    io,
+    os::fd::{AsFd, AsRawFd, OwnedFd, RawFd},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+        mpsc,
+    },
+};
 
 use aya::{
     Ebpf,
     programs::{
-        Link, LinkOrder, SchedClassifier, TcAttachType,
+        Link, SchedClassifier, TcAttachType,
         tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
     },
 };
 
-use super::{Skipped, netns};
+use aya_obj::generated::{bpf_attach_type, bpf_attr, bpf_cmd};
+
+use super::{Skipped, netns, nf_link::sys_bpf};
 use crate::facts::Interface;
+
+/// tcx links are owned by their fds; clsact filters are detached by aya over netlink.
+enum Links {
+    /// Held only to keep the links: closing the fds detaches them.
+    Tcx {
+        _fds: Vec<OwnedFd>,
+    },
+    Clsact(Vec<SchedClassifierLink>),
+}
 
 struct IfaceLinks {
     name: String,
-    links: Vec<SchedClassifierLink>,
+    links: Links,
     /// We added the clsact qdisc (pre-6.6 kernels), so we remove it.
     own_clsact: bool,
+}
+
+/// Interfaces attached on the calling thread; more go to a background thread.
+const INLINE_MAX: usize = 16;
+
+type TcxResults = Vec<(Interface, Result<Vec<OwnedFd>, String>)>;
+
+/// tcx links being created in the background.
+struct Pending {
+    ifindexes: Vec<u32>,
+    results: mpsc::Receiver<TcxResults>,
+    /// Set when we detach before it is done: links not created yet are skipped.
+    cancel: Arc<AtomicBool>,
 }
 
 pub struct TcAttachments {
     tcx: bool,
     programs: Vec<(&'static str, TcAttachType)>,
     ifaces: BTreeMap<u32, IfaceLinks>,
+    pending: Option<Pending>,
+}
+
+/// What a [`TcAttachments::sync`] or [`TcAttachments::collect`] changed.
+#[derive(Default)]
+pub struct Synced {
+    /// Names and ifindexes of the interfaces attached now.
+    pub added: Vec<(String, u32)>,
+    pub gone: Vec<u32>,
+    pub failed: Vec<Skipped>,
 }
 
 impl TcAttachments {
@@ -34,6 +86,7 @@ impl TcAttachments {
             tcx,
             programs,
             ifaces: BTreeMap::new(),
+            pending: None,
         }
     }
 
@@ -45,19 +98,19 @@ impl TcAttachments {
         self.ifaces.len()
     }
 
+    /// Interfaces still being attached in the background.
+    pub fn pending_count(&self) -> usize {
+        self.pending.as_ref().map_or(0, |p| p.ifindexes.len())
+    }
+
     pub fn has_programs(&self) -> bool {
         !self.programs.is_empty()
     }
 
-    fn attach_one(&self, ebpf: &mut Ebpf, iface: &Interface) -> Result<IfaceLinks, String> {
-        let mut done = IfaceLinks {
-            name: iface.name.clone(),
-            links: Vec::new(),
-            own_clsact: false,
-        };
-        if !self.tcx {
-            done.own_clsact = netns::add_clsact(iface.ifindex).map_err(|e| e.to_string())?;
-        }
+    /// Pre-6.6 kernels: a clsact filter per program, through aya.
+    fn attach_clsact(&self, ebpf: &mut Ebpf, iface: &Interface) -> Result<IfaceLinks, String> {
+        let mut links = Vec::new();
+        let own_clsact = netns::add_clsact(iface.ifindex).map_err(|e| e.to_string())?;
         for &(name, attach_type) in &self.programs {
             let result = (|| {
                 let prog: &mut SchedClassifier = ebpf
@@ -65,40 +118,110 @@ impl TcAttachments {
                     .ok_or("program missing from object")?
                     .try_into()
                     .map_err(|e| format!("{e}"))?;
-                let options = if self.tcx {
-                    // First in the chain, so we see the packet before a CNI
-                    // program redirects or rewrites it; we always pass it on.
-                    TcAttachOptions::TcxOrder(LinkOrder::first())
-                } else {
-                    // A handle nobody else uses marks the filter as ours, so
-                    // a later run can remove it if this one is SIGKILLed.
-                    TcAttachOptions::Netlink(NlOptions {
-                        handle: TcHandle::from(super::cleanup::FILTER_HANDLE),
-                        ..NlOptions::default()
-                    })
-                };
+                // A handle nobody else uses marks the filter as ours, so
+                // a later run can remove it if this one is SIGKILLed.
+                let options = TcAttachOptions::Netlink(NlOptions {
+                    handle: TcHandle::from(super::cleanup::FILTER_HANDLE),
+                    ..NlOptions::default()
+                });
                 let id = prog
                     .attach_with_options(&iface.name, attach_type, options)
                     .map_err(|e| format!("{e}"))?;
                 prog.take_link(id).map_err(|e| format!("{e}"))
             })();
             match result {
-                Ok(link) => done.links.push(link),
+                Ok(link) => links.push(link),
                 Err(e) => {
+                    let done = IfaceLinks {
+                        name: iface.name.clone(),
+                        links: Links::Clsact(links),
+                        own_clsact,
+                    };
                     release(iface.ifindex, done);
                     return Err(e);
                 }
             }
         }
-        Ok(done)
+        Ok(IfaceLinks {
+            name: iface.name.clone(),
+            links: Links::Clsact(links),
+            own_clsact,
+        })
+    }
+
+    /// Program fds and tcx attach types of our tc programs.
+    fn tcx_programs(&self, ebpf: &Ebpf) -> Result<Vec<(RawFd, bpf_attach_type)>, String> {
+        let mut programs = Vec::new();
+        for &(name, attach_type) in &self.programs {
+            let prog: &SchedClassifier = ebpf
+                .program(name)
+                .ok_or("program missing from object")?
+                .try_into()
+                .map_err(|e| format!("{e}"))?;
+            let fd = prog.fd().map_err(|e| format!("{e}"))?;
+            let kind = match attach_type {
+                TcAttachType::Ingress => bpf_attach_type::BPF_TCX_INGRESS,
+                TcAttachType::Egress => bpf_attach_type::BPF_TCX_EGRESS,
+                TcAttachType::Custom(_) => return Err("custom tc attach type".into()),
+            };
+            programs.push((fd.as_fd().as_raw_fd(), kind));
+        }
+        Ok(programs)
+    }
+
+    fn keep(&mut self, results: TcxResults, out: &mut Synced) {
+        for (iface, result) in results {
+            match result {
+                Ok(fds) => {
+                    out.added.push((iface.name.clone(), iface.ifindex));
+                    self.ifaces.insert(
+                        iface.ifindex,
+                        IfaceLinks {
+                            name: iface.name,
+                            links: Links::Tcx { _fds: fds },
+                            own_clsact: false,
+                        },
+                    );
+                }
+                Err(reason) => out.failed.push(Skipped {
+                    program: format!("tc on {}", iface.name),
+                    reason,
+                }),
+            }
+        }
+    }
+
+    /// Takes in what the background attach finished; with `wait`, waits for it.
+    pub fn collect(&mut self, wait: bool) -> Synced {
+        let mut out = Synced::default();
+        let Some(pending) = &self.pending else {
+            return out;
+        };
+        let got = if wait {
+            pending.results.recv().ok()
+        } else {
+            match pending.results.try_recv() {
+                Ok(r) => Some(r),
+                Err(mpsc::TryRecvError::Empty) => return out,
+                Err(mpsc::TryRecvError::Disconnected) => None,
+            }
+        };
+        let pending = self.pending.take().expect("checked above");
+        match got {
+            Some(results) => self.keep(results, &mut out),
+            None => out.failed.push(Skipped {
+                program: format!("tc on {} interfaces", pending.ifindexes.len()),
+                reason: "the attaching thread died".into(),
+            }),
+        }
+        out
     }
 
     /// Attaches to every interface in `ifaces` not attached yet and forgets
-    /// those that disappeared. Returns the newly attached names and one
-    /// Skipped per interface that could not be attached.
-    pub fn sync(&mut self, ebpf: &mut Ebpf, ifaces: &[Interface]) -> (Vec<String>, Vec<Skipped>) {
-        let mut added = Vec::new();
-        let mut failed = Vec::new();
+    /// those that disappeared; many new ones are attached in the background
+    /// (see [`collect`](Self::collect)). Must run in the traced namespace.
+    pub fn sync(&mut self, ebpf: &mut Ebpf, ifaces: &[Interface]) -> Synced {
+        let mut out = Synced::default();
         let gone: Vec<u32> = self
             .ifaces
             .keys()
@@ -108,33 +231,136 @@ impl TcAttachments {
         for ifindex in gone {
             if let Some(links) = self.ifaces.remove(&ifindex) {
                 log::debug!("interface {} is gone", links.name);
+                out.gone.push(ifindex);
                 // The kernel already removed the device's filters/qdisc.
                 drop(links.links);
             }
         }
-        for iface in ifaces {
-            if self.ifaces.contains_key(&iface.ifindex) {
-                continue;
-            }
-            match self.attach_one(ebpf, iface) {
-                Ok(links) => {
-                    added.push(iface.name.clone());
-                    self.ifaces.insert(iface.ifindex, links);
-                }
-                Err(reason) => failed.push(Skipped {
-                    program: format!("tc on {}", iface.name),
-                    reason,
-                }),
-            }
+        if self.pending.is_some() {
+            // Picked up by a later sync, once the background attach is done.
+            return out;
         }
-        (added, failed)
+        let todo: Vec<Interface> = ifaces
+            .iter()
+            .filter(|i| !self.ifaces.contains_key(&i.ifindex))
+            .cloned()
+            .collect();
+        if todo.is_empty() {
+            return out;
+        }
+        if !self.tcx {
+            for iface in todo {
+                match self.attach_clsact(ebpf, &iface) {
+                    Ok(links) => {
+                        out.added.push((iface.name.clone(), iface.ifindex));
+                        self.ifaces.insert(iface.ifindex, links);
+                    }
+                    Err(reason) => out.failed.push(Skipped {
+                        program: format!("tc on {}", iface.name),
+                        reason,
+                    }),
+                }
+            }
+            return out;
+        }
+        let programs = match self.tcx_programs(ebpf) {
+            Ok(p) => p,
+            Err(reason) => {
+                out.failed.extend(todo.iter().map(|i| Skipped {
+                    program: format!("tc on {}", i.name),
+                    reason: reason.clone(),
+                }));
+                return out;
+            }
+        };
+        if todo.len() <= INLINE_MAX {
+            let results = attach_tcx(&programs, todo, &AtomicBool::new(false));
+            self.keep(results, &mut out);
+            return out;
+        }
+        // A plain thread started from this one is in the same network
+        // namespace. The program fds stay open: `Tracer` waits for this
+        // thread (collect(true)) before it drops the programs.
+        let (tx, rx) = mpsc::channel();
+        let ifindexes = todo.iter().map(|i| i.ifindex).collect();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let cancelled = cancel.clone();
+        let spawned = std::thread::Builder::new()
+            .name("nattrace-tcx".into())
+            .spawn(move || {
+                let started = std::time::Instant::now();
+                let n = todo.len();
+                let results = attach_tcx(&programs, todo, &cancelled);
+                log::debug!("tcx links on {n} interfaces took {:?}", started.elapsed());
+                let _ = tx.send(results);
+            });
+        match spawned {
+            Ok(_) => {
+                self.pending = Some(Pending {
+                    ifindexes,
+                    results: rx,
+                    cancel,
+                })
+            }
+            Err(e) => out.failed.push(Skipped {
+                program: "tc".into(),
+                reason: format!("cannot start the attaching thread: {e}"),
+            }),
+        }
+        out
     }
 
     pub fn detach_all(&mut self) {
+        if let Some(p) = &self.pending {
+            p.cancel.store(true, Ordering::Relaxed);
+        }
+        let _ = self.collect(true);
         for (ifindex, links) in std::mem::take(&mut self.ifaces) {
             release(ifindex, links);
         }
     }
+}
+
+/// Every program on every interface of `todo`. Per interface: its links, or
+/// why not (then none are kept).
+fn attach_tcx(
+    programs: &[(RawFd, bpf_attach_type)],
+    todo: Vec<Interface>,
+    cancel: &AtomicBool,
+) -> TcxResults {
+    todo.into_iter()
+        .map(|iface| {
+            // On error the links made so far close with their fds (detached).
+            let links = programs
+                .iter()
+                .map(|&(fd, kind)| {
+                    if cancel.load(Ordering::Relaxed) {
+                        return Err("cancelled: nattrace is exiting".to_owned());
+                    }
+                    tcx_attach(fd, kind, iface.ifindex).map_err(|e| format!("tcx attach: {e}"))
+                })
+                .collect();
+            (iface, links)
+        })
+        .collect()
+}
+
+/// `bpf(BPF_LINK_CREATE)` of a tcx link at the head of the device's chain
+/// (BPF_F_BEFORE with no relative program = first), so we see the packet
+/// before a CNI program redirects or rewrites it; we always pass it on.
+fn tcx_attach(prog_fd: RawFd, kind: bpf_attach_type, ifindex: u32) -> io::Result<OwnedFd> {
+    const BPF_F_BEFORE: u32 = 1 << 3;
+    // SAFETY: bpf_attr is plain data; all-zero is its documented "unset".
+    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: writing plain-integer union fields.
+    unsafe {
+        let lc = &mut attr.link_create;
+        lc.__bindgen_anon_1.prog_fd = prog_fd as u32;
+        lc.__bindgen_anon_2.target_ifindex = ifindex;
+        lc.attach_type = kind as u32;
+        lc.flags = BPF_F_BEFORE;
+    }
+    sys_bpf(bpf_cmd::BPF_LINK_CREATE, &mut attr)
 }
 
 fn release(ifindex: u32, links: IfaceLinks) {
@@ -143,11 +369,13 @@ fn release(ifindex: u32, links: IfaceLinks) {
         links,
         own_clsact,
     } = links;
-    // tcx links close with their fd; clsact filters are deleted over netlink,
-    // which is why this runs in the target namespace.
-    for link in links {
-        if let Err(e) = link.detach() {
-            log::warn!("could not detach nattrace's tc program from {name}: {e}");
+    // tcx links close with their fd (dropped here); clsact filters are deleted over netlink, which is why this runs in the
+    // target namespace.
+    if let Links::Clsact(links) = links {
+        for link in links {
+            if let Err(e) = link.detach() {
+                log::warn!("could not detach nattrace's tc program from {name}: {e}");
+            }
         }
     }
     if own_clsact && let Err(e) = netns::delete_clsact(ifindex) {
