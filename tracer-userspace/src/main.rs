@@ -30,7 +30,7 @@ struct Cli {
     netns: Option<String>,
 
     /// Stop after this many seconds (default: until Ctrl-C or SIGTERM).
-    #[arg(long, value_name = "SECS", value_parser = parse_duration_secs)]
+    #[arg(long, value_name = "SECS", value_parser = parse_duration_secs, allow_negative_numbers = true)]
     duration: Option<Duration>,
 
     /// Output format.
@@ -199,13 +199,17 @@ fn usage_error(err: clap::Error) -> ExitCode {
         let _ = err.print();
         return ExitCode::SUCCESS;
     }
+    // The message is the first paragraph (a missing-argument error names the
+    // argument on the next line); usage and tips follow after a blank line.
     let rendered = err.render().to_string();
-    let first = rendered
+    let message: Vec<&str> = rendered
         .lines()
-        .next()
-        .unwrap_or("invalid arguments")
-        .trim_start_matches("error: ");
-    eprintln!("nattrace: {first} (see nattrace --help)");
+        .take_while(|line| !line.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    let message = message.join(" ");
+    let message = message.trim_start_matches("error: ");
+    eprintln!("nattrace: {message} (see nattrace --help)");
     ExitCode::from(2)
 }
 
