@@ -120,7 +120,9 @@ pub struct PacketEvent {
     /// (tc and netfilter programs are attached only there; userspace fills it in).
     pub netns: u32,
     pub ifindex: u32,
+    #[cfg_attr(feature = "user", serde(with = "dotted_quad"))]
     pub saddr: [u8; 4],
+    #[cfg_attr(feature = "user", serde(with = "dotted_quad"))]
     pub daddr: [u8; 4],
     pub sport: u16,
     pub dport: u16,
@@ -141,6 +143,7 @@ pub struct PacketEvent {
     pub direction: u8,
     /// Index of the matched Service in the userspace service list.
     pub svc: u8,
+    #[cfg_attr(feature = "user", serde(skip))]
     pub _pad: u8,
 }
 
@@ -253,6 +256,22 @@ pub mod stat {
     /// Packets that matched but whose headers could not be read.
     pub const READ_ERRORS: u32 = 4;
     pub const COUNT: u32 = 8;
+}
+
+/// Addresses in recordings and fixtures read as `100.96.54.240`, not as byte arrays.
+#[cfg(feature = "user")]
+mod dotted_quad {
+    use core::net::Ipv4Addr;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(addr: &[u8; 4], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&Ipv4Addr::from(*addr))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<[u8; 4], D::Error> {
+        Ipv4Addr::deserialize(d).map(|addr| addr.octets())
+    }
 }
 
 #[cfg(feature = "user")]

@@ -16,7 +16,6 @@ mod tests;
 use std::{
     fs::File,
     io::{self, BufWriter, Write},
-    net::Ipv4Addr,
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
@@ -135,90 +134,6 @@ impl Header {
     }
 }
 
-/// One event as recorded: the kernel's [`PacketEvent`] with addresses as
-/// dotted quads, so `grep 10.0.0.7` finds them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RecEvent {
-    pub ts_ns: u64,
-    pub skb: u64,
-    pub netns: u32,
-    pub ifindex: u32,
-    pub saddr: Ipv4Addr,
-    pub daddr: Ipv4Addr,
-    pub sport: u16,
-    pub dport: u16,
-    pub seq: u32,
-    pub ack: u32,
-    pub drop_reason: u32,
-    pub payload_head: u32,
-    pub ip_len: u16,
-    pub ip_id: u16,
-    pub hook: u8,
-    pub nf_hook: u8,
-    pub nat_stage: u8,
-    pub proto: u8,
-    pub tcp_flags: u8,
-    pub direction: u8,
-    pub svc: u8,
-}
-
-impl From<&PacketEvent> for RecEvent {
-    fn from(e: &PacketEvent) -> Self {
-        Self {
-            ts_ns: e.ts_ns,
-            skb: e.skb,
-            netns: e.netns,
-            ifindex: e.ifindex,
-            saddr: e.saddr.into(),
-            daddr: e.daddr.into(),
-            sport: e.sport,
-            dport: e.dport,
-            seq: e.seq,
-            ack: e.ack,
-            drop_reason: e.drop_reason,
-            payload_head: e.payload_head,
-            ip_len: e.ip_len,
-            ip_id: e.ip_id,
-            hook: e.hook,
-            nf_hook: e.nf_hook,
-            nat_stage: e.nat_stage,
-            proto: e.proto,
-            tcp_flags: e.tcp_flags,
-            direction: e.direction,
-            svc: e.svc,
-        }
-    }
-}
-
-impl From<RecEvent> for PacketEvent {
-    fn from(e: RecEvent) -> Self {
-        Self {
-            ts_ns: e.ts_ns,
-            skb: e.skb,
-            netns: e.netns,
-            ifindex: e.ifindex,
-            saddr: e.saddr.octets(),
-            daddr: e.daddr.octets(),
-            sport: e.sport,
-            dport: e.dport,
-            seq: e.seq,
-            ack: e.ack,
-            drop_reason: e.drop_reason,
-            payload_head: e.payload_head,
-            ip_len: e.ip_len,
-            ip_id: e.ip_id,
-            hook: e.hook,
-            nf_hook: e.nf_hook,
-            nat_stage: e.nat_stage,
-            proto: e.proto,
-            tcp_flags: e.tcp_flags,
-            direction: e.direction,
-            svc: e.svc,
-            _pad: 0,
-        }
-    }
-}
-
 /// The kernel counters at a collector tick (`stats`) or at the end (`end`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StatsLine {
@@ -251,7 +166,7 @@ impl StatsLine {
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Line {
     Header(Box<Header>),
-    Event(RecEvent),
+    Event(PacketEvent),
     Stats(StatsLine),
     /// `--write-max-mb` was reached: nothing follows.
     Capped {
@@ -313,7 +228,7 @@ impl RecordingWriter {
     }
 
     pub fn event(&mut self, ev: &PacketEvent) {
-        self.line(&Line::Event(ev.into()));
+        self.line(&Line::Event(*ev));
     }
 
     /// At every collector tick; also where the ≤ 1 s flush happens.

@@ -184,7 +184,7 @@ impl<R: BufRead> Reader<R> {
             };
             return match line {
                 Line::Event(ev) if ev.ts_ns >= MAX_TS_NS => self.stop("event time out of range"),
-                Line::Event(ev) => Some(Record::Event(ev.into())),
+                Line::Event(ev) => Some(Record::Event(ev)),
                 Line::Stats(s) if s.now_ns >= MAX_TS_NS => self.stop("stats time out of range"),
                 Line::Stats(s) => Some(Record::Stats(s)),
                 Line::Header(_) => self.stop("a second header"),
