@@ -7,7 +7,7 @@ use std::process::Command;
 
 use anyhow::{Context as _, bail};
 
-use crate::tasks::workspace_root;
+use crate::tasks::{cargo_with_env as cargo, workspace_root};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -30,20 +30,6 @@ pub struct BenchArgs {
     /// a small collector replay; writes target/bench/BENCHMARKS.quick.md.
     #[arg(long)]
     pub quick: bool,
-}
-
-fn cargo(args: &[&str], envs: &[(&str, &str)]) -> anyhow::Result<()> {
-    eprintln!("xtask: cargo {}", args.join(" "));
-    let status = Command::new(env!("CARGO"))
-        .args(args)
-        .envs(envs.iter().copied())
-        .current_dir(workspace_root())
-        .status()
-        .context("could not run cargo")?;
-    if !status.success() {
-        bail!("cargo {} failed ({status})", args.join(" "));
-    }
-    Ok(())
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {

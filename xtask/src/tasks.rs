@@ -14,9 +14,14 @@ pub fn workspace_root() -> PathBuf {
 }
 
 fn cargo(args: &[&str]) -> anyhow::Result<()> {
+    cargo_with_env(args, &[])
+}
+
+pub fn cargo_with_env(args: &[&str], envs: &[(&str, &str)]) -> anyhow::Result<()> {
     eprintln!("xtask: cargo {}", args.join(" "));
     let status = Command::new(env!("CARGO"))
         .args(args)
+        .envs(envs.iter().copied())
         .current_dir(workspace_root())
         .status()
         .context("could not run cargo")?;
