@@ -265,10 +265,27 @@ pub fn observe(
     let Some(m) = classify(pkt, at) else {
         return;
     };
+    let is_drop = at.hook == hook::DROP;
+    // Handshakes and resets are always reported; FINs of an `ok` flow
+    // only close it and are counted like data.
+    let control = pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST);
+    if let Some(state) = m.state {
+        let state = unsafe { &mut *state };
+        // The bulk of a muted flow stops here, before reading anything
+        // more; only a reply at a device may still have to unmute it below.
+        if state.muted != 0
+            && control == 0
+            && !is_drop
+            && !(m.dir == direction::REPLY && at.hook == hook::DEV_RX)
+        {
+            state.packets += 1;
+            stat_inc(stat::MUTED_PACKETS);
+            return;
+        }
+    }
     if !details(pkt, at) {
         return;
     }
-    let is_drop = at.hook == hook::DROP;
 
     if let Some(state) = m.state {
         let state = unsafe { &mut *state };
@@ -292,9 +309,6 @@ pub fn observe(
                 }
             }
         }
-        // Handshakes and resets are always reported; FINs of an `ok` flow
-        // only close it and are counted like data.
-        let control = pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST);
         if state.muted != 0 && control == 0 && !is_drop {
             stat_inc(stat::MUTED_PACKETS);
             return;

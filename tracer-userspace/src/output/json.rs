@@ -75,6 +75,10 @@ impl<W: io::Write> JsonOutput<W> {
         self.out.write_all(b"\n")
     }
 
+    pub fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
+    }
+
     pub fn summary(&mut self, s: &Summary) -> io::Result<()> {
         serde_json::to_writer(
             &mut self.out,

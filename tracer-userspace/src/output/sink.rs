@@ -32,9 +32,14 @@ impl Outcome {
     }
 }
 
+/// Buffered, flushed once per batch of flows: stdout is line-buffered, and
+/// a write(2) per flow (plus waking whoever reads the pipe) is most of the
+/// output's cost at thousands of flows per second.
+type Buffered = BufWriter<io::Stdout>;
+
 enum Stdout {
-    Text(TextOutput<io::Stdout>),
-    Json(JsonOutput<io::Stdout>),
+    Text(TextOutput<Buffered>),
+    Json(JsonOutput<Buffered>),
 }
 
 pub struct Outputs {
@@ -44,11 +49,15 @@ pub struct Outputs {
     pub outcome: Outcome,
 }
 
+fn buffered() -> Buffered {
+    BufWriter::with_capacity(256 * 1024, io::stdout())
+}
+
 impl Outputs {
     pub fn new(format: OutputFormat, color: bool, verbose: bool) -> Self {
         let stdout = match format {
-            OutputFormat::Text => Stdout::Text(TextOutput::new(io::stdout(), color, verbose)),
-            OutputFormat::Json => Stdout::Json(JsonOutput::new(io::stdout())),
+            OutputFormat::Text => Stdout::Text(TextOutput::new(buffered(), color, verbose)),
+            OutputFormat::Json => Stdout::Json(JsonOutput::new(buffered())),
         };
         Self {
             format,
@@ -87,7 +96,10 @@ impl Outputs {
             }
             self.pcap_flow(report);
         }
-        io::stdout().flush()
+        match &mut self.stdout {
+            Stdout::Text(out) => out.flush(),
+            Stdout::Json(out) => out.flush(),
+        }
     }
 
     pub fn summary(&mut self, summary: &Summary) -> io::Result<()> {

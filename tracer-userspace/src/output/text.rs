@@ -143,6 +143,10 @@ impl<W: io::Write> TextOutput<W> {
         line
     }
 
+    pub fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
+    }
+
     pub fn summary(&mut self, s: &Summary) -> io::Result<()> {
         let by = Verdict::ALL
             .iter()

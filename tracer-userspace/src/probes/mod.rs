@@ -399,7 +399,7 @@ impl Tracer {
     }
 
     /// From now on, plain data packets of this flow are only counted
-    /// (KernelStats::muted); SYN/FIN/RST and drops are still reported.
+    /// (KernelStats::muted); SYN, RST and drops are still reported.
     pub fn mute(&mut self, client: EndpointKey) -> Result<(), TraceError> {
         let mut state = match self.endpoints.get(&client, 0) {
             Ok(state) => state,
@@ -407,6 +407,10 @@ impl Tracer {
             Err(aya::maps::MapError::KeyNotFound) => return Ok(()),
             Err(e) => return Err(TraceError::Kernel(format!("ENDPOINTS lookup: {e}"))),
         };
+        if state.muted != 0 {
+            // Already muted by the kernel (tracer-ebpf/src/filter.rs).
+            return Ok(());
+        }
         state.muted = 1;
         self.endpoints
             .insert(client, state, 0)
