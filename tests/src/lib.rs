@@ -51,3 +51,19 @@ pub use topology::{
 pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
+
+/// Whether a root-only test must skip (and so pass): without root it says so
+/// on stderr, so that the pass is not mistaken for a run. `why`: what needs
+/// root and how to run the test with it.
+pub fn skip_without_root(why: &str) -> bool {
+    let skip = !is_root();
+    if skip {
+        eprintln!("SKIPPED: {why}");
+    }
+    skip
+}
+
+/// [`Lab::build`] for tests, where a lab that cannot be built is a failure.
+pub fn build_lab(spec: LabSpec) -> Lab {
+    Lab::build(spec).unwrap_or_else(|e| panic!("building the lab failed: {e}"))
+}

@@ -124,6 +124,13 @@ pub fn seed000(opts: Seed000) -> LabSpec {
 }
 
 fn web_service(backend: Backend) -> ServiceSpec {
+    local_web_service()
+        .endpoint(REMOTE_BACKEND_POD, WEB_PORT)
+        .pin(backend.pin())
+}
+
+/// `default/web:http` with [`BACKEND_POD`] as its only endpoint.
+fn local_web_service() -> ServiceSpec {
     ServiceSpec::new(
         "default",
         "web",
@@ -133,8 +140,6 @@ fn web_service(backend: Backend) -> ServiceSpec {
         Protocol::Tcp,
     )
     .endpoint(BACKEND_POD, WEB_PORT)
-    .endpoint(REMOTE_BACKEND_POD, WEB_PORT)
-    .pin(backend.pin())
 }
 
 /// Options of [`dns`].
@@ -237,17 +242,7 @@ pub fn single_node(bridge_nf_call_iptables: bool) -> LabSpec {
         .bridge_nf_call_iptables(bridge_nf_call_iptables)
         .pod(PodSpec::new(CLIENT_POD, CLIENT_IP))
         .pod(PodSpec::new(BACKEND_POD, BACKEND_IP).http(WEB_PORT));
-    let mut spec = LabSpec::new(vec![node]).service(
-        ServiceSpec::new(
-            "default",
-            "web",
-            "http",
-            WEB_SERVICE_IP,
-            WEB_PORT,
-            Protocol::Tcp,
-        )
-        .endpoint(BACKEND_POD, WEB_PORT),
-    );
+    let mut spec = LabSpec::new(vec![node]).service(local_web_service());
     spec.kube_proxy = kops_kube_proxy();
     spec
 }
@@ -278,17 +273,7 @@ pub fn hairpin(opts: Hairpin) -> LabSpec {
             .http(WEB_PORT)
             .hairpin(opts.hairpin_mode),
     );
-    let mut spec = LabSpec::new(vec![node]).service(
-        ServiceSpec::new(
-            "default",
-            "web",
-            "http",
-            WEB_SERVICE_IP,
-            WEB_PORT,
-            Protocol::Tcp,
-        )
-        .endpoint(BACKEND_POD, WEB_PORT),
-    );
+    let mut spec = LabSpec::new(vec![node]).service(local_web_service());
     spec.kube_proxy = KubeProxyConfig {
         omit_hairpin_masquerade: !opts.masquerade,
         ..kops_kube_proxy()

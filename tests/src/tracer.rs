@@ -8,6 +8,7 @@ use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -46,6 +47,21 @@ pub fn nattrace_path() -> anyhow::Result<PathBuf> {
                 .join(" or ")
         )
     })
+}
+
+/// [`nattrace_path`] for tests, where a missing binary is a failure.
+pub fn nattrace() -> PathBuf {
+    nattrace_path().unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+static TRACING: Mutex<()> = Mutex::new(());
+
+/// Held by a test for the whole of its trace, so that traces in one test
+/// binary take turns: nattrace's raw tracepoints see every namespace and
+/// labs reuse the seeds' addresses. A test that panicked holding it must not
+/// fail all the others.
+pub fn tracing_lock() -> MutexGuard<'static, ()> {
+    TRACING.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A running nattrace. Killed (SIGKILL) if dropped before [`Nattrace::wait`].

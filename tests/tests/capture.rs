@@ -5,47 +5,29 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use lab::presets::{self, Backend, Seed000};
-use lab::tracer::{Finished, Nattrace, curl_parallel, nattrace_path};
-use lab::{Lab, LabSpec};
+use lab::tracer::{Finished, Nattrace, curl_parallel, nattrace, tracing_lock};
+use lab::{Lab, build_lab};
 use serde_json::Value;
 
 macro_rules! require_root {
     () => {
-        if !lab::is_root() {
-            eprintln!(
-                "SKIPPED: capture tests need root (network namespaces, eBPF); \
-                 run `sudo cargo test -p nattrace-tests --test capture` or in CI"
-            );
+        if lab::skip_without_root(
+            "capture tests need root (network namespaces, eBPF); \
+             run `sudo cargo test -p nattrace-tests --test capture` or in CI",
+        ) {
             return;
         }
     };
 }
 
-/// nattrace's raw tracepoints see every namespace and labs reuse addresses:
-/// one trace at a time within this test binary.
-static TRACING: Mutex<()> = Mutex::new(());
-
-fn tracing_lock() -> MutexGuard<'static, ()> {
-    TRACING.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
 const CURL_MAX_TIME: Duration = Duration::from_secs(1);
 
-fn nattrace() -> PathBuf {
-    nattrace_path().unwrap_or_else(|e| panic!("{e:#}"))
-}
-
-fn build(spec: LabSpec) -> Lab {
-    Lab::build(spec).unwrap_or_else(|e| panic!("building the lab failed: {e}"))
-}
-
 fn seed000(bridge_nf_call_iptables: bool) -> Lab {
-    build(presets::seed000(Seed000 {
+    build_lab(presets::seed000(Seed000 {
         bridge_nf_call_iptables,
         backend: Backend::SameNode,
     }))

@@ -10,25 +10,20 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use lab::presets::{self, Backend, Seed000, Seed003};
-use lab::{Lab, LabSpec, Overlay};
+use lab::{Lab, Overlay, build_lab};
 
 macro_rules! require_root {
     () => {
-        if !lab::is_root() {
-            eprintln!(
-                "SKIPPED: this lab test needs root (network namespaces, veths, iptables); \
-                 run `sudo cargo test -p nattrace-tests` or in CI"
-            );
+        if lab::skip_without_root(
+            "this lab test needs root (network namespaces, veths, iptables); \
+             run `sudo cargo test -p nattrace-tests` or in CI",
+        ) {
             return;
         }
     };
 }
 
 const SHORT: Duration = Duration::from_secs(2);
-
-fn build(spec: LabSpec) -> Lab {
-    Lab::build(spec).unwrap_or_else(|e| panic!("building the lab failed: {e}"))
-}
 
 fn text(out: &Output) -> String {
     format!(
@@ -40,10 +35,28 @@ fn text(out: &Output) -> String {
 }
 
 fn seed000(bridge_nf_call_iptables: bool, backend: Backend) -> Lab {
-    build(presets::seed000(Seed000 {
+    build_lab(presets::seed000(Seed000 {
         bridge_nf_call_iptables,
         backend,
     }))
+}
+
+fn dns(bridge_nf_call_iptables: bool, backend: Backend) -> Lab {
+    build_lab(presets::dns(presets::Dns {
+        bridge_nf_call_iptables,
+        backend,
+    }))
+}
+
+/// The client pod asks the cluster DNS Service for the web Service's name.
+fn dig_web(lab: &Lab) -> Output {
+    lab.dig(
+        presets::CLIENT_POD,
+        presets::DNS_SERVICE_IP,
+        presets::DNS_NAME,
+        SHORT,
+    )
+    .expect("dig")
 }
 
 fn curl_web(lab: &Lab, from: &str) -> Output {
@@ -60,16 +73,24 @@ fn assert_page_from(out: &Output, pod: &str) {
     );
 }
 
+/// Curls the Service of a healthy seed 000 lab from `from`: the same-node
+/// backend must answer, having seen the connection come from `client`.
+fn assert_backend_sees(from: &str, client: impl std::fmt::Display) {
+    let lab = seed000(true, Backend::SameNode);
+    let out = curl_web(&lab, from);
+    assert_page_from(&out, presets::BACKEND_POD);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(&format!("client={client}:")),
+        "{}",
+        text(&out)
+    );
+}
+
 #[test]
 fn root_same_node_backend_works_with_bridge_nf_call_iptables() {
     require_root!();
-    let lab = seed000(true, Backend::SameNode);
-    let out = curl_web(&lab, presets::CLIENT_POD);
-    assert_page_from(&out, presets::BACKEND_POD);
     // No SNAT for pod-to-pod through a Service: the backend sees the client.
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains(&format!("client={}:", presets::CLIENT_IP))
-    );
+    assert_backend_sees(presets::CLIENT_POD, presets::CLIENT_IP);
 }
 
 #[test]
@@ -129,7 +150,7 @@ fn root_other_node_backend_works_with_both_settings() {
     let labs = [
         seed000(true, Backend::OtherNode),
         seed000(false, Backend::OtherNode),
-        build(host_gw),
+        build_lab(host_gw),
     ];
     let rp_filter = labs[2]
         .run(
@@ -148,18 +169,8 @@ fn root_other_node_backend_works_with_both_settings() {
 fn root_dns_query_through_service_ip_is_answered() {
     require_root!();
     for backend in [Backend::SameNode, Backend::OtherNode] {
-        let lab = build(presets::dns(presets::Dns {
-            bridge_nf_call_iptables: true,
-            backend,
-        }));
-        let out = lab
-            .dig(
-                presets::CLIENT_POD,
-                presets::DNS_SERVICE_IP,
-                presets::DNS_NAME,
-                SHORT,
-            )
-            .expect("dig");
+        let lab = dns(true, backend);
+        let out = dig_web(&lab);
         let answer = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success()
@@ -189,18 +200,8 @@ fn udp_no_ports(lab: &Lab, target: &str) -> u64 {
 #[test]
 fn root_dns_same_node_without_bridge_nf_call_iptables_is_seed001() {
     require_root!();
-    let lab = build(presets::dns(presets::Dns {
-        bridge_nf_call_iptables: false,
-        backend: Backend::SameNode,
-    }));
-    let out = lab
-        .dig(
-            presets::CLIENT_POD,
-            presets::DNS_SERVICE_IP,
-            presets::DNS_NAME,
-            SHORT,
-        )
-        .expect("dig");
+    let lab = dns(false, Backend::SameNode);
+    let out = dig_web(&lab);
     // dig 9.18 connects its UDP socket, so the reply from the pod IP is not
     // "from an unexpected source" as in the report (older dig): the kernel
     // finds no socket for it and dig just times out (exit 9).
@@ -232,14 +233,7 @@ fn root_node_local_client_reaches_service() {
     require_root!();
     // Seed 004 case 1: a process in the node namespace; the source is not in
     // the cluster CIDR, so kube-proxy masquerades it to the cni0 address.
-    let lab = seed000(true, Backend::SameNode);
-    let out = curl_web(&lab, presets::NODE_A);
-    assert_page_from(&out, presets::BACKEND_POD);
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("client=100.96.54.1:"),
-        "{}",
-        text(&out)
-    );
+    assert_backend_sees(presets::NODE_A, "100.96.54.1");
 }
 
 #[test]
@@ -249,7 +243,7 @@ fn root_pod_reaches_itself_through_its_service_with_hairpin() {
     for pod in &mut spec.nodes[0].pods {
         pod.hairpin = true;
     }
-    let lab = build(spec);
+    let lab = build_lab(spec);
     let out = curl_web(&lab, presets::BACKEND_POD);
     assert_page_from(&out, presets::BACKEND_POD);
 }
@@ -258,7 +252,7 @@ fn root_pod_reaches_itself_through_its_service_with_hairpin() {
 fn root_outside_client_needs_masquerade_all_like_seed003() {
     require_root!();
     let seed003 = |masquerade_all, backend| {
-        build(presets::seed003(Seed003 {
+        build_lab(presets::seed003(Seed003 {
             masquerade_all,
             backend,
         }))
@@ -408,7 +402,7 @@ fn root_bad_spec_and_failing_commands_give_helpful_errors() {
     let err = Lab::build(spec).unwrap_err().to_string();
     assert!(err.contains("missing"), "{err}");
 
-    let lab = build(presets::single_node(true));
+    let lab = build_lab(presets::single_node(true));
     let err = lab
         .run(presets::NODE_A, &["ip", "link", "show", "nosuchdev"])
         .unwrap_err()

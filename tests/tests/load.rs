@@ -9,28 +9,19 @@ mod shared;
 
 use std::net::SocketAddrV4;
 use std::path::Path;
-use std::sync::{Mutex, MutexGuard};
 
-use lab::Lab;
-use lab::tracer::nattrace_path;
+use lab::build_lab;
+use lab::tracer::{nattrace, tracing_lock};
 use shared::{Addrs, CONN_PORT, ClientLoad};
-
-/// nattrace's raw tracepoints see every namespace: one trace at a time.
-static TRACING: Mutex<()> = Mutex::new(());
-
-fn tracing_lock() -> MutexGuard<'static, ()> {
-    TRACING.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 const CONN_BENCH: &str = env!("CARGO_BIN_EXE_conn-bench");
 
 macro_rules! require_root {
     () => {
-        if !lab::is_root() {
-            eprintln!(
-                "SKIPPED: load tests need root (network namespaces, eBPF); \
-                 run `sudo cargo test -p nattrace-tests --test load`"
-            );
+        if lab::skip_without_root(
+            "load tests need root (network namespaces, eBPF); \
+             run `sudo cargo test -p nattrace-tests --test load`",
+        ) {
             return;
         }
     };
@@ -40,13 +31,12 @@ macro_rules! require_root {
 /// returns the count check.
 fn traced_connections(bridge_nf: bool, salt: u32, load: &ClientLoad) -> shared::CountCheck {
     let addrs = Addrs::for_this_process(salt);
-    let lab = Lab::build(shared::spec(&addrs, bridge_nf, 0))
-        .unwrap_or_else(|e| panic!("building the lab failed: {e}"));
+    let lab = build_lab(shared::spec(&addrs, bridge_nf, 0));
     let conn_bench = Path::new(CONN_BENCH);
     shared::start_conn_server(&lab, conn_bench).expect("conn-bench server");
-    let nattrace = nattrace_path().unwrap_or_else(|e| panic!("{e:#}"));
+    let bin = nattrace();
     let svc = SocketAddrV4::new(addrs.conn_svc, CONN_PORT);
-    let (tracer, _) = shared::start_nattrace(&nattrace, &lab, &[svc], &["--reply-timeout", "1000"])
+    let (tracer, _) = shared::start_nattrace(&bin, &lab, &[svc], &["--reply-timeout", "1000"])
         .unwrap_or_else(|e| panic!("{e:#}"));
     let run = shared::run_client(&lab, conn_bench, &addrs, load);
     // Let the last replies and the client's reactions reach the ring buffer.

@@ -5,25 +5,23 @@
 //! they print why they are skipped and pass.
 //!
 //! Raw tracepoints see every namespace and labs reuse the seeds' addresses,
-//! so tests that trace hold [`TRACING`] for the whole lab + trace.
+//! so tests that trace hold [`tracing_lock`] for the whole lab + trace.
 
 use std::net::Ipv4Addr;
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use lab::kube_proxy::{sep_chain, svc_chain};
 use lab::presets::{self, Backend};
-use lab::tracer::{Finished, Nattrace, nattrace_path};
-use lab::{Lab, LabSpec, Protocol};
+use lab::tracer::{Finished, Nattrace, nattrace, tracing_lock};
+use lab::{Lab, LabSpec, Protocol, build_lab};
 use serde_json::Value;
 
 macro_rules! require_root {
     () => {
-        if !lab::is_root() {
-            eprintln!(
-                "SKIPPED: scenario tests need root (network namespaces, eBPF); \
-                 run `sudo cargo test -p nattrace-tests --test scenarios` or in CI"
-            );
+        if lab::skip_without_root(
+            "scenario tests need root (network namespaces, eBPF); \
+             run `sudo cargo test -p nattrace-tests --test scenarios` or in CI",
+        ) {
             return;
         }
     };
@@ -33,24 +31,14 @@ macro_rules! require_root {
 #[path = "scenarios/doctor.rs"]
 mod doctor;
 
-static TRACING: Mutex<()> = Mutex::new(());
-
-fn tracing_lock() -> MutexGuard<'static, ()> {
-    TRACING.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
 const TRACE_SECS: &str = "4";
 const REPLY_TIMEOUT_MS: &str = "1000";
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(1);
 
-fn build(spec: LabSpec) -> Lab {
-    Lab::build(spec).unwrap_or_else(|e| panic!("building the lab failed: {e}"))
-}
-
 /// Traces `svc` on `node` (JSON, plus `extra`) while `traffic` runs.
 fn trace(lab: &Lab, node: &str, svc: &str, extra: &[&str], traffic: impl FnOnce()) -> Finished {
-    let bin = nattrace_path().unwrap_or_else(|e| panic!("{e:#}"));
+    let bin = nattrace();
     let ns = lab.node_netns(node).expect("node").path();
     let mut args: Vec<String> = [
         "--svc",
@@ -153,7 +141,7 @@ fn assert_common(f: &Value, verdict: &str, cause: Option<&str>, done: &Finished)
 // ---------------------------------------------------------------- 1: DNS
 
 fn dns_trace(bridge_nf_call_iptables: bool) -> (Finished, bool) {
-    let lab = build(presets::dns(presets::Dns {
+    let lab = build_lab(presets::dns(presets::Dns {
         bridge_nf_call_iptables,
         backend: Backend::SameNode,
     }));
@@ -221,7 +209,7 @@ fn root_dns_seed001_healthy_is_ok() {
 fn root_node_local_client_shows_output_dnat_and_masquerade() {
     require_root!();
     let _lock = tracing_lock();
-    let lab = build(presets::seed000(presets::Seed000::default()));
+    let lab = build_lab(presets::seed000(presets::Seed000::default()));
     let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
         assert!(curl(&lab, presets::NODE_A), "curl from the node works");
     });
@@ -258,7 +246,7 @@ fn root_node_local_client_shows_output_dnat_and_masquerade() {
 fn root_cross_node_path_shows_prerouting_forward_postrouting_and_overlay() {
     require_root!();
     let _lock = tracing_lock();
-    let lab = build(presets::seed000(presets::Seed000 {
+    let lab = build_lab(presets::seed000(presets::Seed000 {
         bridge_nf_call_iptables: true,
         backend: Backend::OtherNode,
     }));
@@ -292,7 +280,7 @@ fn root_cross_node_path_shows_prerouting_forward_postrouting_and_overlay() {
 // -------------------------------------------------- 2: asymmetric return path
 
 fn seed003(masquerade_all: bool) -> Lab {
-    build(presets::seed003(presets::Seed003 {
+    build_lab(presets::seed003(presets::Seed003 {
         masquerade_all,
         backend: Backend::OtherNode,
     }))
@@ -381,7 +369,7 @@ fn hairpin_trace(hairpin_mode: bool, masquerade: bool, accept_local: bool) -> (F
             spec.nodes[0].pods[0].sysctls.push((key.into(), "1".into()));
         }
     }
-    let lab = build(spec);
+    let lab = build_lab(spec);
     let mut worked = false;
     let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
         worked = curl(&lab, presets::BACKEND_POD);
@@ -471,7 +459,7 @@ fn root_hairpin_without_masquerade_accept_local_is_not_reverse_nated() {
 fn root_chains_and_full_hook_path_are_reported() {
     require_root!();
     let _lock = tracing_lock();
-    let lab = build(presets::seed000(presets::Seed000::default()));
+    let lab = build_lab(presets::seed000(presets::Seed000::default()));
     let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
         assert!(curl(&lab, presets::CLIENT_POD));
     });

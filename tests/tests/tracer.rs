@@ -3,25 +3,22 @@
 //! `root_`); without it they print why they are skipped and pass.
 //!
 //! nattrace's raw tracepoints see every namespace, and labs reuse the seed's
-//! addresses, so tests that trace take [`TRACING`] for the whole trace.
+//! addresses, so tests that trace take [`tracing_lock`] for the whole trace.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use lab::presets::{self, Backend, Seed000};
-use lab::tracer::{Finished, Nattrace, curl_parallel, nattrace_path};
-use lab::{Lab, LabSpec, Protocol, ServiceSpec};
+use lab::tracer::{Finished, Nattrace, curl_parallel, nattrace, tracing_lock};
+use lab::{Lab, Protocol, ServiceSpec, build_lab};
 use serde_json::Value;
 
 macro_rules! require_root {
     () => {
-        if !lab::is_root() {
-            eprintln!(
-                "SKIPPED: tracer tests need root (network namespaces, eBPF); \
-                 run `sudo cargo test -p nattrace-tests --test tracer` or in CI"
-            );
+        if lab::skip_without_root(
+            "tracer tests need root (network namespaces, eBPF); \
+             run `sudo cargo test -p nattrace-tests --test tracer` or in CI",
+        ) {
             return;
         }
     };
@@ -32,13 +29,6 @@ mod cleanup;
 #[path = "tracer/input.rs"]
 mod input;
 
-static TRACING: Mutex<()> = Mutex::new(());
-
-/// Serializes tracing; a panicking test must not fail all the others.
-pub(crate) fn tracing_lock() -> MutexGuard<'static, ()> {
-    TRACING.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// Loading and attaching (BTF, verifier) on a busy 2-core CI machine.
 pub(crate) const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
 const CURL_MAX_TIME: Duration = Duration::from_secs(1);
@@ -47,16 +37,8 @@ const CURL_MAX_TIME: Duration = Duration::from_secs(1);
 const TRACE_SECS: f64 = 3.5;
 const REPLY_TIMEOUT_MS: &str = "1000";
 
-pub(crate) fn nattrace() -> PathBuf {
-    nattrace_path().unwrap_or_else(|e| panic!("{e:#}"))
-}
-
-pub(crate) fn build(spec: LabSpec) -> Lab {
-    Lab::build(spec).unwrap_or_else(|e| panic!("building the lab failed: {e}"))
-}
-
 fn seed000(bridge_nf_call_iptables: bool, backend: Backend) -> Lab {
-    build(presets::seed000(Seed000 {
+    build_lab(presets::seed000(Seed000 {
         bridge_nf_call_iptables,
         backend,
     }))
@@ -269,7 +251,7 @@ fn two_services_lab() -> Lab {
         ServiceSpec::new("default", "other", "http", OTHER_SVC_IP, 80, Protocol::Tcp)
             .endpoint(presets::BACKEND_POD, presets::WEB_PORT),
     );
-    build(spec)
+    build_lab(spec)
 }
 
 #[test]

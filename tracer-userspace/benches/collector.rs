@@ -13,9 +13,8 @@
 use std::process::Command;
 use std::time::Instant;
 
+use nattrace::collector::testing::{self, from_jsonl};
 use nattrace::collector::{Collector, CollectorConfig, VerdictCounts};
-use nattrace::facts::{Interface, NodeFacts};
-use nattrace::service::Service;
 use tracer_common::PacketEvent;
 
 const FLOWS: u32 = 100_000;
@@ -35,43 +34,9 @@ const MIXED: &[&str] = &[
     include_str!("../src/collector/fixtures/reply_dropped.jsonl"),
 ];
 
-fn parse(text: &str) -> Vec<PacketEvent> {
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).expect("fixture line"))
-        .collect()
-}
-
-/// Mirrors the collector tests' fixture node, which the templates were built for.
+/// The collector tests' fixture node, which the templates were built for.
 fn config() -> CollectorConfig {
-    let iface = |ifindex, name: &str, kind: &str, master| Interface {
-        ifindex,
-        name: name.to_string(),
-        kind: kind.to_string(),
-        master,
-        hairpin: master.map(|_| false),
-    };
-    CollectorConfig {
-        services: vec![
-            "100.67.30.133:80".parse::<Service>().expect("service"),
-            "10.32.0.10".parse::<Service>().expect("service"),
-        ],
-        facts: NodeFacts {
-            netns_inode: 4026531840,
-            netns_name: "node-a".into(),
-            interfaces: vec![
-                iface(2, "eth0", "", None),
-                iface(3, "cni0", "bridge", None),
-                iface(4, "flannel.1", "vxlan", None),
-                iface(5, "veth-client", "veth", Some(3)),
-                iface(6, "veth-backend", "veth", Some(3)),
-                iface(7, "veth-dns", "veth", Some(3)),
-            ],
-            bridge_nf_call_iptables: Some(true),
-            ip_forward: Some(true),
-        },
-        ..CollectorConfig::default()
-    }
+    testing::config(Some(true))
 }
 
 /// Flow `i` of a template: its client moved to a port/host of its own, its
@@ -156,7 +121,7 @@ fn status_kib(key: &str) -> u64 {
 /// The child: streams 100k healthy flows in flow by flow (the collector
 /// reorders them), holding one flow's events at a time, and prints its memory.
 fn rss_child() {
-    let template = parse(HEALTHY);
+    let template = from_jsonl(HEALTHY);
     let baseline = status_kib("VmHWM:");
     let mut c = Collector::new(config());
     let mut buf = Vec::with_capacity(template.len());
@@ -201,7 +166,7 @@ fn main() {
     let (reps, flows) = if quick { (2, 20_000) } else { (5, FLOWS) };
     let mut results = serde_json::Map::new();
     for (name, texts) in [("healthy", &[HEALTHY][..]), ("mixed", MIXED)] {
-        let templates: Vec<Vec<PacketEvent>> = texts.iter().map(|t| parse(t)).collect();
+        let templates: Vec<Vec<PacketEvent>> = texts.iter().map(|t| from_jsonl(t)).collect();
         let events = stream(&templates, flows);
         let runs: Vec<Replay> = (0..reps).map(|_| replay(&events)).collect();
         let (med, min, max) = median(runs.iter().map(|r| r.events_per_sec).collect());

@@ -4,7 +4,7 @@ use super::*;
 // ---------------------------------------------------------------- 7: doctor
 
 fn doctor(lab: &Lab) -> (Option<i32>, Value) {
-    let bin = nattrace_path().unwrap_or_else(|e| panic!("{e:#}"));
+    let bin = nattrace();
     let ns = lab.node_netns(presets::NODE_A).unwrap().path();
     let out = std::process::Command::new(bin)
         .args([
@@ -34,7 +34,7 @@ fn finding<'a>(report: &'a Value, check: &str) -> &'a Value {
 #[test]
 fn root_doctor_finds_bridge_nf_off_and_passes_a_healthy_node() {
     require_root!();
-    let broken = build(presets::seed000(presets::Seed000 {
+    let broken = build_lab(presets::seed000(presets::Seed000 {
         bridge_nf_call_iptables: false,
         backend: Backend::SameNode,
     }));
@@ -56,7 +56,7 @@ fn root_doctor_finds_bridge_nf_off_and_passes_a_healthy_node() {
     );
     drop(broken);
 
-    let healthy = build(presets::hairpin(presets::Hairpin::default()));
+    let healthy = build_lab(presets::hairpin(presets::Hairpin::default()));
     let (code, report) = doctor(&healthy);
     assert_eq!(code, Some(0), "{report}");
     assert_eq!(
@@ -79,8 +79,8 @@ fn root_doctor_finds_bridge_nf_off_and_passes_a_healthy_node() {
 fn root_same_service_in_another_lab_is_foreign_not_a_flow() {
     require_root!();
     let _lock = tracing_lock();
-    let traced = build(presets::seed000(presets::Seed000::default()));
-    let other = build(presets::seed000(presets::Seed000::default()));
+    let traced = build_lab(presets::seed000(presets::Seed000::default()));
+    let other = build_lab(presets::seed000(presets::Seed000::default()));
     let done = trace(&traced, presets::NODE_A, &web_svc(), &[], || {
         assert!(curl(&other, presets::CLIENT_POD));
     });

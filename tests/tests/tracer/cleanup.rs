@@ -9,7 +9,7 @@ use lab::Lab;
 use lab::presets;
 use lab::tracer::{BpfKind, Finished, Nattrace, bpf_object_exists, bpf_objects};
 
-use super::{ATTACH_TIMEOUT, args, build, start, tracing_lock, web_svc};
+use super::{ATTACH_TIMEOUT, args, build_lab, start, tracing_lock, web_svc};
 
 /// What nattrace could leave behind in the node namespace, as text to diff:
 /// links (incl. XDP `prog/xdp`), qdiscs (clsact), tc filters per hook.
@@ -123,7 +123,7 @@ fn run_and_check(lab: &Lab, before: &str, stop: Stop, envs: &[(&str, &str)]) -> 
 #[test]
 fn root_nothing_is_left_after_exit_or_sigterm() {
     require_root!();
-    let lab = build(presets::seed000(presets::Seed000::default()));
+    let lab = build_lab(presets::seed000(presets::Seed000::default()));
     let before = node_state(&lab);
     let _lock = tracing_lock();
     run_and_check(&lab, &before, Stop::Duration, &[]);

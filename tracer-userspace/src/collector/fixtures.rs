@@ -5,22 +5,12 @@
 //! `fixture_files_match_builders`), next to which recorded real sessions go.
 use tracer_common::{PacketEvent, direction, hook, nat_stage, nf_hook, proto, tcp_flags};
 
-use crate::{
-    facts::{Interface, NodeFacts},
-    service::Service,
-};
+pub use super::testing::*;
 
-pub const NODE_NS: u32 = 4026531840;
 pub const CLIENT_NS: u32 = 4026532300;
 pub const BACKEND_NS: u32 = 4026532400;
 pub const DNS_NS: u32 = 4026532500;
 
-pub const ETH0: u32 = 2;
-pub const CNI0: u32 = 3;
-pub const FLANNEL: u32 = 4;
-pub const VETH_CLIENT: u32 = 5;
-pub const VETH_BACKEND: u32 = 6;
-pub const VETH_DNS: u32 = 7;
 /// A pod's own eth0, inside its namespace.
 pub const POD_ETH0: u32 = 3;
 
@@ -28,54 +18,15 @@ pub const NO_SOCKET: u32 = 3;
 pub const NETFILTER_DROP: u32 = 12;
 
 pub const CLIENT: ([u8; 4], u16) = ([100, 96, 54, 240], 43534);
-pub const SVC: ([u8; 4], u16) = ([100, 67, 30, 133], 80);
 pub const BACKEND: ([u8; 4], u16) = ([100, 96, 54, 247], 80);
 pub const REMOTE_BACKEND: ([u8; 4], u16) = ([100, 96, 12, 5], 80);
 pub const DNS_CLIENT: ([u8; 4], u16) = ([100, 96, 54, 240], 40001);
-pub const DNS_SVC: ([u8; 4], u16) = ([10, 32, 0, 10], 53);
 pub const DNS_BACKEND: ([u8; 4], u16) = ([10, 200, 2, 177], 53);
 pub const OFFICE_CLIENT: ([u8; 4], u16) = ([192, 168, 50, 10], 51000);
 
 const US: u64 = 1_000;
 const MS: u64 = 1_000_000;
 pub const T0: u64 = 5_000_000_000;
-
-pub fn facts(bridge_nf: Option<bool>) -> NodeFacts {
-    let iface = |ifindex, name: &str, kind: &str, master| Interface {
-        ifindex,
-        name: name.to_string(),
-        kind: kind.to_string(),
-        master,
-        hairpin: master.map(|_| false),
-    };
-    NodeFacts {
-        netns_inode: NODE_NS,
-        netns_name: "node-a".to_string(),
-        interfaces: vec![
-            iface(ETH0, "eth0", "", None),
-            iface(CNI0, "cni0", "bridge", None),
-            iface(FLANNEL, "flannel.1", "vxlan", None),
-            iface(VETH_CLIENT, "veth-client", "veth", Some(CNI0)),
-            iface(VETH_BACKEND, "veth-backend", "veth", Some(CNI0)),
-            iface(VETH_DNS, "veth-dns", "veth", Some(CNI0)),
-        ],
-        bridge_nf_call_iptables: bridge_nf,
-        ip_forward: Some(true),
-    }
-}
-
-pub fn services() -> Vec<Service> {
-    vec![
-        Service {
-            addr: SVC.0.into(),
-            port: Some(SVC.1),
-        },
-        Service {
-            addr: DNS_SVC.0.into(),
-            port: None,
-        },
-    ]
-}
 
 /// Where an event was taken.
 #[derive(Clone, Copy)]
@@ -126,6 +77,8 @@ pub fn drop(netns: u32, ifindex: u32, reason: u32) -> At {
 }
 
 type Ep = ([u8; 4], u16);
+/// A point and the packet's tuple there.
+pub type Hop = (At, Ep, Ep);
 
 /// One packet: the identity fields shared by all its events.
 #[derive(Clone, Copy)]
@@ -176,7 +129,7 @@ pub struct Builder {
 impl Builder {
     /// Events of one packet, `step` apart from `t`; each hop gives the point
     /// and the tuple there. Returns the time after the last hop.
-    pub fn path(&mut self, p: Pkt, t: u64, hops: &[(At, Ep, Ep)]) -> u64 {
+    pub fn path(&mut self, p: Pkt, t: u64, hops: &[Hop]) -> u64 {
         let mut ts = t;
         for &(a, src, dst) in hops {
             self.events.push(PacketEvent {
@@ -207,11 +160,39 @@ impl Builder {
         }
         ts
     }
+
+    /// [`Builder::path`] through consecutive stretches of the way.
+    pub fn route(&mut self, p: Pkt, t: u64, legs: &[&[Hop]]) -> u64 {
+        self.path(p, t, &legs.concat())
+    }
 }
 
 use direction::{REPLY, REQUEST};
 use nat_stage::{AFTER, BEFORE, NONE};
 use nf_hook::{FORWARD, POST_ROUTING, PRE_ROUTING};
+
+/// A packet leaving a pod: its eth0, then the node's end of its veth.
+pub fn from_pod(netns: u32, veth: u32, src: Ep, dst: Ep) -> [Hop; 2] {
+    [(tx(netns, POD_ETH0), src, dst), (tc_in(veth), src, dst)]
+}
+
+/// A packet entering a pod: the node's end of its veth, then its eth0.
+pub fn to_pod(veth: u32, netns: u32, src: Ep, dst: Ep) -> [Hop; 2] {
+    [(tc_out(veth), src, dst), (rx(netns, POD_ETH0), src, dst)]
+}
+
+/// Netfilter's hooks on a forwarded packet: PREROUTING turns `dst` into
+/// `dnat_dst` (DNAT, or the reply's reverse SNAT), POSTROUTING turns `src`
+/// into `snat_src` (masquerade, or the reply's reverse DNAT).
+pub fn forwarded(src: Ep, dst: Ep, dnat_dst: Ep, snat_src: Ep) -> [Hop; 5] {
+    [
+        (nf(PRE_ROUTING, BEFORE), src, dst),
+        (nf(PRE_ROUTING, AFTER), src, dnat_dst),
+        (nf(FORWARD, NONE), src, dnat_dst),
+        (nf(POST_ROUTING, BEFORE), src, dnat_dst),
+        (nf(POST_ROUTING, AFTER), snat_src, dnat_dst),
+    ]
+}
 
 /// A pod's request to the Service, DNATed at PREROUTING, leaving by `out_if`.
 fn request_via_node(
@@ -223,18 +204,16 @@ fn request_via_node(
     backend: Ep,
     out_if: u32,
 ) -> u64 {
-    let mut hops = vec![
-        (tx(CLIENT_NS, POD_ETH0), client, svc),
-        (tc_in(VETH_CLIENT), client, svc),
-        (rx(NODE_NS, VETH_CLIENT), client, svc),
-        (rx(NODE_NS, CNI0), client, svc),
-        (nf(PRE_ROUTING, BEFORE), client, svc),
-        (nf(PRE_ROUTING, AFTER), client, backend),
-        (nf(FORWARD, NONE), client, backend),
-        (nf(POST_ROUTING, BEFORE), client, backend),
-        (nf(POST_ROUTING, AFTER), client, backend),
-        (tc_out(out_if), client, backend),
-    ];
+    let mut hops = [
+        &from_pod(CLIENT_NS, VETH_CLIENT, client, svc)[..],
+        &[
+            (rx(NODE_NS, VETH_CLIENT), client, svc),
+            (rx(NODE_NS, CNI0), client, svc),
+        ],
+        &forwarded(client, svc, backend, client),
+        &[(tc_out(out_if), client, backend)],
+    ]
+    .concat();
     if out_if == VETH_BACKEND {
         hops.push((rx(BACKEND_NS, POD_ETH0), client, backend));
     }
@@ -268,21 +247,19 @@ pub fn seed000_same_node(bridge_nf: bool) -> Vec<PacketEvent> {
             REPLY,
         );
         let t2 = t1 + 40 * US;
+        let from_backend = [
+            &from_pod(BACKEND_NS, VETH_BACKEND, be, c)[..],
+            &[(rx(NODE_NS, VETH_BACKEND), be, c)],
+        ]
+        .concat();
         if bridge_nf {
-            let t3 = b.path(
+            let t3 = b.route(
                 synack,
                 t2,
                 &[
-                    (tx(BACKEND_NS, POD_ETH0), be, c),
-                    (tc_in(VETH_BACKEND), be, c),
-                    (rx(NODE_NS, VETH_BACKEND), be, c),
-                    (nf(PRE_ROUTING, BEFORE), be, c),
-                    (nf(PRE_ROUTING, AFTER), be, c),
-                    (nf(FORWARD, NONE), be, c),
-                    (nf(POST_ROUTING, BEFORE), be, c),
-                    (nf(POST_ROUTING, AFTER), s, c),
-                    (tc_out(VETH_CLIENT), s, c),
-                    (rx(CLIENT_NS, POD_ETH0), s, c),
+                    &from_backend,
+                    &forwarded(be, c, c, s),
+                    &to_pod(VETH_CLIENT, CLIENT_NS, s, c),
                 ],
             );
             if round == 0 {
@@ -299,16 +276,13 @@ pub fn seed000_same_node(bridge_nf: bool) -> Vec<PacketEvent> {
             // The healthy client never needs a retransmit.
             break;
         }
-        let t3 = b.path(
+        let t3 = b.route(
             synack,
             t2,
             &[
-                (tx(BACKEND_NS, POD_ETH0), be, c),
-                (tc_in(VETH_BACKEND), be, c),
-                (rx(NODE_NS, VETH_BACKEND), be, c),
-                (tc_out(VETH_CLIENT), be, c),
-                (rx(CLIENT_NS, POD_ETH0), be, c),
-                (drop(CLIENT_NS, POD_ETH0, NO_SOCKET), be, c),
+                &from_backend,
+                &to_pod(VETH_CLIENT, CLIENT_NS, be, c),
+                &[(drop(CLIENT_NS, POD_ETH0, NO_SOCKET), be, c)],
             ],
         );
         // The client answers the unknown SYN-ACK with RST (conntrack: INVALID, not NATed).
@@ -320,19 +294,28 @@ pub fn seed000_same_node(bridge_nf: bool) -> Vec<PacketEvent> {
             0xffff_8880_0000_4000 + u64::from(round),
             REQUEST,
         );
-        b.path(
+        b.route(
             rst,
             t3 + 10 * US,
             &[
-                (tx(CLIENT_NS, POD_ETH0), c, be),
-                (tc_in(VETH_CLIENT), c, be),
-                (rx(NODE_NS, VETH_CLIENT), c, be),
-                (tc_out(VETH_BACKEND), c, be),
-                (rx(BACKEND_NS, POD_ETH0), c, be),
+                &from_pod(CLIENT_NS, VETH_CLIENT, c, be),
+                &[(rx(NODE_NS, VETH_CLIENT), c, be)],
+                &to_pod(VETH_BACKEND, BACKEND_NS, c, be),
             ],
         );
     }
     b.events
+}
+
+/// The SYN of a connection from the client pod to [`REMOTE_BACKEND`] over
+/// flannel.1, with its ISN, IP ID and skb, and the SYN-ACK that answers it
+/// (skb `syn_skb + 0x1000`), due one overlay round trip later: (SYN-ACK, time).
+fn cross_node_syn(b: &mut Builder, isn: u32, risn: u32, ip_id: u16, syn_skb: u64) -> (Pkt, u64) {
+    let syn = tcp(tcp_flags::SYN, isn, 0, ip_id, syn_skb, REQUEST);
+    let t1 = request_via_node(b, syn, T0, CLIENT, SVC, REMOTE_BACKEND, FLANNEL);
+    let synack_flags = tcp_flags::SYN | tcp_flags::ACK;
+    let synack = tcp(synack_flags, risn, isn + 1, 0, syn_skb + 0x1000, REPLY);
+    (synack, t1 + 400 * US)
 }
 
 /// Client pod on this node, backend on another node over flannel.1; the reply
@@ -340,28 +323,14 @@ pub fn seed000_same_node(bridge_nf: bool) -> Vec<PacketEvent> {
 pub fn cross_node_ok() -> Vec<PacketEvent> {
     let mut b = Builder::default();
     let (c, s, be) = (CLIENT, SVC, REMOTE_BACKEND);
-    let syn = tcp(tcp_flags::SYN, 500, 0, 7, 0xffff_8880_0001_0000, REQUEST);
-    let t1 = request_via_node(&mut b, syn, T0, c, s, be, FLANNEL);
-    let synack = tcp(
-        tcp_flags::SYN | tcp_flags::ACK,
-        900,
-        501,
-        0,
-        0xffff_8880_0001_1000,
-        REPLY,
-    );
-    let t2 = b.path(
+    let (synack, t) = cross_node_syn(&mut b, 500, 900, 7, 0xffff_8880_0001_0000);
+    let t2 = b.route(
         synack,
-        t1 + 400 * US,
+        t,
         &[
-            (tc_in(FLANNEL), be, c),
-            (nf(PRE_ROUTING, BEFORE), be, c),
-            (nf(PRE_ROUTING, AFTER), be, c),
-            (nf(FORWARD, NONE), be, c),
-            (nf(POST_ROUTING, BEFORE), be, c),
-            (nf(POST_ROUTING, AFTER), s, c),
-            (tc_out(VETH_CLIENT), s, c),
-            (rx(CLIENT_NS, POD_ETH0), s, c),
+            &[(tc_in(FLANNEL), be, c)],
+            &forwarded(be, c, c, s),
+            &to_pod(VETH_CLIENT, CLIENT_NS, s, c),
         ],
     );
     let ack = tcp(tcp_flags::ACK, 501, 901, 8, 0xffff_8880_0001_2000, REQUEST);
@@ -374,41 +343,36 @@ pub fn dns(bridge_nf: bool) -> Vec<PacketEvent> {
     let mut b = Builder::default();
     let (c, s, be) = (DNS_CLIENT, DNS_SVC, DNS_BACKEND);
     let q = udp(0x1234, false, 0xffff_8880_0002_0000, REQUEST);
-    let mut hops = vec![
-        (tx(CLIENT_NS, POD_ETH0), c, s),
-        (tc_in(VETH_CLIENT), c, s),
-        (nf(PRE_ROUTING, BEFORE), c, s),
-        (nf(PRE_ROUTING, AFTER), c, be),
-        (nf(FORWARD, NONE), c, be),
-        (nf(POST_ROUTING, BEFORE), c, be),
-        (nf(POST_ROUTING, AFTER), c, be),
-        (tc_out(VETH_DNS), c, be),
-        (rx(DNS_NS, POD_ETH0), c, be),
-    ];
-    let t1 = b.path(q, T0, &hops);
+    let t1 = b.route(
+        q,
+        T0,
+        &[
+            &from_pod(CLIENT_NS, VETH_CLIENT, c, s),
+            &forwarded(c, s, be, c),
+            &to_pod(VETH_DNS, DNS_NS, c, be),
+        ],
+    );
     let r = udp(0x1234, true, 0xffff_8880_0002_1000, REPLY);
-    hops = if bridge_nf {
-        vec![
-            (tx(DNS_NS, POD_ETH0), be, c),
-            (tc_in(VETH_DNS), be, c),
-            (nf(PRE_ROUTING, BEFORE), be, c),
-            (nf(PRE_ROUTING, AFTER), be, c),
-            (nf(FORWARD, NONE), be, c),
-            (nf(POST_ROUTING, BEFORE), be, c),
-            (nf(POST_ROUTING, AFTER), s, c),
-            (tc_out(VETH_CLIENT), s, c),
-            (rx(CLIENT_NS, POD_ETH0), s, c),
-        ]
+    let from_server = from_pod(DNS_NS, VETH_DNS, be, c);
+    let t = t1 + 200 * US;
+    if bridge_nf {
+        b.route(
+            r,
+            t,
+            &[
+                &from_server,
+                &forwarded(be, c, c, s),
+                &to_pod(VETH_CLIENT, CLIENT_NS, s, c),
+            ],
+        );
     } else {
         // dig's unconnected socket takes it, then complains about the source.
-        vec![
-            (tx(DNS_NS, POD_ETH0), be, c),
-            (tc_in(VETH_DNS), be, c),
-            (tc_out(VETH_CLIENT), be, c),
-            (rx(CLIENT_NS, POD_ETH0), be, c),
-        ]
-    };
-    b.path(r, t1 + 200 * US, &hops);
+        b.route(
+            r,
+            t,
+            &[&from_server, &to_pod(VETH_CLIENT, CLIENT_NS, be, c)],
+        );
+    }
     b.events
 }
 
@@ -430,18 +394,13 @@ pub fn no_reply() -> Vec<PacketEvent> {
             0xffff_8880_0003_0000 + i as u64,
             REQUEST,
         );
-        b.path(
+        b.route(
             syn,
             T0 + dt,
             &[
-                (tc_in(ETH0), c, s),
-                (rx(NODE_NS, ETH0), c, s),
-                (nf(PRE_ROUTING, BEFORE), c, s),
-                (nf(PRE_ROUTING, AFTER), c, be),
-                (nf(FORWARD, NONE), c, be),
-                (nf(POST_ROUTING, BEFORE), c, be),
-                (nf(POST_ROUTING, AFTER), c, be),
-                (tc_out(FLANNEL), c, be),
+                &[(tc_in(ETH0), c, s), (rx(NODE_NS, ETH0), c, s)],
+                &forwarded(c, s, be, c),
+                &[(tc_out(FLANNEL), c, be)],
             ],
         );
     }
@@ -452,25 +411,15 @@ pub fn no_reply() -> Vec<PacketEvent> {
 pub fn reply_dropped() -> Vec<PacketEvent> {
     let mut b = Builder::default();
     let (c, s, be) = (CLIENT, SVC, REMOTE_BACKEND);
-    let syn = tcp(tcp_flags::SYN, 800, 0, 9, 0xffff_8880_0004_0000, REQUEST);
-    let t1 = request_via_node(&mut b, syn, T0, c, s, be, FLANNEL);
-    let synack = tcp(
-        tcp_flags::SYN | tcp_flags::ACK,
-        1200,
-        801,
-        0,
-        0xffff_8880_0004_1000,
-        REPLY,
-    );
-    b.path(
+    let (synack, t) = cross_node_syn(&mut b, 800, 1200, 9, 0xffff_8880_0004_0000);
+    b.route(
         synack,
-        t1 + 400 * US,
+        t,
         &[
-            (tc_in(FLANNEL), be, c),
-            (nf(PRE_ROUTING, BEFORE), be, c),
-            (nf(PRE_ROUTING, AFTER), be, c),
-            (nf(FORWARD, NONE), be, c),
-            (drop(NODE_NS, FLANNEL, NETFILTER_DROP), be, c),
+            &[(tc_in(FLANNEL), be, c)],
+            // Dropped in FORWARD: POSTROUTING never sees it.
+            &forwarded(be, c, c, s)[..3],
+            &[(drop(NODE_NS, FLANNEL, NETFILTER_DROP), be, c)],
         ],
     );
     b.events
@@ -501,13 +450,6 @@ pub fn to_jsonl(events: &[PacketEvent]) -> String {
     events
         .iter()
         .map(|e| serde_json::to_string(e).expect("event serializes") + "\n")
-        .collect()
-}
-
-pub fn from_jsonl(text: &str) -> Vec<PacketEvent> {
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).expect("fixture line is a PacketEvent"))
         .collect()
 }
 

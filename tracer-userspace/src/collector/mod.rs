@@ -17,6 +17,8 @@ mod types;
 
 #[cfg(test)]
 pub(crate) mod fixtures;
+#[doc(hidden)]
+pub mod testing;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]

@@ -10,14 +10,6 @@ use super::{fixtures::*, *};
 
 const MS: u64 = 1_000_000;
 
-pub(super) fn config(bridge_nf: Option<bool>) -> CollectorConfig {
-    CollectorConfig {
-        services: services(),
-        facts: facts(bridge_nf),
-        ..CollectorConfig::default()
-    }
-}
-
 pub(super) fn run_with(
     cfg: CollectorConfig,
     events: &[PacketEvent],

@@ -2,14 +2,14 @@
 //! throughput check.
 use tracer_common::{
     direction::{REPLY, REQUEST},
-    nat_stage::{AFTER, BEFORE, NONE},
-    nf_hook::{FORWARD, LOCAL_IN, LOCAL_OUT, POST_ROUTING, PRE_ROUTING},
+    nat_stage::{AFTER, BEFORE},
+    nf_hook::{LOCAL_IN, LOCAL_OUT, POST_ROUTING, PRE_ROUTING},
     tcp_flags,
 };
 
 use super::{
     fixtures::*,
-    tests::{config, fixture, only, run},
+    tests::{fixture, only, run},
     *,
 };
 
@@ -56,35 +56,23 @@ fn hairpin_with_masquerade_is_ok_and_shows_snat() {
     let me_backend = (CLIENT.0, 80);
     let masq = ([100, 96, 54, 1], 61000);
     let syn = tcp(tcp_flags::SYN, 10, 0, 1, 0x40, REQUEST);
-    let t = b.path(
+    let t = b.route(
         syn,
         T0,
         &[
-            (tx(CLIENT_NS, POD_ETH0), me, SVC),
-            (tc_in(VETH_CLIENT), me, SVC),
-            (nf(PRE_ROUTING, BEFORE), me, SVC),
-            (nf(PRE_ROUTING, AFTER), me, me_backend),
-            (nf(FORWARD, NONE), me, me_backend),
-            (nf(POST_ROUTING, BEFORE), me, me_backend),
-            (nf(POST_ROUTING, AFTER), masq, me_backend),
-            (tc_out(VETH_CLIENT), masq, me_backend),
-            (rx(CLIENT_NS, POD_ETH0), masq, me_backend),
+            &from_pod(CLIENT_NS, VETH_CLIENT, me, SVC),
+            &forwarded(me, SVC, me_backend, masq),
+            &to_pod(VETH_CLIENT, CLIENT_NS, masq, me_backend),
         ],
     );
     let synack = tcp(tcp_flags::SYN | tcp_flags::ACK, 20, 11, 0, 0x41, REPLY);
-    b.path(
+    b.route(
         synack,
         t + 50_000,
         &[
-            (tx(CLIENT_NS, POD_ETH0), me_backend, masq),
-            (tc_in(VETH_CLIENT), me_backend, masq),
-            (nf(PRE_ROUTING, BEFORE), me_backend, masq),
-            (nf(PRE_ROUTING, AFTER), me_backend, me),
-            (nf(FORWARD, NONE), me_backend, me),
-            (nf(POST_ROUTING, BEFORE), me_backend, me),
-            (nf(POST_ROUTING, AFTER), SVC, me),
-            (tc_out(VETH_CLIENT), SVC, me),
-            (rx(CLIENT_NS, POD_ETH0), SVC, me),
+            &from_pod(CLIENT_NS, VETH_CLIENT, me_backend, masq),
+            &forwarded(me_backend, masq, me, SVC),
+            &to_pod(VETH_CLIENT, CLIENT_NS, SVC, me),
         ],
     );
     let mut c = Collector::new(config(Some(true)));

@@ -3,13 +3,13 @@
 use tracer_common::{
     direction::{REPLY, REQUEST},
     nat_stage::{AFTER, BEFORE, NONE},
-    nf_hook::{FORWARD, POST_ROUTING, PRE_ROUTING},
+    nf_hook::{FORWARD, PRE_ROUTING},
     tcp_flags,
 };
 
 use super::{
     fixtures::*,
-    tests::{config, fixture, only, run},
+    tests::{fixture, only, run},
     *,
 };
 
@@ -70,18 +70,13 @@ fn seed003_on_dnating_node() -> Vec<PacketEvent> {
     let mut b = Builder::default();
     let (c, s, be) = (OFFICE_CLIENT, SVC, REMOTE_BACKEND);
     let syn = tcp(tcp_flags::SYN, 42, 0, 300, 0x300, REQUEST);
-    let t = b.path(
+    let t = b.route(
         syn,
         T0,
         &[
-            (tx(OUTSIDE_NS, 2), c, s),
-            (tc_in(ETH0), c, s),
-            (nf(PRE_ROUTING, BEFORE), c, s),
-            (nf(PRE_ROUTING, AFTER), c, be),
-            (nf(FORWARD, NONE), c, be),
-            (nf(POST_ROUTING, BEFORE), c, be),
-            (nf(POST_ROUTING, AFTER), c, be),
-            (tc_out(FLANNEL), c, be),
+            &[(tx(OUTSIDE_NS, 2), c, s), (tc_in(ETH0), c, s)],
+            &forwarded(c, s, be, c),
+            &[(tc_out(FLANNEL), c, be)],
         ],
     );
     let synack = tcp(tcp_flags::SYN | tcp_flags::ACK, 77, 43, 0, 0x301, REPLY);
@@ -164,14 +159,13 @@ fn hairpin_mode_off_names_the_bridge_port() {
     let me = CLIENT;
     let me_backend = (CLIENT.0, 80);
     let syn = tcp(tcp_flags::SYN, 10, 0, 1, 0x50, REQUEST);
-    b.path(
+    b.route(
         syn,
         T0,
         &[
-            (tx(CLIENT_NS, POD_ETH0), me, SVC),
-            (tc_in(VETH_CLIENT), me, SVC),
-            (nf(PRE_ROUTING, BEFORE), me, SVC),
-            (nf(PRE_ROUTING, AFTER), me, me_backend),
+            &from_pod(CLIENT_NS, VETH_CLIENT, me, SVC),
+            // The bridge does not send it back out of the port it came in by.
+            &forwarded(me, SVC, me_backend, me)[..2],
         ],
     );
     let (reports, _) = run(&b.events, Some(true));
@@ -189,19 +183,13 @@ fn hairpin_without_masquerade_reply_stays_in_the_pod() {
     let me = CLIENT;
     let me_backend = (CLIENT.0, 80);
     let syn = tcp(tcp_flags::SYN, 10, 0, 1, 0x60, REQUEST);
-    let t = b.path(
+    let t = b.route(
         syn,
         T0,
         &[
-            (tx(CLIENT_NS, POD_ETH0), me, SVC),
-            (tc_in(VETH_CLIENT), me, SVC),
-            (nf(PRE_ROUTING, BEFORE), me, SVC),
-            (nf(PRE_ROUTING, AFTER), me, me_backend),
-            (nf(FORWARD, NONE), me, me_backend),
-            (nf(POST_ROUTING, BEFORE), me, me_backend),
-            (nf(POST_ROUTING, AFTER), me, me_backend),
-            (tc_out(VETH_CLIENT), me, me_backend),
-            (rx(CLIENT_NS, POD_ETH0), me, me_backend),
+            &from_pod(CLIENT_NS, VETH_CLIENT, me, SVC),
+            &forwarded(me, SVC, me_backend, me),
+            &to_pod(VETH_CLIENT, CLIENT_NS, me, me_backend),
         ],
     );
     let synack = tcp(tcp_flags::SYN | tcp_flags::ACK, 20, 11, 0, 0x61, REPLY);
