@@ -4,12 +4,14 @@
 //! `sk_buff`, `net_device`, ... at offsets handed to them in CONFIG. Those
 //! offsets differ between kernels (sk_buff.head is at byte 192 on 6.18 and
 //! 200 on 6.1/6.12), so they are looked up here at start, never compiled in.
+mod raw;
+
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
 };
 
-use btf_rs::{Btf, Struct, Type};
+use raw::{RawBtf, TypeRec, View};
 use tracer_common::KernelOffsets;
 
 pub const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
@@ -29,19 +31,13 @@ pub enum BtfError {
     NoMember { ty: String, member: String },
     #[error("kernel BTF: {ty}.{member} is a bitfield, not byte-addressable")]
     Bitfield { ty: String, member: String },
-    #[error("kernel BTF lookup failed: {0}")]
-    Lookup(String),
 }
 
 /// The kernel's BTF: vmlinux plus the module BTF loaded on demand (split BTF
 /// on top of vmlinux, e.g. `nf_conntrack` when it is a module).
 pub struct KernelBtf {
-    vmlinux: Btf,
-    modules: HashMap<String, Option<Btf>>,
-}
-
-fn lookup_err(e: btf_rs::Error) -> BtfError {
-    BtfError::Lookup(e.to_string())
+    vmlinux: RawBtf,
+    modules: HashMap<String, Option<RawBtf>>,
 }
 
 impl KernelBtf {
@@ -53,25 +49,31 @@ impl KernelBtf {
         if !path.exists() {
             return Err(BtfError::NoBtf(path.to_owned()));
         }
-        // One read, then parse from memory: btf-rs's file reader asks the
-        // kernel for its position (lseek) once per type, ~150k syscalls.
         let parse_err = |msg: String| BtfError::Parse {
             path: path.to_owned(),
             msg,
         };
         let bytes = std::fs::read(path).map_err(|e| parse_err(e.to_string()))?;
-        let vmlinux = Btf::from_bytes(&bytes).map_err(|e| parse_err(e.to_string()))?;
+        let vmlinux = RawBtf::parse(bytes, None).map_err(parse_err)?;
         Ok(KernelBtf {
             vmlinux,
             modules: HashMap::new(),
         })
     }
 
+    fn vmlinux(&self) -> View<'_> {
+        View {
+            base: &self.vmlinux,
+            split: None,
+        }
+    }
+
     /// Module BTF, or None when the module is not loaded (or built in, in
     /// which case its types are in vmlinux).
-    fn module(&mut self, name: &str) -> Option<&Btf> {
+    fn module(&mut self, name: &str) -> Option<View<'_>> {
         let vmlinux = &self.vmlinux;
-        self.modules
+        let split = self
+            .modules
             .entry(name.to_owned())
             .or_insert_with(|| {
                 let path = Path::new(MODULE_BTF_DIR).join(name);
@@ -80,19 +82,21 @@ impl KernelBtf {
                 }
                 std::fs::read(&path)
                     .map_err(|e| e.to_string())
-                    .and_then(|bytes| {
-                        Btf::from_split_bytes(&bytes, vmlinux).map_err(|e| e.to_string())
-                    })
+                    .and_then(|bytes| RawBtf::parse(bytes, Some(vmlinux)))
                     .map_err(|e| log::warn!("cannot parse {}: {e}", path.display()))
                     .ok()
             })
-            .as_ref()
+            .as_ref()?;
+        Some(View {
+            base: vmlinux,
+            split: Some(split),
+        })
     }
 
     /// Byte offset of `path` (dot-separated, e.g. `ns.inum`) inside `struct ty`,
     /// looking through anonymous unions/structs as C does.
     pub fn offset(&self, ty: &str, path: &str) -> Result<u32, BtfError> {
-        offset_in(&self.vmlinux, ty, path)
+        offset_in(self.vmlinux(), ty, path)
     }
 
     /// Like [`offset`](Self::offset), in vmlinux or else in `module`'s BTF.
@@ -102,7 +106,7 @@ impl KernelBtf {
         ty: &str,
         path: &str,
     ) -> Result<u32, BtfError> {
-        match offset_in(&self.vmlinux, ty, path) {
+        match offset_in(self.vmlinux(), ty, path) {
             Err(BtfError::NoType(_)) => match self.module(module) {
                 Some(btf) => offset_in(btf, ty, path),
                 None => Err(BtfError::NoType(format!(
@@ -114,10 +118,10 @@ impl KernelBtf {
     }
 
     pub fn size_in_module(&mut self, module: &str, ty: &str) -> Result<u32, BtfError> {
-        match find_struct(&self.vmlinux, ty) {
-            Ok(s) => Ok(s.size() as u32),
+        match find_struct(self.vmlinux(), ty) {
+            Ok(s) => Ok(s.size_or_type),
             Err(BtfError::NoType(_)) => match self.module(module) {
-                Some(btf) => find_struct(btf, ty).map(|s| s.size() as u32),
+                Some(btf) => find_struct(btf, ty).map(|s| s.size_or_type),
                 None => Err(BtfError::NoType(format!(
                     "{ty} (module {module} not loaded)"
                 ))),
@@ -177,61 +181,30 @@ impl KernelBtf {
     }
 }
 
-fn find_struct(btf: &Btf, name: &str) -> Result<Struct, BtfError> {
-    // A name can also belong to a forward declaration or a typedef: take the
-    // definition.
-    let types = btf.resolve_types_by_name(name).unwrap_or_default();
-    types
-        .into_iter()
-        .find_map(|t| match t {
-            Type::Struct(s) | Type::Union(s) => Some(s),
-            _ => None,
-        })
+fn find_struct<'a>(btf: View<'a>, name: &str) -> Result<TypeRec<'a>, BtfError> {
+    btf.find_composite(name)
         .ok_or_else(|| BtfError::NoType(name.to_owned()))
 }
 
-/// Follows typedefs and qualifiers to a struct/union, if the type is one.
-fn as_composite(btf: &Btf, mut t: Type) -> Result<Option<Struct>, BtfError> {
-    loop {
-        t = match t {
-            Type::Struct(s) | Type::Union(s) => return Ok(Some(s)),
-            Type::Typedef(_)
-            | Type::Const(_)
-            | Type::Volatile(_)
-            | Type::Restrict(_)
-            | Type::TypeTag(_) => {
-                let inner = t.as_btf_type().expect("modifier is a BtfType");
-                btf.resolve_chained_type(inner).map_err(lookup_err)?
-            }
-            _ => return Ok(None),
-        }
-    }
-}
-
 /// Finds `name` in `s`, descending into anonymous members; returns its bit
-/// offset from the start of `s` and its type.
-fn find_member(btf: &Btf, s: &Struct, name: &str) -> Result<Option<(u32, Type, bool)>, BtfError> {
-    for m in &s.members {
-        let m_name = btf.resolve_name(m).unwrap_or_default();
-        let m_type = btf.resolve_chained_type(m).map_err(lookup_err)?;
-        if m_name == name {
-            return Ok(Some((
-                m.bit_offset(),
-                m_type,
-                m.bitfield_size().unwrap_or(0) != 0,
-            )));
+/// offset from the start of `s`, its type id and whether it is a bitfield.
+fn find_member(btf: View<'_>, s: &TypeRec<'_>, name: &str) -> Option<(u32, u32, bool)> {
+    for m in s.members() {
+        let m_name = btf.name(m.name_off);
+        if m_name == name.as_bytes() {
+            return Some((m.bit_offset, m.type_id, m.bitfield_size != 0));
         }
         if m_name.is_empty()
-            && let Some(inner) = as_composite(btf, m_type)?
-            && let Some((off, t, bf)) = find_member(btf, &inner, name)?
+            && let Some(inner) = btf.strip_modifiers(m.type_id).filter(TypeRec::is_composite)
+            && let Some((off, t, bf)) = find_member(btf, &inner, name)
         {
-            return Ok(Some((m.bit_offset() + off, t, bf)));
+            return Some((m.bit_offset + off, t, bf));
         }
     }
-    Ok(None)
+    None
 }
 
-fn offset_in(btf: &Btf, ty: &str, path: &str) -> Result<u32, BtfError> {
+fn offset_in(btf: View<'_>, ty: &str, path: &str) -> Result<u32, BtfError> {
     let mut current = find_struct(btf, ty)?;
     let mut bits = 0u32;
     let mut parts = path.split('.').peekable();
@@ -241,7 +214,7 @@ fn offset_in(btf: &Btf, ty: &str, path: &str) -> Result<u32, BtfError> {
             member: path.to_owned(),
         };
         let (off, member_type, bitfield) =
-            find_member(btf, &current, part)?.ok_or_else(no_member)?;
+            find_member(btf, &current, part).ok_or_else(no_member)?;
         if bitfield || off % 8 != 0 {
             return Err(BtfError::Bitfield {
                 ty: ty.to_owned(),
@@ -250,7 +223,10 @@ fn offset_in(btf: &Btf, ty: &str, path: &str) -> Result<u32, BtfError> {
         }
         bits += off;
         if parts.peek().is_some() {
-            current = as_composite(btf, member_type)?.ok_or_else(no_member)?;
+            current = btf
+                .strip_modifiers(member_type)
+                .filter(TypeRec::is_composite)
+                .ok_or_else(no_member)?;
         }
     }
     Ok(bits / 8)
@@ -314,6 +290,16 @@ mod tests {
             k.offset("sk_buff", "pkt_type"),
             Err(BtfError::Bitfield { .. })
         ));
+    }
+
+    #[test]
+    #[ignore]
+    fn time_load_and_offsets() {
+        let t = std::time::Instant::now();
+        let mut k = KernelBtf::load().expect("load");
+        let loaded = t.elapsed();
+        let o = k.kernel_offsets().expect("offsets");
+        eprintln!("load {loaded:?}, total {:?}: {o:?}", t.elapsed());
     }
 
     #[test]
