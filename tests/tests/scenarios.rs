@@ -54,7 +54,8 @@ fn trace(lab: &Lab, node: &str, svc: &str, extra: &[&str], traffic: impl FnOnce(
     .map(|s| s.to_string())
     .collect();
     if !extra.contains(&"text") {
-        args.extend(["--output".to_string(), "json".to_string()]);
+        // -v: these tests assert the whole hop path, which `ok` flows carry only with -v.
+        args.extend(["--output".to_string(), "json".to_string(), "-v".to_string()]);
     }
     args.extend(extra.iter().map(|s| s.to_string()));
     let mut tracer = Nattrace::spawn(&bin, &args, &[], false).expect("starting nattrace");

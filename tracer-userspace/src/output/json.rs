@@ -5,7 +5,7 @@ use std::{io, net::SocketAddrV4};
 
 use serde::Serialize;
 
-use crate::collector::{FlowReport, PacketEvidence, Proto, Summary, Verdict};
+use crate::collector::{Dir, FlowReport, Hop, PacketEvidence, Proto, Summary, Verdict};
 
 #[derive(Serialize)]
 struct JsonFlow<'a> {
@@ -29,7 +29,52 @@ struct JsonFlow<'a> {
     truncated: bool,
     first_ts_ns: u64,
     decided_ts_ns: u64,
-    packets: &'a [PacketEvidence],
+    /// True when `packets` keeps only the hops that prove an `ok` verdict.
+    packets_abridged: bool,
+    packets: Packets<'a>,
+}
+
+/// An `ok` flow is most of the output on a busy node and its full hop list
+/// says nothing a reader needs (issue 7: output is what costs the node CPU),
+/// so without -v it carries only the hops that prove the verdict: where NAT
+/// rewrote the packet and where the reply was judged. Problem flows always
+/// carry every hop.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Packets<'a> {
+    Full(&'a [PacketEvidence]),
+    Proof(Vec<PacketProof<'a>>),
+}
+
+#[derive(Serialize)]
+struct PacketProof<'a> {
+    kind: &'static str,
+    dir: Dir,
+    tcp_flags: u8,
+    seq: u32,
+    ack: u32,
+    ip_id: u16,
+    dns_id: Option<u16>,
+    hops: Vec<&'a Hop>,
+}
+
+impl<'a> PacketProof<'a> {
+    fn of(p: &'a PacketEvidence) -> Self {
+        PacketProof {
+            kind: p.kind,
+            dir: p.dir,
+            tcp_flags: p.tcp_flags,
+            seq: p.seq,
+            ack: p.ack,
+            ip_id: p.ip_id,
+            dns_id: p.dns_id,
+            hops: p
+                .hops
+                .iter()
+                .filter(|h| h.client_side || h.nat_stage == Some("after-nat"))
+                .collect(),
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -41,14 +86,22 @@ struct JsonSummary<'a> {
 
 pub struct JsonOutput<W: io::Write> {
     out: W,
+    verbose: bool,
 }
 
 impl<W: io::Write> JsonOutput<W> {
-    pub fn new(out: W) -> Self {
-        Self { out }
+    /// `verbose`: every hop of every flow (-v); otherwise `ok` flows are abridged.
+    pub fn new(out: W, verbose: bool) -> Self {
+        Self { out, verbose }
     }
 
     pub fn flow(&mut self, r: &FlowReport) -> io::Result<()> {
+        let abridged = !self.verbose && r.verdict == Verdict::Ok;
+        let packets = if abridged {
+            Packets::Proof(r.packets.iter().map(PacketProof::of).collect())
+        } else {
+            Packets::Full(&r.packets)
+        };
         let line = JsonFlow {
             kind: "flow",
             verdict: r.verdict,
@@ -69,7 +122,8 @@ impl<W: io::Write> JsonOutput<W> {
             truncated: r.truncated,
             first_ts_ns: r.first_ts_ns,
             decided_ts_ns: r.decided_ts_ns,
-            packets: &r.packets,
+            packets_abridged: abridged,
+            packets,
         };
         serde_json::to_writer(&mut self.out, &line)?;
         self.out.write_all(b"\n")

@@ -57,7 +57,7 @@ impl Outputs {
     pub fn new(format: OutputFormat, color: bool, verbose: bool) -> Self {
         let stdout = match format {
             OutputFormat::Text => Stdout::Text(TextOutput::new(buffered(), color, verbose)),
-            OutputFormat::Json => Stdout::Json(JsonOutput::new(buffered())),
+            OutputFormat::Json => Stdout::Json(JsonOutput::new(buffered(), verbose)),
         };
         Self {
             format,

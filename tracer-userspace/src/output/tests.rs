@@ -69,7 +69,7 @@ fn text_verbose_lists_every_hop_and_colour_is_optional() {
 #[test]
 fn json_lines_have_the_documented_fields() {
     let (reports, summary) = decide(&fixtures::seed000_same_node(false), false);
-    let mut out = JsonOutput::new(Vec::new());
+    let mut out = JsonOutput::new(Vec::new(), true);
     for r in &reports {
         out.flow(r).unwrap();
     }
@@ -127,10 +127,55 @@ fn json_backend_is_null_when_unknown() {
         )],
     );
     let (reports, _) = decide(&b.events, true);
-    let mut out = JsonOutput::new(Vec::new());
+    let mut out = JsonOutput::new(Vec::new(), true);
     out.flow(&reports[0]).unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.into_inner()).unwrap();
     assert_eq!(v["backend"], serde_json::Value::Null);
     assert_eq!(v["cause"], serde_json::Value::Null);
     assert_eq!(v["verdict"], "no_reply");
+}
+
+#[test]
+fn json_ok_flows_are_abridged_without_verbose_and_problems_never_are() {
+    let json_of = |events: &[tracer_common::PacketEvent], bridge_nf: bool, verbose: bool| {
+        let (reports, _) = decide(events, bridge_nf);
+        let mut out = JsonOutput::new(Vec::new(), verbose);
+        out.flow(&reports[0]).unwrap();
+        serde_json::from_slice::<serde_json::Value>(&out.into_inner()).unwrap()
+    };
+    let hop_count = |f: &serde_json::Value| -> usize {
+        f["packets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["hops"].as_array().unwrap().len())
+            .sum()
+    };
+
+    let healthy = fixtures::seed000_same_node(true);
+    let full = json_of(&healthy, true, true);
+    let abridged = json_of(&healthy, true, false);
+    assert_eq!(full["verdict"], "ok");
+    assert_eq!(full["packets_abridged"], false);
+    assert_eq!(abridged["packets_abridged"], true);
+    assert!(hop_count(&abridged) < hop_count(&full), "{abridged}");
+    // What proves `ok` stays: the DNAT to the backend and the judged reply.
+    let hops: Vec<&serde_json::Value> = abridged["packets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["hops"].as_array().unwrap())
+        .collect();
+    assert!(hops.iter().any(|h| h["client_side"] == true), "{abridged}");
+    assert!(
+        hops.iter()
+            .any(|h| h["nat_stage"] == "after-nat" && h["dst"] == "100.96.54.247:80"),
+        "{abridged}"
+    );
+
+    let broken = fixtures::seed000_same_node(false);
+    assert_eq!(
+        hop_count(&json_of(&broken, false, false)),
+        hop_count(&json_of(&broken, false, true))
+    );
 }
