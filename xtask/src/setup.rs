@@ -40,6 +40,7 @@ pub fn run() -> anyhow::Result<()> {
     let mut packages: Vec<&str> = APT_PACKAGES.to_vec();
     packages.extend_from_slice(vm::deps::APT_PACKAGES);
     apt_install(&packages)?;
+    apt_lists_know_guest_kernels()?;
     nightly_with_rust_src()?;
     rustup_targets(vm::deps::RUSTUP_TARGETS)?;
     bpf_linker()?;
@@ -93,6 +94,25 @@ fn apt_install(packages: &[&str]) -> anyhow::Result<()> {
             .args(&missing)
             .env("DEBIAN_FRONTEND", "noninteractive"),
         &format!("apt-get install {}", missing.join(" ")),
+    )
+}
+
+/// vm-test fetches the guest kernels with `apt-get download`, which needs
+/// package lists; a machine whose packages were all present never ran
+/// `apt-get update` above, and a new image may ship without lists.
+fn apt_lists_know_guest_kernels() -> anyhow::Result<()> {
+    let known = output_of(
+        "apt-cache",
+        &["search", "--names-only", "^linux-image-6\\.1"],
+    )
+    .is_some_and(|out| out.lines().any(|l| l.starts_with("linux-image-6.1")));
+    if known {
+        return Ok(());
+    }
+    eprintln!("setup: apt lists know no guest kernel packages; running apt-get update");
+    run_checked(
+        Command::new("apt-get").args(["update", "-q"]),
+        "apt-get update",
     )
 }
 
