@@ -15,7 +15,9 @@ pub use crate::output::sink::{Outcome, OutputFormat};
 use crate::{
     collector::{Collector, DropReasons},
     output::sink::Outputs,
-    probes::{TraceError, TraceOptions, Tracer, cleanup, netns::NetnsError, table::BackendChoice},
+    probes::{
+        self, TraceError, TraceOptions, Tracer, cleanup, netns::NetnsError, table::BackendChoice,
+    },
     recording::{Clock, FORMAT, Header, RecordingError, RecordingWriter, StatsLine, VERSION},
     service::Service,
 };
@@ -41,12 +43,6 @@ pub struct SessionOptions {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
-    #[error("needs root (CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON): run it with sudo")]
-    NotRoot,
-    #[error(
-        "this kernel has no BTF (/sys/kernel/btf/vmlinux missing): nattrace needs a kernel built with CONFIG_DEBUG_INFO_BTF=y"
-    )]
-    NoBtf,
     #[error("{0}")]
     Trace(#[from] TraceError),
     #[error("cannot start the event loop: {0}")]
@@ -55,17 +51,6 @@ pub enum SessionError {
     Output(io::Error),
     #[error("{0}")]
     Recording(#[from] RecordingError),
-}
-
-/// Checks that need no kernel objects, so bad setups fail before anything is attached.
-fn preflight() -> Result<(), SessionError> {
-    if !nix::unistd::geteuid().is_root() {
-        return Err(SessionError::NotRoot);
-    }
-    if !Path::new("/sys/kernel/btf/vmlinux").exists() {
-        return Err(SessionError::NoBtf);
-    }
-    Ok(())
 }
 
 /// `bpf_ktime_get_ns()` is CLOCK_MONOTONIC: the collector's clock must be the same.
@@ -79,7 +64,9 @@ fn clock_ns(id: nix::time::ClockId) -> u64 {
 }
 
 pub fn run(options: SessionOptions) -> Result<Outcome, SessionError> {
-    preflight()?;
+    // Before the leftover cleanup, which also needs root: bad setups fail
+    // before anything is touched.
+    probes::preflight()?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -70,7 +70,7 @@ pub struct KernelStats {
 
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
-    #[error("nattrace must run as root to load eBPF programs: run it with sudo")]
+    #[error("needs root (CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON): run it with sudo")]
     NotRoot,
     #[error("cannot read kernel struct layouts: {0}")]
     NoBtf(#[from] BtfError),
@@ -119,11 +119,23 @@ pub struct Tracer {
     ebpf: Ebpf,
 }
 
+/// What every tracing entry point needs before touching the kernel: root,
+/// and kernel BTF (offsets come from it). Cheap, so callers can run it before
+/// anything else that needs privileges (e.g. the leftover cleanup).
+pub fn preflight() -> Result<(), TraceError> {
+    if !nix::unistd::geteuid().is_root() {
+        return Err(TraceError::NotRoot);
+    }
+    let vmlinux = std::path::Path::new(crate::btf::VMLINUX_BTF);
+    if !vmlinux.exists() {
+        return Err(BtfError::NoBtf(vmlinux.to_owned()).into());
+    }
+    Ok(())
+}
+
 impl Tracer {
     pub fn start(opts: &TraceOptions) -> Result<Tracer, TraceError> {
-        if !nix::unistd::geteuid().is_root() {
-            return Err(TraceError::NotRoot);
-        }
+        preflight()?;
         validate(opts)?;
         let kernel = KernelFeatures::probe();
         let (backend, backend_reason) =
@@ -482,9 +494,7 @@ impl Drop for Tracer {
 /// names. This is how a kernel without kprobes still proves the kprobe
 /// programs load.
 pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
-    if !nix::unistd::geteuid().is_root() {
-        return Err(TraceError::NotRoot);
-    }
+    preflight()?;
     let offsets = KernelBtf::load()?.kernel_offsets()?;
     let mut ebpf = EbpfLoader::new()
         .load(OBJECT)
