@@ -147,12 +147,14 @@ fn key(addr: [u8; 4], port: u16, proto: u8) -> EndpointKey {
     }
 }
 
+/// The Service index of (addr, port, proto): an exact port entry, else the
+/// Service's any-port entry (port 0).
 #[inline(always)]
-fn service_index(pkt: &Packet) -> Option<u8> {
+fn service_at(addr: [u8; 4], port: u16, proto: u8) -> Option<u8> {
     let mut k = ServiceKey {
-        addr: pkt.daddr,
-        port: pkt.dport,
-        proto: pkt.proto,
+        addr,
+        port,
+        proto,
         _pad: 0,
     };
     if let Some(svc) = unsafe { SERVICES.get(&k) } {
@@ -194,7 +196,7 @@ struct Match {
 fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
     let src = key(pkt.saddr, pkt.sport, pkt.proto);
     let dst = key(pkt.daddr, pkt.dport, pkt.proto);
-    if let Some(svc) = service_index(pkt) {
+    if let Some(svc) = service_at(pkt.daddr, pkt.dport, pkt.proto) {
         return Some(Match {
             dir: direction::REQUEST,
             svc,
@@ -235,22 +237,6 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
         svc,
         state: endpoint(&client, svc),
     })
-}
-
-/// A reply from a Service address (SERVICES holds (addr, port) of each).
-#[inline(always)]
-fn from_service(pkt: &Packet) -> bool {
-    let mut k = ServiceKey {
-        addr: pkt.saddr,
-        port: pkt.sport,
-        proto: pkt.proto,
-        _pad: 0,
-    };
-    if unsafe { SERVICES.get(&k) }.is_some() {
-        return true;
-    }
-    k.port = 0;
-    unsafe { SERVICES.get(&k) }.is_some()
 }
 
 /// Applies the filter to one observed packet and emits an event if it belongs
@@ -302,7 +288,7 @@ pub fn observe(
                 // (it decides on the SYN-ACK, which is always emitted), so
                 // the rest of the connection is only counted; anything else
                 // is an anomaly and the flow is reported per packet again.
-                if from_service(pkt) {
+                if service_at(pkt.saddr, pkt.sport, pkt.proto).is_some() {
                     mute_now = true;
                 } else {
                     state.muted = 0;
