@@ -65,7 +65,13 @@ pub fn remove_leftovers(spec: Option<&str>) -> Result<Vec<String>, NetnsError> {
 
 fn remove_in_current(live: &HashSet<u32>) -> Result<Vec<String>, NetnsError> {
     let mut removed = Vec::new();
+    // This runs at every start: one qdisc dump instead of two filter dumps
+    // per interface, since only a clsact qdisc can hold a leftover filter.
+    let with_clsact = interfaces_with_clsact()?;
     for iface in netns::list_interfaces()? {
+        if !with_clsact.contains(&iface.ifindex) {
+            continue;
+        }
         let mut took_ours = false;
         let mut left = 0usize;
         for parent in [INGRESS, EGRESS] {
@@ -93,6 +99,27 @@ fn remove_in_current(live: &HashSet<u32>) -> Result<Vec<String>, NetnsError> {
         }
     }
     Ok(removed)
+}
+
+/// Indexes of the interfaces that have a clsact qdisc.
+fn interfaces_with_clsact() -> Result<HashSet<u32>, NetnsError> {
+    let replies = netns::netlink_request(
+        RouteNetlinkMessage::GetQueueDiscipline(TcMessage::default()),
+        NLM_F_REQUEST | NLM_F_DUMP,
+    )?;
+    Ok(replies
+        .into_iter()
+        .filter_map(|reply| match reply {
+            RouteNetlinkMessage::NewQueueDiscipline(m)
+                if m.attributes
+                    .iter()
+                    .any(|a| matches!(a, TcAttribute::Kind(k) if k == "clsact")) =>
+            {
+                u32::try_from(m.header.index).ok()
+            }
+            _ => None,
+        })
+        .collect())
 }
 
 /// Filters of one clsact hook; a dump lists each filter once per
