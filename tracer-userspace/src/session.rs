@@ -305,6 +305,7 @@ fn header(options: &SessionOptions, tracer: &Tracer) -> Header {
         kube_proxy: inputs.kube_proxy,
         checks: serde_json::to_value(&checks.findings).unwrap_or_default(),
         checks_line: Some(checks.one_line()),
+        nf_priorities: tracer.priorities().to_vec(),
     }
 }
 

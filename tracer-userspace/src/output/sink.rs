@@ -139,9 +139,13 @@ impl Outputs {
                     Some(false) => "0",
                     None => "absent (br_netfilter not loaded)",
                 };
+                // Only priorities that moved off their defaults (a busy node).
+                let priorities = crate::probes::table::priorities_note(&h.nf_priorities)
+                    .map(|note| format!("; {note}"))
+                    .unwrap_or_default();
                 writeln!(
                     stdout,
-                    "nattrace: tracing {} in netns {} (inode {}) with the {} backend ({}) on {} interfaces; bridge-nf-call-iptables={}",
+                    "nattrace: tracing {} in netns {} (inode {}) with the {} backend ({}) on {} interfaces; bridge-nf-call-iptables={}{priorities}",
                     h.services.join(", "),
                     facts.netns_name,
                     facts.netns_inode,
@@ -171,6 +175,7 @@ impl Outputs {
                     "checks": h.checks,
                     "checks_line": h.checks_line,
                     "skipped": h.skipped,
+                    "nf_priorities": h.nf_priorities,
                 })
             ),
         }?;

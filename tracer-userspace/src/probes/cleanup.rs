@@ -5,12 +5,25 @@
 //!
 //! Ours = a `bpf` filter whose program name is one of nattrace's tc programs
 //! AND whose handle is [`FILTER_HANDLE`] (nobody else picks that value)
-//! AND whose program no running process holds open (a live nattrace holds
-//! its programs; a leftover's program is held only by the filter). Anything
-//! else is left alone. A clsact qdisc is removed only when we removed a
-//! filter from it and no filter at all is left on it: an empty clsact does
-//! nothing, and one holding someone else's filters is theirs.
-use std::collections::HashSet;
+//! AND that no live nattrace claims. Anything else is left alone. A clsact
+//! qdisc is removed only when we removed a filter from it and no filter at
+//! all is left on it: an empty clsact does nothing, and one holding someone
+//! else's filters is theirs.
+//!
+//! Live = a running nattrace (another instance tracing the same node) holds
+//! the filter's program. Two signs, either suffices: (1) the instance binds
+//! the abstract unix socket [`live_socket_name`]`(prog_id)` in the traced
+//! namespace for as long as it runs; abstract names are per network
+//! namespace, visible whatever the PID namespace (nattrace in another
+//! container), and vanish with the process, also on SIGKILL; (2) some
+//! process we can see holds the program open (`/proc/*/fdinfo`), which also
+//! covers instances from before (1) existed. A filter with neither is an
+//! orphan of a killed nattrace.
+use std::{
+    collections::HashSet,
+    io,
+    os::{linux::net::SocketAddrExt, unix::net::SocketAddr, unix::net::UnixListener},
+};
 
 use netlink_packet_core::{NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST};
 use netlink_packet_route::{
@@ -80,7 +93,9 @@ fn remove_in_current(live: &HashSet<u32>) -> Result<Vec<String>, NetnsError> {
                 continue;
             };
             for f in filters {
-                let held = f.prog_id.is_some_and(|id| live.contains(&id));
+                let held = f
+                    .prog_id
+                    .is_some_and(|id| live.contains(&id) || claimed_by_live_instance(id));
                 if f.is_nattrace() && !held {
                     delete_filter(iface.ifindex, &f)?;
                     took_ours = true;
@@ -99,6 +114,41 @@ fn remove_in_current(live: &HashSet<u32>) -> Result<Vec<String>, NetnsError> {
         }
     }
     Ok(removed)
+}
+
+/// The abstract socket name a live nattrace binds for its tc program `prog_id`.
+fn live_socket_name(prog_id: u32) -> String {
+    format!("nattrace-tc-prog-{prog_id}")
+}
+
+/// Claims the tc program `prog_id` for this process, in the calling
+/// thread's network namespace, until the listener is dropped (see the
+/// module comment).
+pub(super) fn claim_program(prog_id: u32) -> io::Result<UnixListener> {
+    let addr = SocketAddr::from_abstract_name(live_socket_name(prog_id))?;
+    UnixListener::bind_addr(&addr)
+}
+
+fn claimed_by_live_instance(prog_id: u32) -> bool {
+    match claim_program(prog_id) {
+        // Free: the probe's own listener closes here.
+        Ok(_) => false,
+        Err(e) => e.kind() == io::ErrorKind::AddrInUse,
+    }
+}
+
+/// Filters on the clsact hooks of `ifindex`, and whether each is nattrace's.
+/// Err: no clsact there (or netlink failed).
+pub(super) fn clsact_filters(ifindex: u32) -> Result<Vec<bool>, NetnsError> {
+    let mut out = Vec::new();
+    for parent in [INGRESS, EGRESS] {
+        out.extend(
+            list_filters(ifindex, parent)?
+                .iter()
+                .map(Filter::is_nattrace),
+        );
+    }
+    Ok(out)
 }
 
 /// Indexes of the interfaces that have a clsact qdisc.
@@ -231,6 +281,18 @@ mod tests {
             prog_name: Some(name.into()),
             prog_id: Some(7),
         }
+    }
+
+    #[test]
+    fn a_claim_is_seen_until_dropped() {
+        // Abstract sockets need no privileges; the id is one no kernel
+        // hands out this early, so no real nattrace collides.
+        let id = u32::MAX - u32::from(std::process::id() as u16);
+        assert!(!claimed_by_live_instance(id));
+        let claim = claim_program(id).unwrap();
+        assert!(claimed_by_live_instance(id));
+        drop(claim);
+        assert!(!claimed_by_live_instance(id));
     }
 
     #[test]

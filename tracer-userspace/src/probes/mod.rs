@@ -24,7 +24,7 @@ use tracer_common::{
 use self::{
     netns::{Netns, NetnsError},
     nf_link::NfPrograms,
-    table::{Attach, Backend, BackendChoice, KernelFeatures},
+    table::{Attach, Backend, BackendChoice, ChosenPriority, KernelFeatures},
     tc::{Synced, TcAttachments},
 };
 use crate::{
@@ -83,6 +83,10 @@ pub enum TraceError {
     /// A forced backend this kernel cannot run; names the missing feature.
     #[error("{0}")]
     Unsupported(String),
+    /// A netfilter link could not attach (`--backend auto` may fall back
+    /// to kprobes on it).
+    #[error("{0}")]
+    NfAttach(String),
 }
 
 impl From<NetnsError> for TraceError {
@@ -105,8 +109,10 @@ pub struct Tracer {
     netns: Netns,
     facts: NodeFacts,
     skipped: Vec<Skipped>,
-    /// Labels of the non-tc programs attached.
-    attached: Vec<&'static str>,
+    /// Labels of the non-tc programs attached (netfilter ones with their priority).
+    attached: Vec<String>,
+    /// The priority each netfilter link got.
+    priorities: Vec<ChosenPriority>,
     tc: TcAttachments,
     nf_links: Vec<OwnedFd>,
     ring: Option<RingBuf<MapData>>,
@@ -140,6 +146,25 @@ impl Tracer {
         let kernel = KernelFeatures::probe();
         let (backend, backend_reason) =
             table::choose(opts.backend, &kernel).map_err(TraceError::Unsupported)?;
+        match Self::start_backend(opts, &kernel, backend, backend_reason) {
+            // Whatever the failed attempt attached was detached when its
+            // Tracer dropped.
+            Err(TraceError::NfAttach(error)) => {
+                match table::fallback_after_nf_attach_failure(opts.backend, &kernel, &error) {
+                    Some((backend, reason)) => Self::start_backend(opts, &kernel, backend, reason),
+                    None => Err(TraceError::NfAttach(error)),
+                }
+            }
+            other => other,
+        }
+    }
+
+    fn start_backend(
+        opts: &TraceOptions,
+        kernel: &KernelFeatures,
+        backend: Backend,
+        backend_reason: String,
+    ) -> Result<Tracer, TraceError> {
         let netns = Netns::open(opts.netns.as_deref())?;
         let mut btf = KernelBtf::load()?;
         let offsets = btf.kernel_offsets()?;
@@ -155,7 +180,7 @@ impl Tracer {
         write_config(&mut ebpf, offsets, netns.inode, &opts.services)?;
 
         let (mut plan, mut skipped) =
-            table::plan(backend, &kernel, |name| ebpf.program(name).is_some());
+            table::plan(backend, kernel, |name| ebpf.program(name).is_some());
         if backend == Backend::Kprobe {
             kprobes::resolve(&mut plan, &mut skipped, &mut btf);
         }
@@ -196,7 +221,7 @@ impl Tracer {
                         .map_err(|e| TraceError::Kernel(format!("{}: {e}", spec.name)))?;
                     prog.load().map_err(|e| load_error(spec.name, e))?;
                     prog.attach(tp).map_err(|e| load_error(spec.name, e))?;
-                    attached.push(spec.label);
+                    attached.push(spec.label.to_owned());
                 }
                 Attach::Tc(attach_type) => {
                     let prog: &mut aya::programs::SchedClassifier = ebpf
@@ -217,7 +242,7 @@ impl Tracer {
                     prog.load().map_err(|e| load_error(spec.name, e))?;
                     prog.attach(symbol, 0)
                         .map_err(|e| load_error(spec.name, e))?;
-                    attached.push(spec.label);
+                    attached.push(spec.label.to_owned());
                 }
                 Attach::Netfilter { .. } => {}
             }
@@ -234,6 +259,7 @@ impl Tracer {
             netns,
             skipped: Vec::new(),
             attached,
+            priorities: Vec::new(),
             // NATTRACE_FORCE_CLSACT=1 exercises the pre-6.6 path on new kernels (tests).
             tc: TcAttachments::new(
                 kernel.tcx && std::env::var_os("NATTRACE_FORCE_CLSACT").is_none(),
@@ -255,33 +281,47 @@ impl Tracer {
             facts,
             tc,
             nf_links,
+            priorities,
             ebpf,
             ..
         } = &mut tracer;
         let nf_links_result = netns.run(|| -> Result<Synced, TraceError> {
             read_facts(facts)?;
-            let synced = tc.sync(ebpf, &facts.interfaces);
+            // Netfilter first: a full priority window ends the attempt (or
+            // switches `auto` to kprobes) before tc touched any interface.
             if let Some(nf) = &nf_programs {
                 for spec in plan.iter() {
-                    if let Attach::Netfilter { hook, priority } = spec.attach {
-                        let fd = nf
-                            .attach(spec.name, hook as u32, priority)
-                            .map_err(|e| TraceError::Kernel(e.to_string()))?;
+                    if let Attach::Netfilter { hook, window } = spec.attach {
+                        let (fd, priority) =
+                            nf_link::attach_in_window(nf, spec.name, spec.label, hook, window)
+                                .map_err(|e| match e {
+                                    nf_link::NfLinkError::WindowFull { .. } => {
+                                        TraceError::NfAttach(e.to_string())
+                                    }
+                                    other => {
+                                        TraceError::NfAttach(format!("kernel refused: {other}"))
+                                    }
+                                })?;
                         nf_links.push(fd);
+                        priorities.push(ChosenPriority {
+                            point: spec.label.to_owned(),
+                            priority,
+                            default: window.preferred,
+                        });
                     }
                 }
             }
-            Ok(synced)
+            Ok(tc.sync(ebpf, &facts.interfaces))
         })?;
         let synced = nf_links_result?;
         tracer.note_tc(&synced);
         skipped.extend(synced.failed);
-        for spec in plan
+        let nf_labels: Vec<String> = tracer
+            .priorities
             .iter()
-            .filter(|p| matches!(p.attach, Attach::Netfilter { .. }))
-        {
-            tracer.attached.push(spec.label);
-        }
+            .map(|c| format!("{} {}", c.point, c.priority))
+            .collect();
+        tracer.attached.extend(nf_labels);
         // The netfilter program fds may close now: links keep them alive.
         drop(nf_programs);
         tracer.skipped = skipped;
@@ -317,7 +357,7 @@ impl Tracer {
             .filter(|l| {
                 !l.starts_with("raw_tp") && !l.starts_with("tc") && !l.starts_with("kprobe")
             })
-            .copied()
+            .map(String::as_str)
             .collect();
         if !nf.is_empty() {
             out.push(format!("netfilter links: {}", nf.join(", ")));
@@ -326,9 +366,14 @@ impl Tracer {
             self.attached
                 .iter()
                 .filter(|l| l.starts_with("raw_tp") || l.starts_with("kprobe"))
-                .map(|l| l.to_string()),
+                .cloned(),
         );
         out
+    }
+
+    /// The priority each netfilter link got (empty with the kprobe backend).
+    pub fn priorities(&self) -> &[ChosenPriority] {
+        &self.priorities
     }
 
     pub fn backend(&self) -> &'static str {

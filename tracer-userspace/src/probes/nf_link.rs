@@ -12,6 +12,23 @@
 //!
 //! Links are fd-owned: closing the fd detaches. A link attaches in the
 //! network namespace of the calling thread.
+//!
+//! Priorities: since 6.4, `nf_hook_entries_grow()` in net/netfilter/core.c
+//! refuses a BPF hook whose priority equals that of ANY hook already on that
+//! hook in the namespace:
+//!
+//! ```c
+//! if (reg->priority == orig_ops[i]->priority &&
+//!     reg->hook_ops_type == NF_HOOK_OP_BPF)
+//!         return ERR_PTR(-EBUSY);
+//! ```
+//!
+//! ("Restrict BPF hook type to force a unique priority, not shared at attach
+//! time"; ordinary hooks are not restricted, so iptables or nft may later
+//! register at our priority, and are then inserted before us: the insertion
+//! loop below that check keeps an old entry first only while
+//! `reg->priority > orig_ops[i]->priority`). So the loader tries the
+//! priorities of a [`Window`] in turn and takes the first the kernel accepts.
 use std::{
     collections::{HashMap, HashSet},
     ffi::CString,
@@ -20,6 +37,8 @@ use std::{
 };
 
 use aya::{Ebpf, maps::Map};
+
+use super::table::Window;
 use aya_obj::generated::{bpf_attach_type, bpf_attr, bpf_cmd, bpf_insn, bpf_prog_type};
 
 pub const NFPROTO_IPV4: u32 = 2;
@@ -48,6 +67,16 @@ pub enum NfLinkError {
         hooknum: u32,
         priority: i32,
         error: io::Error,
+    },
+    #[error(
+        "every netfilter priority from {} to {} at {hook} is taken by other hooks, nattrace needs one free there for its {label} point (iptables-save, nft list ruleset and nft list hooks show who sits there)",
+        window.min,
+        window.max
+    )]
+    WindowFull {
+        label: String,
+        hook: &'static str,
+        window: Window,
     },
 }
 
@@ -149,6 +178,44 @@ impl NfPrograms {
     }
 }
 
+/// Tries `window`'s priorities in order (see [`Window::candidates`]) and
+/// returns the link and the priority taken. Only EBUSY (priority taken)
+/// moves on; any other refusal is final.
+pub fn attach_in_window(
+    programs: &NfPrograms,
+    name: &str,
+    label: &str,
+    hooknum: u8,
+    window: Window,
+) -> Result<(OwnedFd, i32), NfLinkError> {
+    first_free(window, |priority| {
+        programs.attach(name, u32::from(hooknum), priority)
+    })
+    .ok_or_else(|| NfLinkError::WindowFull {
+        label: label.to_owned(),
+        hook: tracer_common::nf_hook::name(hooknum),
+        window,
+    })?
+}
+
+/// The first candidate of `window` that `try_attach` does not refuse with
+/// EBUSY: Some(its result), or None when all of them are taken.
+fn first_free<T>(
+    window: Window,
+    mut try_attach: impl FnMut(i32) -> Result<T, NfLinkError>,
+) -> Option<Result<(T, i32), NfLinkError>> {
+    for priority in window.candidates() {
+        match try_attach(priority) {
+            Ok(link) => return Some(Ok((link, priority))),
+            Err(NfLinkError::Attach { error, .. }) if error.raw_os_error() == Some(libc::EBUSY) => {
+                log::debug!("netfilter priority {priority} is taken");
+            }
+            Err(e) => return Some(Err(e)),
+        }
+    }
+    None
+}
+
 /// Whether this kernel loads BPF_PROG_TYPE_NETFILTER programs (they came
 /// with netfilter links, in 6.4 or a backport). None = cannot tell (e.g. not
 /// privileged).
@@ -227,5 +294,78 @@ fn load_one(name: &str, insns: &[bpf_insn], license: &CString) -> Result<OwnedFd
                 log,
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn busy(priority: i32) -> NfLinkError {
+        NfLinkError::Attach {
+            name: "p".into(),
+            hooknum: 0,
+            priority,
+            error: io::Error::from_raw_os_error(libc::EBUSY),
+        }
+    }
+
+    const W: Window = Window {
+        min: -5,
+        max: 5,
+        preferred: 3,
+    };
+
+    #[test]
+    fn takes_the_preferred_priority_when_free() {
+        let got = first_free(W, Ok).unwrap().unwrap();
+        assert_eq!(got, (3, 3));
+    }
+
+    #[test]
+    fn skips_taken_priorities_upwards_then_downwards() {
+        let taken = [3, 4, 5, 2];
+        let mut tried = Vec::new();
+        let got = first_free(W, |p| {
+            tried.push(p);
+            if taken.contains(&p) {
+                Err(busy(p))
+            } else {
+                Ok(())
+            }
+        })
+        .unwrap()
+        .unwrap();
+        assert_eq!(got.1, 1);
+        assert_eq!(tried, [3, 4, 5, 2, 1]);
+    }
+
+    #[test]
+    fn a_full_window_is_none_and_other_errors_are_final() {
+        assert!(first_free(W, |p| Err::<(), _>(busy(p))).is_none());
+        let mut calls = 0;
+        let got = first_free(W, |p| {
+            calls += 1;
+            Err::<(), _>(NfLinkError::Attach {
+                name: "p".into(),
+                hooknum: 0,
+                priority: p,
+                error: io::Error::from_raw_os_error(libc::EINVAL),
+            })
+        });
+        assert!(matches!(got, Some(Err(NfLinkError::Attach { .. }))));
+        assert_eq!(calls, 1);
+    }
+
+    #[test]
+    fn window_full_is_one_line_naming_hook_and_range() {
+        let e = NfLinkError::WindowFull {
+            label: "FORWARD".into(),
+            hook: "FORWARD",
+            window: super::super::table::FORWARD,
+        };
+        let line = e.to_string();
+        assert!(!line.contains('\n'));
+        assert!(line.contains("from -199 to -1 at FORWARD"), "{line}");
     }
 }

@@ -29,8 +29,9 @@ impl Backend {
 pub enum Attach {
     /// On every interface of the traced namespace (tcx, or clsact before 6.6).
     Tc(TcAttachType),
-    /// A netfilter hook of the traced namespace (IPv4).
-    Netfilter { hook: u8, priority: i32 },
+    /// A netfilter hook of the traced namespace (IPv4), at a free priority
+    /// inside `window`.
+    Netfilter { hook: u8, window: Window },
     /// Global raw tracepoint.
     RawTracepoint(&'static str),
     /// Kernel function entry, global. With `unless`, only when the kernel
@@ -64,12 +65,93 @@ const BOTH: &[Backend] = &[Backend::Netfilter, Backend::Kprobe];
 const NF: &[Backend] = &[Backend::Netfilter];
 const KP: &[Backend] = &[Backend::Kprobe];
 
-// NAT brackets: conntrack runs at -200, DNAT at -100 (PREROUTING/OUTPUT),
-// SNAT at 100 (POSTROUTING/INPUT).
-const fn nf(name: &'static str, hook: u8, priority: i32, label: &'static str) -> ProgramSpec {
+/// The priorities a netfilter observation point may take (inclusive) and
+/// the one it tries first. Since 6.4 a BPF netfilter link may not share its
+/// priority with any hook already registered on that hook in the namespace
+/// (see [`super::nf_link`]), so a fixed value fails on nodes where iptables,
+/// nftables or another tracer already sit there; the loader walks
+/// [`Window::candidates`] until the kernel accepts one.
+///
+/// Landmarks (enum nf_ip_hook_priorities, include/uapi/linux/netfilter_ipv4.h):
+/// raw -300, conntrack -200, mangle -150, nat DNAT -100, filter 0,
+/// security 50, nat SNAT 100, conntrack helper 300, confirm INT_MAX. Others
+/// seen on nodes: kube-proxy nftables mode's filter chains at -110 (and
+/// -90 on OUTPUT), firewalld at the table priorities + 10.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub min: i32,
+    pub max: i32,
+    pub preferred: i32,
+}
+
+impl Window {
+    /// Deterministic search order: the preferred value, then upwards to
+    /// `max`, then downwards from just below the preferred value to `min`.
+    pub fn candidates(self) -> impl Iterator<Item = i32> {
+        (self.preferred..=self.max).chain((self.min..self.preferred).rev())
+    }
+
+    pub fn contains(self, priority: i32) -> bool {
+        (self.min..=self.max).contains(&priority)
+    }
+}
+
+/// PREROUTING/OUTPUT before DNAT: after conntrack (-200), before nat (-100).
+/// -175 is before mangle (-150), firewalld (-140) and kube-proxy's nftables
+/// filter chains (-110), so a drop by any of them shows after this hop; no
+/// common table uses it.
+pub const BEFORE_DNAT: Window = Window {
+    min: -199,
+    max: -101,
+    preferred: -175,
+};
+/// PREROUTING/OUTPUT after DNAT: after nat (-100), before filter (0). -99 is
+/// right after the rewrite, before kube-proxy's nftables `filter-output-post-dnat` (-90).
+pub const AFTER_DNAT: Window = Window {
+    min: -99,
+    max: -1,
+    preferred: -99,
+};
+/// FORWARD (no NAT there): before the filter table (0) where KUBE-FORWARD,
+/// NetworkPolicy and firewall DROPs live, and before kube-proxy's nftables
+/// `filter-forward` (-110) and mangle (-150), so every such drop is
+/// reported "after netfilter FORWARD" (collector/rules.rs, drop_place). The
+/// classic 0 is the filter table's own priority: taken on every node.
+pub const FORWARD: Window = Window {
+    min: -199,
+    max: -1,
+    preferred: -175,
+};
+/// POSTROUTING/INPUT before SNAT: after filter (0) and security (50), right
+/// before nat (100).
+pub const BEFORE_SNAT: Window = Window {
+    min: 1,
+    max: 99,
+    preferred: 99,
+};
+/// POSTROUTING/INPUT after SNAT: after nat (100), before the conntrack
+/// helper (300) and confirm (INT_MAX).
+pub const AFTER_SNAT: Window = Window {
+    min: 101,
+    max: 299,
+    preferred: 101,
+};
+
+// Each window lies strictly between its landmarks, and the before/after
+// windows of one hook never overlap, so our own points keep their order
+// whatever the search picks.
+const _: () = {
+    assert!(BEFORE_DNAT.min > -200 && BEFORE_DNAT.max < -100);
+    assert!(AFTER_DNAT.min > -100 && AFTER_DNAT.max < 0);
+    assert!(FORWARD.max < 0);
+    assert!(BEFORE_SNAT.min > 0 && BEFORE_SNAT.max < 100);
+    assert!(AFTER_SNAT.min > 100 && AFTER_SNAT.max < 300);
+};
+
+const fn nf(name: &'static str, hook: u8, window: Window, label: &'static str) -> ProgramSpec {
     ProgramSpec {
         name,
-        attach: Attach::Netfilter { hook, priority },
+        attach: Attach::Netfilter { hook, window },
         backends: NF,
         need: Need::NetfilterLink,
         label,
@@ -94,27 +176,52 @@ pub const PROGRAMS: &[ProgramSpec] = &[
     nf(
         "nf_pre_before",
         nf_hook::PRE_ROUTING,
-        -150,
-        "PREROUTING -150",
+        BEFORE_DNAT,
+        "PREROUTING before DNAT",
     ),
-    nf("nf_pre_after", nf_hook::PRE_ROUTING, -99, "PREROUTING -99"),
-    nf("nf_out_before", nf_hook::LOCAL_OUT, -150, "OUTPUT -150"),
-    nf("nf_out_after", nf_hook::LOCAL_OUT, -99, "OUTPUT -99"),
-    nf("nf_fwd", nf_hook::FORWARD, 0, "FORWARD 0"),
+    nf(
+        "nf_pre_after",
+        nf_hook::PRE_ROUTING,
+        AFTER_DNAT,
+        "PREROUTING after DNAT",
+    ),
+    nf(
+        "nf_out_before",
+        nf_hook::LOCAL_OUT,
+        BEFORE_DNAT,
+        "OUTPUT before DNAT",
+    ),
+    nf(
+        "nf_out_after",
+        nf_hook::LOCAL_OUT,
+        AFTER_DNAT,
+        "OUTPUT after DNAT",
+    ),
+    nf("nf_fwd", nf_hook::FORWARD, FORWARD, "FORWARD"),
     nf(
         "nf_post_before",
         nf_hook::POST_ROUTING,
-        99,
-        "POSTROUTING 99",
+        BEFORE_SNAT,
+        "POSTROUTING before SNAT",
     ),
     nf(
         "nf_post_after",
         nf_hook::POST_ROUTING,
-        101,
-        "POSTROUTING 101",
+        AFTER_SNAT,
+        "POSTROUTING after SNAT",
     ),
-    nf("nf_in_before", nf_hook::LOCAL_IN, 99, "INPUT 99"),
-    nf("nf_in_after", nf_hook::LOCAL_IN, 101, "INPUT 101"),
+    nf(
+        "nf_in_before",
+        nf_hook::LOCAL_IN,
+        BEFORE_SNAT,
+        "INPUT before SNAT",
+    ),
+    nf(
+        "nf_in_after",
+        nf_hook::LOCAL_IN,
+        AFTER_SNAT,
+        "INPUT after SNAT",
+    ),
     ProgramSpec {
         name: "netif_receive_skb",
         attach: Attach::RawTracepoint("netif_receive_skb"),
@@ -215,6 +322,44 @@ pub fn choose(choice: BackendChoice, kernel: &KernelFeatures) -> Result<(Backend
             ),
         }),
     }
+}
+
+/// `--backend auto` when the netfilter links could not attach (e.g. every
+/// priority of a window taken on this node): the kprobe backend if the
+/// kernel has kprobes, with the reason for the start line. None = nothing to
+/// fall back to (a forced backend, or no kprobes): report `error`.
+pub fn fallback_after_nf_attach_failure(
+    choice: BackendChoice,
+    kernel: &KernelFeatures,
+    error: &str,
+) -> Option<(Backend, String)> {
+    (choice == BackendChoice::Auto && kernel.check(Need::Kprobes).is_ok()).then(|| {
+        (
+            Backend::Kprobe,
+            format!("BPF netfilter links could not attach ({error}): kprobes instead"),
+        )
+    })
+}
+
+/// The priority a netfilter observation point got, for the start line and
+/// the recording.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ChosenPriority {
+    /// e.g. "PREROUTING before DNAT".
+    pub point: String,
+    pub priority: i32,
+    pub default: i32,
+}
+
+/// The start line's note on priorities, only for those that differ from the
+/// defaults (None when every point got its default).
+pub fn priorities_note(chosen: &[ChosenPriority]) -> Option<String> {
+    let moved: Vec<String> = chosen
+        .iter()
+        .filter(|c| c.priority != c.default)
+        .map(|c| format!("{} {} (default {} taken)", c.point, c.priority, c.default))
+        .collect();
+    (!moved.is_empty()).then(|| format!("netfilter priorities: {}", moved.join(", ")))
 }
 
 /// What the running kernel offers, probed once at start.
@@ -368,6 +513,55 @@ mod tests {
             .position(|p| matches!(p.attach, Attach::Kprobe { .. }))
             .unwrap();
         assert_eq!(run[first_kp].name, "kp_nf_hook_slow");
+    }
+
+    #[test]
+    fn auto_falls_back_to_kprobes_only_when_it_can() {
+        let with_kp = KernelFeatures::from_parts((6, 12, 0), true);
+        let host = KernelFeatures::from_parts((6, 18, 0), false);
+        let err = "every netfilter priority from -199 to -1 at FORWARD is taken";
+        let (b, why) =
+            fallback_after_nf_attach_failure(BackendChoice::Auto, &with_kp, err).unwrap();
+        assert_eq!(b, Backend::Kprobe);
+        assert!(
+            why.contains(err) && why.ends_with("kprobes instead"),
+            "{why}"
+        );
+        // No kprobes here: the attach error is the answer.
+        assert!(fallback_after_nf_attach_failure(BackendChoice::Auto, &host, err).is_none());
+        // A forced backend is never swapped.
+        assert!(
+            fallback_after_nf_attach_failure(BackendChoice::Netfilter, &with_kp, err).is_none()
+        );
+    }
+
+    #[test]
+    fn windows_keep_each_point_on_its_side_of_nat_and_filter() {
+        // The landmarks are checked at compile time (below the windows).
+        for w in [BEFORE_DNAT, AFTER_DNAT, FORWARD, BEFORE_SNAT, AFTER_SNAT] {
+            assert!(w.contains(w.preferred));
+            let all: Vec<i32> = w.candidates().collect();
+            assert_eq!(all.len() as i32, w.max - w.min + 1);
+            assert!(all.iter().all(|p| w.contains(*p)));
+            assert_eq!(all[0], w.preferred);
+            // Classic tables' priorities are never a default.
+            assert!(![-300, -200, -150, -100, 0, 50, 100, 300].contains(&w.preferred));
+        }
+    }
+
+    #[test]
+    fn the_note_names_only_moved_priorities() {
+        let c = |point: &str, priority, default| ChosenPriority {
+            point: point.into(),
+            priority,
+            default,
+        };
+        assert_eq!(priorities_note(&[c("FORWARD", -175, -175)]), None);
+        assert_eq!(
+            priorities_note(&[c("FORWARD", -174, -175), c("INPUT after SNAT", 101, 101)])
+                .as_deref(),
+            Some("netfilter priorities: FORWARD -174 (default -175 taken)")
+        );
     }
 
     #[test]

@@ -69,6 +69,9 @@ pub struct TcAttachments {
     programs: Vec<(&'static str, TcAttachType)>,
     ifaces: BTreeMap<u32, IfaceLinks>,
     pending: Option<Pending>,
+    /// clsact mode: our claims on our programs, so another nattrace's
+    /// leftover cleanup leaves our filters alone (cleanup.rs).
+    claims: Vec<std::os::unix::net::UnixListener>,
 }
 
 /// What a [`TcAttachments::sync`] or [`TcAttachments::collect`] changed.
@@ -87,6 +90,7 @@ impl TcAttachments {
             programs,
             ifaces: BTreeMap::new(),
             pending: None,
+            claims: Vec::new(),
         }
     }
 
@@ -107,10 +111,33 @@ impl TcAttachments {
         !self.programs.is_empty()
     }
 
+    /// Before the first clsact filter: claim our programs in this namespace.
+    fn claim_programs(&mut self, ebpf: &Ebpf) -> Result<(), String> {
+        if !self.claims.is_empty() {
+            return Ok(());
+        }
+        for &(name, _) in &self.programs {
+            let prog: &SchedClassifier = ebpf
+                .program(name)
+                .ok_or("program missing from object")?
+                .try_into()
+                .map_err(|e| format!("{e}"))?;
+            let id = prog.info().map_err(|e| format!("{e}"))?.id();
+            let claim = super::cleanup::claim_program(id)
+                .map_err(|e| format!("cannot claim program {id}: {e}"))?;
+            self.claims.push(claim);
+        }
+        Ok(())
+    }
+
     /// Pre-6.6 kernels: a clsact filter per program, through aya.
     fn attach_clsact(&self, ebpf: &mut Ebpf, iface: &Interface) -> Result<IfaceLinks, String> {
         let mut links = Vec::new();
-        let own_clsact = netns::add_clsact(iface.ifindex).map_err(|e| e.to_string())?;
+        // A clsact that holds only other nattraces' filters is treated as
+        // ours too: whichever instance leaves last removes it (when empty).
+        let own_clsact = netns::add_clsact(iface.ifindex).map_err(|e| e.to_string())?
+            || super::cleanup::clsact_filters(iface.ifindex)
+                .is_ok_and(|f| !f.is_empty() && f.iter().all(|ours| *ours));
         for &(name, attach_type) in &self.programs {
             let result = (|| {
                 let prog: &mut SchedClassifier = ebpf
@@ -249,6 +276,13 @@ impl TcAttachments {
             return out;
         }
         if !self.tcx {
+            if let Err(reason) = self.claim_programs(ebpf) {
+                out.failed.extend(todo.iter().map(|i| Skipped {
+                    program: format!("tc on {}", i.name),
+                    reason: reason.clone(),
+                }));
+                return out;
+            }
             for iface in todo {
                 match self.attach_clsact(ebpf, &iface) {
                     Ok(links) => {
@@ -378,7 +412,12 @@ fn release(ifindex: u32, links: IfaceLinks) {
             }
         }
     }
-    if own_clsact && let Err(e) = netns::delete_clsact(ifindex) {
+    // Only when empty: a filter another tool (or another nattrace) added
+    // meanwhile keeps it, and with it that filter.
+    if own_clsact
+        && super::cleanup::clsact_filters(ifindex).is_ok_and(|f| f.is_empty())
+        && let Err(e) = netns::delete_clsact(ifindex)
+    {
         log::warn!("could not remove the clsact qdisc nattrace added to {name}: {e}");
     }
 }

@@ -90,6 +90,9 @@ pub struct Header {
     pub checks: serde_json::Value,
     #[serde(default)]
     pub checks_line: Option<String>,
+    /// The priority each netfilter link got (probes/table.rs windows).
+    #[serde(default)]
+    pub nf_priorities: Vec<crate::probes::table::ChosenPriority>,
 }
 
 impl Header {

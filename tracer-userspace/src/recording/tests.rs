@@ -28,6 +28,7 @@ fn header() -> Header {
         kube_proxy: Default::default(),
         checks: serde_json::Value::Null,
         checks_line: None,
+        nf_priorities: Vec::new(),
     }
 }
 
