@@ -478,3 +478,34 @@ fn root_clsact_exit_keeps_a_filter_added_mid_run() {
         "only cni0 keeps a clsact:\n{all}"
     );
 }
+
+/// A window with every priority taken (INPUT 1..=99, where nattrace looks
+/// before SNAT): one line naming the hook and range, exit 2, nothing left
+/// attached. This kernel has no kprobes, so `auto` has nothing to fall back to.
+#[test]
+fn root_a_full_window_is_one_line_and_exit_2() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = build_lab(presets::seed000(Seed000::default()));
+    let full: Vec<(&str, i32)> = (1..=99).map(|p| ("input", p)).collect();
+    load(&lab, &["nft", "-f"], &nft_table("full", &full));
+    let before = node_state(&lab);
+    let mut t = Nattrace::spawn(
+        &nattrace(),
+        &args(&lab, &[web_svc()], &["--duration", "1"]),
+        &[],
+        false,
+    )
+    .expect("spawn");
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(done.status.code(), Some(2), "{}", done.describe());
+    assert!(done.stdout.is_empty(), "{}", done.describe());
+    let lines: Vec<&str> = done.stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{}", done.describe());
+    assert!(
+        lines[0].contains("every netfilter priority from 1 to 99 at INPUT is taken"),
+        "{}",
+        lines[0]
+    );
+    assert_eq!(node_state(&lab), before, "a failed start left something");
+}
