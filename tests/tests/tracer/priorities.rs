@@ -509,3 +509,62 @@ fn root_a_full_window_is_one_line_and_exit_2() {
     );
     assert_eq!(node_state(&lab), before, "a failed start left something");
 }
+
+/// Why FORWARD sits before the filter table: a NetworkPolicy-style DROP in
+/// filter FORWARD (priority 0) must be reported after the FORWARD hop, on a
+/// node whose filter, mangle and nft hooks pushed nattrace off its defaults.
+#[test]
+fn root_a_filter_forward_drop_is_reported_after_the_forward_hop() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = busy_node(true);
+    let backend = presets::BACKEND_IP.to_string();
+    lab.run(
+        presets::NODE_A,
+        &[
+            "iptables",
+            "-w",
+            "5",
+            "-I",
+            "FORWARD",
+            "1",
+            "-d",
+            &backend,
+            "-p",
+            "tcp",
+            "--dport",
+            "80",
+            "-m",
+            "comment",
+            "--comment",
+            "networkpolicy deny",
+            "-j",
+            "DROP",
+        ],
+    )
+    .expect("DROP rule");
+    let local_ports = ports(49000, 3);
+    let (mut t, _) = start_json(
+        &args(
+            &lab,
+            &[web_svc()],
+            &["--duration", "4", "--reply-timeout", "1000"],
+        ),
+        &[],
+    );
+    assert_eq!(curl_web(&lab, &local_ports), 0, "the DROP rule holds");
+    let done = t
+        .wait(Duration::from_secs(4) + ATTACH_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+    let flows = flows(&done);
+    assert_eq!(flows.len(), local_ports.len(), "{}", done.describe());
+    for f in &flows {
+        assert_eq!(f["verdict"], "dropped", "{f}");
+        assert_eq!(f["cause"], "dropped_by_netfilter", "{f}");
+        assert!(
+            f.to_string().contains("after netfilter FORWARD"),
+            "the drop is placed after the FORWARD hop: {f}"
+        );
+    }
+}
