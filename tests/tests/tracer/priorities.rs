@@ -323,7 +323,7 @@ fn root_two_instances_on_one_node_report_the_same_flows() {
         let before = node_state(&lab);
         let local_ports = ports(base, 4);
         let extra = |secs: &'static str| ["--duration", secs, "--reply-timeout", "1000"];
-        let (mut first, first_start) = start_json(&args(&lab, &[web_svc()], &extra("7")), envs);
+        let (mut first, first_start) = start_json(&args(&lab, &[web_svc()], &extra("5")), envs);
         // The second one's leftover cleanup runs while the first traces,
         // from another PID namespace (another container on the node): it
         // cannot see the first one's process, only its claim (cleanup.rs).
@@ -331,7 +331,7 @@ fn root_two_instances_on_one_node_report_the_same_flows() {
             .map(String::from)
             .to_vec();
         in_container.push(nattrace().display().to_string());
-        in_container.extend(args(&lab, &[web_svc()], &extra("5")));
+        in_container.extend(args(&lab, &[web_svc()], &extra("7")));
         let (mut second, second_start) =
             start_json_with(std::path::Path::new("unshare"), &in_container, envs);
         let (a, b) = (priorities(&first_start), priorities(&second_start));
@@ -344,10 +344,25 @@ fn root_two_instances_on_one_node_report_the_same_flows() {
             0,
             "{mode}: seed 000 is broken"
         );
-        let second = second
+        // The first (which created the clsact qdiscs) leaves first: the
+        // qdiscs stay for the second's filters, and the second, leaving
+        // last, removes them.
+        let first = first
             .wait(Duration::from_secs(5) + ATTACH_TIMEOUT)
             .unwrap_or_else(|e| panic!("{e:#}"));
-        let first = first
+        if mode == "clsact" {
+            let still = lab
+                .run(
+                    presets::NODE_A,
+                    &["tc", "filter", "show", "dev", "cni0", "ingress"],
+                )
+                .unwrap_or_default();
+            assert!(
+                still.contains("tc_ingress"),
+                "the first instance's exit removed the second's filters:\n{still}"
+            );
+        }
+        let second = second
             .wait(Duration::from_secs(7) + ATTACH_TIMEOUT)
             .unwrap_or_else(|e| panic!("{e:#}"));
         assert!(
