@@ -24,6 +24,8 @@ mod tests;
 #[cfg(test)]
 mod tests_paths;
 #[cfg(test)]
+mod tests_routed;
+#[cfg(test)]
 mod tests_scenarios;
 
 use std::collections::{HashMap, VecDeque};

@@ -9,7 +9,7 @@ use tracer_common::{hook, nat_stage, nf_hook};
 use super::{
     drop_reason::KnownReasons,
     flow::Flow,
-    path_rules::{hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
+    path_rules::{bridge_of, hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
     report::Verdict,
     types::{Dir, Obs, node_egress, node_ingress, packet_kind},
 };
@@ -281,9 +281,9 @@ fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
     }
     let port_of = |o: &&Obs, is: fn(u8) -> bool| {
         (is(o.hook) && ctx.is_node(o.netns))
-            .then(|| ctx.facts.interface(o.ifindex))
+            .then(|| bridge_of(ctx.facts, o.ifindex))
             .flatten()
-            .and_then(|i| i.master.map(|m| (o.ifindex, m)))
+            .map(|m| (o.ifindex, m))
     };
     let (in_port, bridge) = obs.iter().find_map(|o| port_of(o, node_ingress))?;
     let out_port = obs
