@@ -247,6 +247,14 @@ fn assert_same_node_ok(lab: &Lab, done: &Finished) {
     // the backend's veth; the reply the same way back, reverse-NATed.
     let client_veth = veth_of(lab, presets::CLIENT_POD);
     let backend_veth = veth_of(lab, presets::BACKEND_POD);
+    // The pods' own devices are named too (learned while tracing).
+    for p in f["packets"].as_array().unwrap() {
+        for h in p["hops"].as_array().unwrap() {
+            if h["node_ns"] == false && h["hook"] != "netfilter" {
+                assert_eq!(h["ifname"], "eth0", "{h}");
+            }
+        }
+    }
     for (kind, place) in [
         ("SYN", format!("tc-ingress {client_veth}")),
         ("SYN", "netfilter FORWARD".to_string()),
@@ -526,4 +534,85 @@ fn root_routed_service_without_endpoints_is_refused() {
         assert_verdict(&f, "dropped", Some("dropped_by_netfilter"), &done);
     }
     assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+}
+
+// ------------------------------------------------------- interface names
+
+/// `-v` text names every interface a packet passed, in every namespace: the
+/// node's `cali…` veths and the pods' `eth0` (device tracepoints in the pod
+/// namespaces), never `if<N>`; and `analyze` of the recording names them
+/// the same way.
+#[test]
+fn root_routed_text_output_names_every_interface() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = seed000(Backend::SameNode, true);
+    let dir = std::env::temp_dir().join(format!("nattrace-routed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rec = dir.join("names.rec");
+    let rec_arg = rec.display().to_string();
+    let done = trace(
+        &lab,
+        presets::NODE_A,
+        &web_svc(),
+        &["--output", "text", "-v", "--write", &rec_arg],
+        || {
+            assert_eq!(
+                curl_exit(&lab, presets::CLIENT_POD, presets::WEB_SERVICE_IP),
+                Some(0)
+            );
+        },
+    );
+    let hop_lines = |out: &str| -> Vec<String> {
+        out.lines()
+            .filter(|l| l.contains(" ms  "))
+            .map(str::to_owned)
+            .collect()
+    };
+    let live = done.stdout.join("\n");
+    let hops = hop_lines(&live);
+    assert!(!hops.is_empty(), "{}", done.describe());
+    let client_veth = veth_of(&lab, presets::CLIENT_POD);
+    let backend_veth = veth_of(&lab, presets::BACKEND_POD);
+    for want in [
+        format!("tc-ingress {client_veth}"),
+        format!("tc-egress {backend_veth}"),
+    ] {
+        assert!(hops.iter().any(|l| l.contains(&want)), "{want}:\n{live}");
+    }
+    let in_pods: Vec<&String> = hops.iter().filter(|l| l.contains(" ns ")).collect();
+    assert!(!in_pods.is_empty(), "the pods' device tracepoints: {live}");
+    for l in &in_pods {
+        assert!(l.contains(" eth0 "), "a pod hop names the pod's eth0: {l}");
+    }
+    let unnamed = regex_if(&hops);
+    assert!(
+        unnamed.is_empty(),
+        "unnamed interfaces: {unnamed:?}\n{live}"
+    );
+
+    let analyzed = std::process::Command::new(nattrace())
+        .args(["analyze", &rec_arg, "-v"])
+        .output()
+        .expect("running nattrace analyze");
+    let _ = std::fs::remove_dir_all(&dir);
+    let offline = String::from_utf8_lossy(&analyzed.stdout);
+    assert_eq!(
+        hop_lines(&offline),
+        hops,
+        "analyze names the interfaces as the live run did:\n{offline}"
+    );
+}
+
+/// Hop lines that show an interface as `if<N>`.
+fn regex_if(lines: &[String]) -> Vec<&String> {
+    lines
+        .iter()
+        .filter(|l| {
+            l.split_whitespace().any(|w| {
+                w.strip_prefix("if")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
+        })
+        .collect()
 }
