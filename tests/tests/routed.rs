@@ -350,9 +350,15 @@ fn assert_hairpin(f: &Value) {
 }
 
 /// No bridge, so no hairpin_mode to need: the node routes the DNATed SYN
-/// back out of the veth it came in by, and KUBE-SEP's masquerade makes the
-/// pod see the node (eth0's address, the route to the pod has no source)
-/// as the client.
+/// back out of the veth it came in by (no ICMP redirect either: the cali
+/// veth has no address, so `inet_addr_onlink` in `__mkroute_input` never
+/// sets IPSKB_DOREDIRECT), and KUBE-SEP's masquerade makes the pod see the
+/// node as the client. Which node address: MASQUERADE takes
+/// `inet_select_addr(out, nh, RT_SCOPE_UNIVERSE)`
+/// (net/netfilter/nf_nat_masquerade.c), and the cali veth has none, so
+/// net/ipv4/devinet.c falls back to the first device of the namespace with
+/// a universe-scope address ("Not loopback addresses on loopback should be
+/// preferred"): eth0's underlay address, not a pod-CIDR gateway as on cni0.
 #[test]
 fn root_routed_hairpin_with_masquerade_is_ok() {
     require_root!();
@@ -370,9 +376,9 @@ fn root_routed_hairpin_with_masquerade_is_ok() {
 
 /// Without KUBE-SEP's masquerade the routed node delivers the SYN back with
 /// the pod's own address as source, and the pod drops it exactly as on a
-/// bridge node (ip_route_input_slow → fib_validate_source: a local source
-/// address on input is a martian unless accept_local, drop reason
-/// IP_LOCAL_SOURCE).
+/// bridge node: `__fib_validate_source` (net/ipv4/fib_frontend.c) finds the
+/// source RTN_LOCAL and, without accept_local on eth0, returns
+/// SKB_DROP_REASON_IP_LOCAL_SOURCE.
 #[test]
 fn root_routed_hairpin_without_masquerade_is_dropped() {
     require_root!();
