@@ -158,7 +158,8 @@ pub struct PodSpec {
     /// Inside the node's pod CIDR.
     pub ip: Ipv4Addr,
     /// `hairpin_mode` on the pod's bridge port (needed for a pod reaching
-    /// itself through a Service, seed 004 case 3).
+    /// itself through a Service, seed 004 case 3). Bridge nodes only: a
+    /// routed node has no bridge port to set it on.
     pub hairpin: bool,
     /// Servers started in the pod when the lab is built.
     pub servers: Vec<Server>,

@@ -319,6 +319,37 @@ fn root_routed_cross_node_service_is_ok() {
     assert!(has_hop(&f, "SYN-ACK", "tc-ingress eth0"), "{f}");
 }
 
+/// `doctor` on a routed node with bridge-nf-call-iptables=0 (which breaks a
+/// bridged node, seed 000) finds nothing to complain about: no bridge, so
+/// neither that sysctl nor hairpin_mode is a finding, and it exits 0.
+#[test]
+fn root_routed_doctor_names_no_bridge_problem() {
+    require_root!();
+    let lab = seed000(Backend::SameNode, false);
+    let ns = lab.node_netns(presets::NODE_A).unwrap().path();
+    let out = std::process::Command::new(nattrace())
+        .args([
+            "doctor",
+            "--netns",
+            &ns.display().to_string(),
+            "--output",
+            "json",
+        ])
+        .output()
+        .expect("running nattrace doctor");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let report: Value = serde_json::from_str(text.trim())
+        .unwrap_or_else(|e| panic!("{e}: {text} {}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(out.status.code(), Some(0), "{report}");
+    for f in report["findings"].as_array().expect("findings") {
+        assert!(
+            f["check"] != "bridge_nf_call_iptables" && f["check"] != "hairpin_mode",
+            "a bridge finding on a routed node: {f}"
+        );
+        assert!(f["severity"] == "ok" || f["severity"] == "info", "{f}");
+    }
+}
+
 // ------------------------------------------------------------------ hairpin
 
 fn hairpin_trace(masquerade: bool, accept_local: bool) -> (Lab, Finished, Option<i32>) {
