@@ -350,6 +350,67 @@ fn root_routed_doctor_names_no_bridge_problem() {
     }
 }
 
+/// Seed 001 on a routed node: the same-node DNS reply is routed, so it is
+/// reverse-NATed whatever bridge-nf-call-iptables says.
+#[test]
+fn root_routed_dns_same_node_is_ok_with_bridge_nf_off() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = routed(presets::dns(presets::Dns {
+        bridge_nf_call_iptables: false,
+        backend: Backend::SameNode,
+    }));
+    let svc = format!("{}:53", presets::DNS_SERVICE_IP);
+    let mut answer = String::new();
+    let done = trace(&lab, presets::NODE_A, &svc, &[], || {
+        let out = lab
+            .dig(
+                presets::CLIENT_POD,
+                presets::DNS_SERVICE_IP,
+                presets::DNS_NAME,
+                CLIENT_TIMEOUT,
+            )
+            .expect("running dig");
+        answer = String::from_utf8_lossy(&out.stdout).into_owned();
+    });
+    assert!(
+        answer.contains(&presets::WEB_SERVICE_IP.to_string()),
+        "{answer}"
+    );
+    let f = only_flow(&done);
+    assert_verdict(&f, "ok", None, &done);
+    assert_eq!(f["proto"], "udp", "{f}");
+    assert_eq!(f["backend"], format!("{}:53", presets::DNS_POD_IP), "{f}");
+}
+
+/// Seed 003 with routed nodes: the asymmetric return path does not depend
+/// on the CNI's data path, and both nodes name it as on bridged nodes.
+#[test]
+fn root_routed_seed003_is_named_from_both_nodes() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = routed(presets::seed003(presets::Seed003::default()));
+    for (node, verdict, cause) in [
+        (presets::NODE_B, "no_reply", "no_reply_through_node"),
+        (
+            presets::NODE_A,
+            "reply_not_reverse_nated",
+            "reply_bypasses_dnat_node",
+        ),
+    ] {
+        let done = trace(&lab, node, &web_svc(), &[], || {
+            assert_ne!(
+                curl_exit(&lab, lab::OUTSIDE, presets::WEB_SERVICE_IP),
+                Some(0)
+            );
+        });
+        let f = only_flow(&done);
+        assert_verdict(&f, verdict, Some(cause), &done);
+        assert_eq!(ip_of(&f["client"]), presets::OUTSIDE_CLIENT.addr(), "{f}");
+        assert_eq!(f["backend"], format!("{}:80", presets::BACKEND_IP), "{f}");
+    }
+}
+
 // ------------------------------------------------------------------ hairpin
 
 fn hairpin_trace(masquerade: bool, accept_local: bool) -> (Lab, Finished, Option<i32>) {
