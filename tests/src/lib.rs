@@ -39,12 +39,12 @@ pub use lab::{EXEC_TIMEOUT, Lab};
 pub use netns::{NAME_PREFIX, NETNS_DIR, Netns, cleanup_stale};
 pub use servers::{LAB_SERVER_ENV, lab_server_path};
 pub use spec::{
-    EndpointSpec, KubeProxyConfig, LabSpec, NodeSpec, OutsideSpec, Overlay, PodSpec, Protocol,
-    Server, ServiceSpec,
+    Datapath, EndpointSpec, KubeProxyConfig, LabSpec, NodeSpec, OutsideSpec, Overlay, PodSpec,
+    Protocol, ROUTED_GATEWAY, Server, ServiceSpec,
 };
 pub use topology::{
-    OUTSIDE, ROUTER, UNDERLAY, VXLAN_ID, VXLAN_MTU, VXLAN_PORT, node_underlay_ip,
-    router_underlay_ip, vxlan_mac,
+    OUTSIDE, ROUTED_HOST_MAC, ROUTER, UNDERLAY, VXLAN_ID, VXLAN_MTU, VXLAN_PORT, host_veth,
+    node_underlay_ip, router_underlay_ip, vxlan_mac,
 };
 
 /// Whether the current process can build labs (effective uid 0).

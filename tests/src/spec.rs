@@ -39,10 +39,25 @@ impl LabSpec {
         self.services.push(service);
         self
     }
+
+    /// Every node with `datapath`; with [`Datapath::Routed`] the nodes also
+    /// reach each other's pods by plain routes over the underlay
+    /// ([`Overlay::HostGw`]), as kindnet and Calico's BGP mode do. Turns any
+    /// preset into its routed-CNI variant.
+    pub fn with_datapath(mut self, datapath: Datapath) -> Self {
+        for node in &mut self.nodes {
+            node.datapath = datapath;
+        }
+        if datapath == Datapath::Routed {
+            self.overlay = Overlay::HostGw;
+        }
+        self
+    }
 }
 
-/// One Kubernetes node: a namespace with `cni0`, `eth0` on the underlay and
-/// (with [`Overlay::Vxlan`]) `flannel.1`.
+/// One Kubernetes node: a namespace with `eth0` on the underlay, its pods'
+/// host-side veths (ports of `cni0`, or routed: see [`Datapath`]) and (with
+/// [`Overlay::Vxlan`]) `flannel.1`.
 #[derive(Clone, Debug)]
 pub struct NodeSpec {
     /// Short name, e.g. `node-a`; also the `exec` target for the node namespace.
@@ -61,6 +76,27 @@ pub struct NodeSpec {
     pub sysctls: Vec<(String, String)>,
     /// Pods scheduled on this node.
     pub pods: Vec<PodSpec>,
+    /// How the CNI connects the pods: a bridge (default) or routed veths.
+    pub datapath: Datapath,
+}
+
+/// How a node's CNI plugs its pods in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Datapath {
+    /// flannel / the bridge plugin: host veths `veth<i>` are ports of the
+    /// `cni0` bridge, which holds the gateway (first host of the pod CIDR);
+    /// pods have the pod CIDR's prefix and route via the gateway.
+    #[default]
+    Bridge,
+    /// Routed (Calico; kindnet and the AWS VPC CNI work alike): no bridge.
+    /// Each pod has `<ip>/32` on `eth0` and `default via 169.254.1.1`, a
+    /// link-scope route to that address; the host veth
+    /// (`cali<sha1("default.<pod>")[..11]>`, MAC `ee:ee:ee:ee:ee:ee`, no
+    /// address) answers its ARP by proxy_arp, and the node routes
+    /// `<ip>/32 dev cali…` back. Every packet between two pods of one node
+    /// is routed (so it always passes netfilter); a pod reaching itself
+    /// through its Service leaves and re-enters by the same veth.
+    Routed,
 }
 
 impl NodeSpec {
@@ -73,7 +109,14 @@ impl NodeSpec {
             rp_filter: 0,
             sysctls: Vec::new(),
             pods: Vec::new(),
+            datapath: Datapath::Bridge,
         }
+    }
+
+    /// Sets how the pods are connected.
+    pub fn datapath(mut self, datapath: Datapath) -> Self {
+        self.datapath = datapath;
+        self
     }
 
     /// Adds a pod.
@@ -94,13 +137,20 @@ impl NodeSpec {
         self
     }
 
-    /// The gateway address on `cni0` (first host of the pod CIDR).
+    /// The gateway address on `cni0` (first host of the pod CIDR; kept free
+    /// on routed nodes too, where the pods use [`ROUTED_GATEWAY`]).
     pub fn gateway(&self) -> Ipv4Addr {
         self.pod_cidr.host(1)
     }
 }
 
-/// A pod: a namespace with `eth0` (a veth whose peer is a port of `cni0`).
+/// The link-local gateway of pods on a [`Datapath::Routed`] node (Calico's;
+/// the AWS VPC CNI uses the same address). No interface holds it: the host
+/// veth answers ARP for it by proxy.
+pub const ROUTED_GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+
+/// A pod: a namespace with `eth0`, a veth whose peer is in the node
+/// namespace (a port of `cni0`, or routed: [`Datapath`]).
 #[derive(Clone, Debug)]
 pub struct PodSpec {
     /// Unique in the lab; the `exec` target for the pod.
@@ -108,7 +158,8 @@ pub struct PodSpec {
     /// Inside the node's pod CIDR.
     pub ip: Ipv4Addr,
     /// `hairpin_mode` on the pod's bridge port (needed for a pod reaching
-    /// itself through a Service, seed 004 case 3).
+    /// itself through a Service, seed 004 case 3). Bridge nodes only: a
+    /// routed node has no bridge port to set it on.
     pub hairpin: bool,
     /// Servers started in the pod when the lab is built.
     pub servers: Vec<Server>,

@@ -10,6 +10,9 @@
 //!                       172.20.0.1/24          172.20.0.10+i   gateway/pod prefix
 //!                                                          flannel.1 (vxlan, Overlay::Vxlan)
 //! ```
+//! On a [`Datapath::Routed`] node there is no `cni0`: each pod's host veth
+//! `cali<hash>` is a routed point-to-point link (`<pod ip>/32 dev cali<hash>`,
+//! proxy ARP for the pods' gateway 169.254.1.1), as Calico builds it.
 
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
@@ -19,7 +22,7 @@ use crate::cidr::Ipv4Cidr;
 use crate::error::{LabError, Result};
 use crate::lab::Lab;
 use crate::netns::{self, Netns};
-use crate::spec::{LabSpec, Overlay};
+use crate::spec::{Datapath, LabSpec, NodeSpec, Overlay, ROUTED_GATEWAY};
 
 /// Name of the router namespace (always present: it is the nodes' underlay
 /// and default gateway, so node-local clients have a route to Service IPs).
@@ -54,6 +57,26 @@ pub fn vxlan_mac(index: usize) -> String {
         (index >> 8) & 0xff,
         index & 0xff
     )
+}
+
+/// MAC of every routed host veth: Calico gives all of them this one, since
+/// the pod only ever talks to its proxy-ARPed gateway through it.
+pub const ROUTED_HOST_MAC: &str = "ee:ee:ee:ee:ee:ee";
+
+/// The name of pod `index`'s veth in its node's namespace: `veth<index>` on
+/// a bridge node, and on a routed node Calico's `VethNameForWorkload`:
+/// `cali` + the first 11 hex digits of sha1("<k8s namespace>.<pod>") (lab
+/// pods are all in `default`).
+pub fn host_veth(node: &NodeSpec, index: usize) -> String {
+    match node.datapath {
+        Datapath::Bridge => format!("veth{index}"),
+        Datapath::Routed => {
+            use sha1::{Digest, Sha1};
+            let digest = Sha1::digest(format!("default.{}", node.pods[index].name).as_bytes());
+            let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+            format!("cali{}", &hex[..11])
+        }
+    }
 }
 
 /// Checks everything that would otherwise fail half-way through building.
@@ -290,32 +313,33 @@ pub(crate) fn create(lab: &mut Lab) -> Result<()> {
             Some(node.rp_filter),
         )?;
         let mut cmds = format!(
-            "link set lo up\naddr add {}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n\
-             link add cni0 mtu {mtu} type bridge\naddr add {}/{} dev cni0\nlink set cni0 up\n",
+            "link set lo up\naddr add {}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n",
             node_underlay_ip(i),
             UNDERLAY.prefix(),
             router_underlay_ip(),
-            node.gateway(),
-            node.pod_cidr.prefix(),
         );
-        for (j, pod) in node.pods.iter().enumerate() {
-            let _ = write!(
-                cmds,
-                "link add veth{j} mtu {mtu} type veth peer name eth0 mtu {mtu} netns {}\n\
-                 link set veth{j} master cni0\nlink set veth{j} type bridge_slave hairpin {}\nlink set veth{j} up\n",
-                lab.netns(&pod.name)?.name(),
-                if pod.hairpin { "on" } else { "off" },
-            );
+        match node.datapath {
+            Datapath::Bridge => bridge_pods(lab, node, mtu, &mut cmds)?,
+            Datapath::Routed => routed_pods(lab, node, mtu, &mut cmds)?,
         }
         batch("ip", ns, &cmds)?;
 
         for pod in &node.pods {
-            let cmds = format!(
-                "link set lo up\naddr add {}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n",
-                pod.ip,
-                node.pod_cidr.prefix(),
-                node.gateway()
-            );
+            let cmds = match node.datapath {
+                Datapath::Bridge => format!(
+                    "link set lo up\naddr add {}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n",
+                    pod.ip,
+                    node.pod_cidr.prefix(),
+                    node.gateway()
+                ),
+                // Calico's container side: a /32 and a link-scope route to
+                // the link-local gateway, which only proxy ARP answers.
+                Datapath::Routed => format!(
+                    "link set lo up\naddr add {}/32 dev eth0\nlink set eth0 up\n\
+                     route add {ROUTED_GATEWAY} dev eth0 scope link\nroute add default via {ROUTED_GATEWAY} dev eth0\n",
+                    pod.ip,
+                ),
+            };
             batch("ip", lab.netns(&pod.name)?, &cmds)?;
         }
     }
@@ -363,12 +387,72 @@ pub(crate) fn create(lab: &mut Lab) -> Result<()> {
     for node in &spec.nodes {
         // Again now that all links exist (a moved veth does not always take
         // the namespace's `default`), then the scenario's own sysctls.
-        set_sysctls(lab.netns(&node.name)?, &node.sysctls, Some(node.rp_filter))?;
+        let mut sysctls = routed_sysctls(node);
+        sysctls.extend(node.sysctls.iter().cloned());
+        set_sysctls(lab.netns(&node.name)?, &sysctls, Some(node.rp_filter))?;
         for pod in node.pods.iter().filter(|p| !p.sysctls.is_empty()) {
             set_sysctls(lab.netns(&pod.name)?, &pod.sysctls, None)?;
         }
     }
     Ok(())
+}
+
+/// `cni0` holding the gateway, and one bridge port per pod.
+fn bridge_pods(lab: &Lab, node: &NodeSpec, mtu: u32, cmds: &mut String) -> Result<()> {
+    let _ = write!(
+        cmds,
+        "link add cni0 mtu {mtu} type bridge\naddr add {}/{} dev cni0\nlink set cni0 up\n",
+        node.gateway(),
+        node.pod_cidr.prefix(),
+    );
+    for (j, pod) in node.pods.iter().enumerate() {
+        let port = host_veth(node, j);
+        let _ = write!(
+            cmds,
+            "link add {port} mtu {mtu} type veth peer name eth0 mtu {mtu} netns {}\n\
+             link set {port} master cni0\nlink set {port} type bridge_slave hairpin {}\nlink set {port} up\n",
+            lab.netns(&pod.name)?.name(),
+            if pod.hairpin { "on" } else { "off" },
+        );
+    }
+    Ok(())
+}
+
+/// Calico's host side: per pod a veth without address and a /32 route to
+/// the pod through it, and a blackhole for the rest of the node's block (so
+/// an unassigned pod address is not sent back to the router).
+fn routed_pods(lab: &Lab, node: &NodeSpec, mtu: u32, cmds: &mut String) -> Result<()> {
+    for (j, pod) in node.pods.iter().enumerate() {
+        let veth = host_veth(node, j);
+        let _ = write!(
+            cmds,
+            "link add {veth} mtu {mtu} address {ROUTED_HOST_MAC} type veth peer name eth0 mtu {mtu} netns {}\n\
+             link set {veth} up\nroute add {}/32 dev {veth} scope link\n",
+            lab.netns(&pod.name)?.name(),
+            pod.ip,
+        );
+    }
+    let _ = writeln!(cmds, "route add blackhole {}", node.pod_cidr.trunc());
+    Ok(())
+}
+
+/// What Calico's CNI plugin writes for each host veth: proxy ARP (the pod's
+/// gateway 169.254.1.1 exists nowhere), answered at once (the default
+/// proxy_delay holds replies back up to 0.8 s), and forwarding.
+fn routed_sysctls(node: &NodeSpec) -> Vec<(String, String)> {
+    if node.datapath != Datapath::Routed {
+        return Vec::new();
+    }
+    (0..node.pods.len())
+        .flat_map(|j| {
+            let veth = host_veth(node, j);
+            [
+                kv(&format!("net.ipv4.conf.{veth}.proxy_arp"), "1"),
+                kv(&format!("net.ipv4.neigh.{veth}.proxy_delay"), "0"),
+                kv(&format!("net.ipv4.conf.{veth}.forwarding"), "1"),
+            ]
+        })
+        .collect()
 }
 
 fn kv(k: &str, v: &str) -> (String, String) {
@@ -445,6 +529,18 @@ mod tests {
     }
 
     #[test]
+    fn host_veth_names_follow_the_cni() {
+        let spec = presets::seed000(Default::default());
+        assert_eq!(host_veth(&spec.nodes[0], 1), "veth1");
+        let routed = spec.with_datapath(Datapath::Routed);
+        // `printf default.client | sha1sum` = a7a3e029a7bc51bf…
+        let name = host_veth(&routed.nodes[0], 0);
+        assert_eq!(name.len(), 15, "{name}: must fit IFNAMSIZ");
+        assert_eq!(name, "calia7a3e029a7b");
+        assert_ne!(name, host_veth(&routed.nodes[0], 1));
+    }
+
+    #[test]
     fn presets_validate_and_bad_specs_do_not() {
         use presets::{Backend, Seed000};
         for backend in [Backend::SameNode, Backend::OtherNode] {
@@ -456,6 +552,10 @@ mod tests {
         }
         validate(&presets::dns(Default::default())).unwrap();
         validate(&presets::seed003(Default::default())).unwrap();
+
+        let routed = presets::seed000(Default::default()).with_datapath(Datapath::Routed);
+        validate(&routed).unwrap();
+        assert_eq!(routed.overlay, Overlay::HostGw);
 
         let mut spec = presets::seed000(Default::default());
         spec.nodes[1].pods[0].name = "client".into();

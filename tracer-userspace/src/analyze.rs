@@ -50,6 +50,7 @@ pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
                 last_ts = last_ts.max(ev.ts_ns);
                 collector.push(ev);
             }
+            Record::Interface(i) => collector.learn_interface(i.netns, i.ifindex, &i.name),
             Record::Stats(s) => {
                 last_ts = last_ts.max(s.now_ns);
                 collector.note_lost(s.lost_events);

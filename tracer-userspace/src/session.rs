@@ -16,7 +16,10 @@ use crate::{
     collector::{Collector, DropReasons},
     output::sink::Outputs,
     probes::{
-        self, TraceError, TraceOptions, Tracer, cleanup, netns::NetnsError, table::BackendChoice,
+        self, TraceError, TraceOptions, Tracer, cleanup,
+        ifnames::IfNameResolver,
+        netns::{Netns, NetnsError},
+        table::BackendChoice,
     },
     recording::{Clock, FORMAT, Header, RecordingError, RecordingWriter, StatsLine, VERSION},
     service::Service,
@@ -113,6 +116,15 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     }
     outputs.preamble(&header).map_err(SessionError::Output)?;
     let mut collector = Collector::new(header.collector_config()?);
+    // Names for the pods' interfaces and the node's new ones, as events
+    // from them arrive (the node's at start are in the facts).
+    let mut ifnames = match Netns::open(options.netns.as_deref()) {
+        Ok(node) => Some(IfNameResolver::new(node, &tracer.facts().interfaces)),
+        Err(err) => {
+            warn!("interface names of other namespaces will be missing: {err}");
+            None
+        }
+    };
 
     let mut events: Vec<PacketEvent> = Vec::with_capacity(4096);
     let deadline = options.duration.map(|d| tokio::time::Instant::now() + d);
@@ -138,7 +150,7 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
                 if let Err(err) = res {
                     warn!("reading events failed: {err}");
                 }
-                push(&mut collector, recorder.as_mut(), &mut events);
+                push(&mut collector, recorder.as_mut(), ifnames.as_mut(), &mut events);
                 if let Some(stall) = stall {
                     std::thread::sleep(stall);
                 }
@@ -148,7 +160,7 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
                 // The kernel wakes the reader only when the ring buffer is
                 // filling: read what is there before deciding by the clock.
                 tracer.drain(&mut events);
-                push(&mut collector, recorder.as_mut(), &mut events);
+                push(&mut collector, recorder.as_mut(), ifnames.as_mut(), &mut events);
                 let attached = tracer.collect_tc();
                 if attached > 0 {
                     eprintln!("nattrace: tc now attached on {attached} more interfaces (their device tracepoints stood in until now)");
@@ -194,6 +206,7 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         collector,
         &mut outputs,
         recorder.as_mut(),
+        ifnames.as_mut(),
         &mut events,
     );
     let interrupted = tokio::select! {
@@ -221,9 +234,26 @@ async fn second_signal(sigint: &mut Signal, sigterm: &mut Signal) {
 
 fn push(
     collector: &mut Collector,
-    recorder: Option<&mut RecordingWriter>,
+    mut recorder: Option<&mut RecordingWriter>,
+    ifnames: Option<&mut IfNameResolver>,
     events: &mut Vec<PacketEvent>,
 ) {
+    if let Some(ifnames) = ifnames {
+        // Before the events, so a recording names them as the live run does.
+        let mut last = None;
+        for ev in events.iter().filter(|e| e.ifindex != 0) {
+            if last == Some((ev.netns, ev.ifindex)) {
+                continue;
+            }
+            last = Some((ev.netns, ev.ifindex));
+            for (ifindex, name) in ifnames.learn(ev.netns, ev.ifindex) {
+                collector.learn_interface(ev.netns, ifindex, &name);
+                if let Some(rec) = recorder.as_deref_mut() {
+                    rec.interface(ev.netns, ifindex, &name);
+                }
+            }
+        }
+    }
     if let Some(rec) = recorder {
         for ev in events.iter() {
             rec.event(ev);
@@ -241,10 +271,11 @@ async fn finish(
     mut collector: Collector,
     outputs: &mut Outputs,
     mut recorder: Option<&mut RecordingWriter>,
+    ifnames: Option<&mut IfNameResolver>,
     events: &mut Vec<PacketEvent>,
 ) -> Result<(), SessionError> {
     tracer.drain(events);
-    push(&mut collector, recorder.as_deref_mut(), events);
+    push(&mut collector, recorder.as_deref_mut(), ifnames, events);
     let stats = tracer.stats();
     let now = monotonic_ns();
     collector.note_lost(stats.ringbuf_full);

@@ -9,6 +9,7 @@
 //! `finish(last ts)`.
 mod drop_reason;
 mod flow;
+mod ifnames;
 mod path_rules;
 mod report;
 mod rules;
@@ -24,6 +25,8 @@ mod tests;
 #[cfg(test)]
 mod tests_paths;
 #[cfg(test)]
+mod tests_routed;
+#[cfg(test)]
 mod tests_scenarios;
 
 use std::collections::{HashMap, VecDeque};
@@ -33,6 +36,7 @@ use tracer_common::{EndpointKey, PacketEvent, proto, tcp_flags};
 use self::{
     drop_reason::KnownReasons,
     flow::{Flow, FlowCtx},
+    ifnames::IfNames,
     report::{Decision, ReportCtx},
     types::{PacketKey, PairKey},
 };
@@ -118,7 +122,7 @@ const MAX_LOSS_WINDOWS: usize = 256;
 
 pub struct Collector {
     cfg: CollectorConfig,
-    ifnames: HashMap<u32, Name>,
+    ifnames: IfNames,
     known: KnownReasons,
     /// Events not yet processed, sorted by timestamp (ties in arrival order).
     /// They arrive nearly sorted, so this beats a heap: almost every insert
@@ -148,12 +152,7 @@ pub struct Collector {
 
 impl Collector {
     pub fn new(cfg: CollectorConfig) -> Self {
-        let ifnames = cfg
-            .facts
-            .interfaces
-            .iter()
-            .map(|i| (i.ifindex, Name(i.name.as_str().into())))
-            .collect();
+        let ifnames = IfNames::new(&cfg.facts);
         let known = cfg.drop_reasons.known();
         Self {
             cfg,
@@ -179,6 +178,13 @@ impl Collector {
             last_tick: 0,
             summary: Summary::default(),
         }
+    }
+
+    /// Names interface `ifindex` of namespace `netns` (0 = the node's) in
+    /// the flows decided from now on: pods' interfaces and those that
+    /// appeared after start, which the node facts do not list.
+    pub fn learn_interface(&mut self, netns: u32, ifindex: u32, name: &str) {
+        self.ifnames.learn(netns, ifindex, name);
     }
 
     pub fn push(&mut self, ev: PacketEvent) {

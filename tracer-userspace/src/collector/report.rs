@@ -1,6 +1,6 @@
 //! What the collector hands to outputs: one `FlowReport` per decided flow,
 //! with its evidence resolved to names. Built once per flow, never per event.
-use std::{collections::HashMap, net::SocketAddrV4};
+use std::net::SocketAddrV4;
 
 use serde::Serialize;
 use tracer_common::{hook, nat_stage, nf_hook, proto};
@@ -8,6 +8,7 @@ use tracer_common::{hook, nat_stage, nf_hook, proto};
 use super::{
     drop_reason::{DropReasons, KnownReasons},
     flow::Flow,
+    ifnames::IfNames,
     rules::{self, Cause, RuleCtx},
     types::{Dir, Name, Obs, Proto, packet_kind},
 };
@@ -57,7 +58,8 @@ pub struct Hop {
     /// "before-nat" / "after-nat" where the event brackets a NAT stage.
     pub nat_stage: Option<&'static str>,
     pub ifindex: u32,
-    /// Known for interfaces of the node namespace only.
+    /// The interface's name in its namespace (`netns`), when known: the
+    /// node's from the start, pods' and new ones as they are seen.
     pub ifname: Option<Name>,
     /// Inode of the namespace (the node's, for tc and netfilter events).
     pub netns: u32,
@@ -111,7 +113,7 @@ pub struct FlowReport {
 
 pub(crate) struct ReportCtx<'a> {
     pub facts: &'a NodeFacts,
-    pub ifnames: &'a HashMap<u32, Name>,
+    pub ifnames: &'a IfNames,
     pub reasons: &'a DropReasons,
     pub known: &'a KnownReasons,
     pub reply_timeout_ns: u64,
@@ -171,6 +173,7 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         reply_timeout_ns: ctx.reply_timeout_ns,
         drop,
         kube: ctx.kube,
+        ifnames: ctx.ifnames,
     };
     // Causes rest on the absence of events too (no netfilter hook, no reply):
     // with events missing they would be guesses.
@@ -284,11 +287,21 @@ fn detail(
         (Verdict::Dropped, _) => {
             let o = drop.expect("dropped verdict has a drop");
             let place = if ctx.is_node(o.netns) {
-                format!("in the node namespace {}", rules::drop_place(flow, o))
+                format!(
+                    "in the node namespace {}",
+                    rules::drop_place(flow, o, ctx.ifnames)
+                )
             } else if o.netns == flow.client_netns {
-                format!("in the client's namespace {}", rules::drop_place(flow, o))
+                format!(
+                    "in the client's namespace {}",
+                    rules::drop_place(flow, o, ctx.ifnames)
+                )
             } else {
-                format!("in namespace {} {}", o.netns, rules::drop_place(flow, o))
+                format!(
+                    "in namespace {} {}",
+                    o.netns,
+                    rules::drop_place(flow, o, ctx.ifnames)
+                )
             };
             format!(
                 "the {} was dropped {place}, reason {}; no reply reached the client",
@@ -369,9 +382,14 @@ fn hop_words(o: &Obs, ctx: &ReportCtx<'_>) -> String {
         .trim_end()
         .to_string();
     }
-    match ctx.ifnames.get(&o.ifindex).filter(|_| ctx.is_node(o.netns)) {
-        Some(n) => format!("{} {n}", hook::name(o.hook)),
-        None => format!("{} if{} (netns {})", hook::name(o.hook), o.ifindex, o.netns),
+    if o.ifindex == 0 {
+        return hook::name(o.hook).to_string();
+    }
+    let name = ctx.ifnames.describe(o.netns, o.ifindex);
+    if ctx.is_node(o.netns) {
+        format!("{} {name}", hook::name(o.hook))
+    } else {
+        format!("{} {name} (netns {})", hook::name(o.hook), o.netns)
     }
 }
 
@@ -415,11 +433,7 @@ fn evidence(flow: &Flow, ctx: &ReportCtx<'_>) -> Vec<PacketEvidence> {
             nf_hook: (o.hook == hook::NETFILTER).then(|| nf_hook::name(o.nf_hook)),
             nat_stage: (o.nat_stage != nat_stage::NONE).then(|| nat_stage::name(o.nat_stage)),
             ifindex: o.ifindex,
-            ifname: if node {
-                ctx.ifnames.get(&o.ifindex).cloned()
-            } else {
-                None
-            },
+            ifname: ctx.ifnames.get(o.netns, o.ifindex).cloned(),
             netns: if o.netns == 0 {
                 ctx.facts.netns_inode
             } else {

@@ -9,7 +9,8 @@ use tracer_common::{hook, nat_stage, nf_hook};
 use super::{
     drop_reason::KnownReasons,
     flow::Flow,
-    path_rules::{hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
+    ifnames::IfNames,
+    path_rules::{bridge_of, hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
     report::Verdict,
     types::{Dir, Obs, node_egress, node_ingress, packet_kind},
 };
@@ -176,6 +177,7 @@ pub(crate) struct RuleCtx<'a> {
     /// The first real drop of the flow (dropped verdict).
     pub drop: Option<&'a Obs>,
     pub kube: &'a KubeProxyRules,
+    pub ifnames: &'a IfNames,
 }
 
 impl RuleCtx<'_> {
@@ -192,11 +194,9 @@ impl RuleCtx<'_> {
         packet_kind(p.key.proto, p.key.tcp_flags, p.dir)
     }
 
+    /// The name of a node interface (`if<N>` if unknown).
     pub(super) fn ifname(&self, ifindex: u32) -> String {
-        match self.facts.interface(ifindex) {
-            Some(i) => i.name.clone(),
-            None => format!("if{ifindex}"),
-        }
+        self.ifnames.describe(self.node_netns, ifindex)
     }
 }
 
@@ -281,9 +281,9 @@ fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
     }
     let port_of = |o: &&Obs, is: fn(u8) -> bool| {
         (is(o.hook) && ctx.is_node(o.netns))
-            .then(|| ctx.facts.interface(o.ifindex))
+            .then(|| bridge_of(ctx.facts, o.ifindex))
             .flatten()
-            .and_then(|i| i.master.map(|m| (o.ifindex, m)))
+            .map(|m| (o.ifindex, m))
     };
     let (in_port, bridge) = obs.iter().find_map(|o| port_of(o, node_ingress))?;
     let out_port = obs
@@ -409,7 +409,7 @@ fn not_dnated(ctx: &RuleCtx<'_>) -> Option<Found> {
 }
 
 /// Where a dropped packet was last seen before the drop, e.g. "after netfilter FORWARD".
-pub(crate) fn drop_place(flow: &Flow, drop: &Obs) -> String {
+pub(crate) fn drop_place(flow: &Flow, drop: &Obs, ifnames: &IfNames) -> String {
     let before = flow
         .obs
         .iter()
@@ -419,7 +419,12 @@ pub(crate) fn drop_place(flow: &Flow, drop: &Obs) -> String {
         Some(o) if o.hook == hook::NETFILTER => {
             format!("after netfilter {}", nf_hook::name(o.nf_hook))
         }
-        Some(o) => format!("after {} on if{}", hook::name(o.hook), o.ifindex),
+        Some(o) if o.ifindex == 0 => format!("after {}", hook::name(o.hook)),
+        Some(o) => format!(
+            "after {} on {}",
+            hook::name(o.hook),
+            ifnames.describe(o.netns, o.ifindex)
+        ),
         None => "before any other observation point".to_string(),
     }
 }
@@ -434,7 +439,7 @@ fn dropped_with(ctx: &RuleCtx<'_>, reason: Option<u32>, by: &str) -> Option<Foun
     } else {
         format!("namespace {}", drop.netns)
     };
-    let place = drop_place(ctx.flow, drop);
+    let place = drop_place(ctx.flow, drop, ctx.ifnames);
     Some((
         format!("{by} dropped it"),
         format!(

@@ -179,3 +179,60 @@ fn json_ok_flows_are_abridged_without_verbose_and_problems_never_are() {
         hop_count(&json_of(&broken, false, true))
     );
 }
+
+/// Interfaces are named in every namespace: a pod's `eth0` (the same
+/// ifindex as the node's cni0 means another device there) and a node
+/// interface that appeared after start, once learned; `if<N>` only for what
+/// could not be resolved.
+#[test]
+fn text_names_interfaces_of_pods_and_new_ones() {
+    let verbose_text = |learn: bool| {
+        let mut facts = fixtures::facts(Some(false));
+        // veth-client appeared after start: not in the facts.
+        facts
+            .interfaces
+            .retain(|i| i.ifindex != fixtures::VETH_CLIENT);
+        let mut c = Collector::new(CollectorConfig {
+            services: fixtures::services(),
+            facts,
+            ..CollectorConfig::default()
+        });
+        if learn {
+            c.learn_interface(fixtures::CLIENT_NS, fixtures::POD_ETH0, "eth0");
+            c.learn_interface(fixtures::BACKEND_NS, fixtures::POD_ETH0, "eth0");
+            c.learn_interface(0, fixtures::VETH_CLIENT, "veth-late");
+        }
+        for ev in fixtures::seed000_same_node(false) {
+            c.push(ev);
+        }
+        let (reports, summary) = c.finish(fixtures::T0 + 10_000_000_000);
+        text(&reports, &summary, false, true)
+    };
+    let named = verbose_text(true);
+    let hop_lines = |out: &str| -> Vec<String> {
+        out.lines()
+            .filter(|l| l.starts_with("      "))
+            .map(str::to_owned)
+            .collect()
+    };
+    let pod_hops: Vec<String> = hop_lines(&named)
+        .into_iter()
+        .filter(|l| l.contains(&format!("ns {}", fixtures::CLIENT_NS)))
+        .collect();
+    assert!(!pod_hops.is_empty(), "{named}");
+    for l in &pod_hops {
+        assert!(l.contains(" eth0 "), "{l}");
+    }
+    assert!(named.contains("tc-egress veth-late"), "{named}");
+    assert!(
+        !hop_lines(&named).iter().any(|l| l.contains(" if")),
+        "every interface named:\n{named}"
+    );
+    // Unresolved: the ifindex, never a wrong name.
+    let bare = verbose_text(false);
+    assert!(
+        bare.contains(&format!("tc-egress if{}", fixtures::VETH_CLIENT)),
+        "{bare}"
+    );
+    assert!(!bare.contains(" eth0 "), "{bare}");
+}

@@ -121,6 +121,9 @@ impl<W: io::Write> TextOutput<W> {
         if h.hook != "netfilter" {
             match &h.ifname {
                 Some(n) => place.push_str(&format!(" {n}")),
+                // No device (e.g. a drop when a socket's queue is purged).
+                None if h.ifindex == 0 => {}
+                // Not resolvable (its namespace was gone before it was looked up).
                 None => place.push_str(&format!(" if{}", h.ifindex)),
             }
         }

@@ -3,6 +3,7 @@
 //! out the events, counters and node facts. Dropping the [`Tracer`] detaches
 //! everything it attached and removes what it created, nothing else.
 pub mod cleanup;
+pub mod ifnames;
 mod kprobes;
 pub mod netns;
 pub mod nf_link;

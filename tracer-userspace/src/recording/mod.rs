@@ -164,12 +164,24 @@ impl StatsLine {
     }
 }
 
+/// An interface name learned while tracing (see [`Line::Interface`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InterfaceName {
+    /// Namespace inode as in the events (0 = the traced node's).
+    pub netns: u32,
+    pub ifindex: u32,
+    pub name: String,
+}
+
 /// One line of a recording.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Line {
     Header(Box<Header>),
     Event(PacketEvent),
+    /// The name of an interface in another namespace (a pod's) or one that
+    /// appeared after start, written before the first event that needs it.
+    Interface(InterfaceName),
     Stats(StatsLine),
     /// `--write-max-mb` was reached: nothing follows.
     Capped {
@@ -232,6 +244,14 @@ impl RecordingWriter {
 
     pub fn event(&mut self, ev: &PacketEvent) {
         self.line(&Line::Event(*ev));
+    }
+
+    pub fn interface(&mut self, netns: u32, ifindex: u32, name: &str) {
+        self.line(&Line::Interface(InterfaceName {
+            netns,
+            ifindex,
+            name: name.to_owned(),
+        }));
     }
 
     /// At every collector tick; also where the ≤ 1 s flush happens.

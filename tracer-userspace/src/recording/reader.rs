@@ -9,7 +9,7 @@ use std::{
 
 use tracer_common::PacketEvent;
 
-use super::{FORMAT, Header, Line, RecordingError, StatsLine, VERSION};
+use super::{FORMAT, Header, InterfaceName, Line, RecordingError, StatsLine, VERSION};
 
 /// A line longer than this is not one we wrote (a header with thousands of
 /// interfaces is ~1 MiB): reading stops instead of allocating without bound.
@@ -18,9 +18,10 @@ pub const MAX_LINE_BYTES: usize = 8 << 20;
 /// arithmetic; CLOCK_MONOTONIC reaches it after ~146 years of uptime.
 const MAX_TS_NS: u64 = 1 << 62;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {
     Event(PacketEvent),
+    Interface(InterfaceName),
     Stats(StatsLine),
     Capped { bytes: u64 },
     End(StatsLine),
@@ -185,6 +186,11 @@ impl<R: BufRead> Reader<R> {
             return match line {
                 Line::Event(ev) if ev.ts_ns >= MAX_TS_NS => self.stop("event time out of range"),
                 Line::Event(ev) => Some(Record::Event(ev)),
+                // Names only label output: an overlong one is cut, not fatal.
+                Line::Interface(mut i) => {
+                    i.name = i.name.chars().take(64).collect();
+                    Some(Record::Interface(i))
+                }
                 Line::Stats(s) if s.now_ns >= MAX_TS_NS => self.stop("stats time out of range"),
                 Line::Stats(s) => Some(Record::Stats(s)),
                 Line::Header(_) => self.stop("a second header"),
@@ -211,8 +217,12 @@ impl<R: BufRead> Reader<R> {
             #[serde(borrow)]
             kind: std::borrow::Cow<'a, str>,
         }
-        serde_json::from_slice::<Kind>(&self.buf)
-            .is_ok_and(|k| !matches!(&*k.kind, "header" | "event" | "stats" | "capped" | "end"))
+        serde_json::from_slice::<Kind>(&self.buf).is_ok_and(|k| {
+            !matches!(
+                &*k.kind,
+                "header" | "event" | "interface" | "stats" | "capped" | "end"
+            )
+        })
     }
 }
 

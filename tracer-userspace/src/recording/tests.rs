@@ -68,6 +68,7 @@ fn decide(bytes: &[u8]) -> (Vec<crate::collector::FlowReport>, Option<ReadProble
     for rec in reader.by_ref() {
         match rec {
             Record::Event(ev) => c.push(ev),
+            Record::Interface(i) => c.learn_interface(i.netns, i.ifindex, &i.name),
             Record::Stats(s) => {
                 c.note_lost(s.lost_events);
                 out.extend(c.tick(s.now_ns));
@@ -219,4 +220,40 @@ fn an_overlong_line_stops_reading_without_buffering_it_all() {
     input.extend(std::iter::repeat_n(b'x', MAX_LINE_BYTES + 10));
     let (_, problem) = decide(&input);
     assert!(problem.unwrap().why.contains("longer"));
+}
+
+#[test]
+fn interface_lines_name_pod_interfaces_in_analyze() {
+    let path = temp("rec-ifnames");
+    let mut w = RecordingWriter::create(&path, &header(), None).unwrap();
+    let events = fixtures::seed000_same_node(false);
+    w.interface(fixtures::CLIENT_NS, fixtures::POD_ETH0, "eth0");
+    for ev in &events {
+        w.event(ev);
+    }
+    w.end(StatsLine {
+        now_ns: fixtures::T0 + 10_000_000_000,
+        ..Default::default()
+    });
+    let bytes = std::fs::read(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let text = String::from_utf8(bytes.clone()).unwrap();
+    assert!(text.contains(r#"{"kind":"interface","netns":"#), "{text}");
+    let (reports, problem) = decide(&bytes);
+    assert_eq!(problem, None);
+    let hops: Vec<_> = reports[0].packets.iter().flat_map(|p| &p.hops).collect();
+    let in_client = hops
+        .iter()
+        .filter(|h| h.netns == fixtures::CLIENT_NS && h.ifindex == fixtures::POD_ETH0);
+    assert!(in_client.clone().count() > 0);
+    for h in in_client {
+        assert_eq!(h.ifname.as_ref().map(|n| n.as_str()), Some("eth0"), "{h:?}");
+    }
+    // The same ifindex in the node namespace is another interface.
+    assert!(
+        hops.iter()
+            .filter(|h| h.node_ns && h.ifindex == fixtures::POD_ETH0)
+            .all(|h| h.ifname.as_ref().map(|n| n.as_str()) != Some("eth0")),
+        "{hops:?}"
+    );
 }
