@@ -28,6 +28,8 @@ macro_rules! require_root {
 mod cleanup;
 #[path = "tracer/input.rs"]
 mod input;
+#[path = "tracer/stalled.rs"]
+mod stalled;
 
 /// Loading and attaching (BTF, verifier) on a busy 2-core CI machine.
 pub(crate) const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);

@@ -5,7 +5,10 @@ use std::path::PathBuf;
 
 use crate::{
     collector::{Collector, FlowReport},
-    output::sink::{Outcome, OutputFormat, Outputs},
+    output::{
+        queue::Overflow,
+        sink::{Outcome, OutputFormat, Outputs},
+    },
     recording::{Reader, Record, RecordingError},
 };
 
@@ -29,7 +32,8 @@ pub enum AnalyzeError {
 pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
     let (mut reader, header) = Reader::open(&opts.path)?;
     let mut collector = Collector::new(header.collector_config()?);
-    let mut outputs = Outputs::new(opts.format, opts.color, opts.verbose);
+    let mut outputs = Outputs::new(opts.format, opts.color, opts.verbose, Overflow::Block)
+        .map_err(AnalyzeError::Output)?;
     if let Some(pcap) = &opts.pcap {
         outputs.pcap(pcap, &header).map_err(AnalyzeError::Output)?;
     }
@@ -93,7 +97,13 @@ pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
     }
     outputs.flows(reports).map_err(AnalyzeError::Output)?;
     outputs.summary(&summary).map_err(AnalyzeError::Output)?;
-    Ok(outputs.outcome)
+    // Nothing is live here: wait for the reader, however slow.
+    let forever = std::time::Instant::now() + std::time::Duration::from_secs(365 * 24 * 3600);
+    outputs.drain(forever, std::time::Duration::from_secs(365 * 24 * 3600));
+    for w in outputs.take_warnings() {
+        eprintln!("nattrace: warning: {w}");
+    }
+    Ok(std::mem::take(&mut outputs.outcome))
 }
 
 fn mark_unfinished(r: &mut FlowReport) -> bool {

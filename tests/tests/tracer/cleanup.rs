@@ -13,7 +13,7 @@ use super::{ATTACH_TIMEOUT, args, build_lab, start, tracing_lock, web_svc};
 
 /// What nattrace could leave behind in the node namespace, as text to diff:
 /// links (incl. XDP `prog/xdp`), qdiscs (clsact), tc filters per hook.
-fn node_state(lab: &Lab) -> String {
+pub(super) fn node_state(lab: &Lab) -> String {
     let run = |args: &[&str]| {
         let out = lab.exec(presets::NODE_A, args).expect("running ip/tc");
         format!(
@@ -48,7 +48,7 @@ fn node_state(lab: &Lab) -> String {
     state
 }
 
-fn assert_objects_gone(objects: &[(BpfKind, u32)], what: &str) {
+pub(super) fn assert_objects_gone(objects: &[(BpfKind, u32)], what: &str) {
     // Programs and maps are freed after an RCU grace period / from a workqueue.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {

@@ -38,7 +38,10 @@ fn temp(name: &str) -> PathBuf {
 /// Records the seed-000 fixture like a live session would (events, a stats
 /// line, end) and returns the file's bytes.
 fn record(limit: Option<u64>) -> (Vec<u8>, Option<String>) {
-    let path = temp(&format!("rec-{limit:?}"));
+    // Tests run in parallel: one file each.
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = temp(&format!("rec-{limit:?}-{n}"));
     let mut w = RecordingWriter::create(&path, &header(), limit).unwrap();
     let events = fixtures::seed000_same_node(false);
     let last = events.iter().map(|e| e.ts_ns).max().unwrap();
@@ -53,6 +56,8 @@ fn record(limit: Option<u64>) -> (Vec<u8>, Option<String>) {
         now_ns: fixtures::T0 + 10_000_000_000,
         ..Default::default()
     });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    assert!(w.drain(deadline, std::time::Duration::from_secs(10)));
     let warning = w.take_warning();
     let bytes = std::fs::read(&path).unwrap();
     let _ = std::fs::remove_file(&path);
