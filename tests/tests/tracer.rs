@@ -28,6 +28,8 @@ macro_rules! require_root {
 mod cleanup;
 #[path = "tracer/input.rs"]
 mod input;
+#[path = "tracer/many.rs"]
+mod many;
 #[path = "tracer/netns_gone.rs"]
 mod netns_gone;
 #[path = "tracer/stalled.rs"]
