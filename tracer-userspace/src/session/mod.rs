@@ -84,6 +84,9 @@ pub fn run(options: SessionOptions) -> Result<Outcome, SessionError> {
 /// After a signal, everything (detach, last flows, summary) is done within
 /// this, whatever the reader of our output does.
 const EXIT_BUDGET: Duration = Duration::from_millis(700);
+/// Past this many interfaces detaching takes long enough to say so (two
+/// tcx links each, one RCU grace period per link: probes/tc.rs).
+const SLOW_DETACH_INTERFACES: usize = 64;
 /// Otherwise, the output is written as long as the reader keeps reading.
 const OUTPUT_STALL: Duration = Duration::from_secs(1);
 
@@ -246,18 +249,21 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     };
     let stopped_at = Instant::now();
 
-    // What the kernel still holds, then detach at once: the node is left
-    // alone before the last verdicts are printed (and a deleted namespace
-    // is released, which our descriptors would keep alive).
+    // What the kernel still holds; then the last verdicts go to the output
+    // threads, which write them while we detach (with hundreds of tcx
+    // links detaching takes seconds, see probes/tc.rs).
     tracer.drain(&mut events);
     push(&mut collector, recorder.as_mut(), &mut events);
     let stats = tracer.stats();
-    let netns_name = tracer.facts().netns_name.clone();
-    drop(tracer);
+    let mut tracer = Some(tracer);
     if stop == Stop::NetnsGone {
+        // Let go first: our descriptors are what keeps the deleted node alive.
+        let netns_name = tracer.as_ref().map(|t| t.facts().netns_name.clone());
+        drop(tracer.take());
         let path = watch.as_ref().map(|w| w.path().display().to_string());
         notices.say(format_args!(
-            "network namespace {netns_name} was deleted ({} is gone): stopped tracing and released it",
+            "network namespace {} was deleted ({} is gone): stopped tracing and released it",
+            netns_name.unwrap_or_default(),
             path.unwrap_or_default()
         ));
     }
@@ -280,11 +286,22 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     if interrupted {
         notices.say("interrupted again: exiting now without the summary");
     }
+    // Detaches everything, also after a second Ctrl-C.
+    if let Some(t) = &tracer
+        && t.facts().interfaces.len() > SLOW_DETACH_INTERFACES
+    {
+        notices.say(format_args!(
+            "detaching from {} interfaces: the kernel takes a few milliseconds per tc link, so this takes a few seconds",
+            t.facts().interfaces.len()
+        ));
+    }
+    drop(tracer);
 
     // Let the output reach its readers: within the exit budget after a
-    // signal, else as long as they keep reading.
+    // signal (but a reader that keeps up gets what was just queued), else
+    // as long as they keep reading.
     let drain_until = match stop {
-        Stop::Signal => stopped_at + EXIT_BUDGET,
+        Stop::Signal => (stopped_at + EXIT_BUDGET).max(Instant::now() + Duration::from_millis(100)),
         Stop::Duration | Stop::NetnsGone if interrupted => Instant::now(),
         Stop::Duration | Stop::NetnsGone => Instant::now() + Duration::from_secs(24 * 3600),
     };
