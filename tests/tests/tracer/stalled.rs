@@ -54,16 +54,22 @@ fn root_ctrl_c_exits_at_once_while_nobody_reads_the_output() {
         ..Default::default()
     }));
     let before = node_state(&lab);
-    let dir = std::env::temp_dir().join(format!("nattrace-stalled-{}", std::process::id()));
+    let _lock = tracing_lock();
+    for (signal, name) in [(libc::SIGINT, "SIGINT"), (libc::SIGTERM, "SIGTERM")] {
+        stop_while_stalled(&lab, &before, signal, name);
+    }
+}
+
+fn stop_while_stalled(lab: &lab::Lab, before: &str, signal: i32, name: &str) {
+    let dir = std::env::temp_dir().join(format!("nattrace-stalled-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir");
     let stdout = StalledFifo::new(&dir, "stdout");
     let write = StalledFifo::new(&dir, "write");
     let pcap = StalledFifo::new(&dir, "pcap");
-    let _lock = tracing_lock();
 
     let cmd_args = args(
-        &lab,
+        lab,
         &[web_svc()],
         &[
             "-v",
@@ -126,7 +132,7 @@ fn root_ctrl_c_exits_at_once_while_nobody_reads_the_output() {
     assert!(child.try_wait().expect("try_wait").is_none());
 
     let sent = Instant::now();
-    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    unsafe { libc::kill(child.id() as i32, signal) };
     let status = loop {
         if let Some(status) = child.try_wait().expect("try_wait") {
             break status;
@@ -134,16 +140,16 @@ fn root_ctrl_c_exits_at_once_while_nobody_reads_the_output() {
         if sent.elapsed() > Duration::from_secs(10) {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("nattrace did not exit within 10 s of SIGINT while its output was stalled");
+            panic!("nattrace did not exit within 10 s of {name} while its output was stalled");
         }
         thread::sleep(Duration::from_millis(10));
     };
     let took = sent.elapsed();
     let stderr = stderr_thread.join().unwrap_or_default();
-    eprintln!("SIGINT -> exit in {took:?}; stderr:\n{stderr}");
+    eprintln!("{name} -> exit in {took:?}; stderr:\n{stderr}");
     assert!(
         took < Duration::from_millis(1500),
-        "SIGINT took {took:?} to exit; stderr:\n{stderr}"
+        "{name} took {took:?} to exit; stderr:\n{stderr}"
     );
     assert_eq!(status.code(), Some(0), "stderr:\n{stderr}");
     // Said once while running, and accounted for at exit.
@@ -160,8 +166,8 @@ fn root_ctrl_c_exits_at_once_while_nobody_reads_the_output() {
         stderr.contains("recording") && stderr.contains("is not being written fast enough"),
         "stderr:\n{stderr}"
     );
-    assert_eq!(node_state(&lab), before, "the node namespace changed");
-    assert_objects_gone(&objects, "SIGINT with stalled output");
+    assert_eq!(node_state(lab), before, "the node namespace changed");
+    assert_objects_gone(&objects, &format!("{name} with stalled output"));
     drop((stdout, write, pcap));
     let _ = std::fs::remove_dir_all(&dir);
 }

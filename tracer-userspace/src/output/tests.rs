@@ -327,3 +327,25 @@ mod queue {
         assert_eq!(out.flush().unwrap_err().kind(), io::ErrorKind::BrokenPipe);
     }
 }
+
+#[test]
+fn dropped_output_lines_are_in_the_summary() {
+    let (reports, summary) = decide(&fixtures::seed000_same_node(true), true);
+    let mut out = TextOutput::new(Vec::new(), false, false);
+    out.summary(&summary, 0).unwrap();
+    out.summary(&summary, 42).unwrap();
+    let text = String::from_utf8(out.into_inner()).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(!lines[0].contains("output lines dropped"), "{}", lines[0]);
+    assert!(
+        lines[1].ends_with("; output lines dropped (stdout not read fast enough): 42"),
+        "{}",
+        lines[1]
+    );
+    let mut out = JsonOutput::new(Vec::new(), false);
+    out.summary(&summary, 42).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.into_inner()).unwrap();
+    assert_eq!(v["kind"], "summary");
+    assert_eq!(v["dropped_output_lines"], 42);
+    assert_eq!(v["flows"], reports.len());
+}
