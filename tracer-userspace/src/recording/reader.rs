@@ -144,20 +144,23 @@ impl<R: BufRead> Reader<R> {
             return Ok(Raw::Line);
         }
         if self.buf.len() > MAX_LINE_BYTES {
-            // Skip to the end of the line without keeping it.
-            loop {
-                self.buf.clear();
-                let n = (&mut self.inner)
-                    .take(1 << 20)
-                    .read_until(b'\n', &mut self.buf)?;
-                if n == 0 || self.buf.last() == Some(&b'\n') {
-                    break;
-                }
-            }
-            self.buf.clear();
             return Ok(Raw::TooLong);
         }
         Ok(Raw::Partial)
+    }
+
+    /// After [`Raw::TooLong`]: reads up to the end of that line without keeping it.
+    fn skip_rest_of_line(&mut self) -> io::Result<()> {
+        loop {
+            self.buf.clear();
+            let n = (&mut self.inner)
+                .take(1 << 20)
+                .read_until(b'\n', &mut self.buf)?;
+            if n == 0 || self.buf.last() == Some(&b'\n') {
+                self.buf.clear();
+                return Ok(());
+            }
+        }
     }
 
     /// Counts a line that is not a valid record and goes on.
@@ -192,6 +195,9 @@ impl<R: BufRead> Reader<R> {
                     return self.stop("no end record (nattrace was killed or the file was cut)");
                 }
                 Ok(Raw::TooLong) => {
+                    if let Err(e) = self.skip_rest_of_line() {
+                        return self.stop(format!("read error: {e}"));
+                    }
                     self.skip(format!("line longer than {MAX_LINE_BYTES} bytes"));
                     continue;
                 }

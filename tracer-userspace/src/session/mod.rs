@@ -262,7 +262,7 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         drop(tracer.take());
         let path = watch.as_ref().map(|w| w.path().display().to_string());
         notices.say(format_args!(
-            "network namespace {} was deleted ({} is gone): stopped tracing and released it",
+            "network namespace {} was deleted ({} no longer names it): stopped tracing and released it",
             netns_name.unwrap_or_default(),
             path.unwrap_or_default()
         ));
