@@ -155,3 +155,24 @@ fn netns_that_is_not_a_network_namespace_is_one_line_and_exit_2() {
         }
     }
 }
+
+/// A FIFO nobody reads would block open(2) forever: refused before
+/// anything is attached.
+#[test]
+fn root_output_fifo_without_a_reader_is_one_line_and_exit_2() {
+    require_root!();
+    let dir = std::env::temp_dir().join(format!("nattrace-fifo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let fifo = dir.join("out");
+    let _ = std::fs::remove_file(&fifo);
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
+    for opt in ["--write", "--pcap"] {
+        let out = nattrace_cmd()
+            .args(["--svc", "100.67.30.133:80", "--duration", "1", opt])
+            .arg(&fifo)
+            .output()
+            .expect("running nattrace");
+        assert_one_line_exit_2(&out, &["fifo no process has open for reading"]);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -278,7 +278,7 @@ pub fn stdout_file() -> io::Result<File> {
     Ok(File::from(io::stdout().as_fd().try_clone_to_owned()?))
 }
 
-/// Creates (truncates) an output file. A FIFO is opened non-blocking, so a
+/// Creates (truncates) an output file (errors do not name it: callers do). A FIFO is opened non-blocking, so a
 /// FIFO nobody has open for reading is an error now instead of an open(2)
 /// that never returns; the writes are blocking again (on the writer thread).
 pub fn create_output(path: &Path) -> io::Result<File> {
@@ -290,14 +290,10 @@ pub fn create_output(path: &Path) -> io::Result<File> {
         .open(path)
         .map_err(|e| match e.raw_os_error() {
             // fs/fifo.c fifo_open: O_WRONLY|O_NONBLOCK without a reader is ENXIO.
-            Some(libc::ENXIO) => io::Error::new(
-                e.kind(),
-                format!(
-                    "no process has the FIFO {} open for reading",
-                    path.display()
-                ),
-            ),
-            _ => io::Error::new(e.kind(), format!("cannot create {}: {e}", path.display())),
+            Some(libc::ENXIO) => {
+                io::Error::new(e.kind(), "it is a FIFO no process has open for reading")
+            }
+            _ => e,
         })?;
     use std::os::fd::AsRawFd as _;
     let fd = file.as_raw_fd();

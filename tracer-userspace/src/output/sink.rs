@@ -115,7 +115,9 @@ impl Outputs {
 
     /// Also write every decided flow's packets to `path` as pcapng.
     pub fn pcap(&mut self, path: &Path, header: &Header) -> io::Result<()> {
-        let file = queue::create_output(path)?;
+        let file = queue::create_output(path).map_err(|e| {
+            io::Error::new(e.kind(), format!("cannot create {}: {e}", path.display()))
+        })?;
         self.pcap_file(file, path, header)
     }
 

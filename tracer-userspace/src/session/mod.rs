@@ -57,6 +57,8 @@ pub enum SessionError {
     #[error("writing output failed: {0}")]
     Output(io::Error),
     #[error("{0}")]
+    CreateOutput(io::Error),
+    #[error("{0}")]
     Recording(#[from] RecordingError),
 }
 
@@ -116,7 +118,12 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         None => None,
     };
     let pcap_file = match &options.pcap {
-        Some(path) => Some(queue::create_output(path).map_err(SessionError::Output)?),
+        Some(path) => Some(queue::create_output(path).map_err(|e| {
+            SessionError::CreateOutput(io::Error::new(
+                e.kind(),
+                format!("cannot create {}: {e}", path.display()),
+            ))
+        })?),
         None => None,
     };
     match cleanup::remove_leftovers(options.netns.as_deref()) {
