@@ -79,6 +79,11 @@ impl Netns {
 
     /// Best effort: used from Drop, where there is nobody to return an error to.
     pub(crate) fn delete(&self) {
+        // Already deleted (a test may `ip netns del` a node, as happens to
+        // real nodes): nothing to clean up, and no error to report.
+        if !self.path().exists() {
+            return;
+        }
         if let Err(e) = run_checked(None, &["ip", "netns", "delete", &self.name], None) {
             eprintln!("lab: could not delete netns {}: {e}", self.name);
         }

@@ -469,6 +469,69 @@ fn root_cleanup_after_sigkill_removes_only_nattrace_filters() {
     );
 }
 
+#[test]
+fn root_analyze_skips_corrupt_lines_and_refuses_a_file_without_events() {
+    require_root!();
+    let lab = seed000(false);
+    let rec = tmp("corrupt-source.rec");
+    let ports: Vec<u16> = (46200..46203).collect();
+    {
+        let _lock = tracing_lock();
+        trace_seed000(&lab, &ports, &["--write", rec.to_str().unwrap()]);
+    }
+    let clean = analyze(&rec, &[]);
+    assert_eq!(clean.status.code(), Some(1), "{}", describe(&clean));
+    let clean_flows = kind(&json_lines(&clean), "flow").len();
+    assert_eq!(clean_flows, ports.len(), "{}", describe(&clean));
+
+    // A crash's block of NUL bytes in place of part of the file, and a line
+    // with the wrong types, both in the middle.
+    let bytes = std::fs::read(&rec).unwrap();
+    let newlines: Vec<usize> = bytes
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| **b == b'\n')
+        .map(|(i, _)| i)
+        .collect();
+    assert!(newlines.len() > 20, "a recording with events");
+    let mid = newlines[newlines.len() / 2];
+    let mut corrupt = bytes[..=mid].to_vec();
+    corrupt.extend(std::iter::repeat_n(0u8, 4096));
+    corrupt.extend_from_slice(b"\n{\"kind\":\"event\",\"ts_ns\":\"noon\",\"skb\":[]}\n");
+    corrupt.extend_from_slice(&bytes[mid + 1..]);
+    let corrupt_path = tmp("corrupt.rec");
+    std::fs::write(&corrupt_path, &corrupt).unwrap();
+    let out = analyze(&corrupt_path, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    assert_eq!(stderr.lines().count(), 1, "one warning: {}", describe(&out));
+    assert!(
+        stderr.contains("2 unreadable line(s), skipped"),
+        "{}",
+        describe(&out)
+    );
+    let flows = json_lines(&out);
+    assert_eq!(
+        kind(&flows, "flow").len(),
+        clean_flows,
+        "{}",
+        describe(&out)
+    );
+    assert_eq!(kind(&flows, "summary").len(), 1);
+
+    // The header, then nothing readable: not analysable at all.
+    let header_end = newlines[0];
+    let mut junk = bytes[..=header_end].to_vec();
+    for _ in 0..5 {
+        junk.extend_from_slice(b"{\"kind\":\"event\",\"ts_ns\":\"noon\"}\n");
+    }
+    let junk_path = tmp("no-events.rec");
+    std::fs::write(&junk_path, &junk).unwrap();
+    let out = analyze(&junk_path, &[]);
+    assert_one_line_exit_2(&out, "holds no readable event");
+    assert!(out.stdout.is_empty(), "{}", describe(&out));
+}
+
 fn assert_one_line_exit_2(out: &Output, mention: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{}", describe(out));
@@ -501,4 +564,29 @@ fn bad_capture_arguments_are_one_line_and_exit_2() {
         "not a nattrace recording",
     );
     assert_one_line_exit_2(&run(&["analyze", "/tmp"]), "/tmp");
+    // Binary data, a gzip of a recording, an empty file.
+    let binary = tmp("binary.rec");
+    let mut bytes: Vec<u8> = (0..=255u8).cycle().take(100_000).collect();
+    bytes[0] = 0x7f;
+    std::fs::write(&binary, &bytes).unwrap();
+    assert_one_line_exit_2(
+        &run(&["analyze", binary.to_str().unwrap()]),
+        "not a nattrace recording",
+    );
+    let gz = tmp("rec.gz");
+    std::fs::write(
+        &gz,
+        [0x1f, 0x8b, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x03],
+    )
+    .unwrap();
+    assert_one_line_exit_2(
+        &run(&["analyze", gz.to_str().unwrap()]),
+        "not a nattrace recording",
+    );
+    let empty = tmp("empty.rec");
+    std::fs::write(&empty, b"").unwrap();
+    assert_one_line_exit_2(
+        &run(&["analyze", empty.to_str().unwrap()]),
+        "not a nattrace recording",
+    );
 }

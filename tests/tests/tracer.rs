@@ -30,6 +30,12 @@ mod cleanup;
 mod input;
 #[path = "tracer/priorities.rs"]
 mod priorities;
+#[path = "tracer/many.rs"]
+mod many;
+#[path = "tracer/netns_gone.rs"]
+mod netns_gone;
+#[path = "tracer/stalled.rs"]
+mod stalled;
 
 /// Loading and attaching (BTF, verifier) on a busy 2-core CI machine.
 pub(crate) const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);

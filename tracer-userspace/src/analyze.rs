@@ -5,7 +5,10 @@ use std::path::PathBuf;
 
 use crate::{
     collector::{Collector, FlowReport},
-    output::sink::{Outcome, OutputFormat, Outputs},
+    output::{
+        queue::Overflow,
+        sink::{Outcome, OutputFormat, Outputs},
+    },
     recording::{Reader, Record, RecordingError},
 };
 
@@ -24,50 +27,107 @@ pub enum AnalyzeError {
     Recording(#[from] RecordingError),
     #[error("{0}")]
     Output(std::io::Error),
+    /// A header, but not one event that can be read.
+    #[error(
+        "{path} holds no readable event: {skipped} line(s) after the header are not valid records (first at line {line}: {why}); is it a nattrace recording?"
+    )]
+    Unreadable {
+        path: PathBuf,
+        skipped: u64,
+        line: u64,
+        why: String,
+    },
 }
 
 pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
     let (mut reader, header) = Reader::open(&opts.path)?;
     let mut collector = Collector::new(header.collector_config()?);
-    let mut outputs = Outputs::new(opts.format, opts.color, opts.verbose);
-    if let Some(pcap) = &opts.pcap {
-        outputs.pcap(pcap, &header).map_err(AnalyzeError::Output)?;
-    }
     if let Some(v) = reader.newer_version {
         eprintln!(
             "nattrace: warning: {} is format version {v}, newer than this nattrace's; reading what it understands",
             opts.path.display()
         );
     }
-    outputs.preamble(&header).map_err(AnalyzeError::Output)?;
+    // Opened at the first event: a file with none is refused in one line
+    // (no preamble on stdout, no empty pcap).
+    let mut outputs: Option<Outputs> = None;
+    let open = |outputs: &mut Option<Outputs>| -> Result<(), AnalyzeError> {
+        if outputs.is_some() {
+            return Ok(());
+        }
+        let mut out = Outputs::new(opts.format, opts.color, opts.verbose, Overflow::Block)
+            .map_err(AnalyzeError::Output)?;
+        if let Some(pcap) = &opts.pcap {
+            out.pcap(pcap, &header).map_err(AnalyzeError::Output)?;
+        }
+        out.preamble(&header).map_err(AnalyzeError::Output)?;
+        *outputs = Some(out);
+        Ok(())
+    };
 
     let mut last_ts = 0u64;
     let mut end = None;
     let mut capped = None;
-    for record in reader.by_ref() {
+    // The kernel's loss count as recorded, and lines skipped as unreadable:
+    // both are events missing from the flows around them.
+    let mut lost = 0u64;
+    let mut skipped = 0u64;
+    while let Some(record) = reader.next() {
+        if reader.skipped_lines > skipped {
+            skipped = reader.skipped_lines;
+            collector.note_lost(lost + skipped);
+        }
         match record {
             Record::Event(ev) => {
+                open(&mut outputs)?;
                 last_ts = last_ts.max(ev.ts_ns);
                 collector.push(ev);
             }
             Record::Interface(i) => collector.learn_interface(i.netns, i.ifindex, &i.name),
             Record::Stats(s) => {
                 last_ts = last_ts.max(s.now_ns);
-                collector.note_lost(s.lost_events);
+                lost = lost.max(s.lost_events);
+                collector.note_lost(lost + skipped);
                 let reports = collector.tick(s.now_ns);
-                outputs.flows(reports).map_err(AnalyzeError::Output)?;
+                if !reports.is_empty() {
+                    open(&mut outputs)?;
+                    let out = outputs.as_mut().expect("just opened");
+                    out.flows(reports).map_err(AnalyzeError::Output)?;
+                }
             }
             Record::Capped { bytes } => capped = Some(bytes),
             Record::End(s) => end = Some(s),
         }
     }
-    let (now, lost, muted) = match end {
-        Some(s) => (s.now_ns.max(last_ts), s.lost_events, s.muted_packets),
-        None => (last_ts, 0, 0),
-    };
-    if lost > 0 {
-        collector.note_lost(lost);
+    skipped = reader.skipped_lines;
+    if outputs.is_none()
+        && let Some(first) = &reader.first_skipped
+    {
+        return Err(AnalyzeError::Unreadable {
+            path: opts.path.clone(),
+            skipped,
+            line: first.line,
+            why: first.why.clone(),
+        });
     }
+    open(&mut outputs)?;
+    let mut outputs = outputs.expect("just opened");
+    if let Some(first) = &reader.first_skipped {
+        eprintln!(
+            "nattrace: warning: recording {} has {skipped} unreadable line(s), skipped (first at line {}: {}); flows around them are marked incomplete",
+            opts.path.display(),
+            first.line,
+            first.why
+        );
+    }
+    let (now, muted) = match end {
+        Some(s) => {
+            lost = lost.max(s.lost_events);
+            (s.now_ns.max(last_ts), s.muted_packets)
+        }
+        None => (last_ts, 0),
+    };
+    collector.note_lost(lost + skipped);
     let (mut reports, mut summary) = collector.finish(now);
     if end.is_none() {
         // These flows were still open when the recording stopped: what
@@ -88,13 +148,19 @@ pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
             reader.lines_read()
         );
     }
-    if end.is_some() {
-        summary.lost_events = summary.lost_events.max(lost);
-        summary.muted_packets = muted;
-    }
+    // Events the kernel (or the recording's writer) lost; skipped lines
+    // have their own warning.
+    summary.lost_events = lost;
+    summary.muted_packets = muted;
     outputs.flows(reports).map_err(AnalyzeError::Output)?;
     outputs.summary(&summary).map_err(AnalyzeError::Output)?;
-    Ok(outputs.outcome)
+    // Nothing is live here: wait for the reader, however slow.
+    let forever = std::time::Instant::now() + std::time::Duration::from_secs(365 * 24 * 3600);
+    outputs.drain(forever, std::time::Duration::from_secs(365 * 24 * 3600));
+    for w in outputs.take_warnings() {
+        eprintln!("nattrace: warning: {w}");
+    }
+    Ok(std::mem::take(&mut outputs.outcome))
 }
 
 fn mark_unfinished(r: &mut FlowReport) -> bool {

@@ -119,6 +119,23 @@ const FIX_CONNTRACK: &str = "raise net.netfilter.nf_conntrack_max (kube-proxy --
 const FIX_KUBE_PROXY: &str = "check that kube-proxy runs on this node and syncs its rules (its logs, iptables-save | grep KUBE-SERVICES)";
 const FIX_MASQ_ALL: &str = "if clients outside the cluster reach ClusterIPs through one node, set kube-proxy masqueradeAll: true so replies return through it";
 
+/// Interface names for a finding's one-line `value`: the first few and a
+/// count, so the preamble stays one readable line on a node with hundreds
+/// of pods (the `message` keeps them all).
+fn few(names: &[&str]) -> String {
+    const SHOWN: usize = 3;
+    let mut out = names
+        .iter()
+        .take(SHOWN)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(",");
+    if names.len() > SHOWN {
+        out.push_str(&format!(" and {} more", names.len() - SHOWN));
+    }
+    out
+}
+
 fn finding(
     check: &'static str,
     severity: Severity,
@@ -198,7 +215,10 @@ pub fn assess(i: &Inputs) -> Report {
         out.push(finding(
             "bridge_nf_call_iptables",
             sev,
-            format!("bridge-nf-call-iptables={v} on {}", names(&bridges)),
+            format!(
+                "bridge-nf-call-iptables={v} on {}",
+                few(&bridges.iter().map(|x| x.name.as_str()).collect::<Vec<_>>())
+            ),
             msg,
             FIX_BRIDGE_NF,
         ));
@@ -218,7 +238,10 @@ pub fn assess(i: &Inputs) -> Report {
             } else {
                 (
                     Severity::Warning,
-                    format!("hairpin=off on {}", names(&off)),
+                    format!(
+                        "hairpin=off on {}",
+                        few(&off.iter().map(|x| x.name.as_str()).collect::<Vec<_>>())
+                    ),
                     format!(
                         "hairpin_mode is off on {} of {} bridge ports ({}): a pod there cannot reach itself through its Service (seed 004 case 3)",
                         off.len(),
@@ -269,7 +292,7 @@ pub fn assess(i: &Inputs) -> Report {
         finding(
             "rp_filter",
             Severity::Warning,
-            format!("rp_filter=strict on {}", strict.join(",")),
+            format!("rp_filter=strict on {}", few(&strict)),
             format!(
                 "strict reverse-path filtering on {}: packets of asymmetric paths are dropped",
                 strict.join(", ")

@@ -22,11 +22,11 @@ struct Cli {
     command: Option<Command>,
 
     /// Service cluster IP to trace, optionally with a port (repeatable). No port = all ports, TCP and UDP.
-    #[arg(long = "svc", value_name = "IP[:PORT]", required = true)]
+    #[arg(long = "svc", value_name = "IP[:PORT]", required = true, value_parser = parse_service)]
     services: Vec<Service>,
 
     /// Network namespace of the node to trace: a name under /run/netns or a path (default: the current one).
-    #[arg(long, value_name = "NAME|PATH")]
+    #[arg(long, value_name = "NAME|PATH", value_parser = parse_netns)]
     netns: Option<String>,
 
     /// Stop after this many seconds (default: until Ctrl-C or SIGTERM).
@@ -82,7 +82,7 @@ enum Command {
     /// Check the node's static facts behind broken Service traffic (read-only); exit 1 if any breaks it.
     Doctor {
         /// Network namespace of the node: a name under /run/netns or a path (default: the current one).
-        #[arg(long, value_name = "NAME|PATH")]
+        #[arg(long, value_name = "NAME|PATH", value_parser = parse_netns)]
         netns: Option<String>,
         /// Output format.
         #[arg(long, value_enum, default_value_t = Format::Text)]
@@ -109,7 +109,7 @@ enum Command {
     /// Remove what a killed nattrace left attached (clsact tc filters), and nothing else.
     Cleanup {
         /// Network namespace of the node: a name under /run/netns or a path (default: the current one).
-        #[arg(long, value_name = "NAME|PATH")]
+        #[arg(long, value_name = "NAME|PATH", value_parser = parse_netns)]
         netns: Option<String>,
     },
 }
@@ -132,9 +132,86 @@ fn parse_duration_secs(s: &str) -> Result<Duration, String> {
         .parse()
         .map_err(|_| format!("'{s}' is not a number of seconds (e.g. --duration 30)"))?;
     if !(secs > 0.0 && secs <= 7.0 * 24.0 * 3600.0) {
-        return Err(format!("'{s}' must be between 0 and one week"));
+        return Err(
+            "must be more than 0 and at most 604800 seconds (one week); without --duration nattrace runs until Ctrl-C"
+                .into(),
+        );
     }
     Ok(Duration::from_secs_f64(secs))
+}
+
+/// A Service cluster IP is a unicast address: the unspecified, "this
+/// network", broadcast, multicast and reserved (240/4) ranges are mistakes.
+fn parse_service(s: &str) -> Result<Service, String> {
+    let svc: Service = s.parse().map_err(|e| format!("{e}"))?;
+    let a = svc.addr;
+    let why = if a.is_unspecified() || a.octets()[0] == 0 {
+        Some("an unspecified (0.0.0.0/8) address")
+    } else if a.is_broadcast() {
+        Some("the broadcast address")
+    } else if a.is_multicast() {
+        Some("a multicast address")
+    } else if a.octets()[0] >= 240 {
+        Some("a reserved (240.0.0.0/4) address")
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(format!(
+            "{why}, not a Service's unicast cluster IP (e.g. 100.67.30.133:80)"
+        )),
+        None => Ok(svc),
+    }
+}
+
+/// Refuses what is certainly not a network namespace (a directory, a
+/// regular file, another kind of namespace). What cannot be opened here is
+/// left to the tracer, which says why (no such name, needs root).
+fn parse_netns(s: &str) -> Result<String, String> {
+    use std::os::fd::AsRawFd as _;
+    if s.is_empty() {
+        return Err(
+            "not a network namespace: give a name under /run/netns or a path like /proc/PID/ns/net"
+                .into(),
+        );
+    }
+    let path = if s.contains('/') {
+        PathBuf::from(s)
+    } else {
+        std::path::Path::new("/run/netns").join(s)
+    };
+    let Ok(file) = std::fs::File::open(&path) else {
+        return Ok(s.to_owned());
+    };
+    // Namespace files live on nsfs (include/uapi/linux/magic.h NSFS_MAGIC).
+    const NSFS_MAGIC: i64 = 0x6e73_6673;
+    // include/uapi/linux/nsfs.h: NS_GET_NSTYPE _IO(0xb7, 0x3).
+    const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
+    let fd = file.as_raw_fd();
+    // SAFETY: statfs is plain data filled in by the kernel.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid fd and a pointer to a statfs.
+    if unsafe { libc::fstatfs(fd, &mut fs) } != 0 {
+        return Ok(s.to_owned());
+    }
+    let not_ns = || {
+        format!(
+            "not a network namespace ({} is not a namespace file): give a name under /run/netns or a path like /proc/PID/ns/net",
+            path.display()
+        )
+    };
+    if fs.f_type as i64 != NSFS_MAGIC {
+        return Err(not_ns());
+    }
+    // SAFETY: an ioctl without arguments on a valid fd.
+    let kind = unsafe { libc::ioctl(fd, NS_GET_NSTYPE as _) };
+    if kind >= 0 && kind != libc::CLONE_NEWNET {
+        return Err(
+            "another kind of namespace, not a network namespace: give a name under /run/netns or a path like /proc/PID/ns/net"
+                .to_owned(),
+        );
+    }
+    Ok(s.to_owned())
 }
 
 fn parse_ringbuf_kib(s: &str) -> Result<u32, String> {

@@ -48,7 +48,7 @@ pub(super) fn node_state(lab: &Lab) -> String {
     state
 }
 
-fn assert_objects_gone(objects: &[(BpfKind, u32)], what: &str) {
+pub(super) fn assert_objects_gone(objects: &[(BpfKind, u32)], what: &str) {
     // Programs and maps are freed after an RCU grace period / from a workqueue.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {

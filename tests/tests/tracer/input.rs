@@ -83,3 +83,96 @@ fn root_running_without_root_is_one_line_and_exit_2() {
     let _ = std::fs::remove_dir_all(&dir);
     assert_one_line_exit_2(&out, &["root", "cap_", "privilege", "permission"]);
 }
+
+#[test]
+fn non_unicast_service_addresses_are_one_line_and_exit_2() {
+    for (svc, what) in [
+        ("0.0.0.0", "unspecified"),
+        ("0.0.0.0:80", "unspecified"),
+        ("0.1.2.3", "unspecified"),
+        ("255.255.255.255", "broadcast"),
+        ("224.0.0.1:53", "multicast"),
+        ("239.255.255.250", "multicast"),
+        ("240.1.2.3", "reserved"),
+    ] {
+        let out = nattrace_cmd()
+            .args(["--svc", svc, "--duration", "1"])
+            .output()
+            .expect("running nattrace");
+        assert_one_line_exit_2(&out, &[what]);
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(svc),
+            "names {svc}: {out:?}"
+        );
+    }
+}
+
+#[test]
+fn duration_zero_says_what_is_allowed() {
+    for bad in ["0", "0.0", "-3", "604801"] {
+        let out = nattrace_cmd()
+            .args(["--svc", "100.67.30.133:80", "--duration", bad])
+            .output()
+            .expect("running nattrace");
+        assert_one_line_exit_2(&out, &["more than 0 and at most 604800 seconds"]);
+        let line = String::from_utf8_lossy(&out.stderr);
+        assert!(!line.contains("between 0"), "{line}");
+    }
+}
+
+/// No root needed: the check runs before anything else. With root it must
+/// still be one line (no WARN log lines from entering a non-namespace).
+#[test]
+fn netns_that_is_not_a_network_namespace_is_one_line_and_exit_2() {
+    for (path, mentions) in [
+        ("/tmp", "not a network namespace"),
+        ("/etc/hostname", "not a network namespace"),
+        ("/proc/self/ns/mnt", "another kind of namespace"),
+    ] {
+        if !std::path::Path::new(path).exists() {
+            continue;
+        }
+        let out = nattrace_cmd()
+            .args([
+                "--svc",
+                "100.67.30.133:80",
+                "--netns",
+                path,
+                "--duration",
+                "1",
+            ])
+            .output()
+            .expect("running nattrace");
+        assert_one_line_exit_2(&out, &[mentions]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("WARN"), "{stderr}");
+        for sub in ["doctor", "cleanup"] {
+            let out = nattrace_cmd()
+                .args([sub, "--netns", path])
+                .output()
+                .expect("running nattrace");
+            assert_one_line_exit_2(&out, &[mentions]);
+        }
+    }
+}
+
+/// A FIFO nobody reads would block open(2) forever: refused before
+/// anything is attached.
+#[test]
+fn root_output_fifo_without_a_reader_is_one_line_and_exit_2() {
+    require_root!();
+    let dir = std::env::temp_dir().join(format!("nattrace-fifo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let fifo = dir.join("out");
+    let _ = std::fs::remove_file(&fifo);
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
+    for opt in ["--write", "--pcap"] {
+        let out = nattrace_cmd()
+            .args(["--svc", "100.67.30.133:80", "--duration", "1", opt])
+            .arg(&fifo)
+            .output()
+            .expect("running nattrace");
+        assert_one_line_exit_2(&out, &["fifo no process has open for reading"]);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

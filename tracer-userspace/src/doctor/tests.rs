@@ -107,3 +107,29 @@ fn hairpin_off_strict_rp_filter_and_no_kube_proxy_are_warnings() {
     assert!(r.one_line().contains("hairpin=off on veth1 (warning)"));
     assert!(r.findings.iter().all(|f| f.check != "masquerade_all"));
 }
+
+#[test]
+fn the_one_line_stays_short_with_hundreds_of_interfaces() {
+    let mut i = healthy();
+    for n in 0..302 {
+        i.interfaces
+            .push(port(10 + n, &format!("veth{n:08x}"), false));
+        i.rp_filter.push((format!("veth{n:08x}"), 1));
+    }
+    let r = assess(&i);
+    let line = r.one_line();
+    // Interface names are at most 15 bytes (IFNAMSIZ): bounded whatever the node.
+    assert!(line.len() < 400, "{} chars: {line}", line.len());
+    assert!(
+        line.contains("hairpin=off on veth00000000,veth00000001,veth00000002 and 299 more"),
+        "{line}"
+    );
+    assert!(line.contains("rp_filter=strict on "), "{line}");
+    // The full lists stay in the findings' messages (`nattrace doctor`).
+    let hairpin = r
+        .findings
+        .iter()
+        .find(|f| f.check == "hairpin_mode")
+        .unwrap();
+    assert!(hairpin.message.contains("veth0000012d"));
+}

@@ -82,6 +82,8 @@ struct JsonSummary<'a> {
     kind: &'static str,
     #[serde(flatten)]
     summary: &'a Summary,
+    /// Lines a live session dropped because stdout was not read fast enough.
+    dropped_output_lines: u64,
 }
 
 pub struct JsonOutput<W: io::Write> {
@@ -133,16 +135,24 @@ impl<W: io::Write> JsonOutput<W> {
         self.out.flush()
     }
 
-    pub fn summary(&mut self, s: &Summary) -> io::Result<()> {
+    /// `dropped_lines`: output lines a live session dropped because stdout
+    /// was not read fast enough.
+    pub fn summary(&mut self, s: &Summary, dropped_lines: u64) -> io::Result<()> {
         serde_json::to_writer(
             &mut self.out,
             &JsonSummary {
                 kind: "summary",
                 summary: s,
+                dropped_output_lines: dropped_lines,
             },
         )?;
         self.out.write_all(b"\n")?;
         self.out.flush()
+    }
+
+    /// The target, for lines that are not flows (the preamble).
+    pub fn writer(&mut self) -> &mut W {
+        &mut self.out
     }
 
     pub fn into_inner(self) -> W {

@@ -3,6 +3,7 @@
 //! so the live run and a later offline analysis print the same thing.
 pub mod json;
 pub mod pcapng;
+pub mod queue;
 pub mod sink;
 pub mod text;
 

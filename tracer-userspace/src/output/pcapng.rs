@@ -109,6 +109,11 @@ impl<W: io::Write> PcapngOutput<W> {
         Ok(())
     }
 
+    /// The target the blocks are written to.
+    pub fn writer(&mut self) -> &mut W {
+        self.writer.get_mut()
+    }
+
     pub fn flush(&mut self) -> io::Result<()> {
         self.writer.get_mut().flush()
     }

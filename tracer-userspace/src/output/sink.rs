@@ -1,12 +1,22 @@
 //! Where decided flows go, the same for a live session and `nattrace
 //! analyze`: stdout as text or JSON lines, and optionally a pcapng file.
+//! Both are written by threads of their own through bounded queues
+//! ([`super::queue`]), so a reader that stops reading never stalls the
+//! caller: a live session drops (and counts) what does not fit, `analyze`
+//! waits for room.
 use std::{
     fs::File,
-    io::{self, BufWriter, Write},
+    io::{self, Write},
     path::{Path, PathBuf},
+    time::{Duration, Instant},
 };
 
-use super::{json::JsonOutput, pcapng::PcapngOutput, text::TextOutput};
+use super::{
+    json::JsonOutput,
+    pcapng::PcapngOutput,
+    queue::{self, Overflow, QueueWriter, WriteQueue},
+    text::TextOutput,
+};
 use crate::{
     collector::{FlowReport, Summary, Verdict},
     recording::Header,
@@ -23,62 +33,115 @@ pub enum OutputFormat {
 pub struct Outcome {
     pub flows: usize,
     pub problem_flows: usize,
+    /// Tracing stopped because it could not go on (the namespace was
+    /// deleted); what was decided until then was printed.
+    pub aborted: bool,
 }
 
 impl Outcome {
-    /// 0 = every flow fine, 1 = at least one flow not `ok`.
+    /// 0 = every flow fine, 1 = at least one flow not `ok`, 2 = aborted.
     pub fn exit_status(&self) -> u8 {
+        if self.aborted {
+            return 2;
+        }
         u8::from(self.problem_flows > 0)
     }
 }
 
-/// Buffered, flushed once per batch of flows: stdout is line-buffered, and
-/// a write(2) per flow (plus waking whoever reads the pipe) is most of the
-/// output's cost at thousands of flows per second.
-type Buffered = BufWriter<io::Stdout>;
+/// How much output a live session holds for a reader that is not keeping
+/// up: minutes of flows at a busy node's rate, and a bound on memory.
+pub const STDOUT_QUEUE_BYTES: usize = 16 << 20;
+/// pcapng blocks carry every hop of every packet: more per flow.
+pub const PCAP_QUEUE_BYTES: usize = 64 << 20;
+
+/// Tests shrink the queues to make them overflow with little traffic.
+pub fn queue_bytes(default: usize) -> usize {
+    std::env::var("NATTRACE_TEST_QUEUE_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
 
 enum Stdout {
-    Text(TextOutput<Buffered>),
-    Json(JsonOutput<Buffered>),
+    Text(TextOutput<QueueWriter>),
+    Json(JsonOutput<QueueWriter>),
+}
+
+impl Stdout {
+    fn writer(&mut self) -> &mut QueueWriter {
+        match self {
+            Stdout::Text(out) => out.writer(),
+            Stdout::Json(out) => out.writer(),
+        }
+    }
 }
 
 pub struct Outputs {
     format: OutputFormat,
     stdout: Stdout,
-    pcap: Option<(PathBuf, PcapngOutput<BufWriter<File>>)>,
+    overflow: Overflow,
+    pcap: Option<(PathBuf, PcapngOutput<QueueWriter>)>,
     pub outcome: Outcome,
-}
-
-fn buffered() -> Buffered {
-    BufWriter::with_capacity(256 * 1024, io::stdout())
+    warned_drops: bool,
+    warnings: Vec<String>,
 }
 
 impl Outputs {
-    pub fn new(format: OutputFormat, color: bool, verbose: bool) -> Self {
+    /// `overflow`: [`Overflow::Drop`] for a live session (never wait for
+    /// the reader), [`Overflow::Block`] for `analyze`.
+    pub fn new(
+        format: OutputFormat,
+        color: bool,
+        verbose: bool,
+        overflow: Overflow,
+    ) -> io::Result<Self> {
+        let target = Box::new(queue::stdout_file()?);
+        let queue = WriteQueue::spawn("stdout", target, queue_bytes(STDOUT_QUEUE_BYTES), overflow)?;
+        let out = QueueWriter::new(queue);
         let stdout = match format {
-            OutputFormat::Text => Stdout::Text(TextOutput::new(buffered(), color, verbose)),
-            OutputFormat::Json => Stdout::Json(JsonOutput::new(buffered(), verbose)),
+            OutputFormat::Text => Stdout::Text(TextOutput::new(out, color, verbose)),
+            OutputFormat::Json => Stdout::Json(JsonOutput::new(out, verbose)),
         };
-        Self {
+        Ok(Self {
             format,
             stdout,
+            overflow,
             pcap: None,
             outcome: Outcome::default(),
-        }
+            warned_drops: false,
+            warnings: Vec::new(),
+        })
     }
 
     /// Also write every decided flow's packets to `path` as pcapng.
     pub fn pcap(&mut self, path: &Path, header: &Header) -> io::Result<()> {
-        let file = File::create(path).map_err(|e| {
+        let file = queue::create_output(path).map_err(|e| {
             io::Error::new(e.kind(), format!("cannot create {}: {e}", path.display()))
         })?;
+        self.pcap_file(file, path, header)
+    }
+
+    /// [`pcap`](Self::pcap) to a file opened already (before attaching).
+    pub fn pcap_file(&mut self, file: File, path: &Path, header: &Header) -> io::Result<()> {
+        // Dropping a pcapng block could orphan an interface: a pcap that
+        // falls behind is given up whole, with a warning.
+        let overflow = match self.overflow {
+            Overflow::Drop => Overflow::Abandon,
+            other => other,
+        };
+        let queue = WriteQueue::spawn(
+            "pcap",
+            Box::new(file),
+            queue_bytes(PCAP_QUEUE_BYTES),
+            overflow,
+        )?;
         let description = format!(
             "nattrace trace of {} in netns {} ({} backend)",
             header.services.join(", "),
             header.facts.netns_name,
             header.backend
         );
-        let out = PcapngOutput::new(BufWriter::new(file), header.clock.clone(), &description)
+        let out = PcapngOutput::new(QueueWriter::new(queue), header.clock.clone(), &description)
             .map_err(|e| io::Error::other(format!("writing {}: {e}", path.display())))?;
         self.pcap = Some((path.to_owned(), out));
         Ok(())
@@ -96,6 +159,11 @@ impl Outputs {
             }
             self.pcap_flow(report);
         }
+        if let Some((_, out)) = self.pcap.as_mut()
+            && let Err(e) = out.flush()
+        {
+            self.pcap_failed(&e.to_string());
+        }
         match &mut self.stdout {
             Stdout::Text(out) => out.flush(),
             Stdout::Json(out) => out.flush(),
@@ -103,27 +171,76 @@ impl Outputs {
     }
 
     pub fn summary(&mut self, summary: &Summary) -> io::Result<()> {
-        if let Some((path, out)) = self.pcap.as_mut()
+        if let Some((_, out)) = self.pcap.as_mut()
             && let Err(e) = out.flush()
         {
-            eprintln!("nattrace: warning: writing {} failed: {e}", path.display());
+            self.pcap_failed(&e.to_string());
         }
+        let dropped = self.dropped_lines();
         match &mut self.stdout {
-            Stdout::Text(out) => out.summary(summary),
-            Stdout::Json(out) => out.summary(summary),
+            Stdout::Text(out) => out.summary(summary, dropped),
+            Stdout::Json(out) => out.summary(summary, dropped),
         }
+    }
+
+    /// Output lines dropped so far because stdout was not read fast enough.
+    pub fn dropped_lines(&mut self) -> u64 {
+        self.stdout.writer().queue().dropped_lines()
+    }
+
+    /// Warnings for stderr (the caller decides how to print them without
+    /// blocking): a pcap given up, and once, output lines being dropped.
+    pub fn take_warnings(&mut self) -> Vec<String> {
+        if !self.warned_drops && self.dropped_lines() > 0 {
+            self.warned_drops = true;
+            self.warnings.push(format!(
+                "stdout is not being read fast enough: dropping output lines beyond {} KiB queued (counted in the summary)",
+                queue_bytes(STDOUT_QUEUE_BYTES) >> 10
+            ));
+        }
+        std::mem::take(&mut self.warnings)
+    }
+
+    /// Waits for stdout and the pcap to be written, at most until
+    /// `deadline` and no longer than `stall` without progress; returns a
+    /// warning per target left unwritten.
+    pub fn drain(&mut self, deadline: Instant, stall: Duration) -> Vec<String> {
+        let mut warnings = Vec::new();
+        let _ = self.stdout.writer().flush();
+        let d = self.stdout.writer().queue().drain(deadline, stall);
+        if !d.done {
+            warnings.push(format!(
+                "stdout is not being read: {} output lines were not written",
+                d.unwritten_lines
+            ));
+        }
+        if let Some((path, out)) = self.pcap.as_mut() {
+            let _ = out.flush();
+            if !out.writer().queue().drain(deadline, stall).done {
+                warnings.push(format!(
+                    "{} is not being read: the pcapng file is incomplete",
+                    path.display()
+                ));
+            }
+        }
+        warnings
     }
 
     /// A failing pcap (full disk) must not stop the trace: warn once, go on without it.
     fn pcap_flow(&mut self, report: &FlowReport) {
-        if let Some((path, out)) = self.pcap.as_mut()
+        if let Some((_, out)) = self.pcap.as_mut()
             && let Err(e) = out.flow(report)
         {
-            eprintln!(
-                "nattrace: warning: writing {} failed ({e}); no longer writing it",
+            self.pcap_failed(&e.to_string());
+        }
+    }
+
+    fn pcap_failed(&mut self, why: &str) {
+        if let Some((path, _)) = self.pcap.take() {
+            self.warnings.push(format!(
+                "writing {} failed ({why}); no longer writing it",
                 path.display()
-            );
-            self.pcap = None;
+            ));
         }
     }
 
@@ -131,8 +248,9 @@ impl Outputs {
     /// traced and how. From the header, so `analyze` prints the same.
     pub fn preamble(&mut self, h: &Header) -> io::Result<()> {
         let facts = &h.facts;
-        let mut stdout = io::stdout().lock();
-        match self.format {
+        let format = self.format;
+        let stdout = self.stdout.writer();
+        match format {
             OutputFormat::Text => {
                 let bridge_nf = match facts.bridge_nf_call_iptables {
                     Some(true) => "1",

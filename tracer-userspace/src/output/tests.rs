@@ -18,7 +18,7 @@ fn text(reports: &[FlowReport], summary: &Summary, color: bool, verbose: bool) -
     for r in reports {
         out.flow(r).unwrap();
     }
-    out.summary(summary).unwrap();
+    out.summary(summary, 0).unwrap();
     String::from_utf8(out.into_inner()).unwrap()
 }
 
@@ -73,7 +73,7 @@ fn json_lines_have_the_documented_fields() {
     for r in &reports {
         out.flow(r).unwrap();
     }
-    out.summary(&summary).unwrap();
+    out.summary(&summary, 0).unwrap();
     let text = String::from_utf8(out.into_inner()).unwrap();
     let lines: Vec<serde_json::Value> = text
         .lines()
@@ -235,4 +235,174 @@ fn text_names_interfaces_of_pods_and_new_ones() {
         "{bare}"
     );
     assert!(!bare.contains(" eth0 "), "{bare}");
+}
+
+mod queue {
+    use std::{
+        io::{self, Write},
+        sync::mpsc,
+        time::{Duration, Instant},
+    };
+
+    use crate::output::queue::{Overflow, QueueWriter, WriteQueue};
+
+    /// A reader that reads nothing until told to: every write blocks.
+    struct Stalled(mpsc::Receiver<()>, mpsc::Sender<Vec<u8>>);
+
+    impl Write for Stalled {
+        fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+            let _ = self.0.recv();
+            let _ = self.1.send(data.to_vec());
+            Ok(data.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn stalled(
+        limit: usize,
+        overflow: Overflow,
+    ) -> (QueueWriter, mpsc::Sender<()>, mpsc::Receiver<Vec<u8>>) {
+        let (go, wait) = mpsc::channel();
+        let (tx, written) = mpsc::channel();
+        let q = WriteQueue::spawn("test", Box::new(Stalled(wait, tx)), limit, overflow).unwrap();
+        (QueueWriter::new(q), go, written)
+    }
+
+    #[test]
+    fn a_stalled_reader_never_blocks_the_writer_and_drops_are_counted() {
+        let (mut out, go, written) = stalled(1000, Overflow::Drop);
+        let started = Instant::now();
+        for i in 0..1000 {
+            writeln!(out, "flow line {i:04} with some text to take room").unwrap();
+            out.flush().unwrap();
+        }
+        assert!(started.elapsed() < Duration::from_secs(1));
+        // The first line is being written (blocked), ~20 more fit, the rest is dropped.
+        let dropped = out.queue().dropped_lines();
+        assert!((950..1000).contains(&dropped), "{dropped}");
+        let d = out.queue().drain(
+            Instant::now() + Duration::from_millis(100),
+            Duration::from_secs(5),
+        );
+        assert!(!d.done);
+        assert_eq!(d.unwritten_lines + dropped, 1000);
+        // Once the reader reads, what was kept arrives whole and in order.
+        drop(go);
+        let d = out.queue().drain(
+            Instant::now() + Duration::from_secs(5),
+            Duration::from_secs(5),
+        );
+        assert!(d.done);
+        let text: Vec<u8> = written.try_iter().flatten().collect();
+        let text = String::from_utf8(text).unwrap();
+        assert!(text.starts_with("flow line 0000 "));
+        assert!(
+            text.lines()
+                .all(|l| l.starts_with("flow line ") && l.ends_with("room"))
+        );
+        assert_eq!(text.lines().count() as u64, 1000 - dropped);
+    }
+
+    #[test]
+    fn a_stall_ends_draining_without_a_deadline() {
+        let (mut out, _go, _written) = stalled(1 << 20, Overflow::Drop);
+        writeln!(out, "one").unwrap();
+        writeln!(out, "two").unwrap();
+        out.flush().unwrap();
+        let started = Instant::now();
+        let d = out.queue().drain(
+            Instant::now() + Duration::from_secs(3600),
+            Duration::from_millis(200),
+        );
+        assert!(!d.done);
+        assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    #[test]
+    fn abandon_gives_the_target_up_and_block_waits() {
+        let (mut out, _go, _written) = stalled(100, Overflow::Abandon);
+        let mut failed = false;
+        for _ in 0..20 {
+            if writeln!(out, "0123456789012345678901234567890123456789")
+                .and_then(|()| out.flush())
+                .is_err()
+            {
+                failed = true;
+                break;
+            }
+        }
+        assert!(failed, "a pcap that falls behind is given up");
+        assert!(out.queue().check().is_err());
+
+        let (mut out, go, written) = stalled(100, Overflow::Block);
+        let writer = std::thread::spawn(move || {
+            for i in 0..50 {
+                writeln!(out, "line {i:02} 0123456789012345678901234567890").unwrap();
+                out.flush().unwrap();
+            }
+            out
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!writer.is_finished(), "blocks while the reader stalls");
+        drop(go);
+        let out = writer.join().unwrap();
+        assert!(
+            out.queue()
+                .drain(
+                    Instant::now() + Duration::from_secs(5),
+                    Duration::from_secs(5)
+                )
+                .done
+        );
+        assert_eq!(out.queue().dropped_lines(), 0);
+        let text: Vec<u8> = written.try_iter().flatten().collect();
+        assert_eq!(String::from_utf8(text).unwrap().lines().count(), 50);
+    }
+
+    #[test]
+    fn a_write_error_is_reported_on_the_next_flush() {
+        struct Broken;
+        impl Write for Broken {
+            fn write(&mut self, _: &[u8]) -> io::Result<usize> {
+                Err(io::Error::from(io::ErrorKind::BrokenPipe))
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let q = WriteQueue::spawn("broken", Box::new(Broken), 1000, Overflow::Drop).unwrap();
+        let mut out = QueueWriter::new(q);
+        writeln!(out, "x").unwrap();
+        out.flush().unwrap();
+        out.queue().drain(
+            Instant::now() + Duration::from_secs(5),
+            Duration::from_secs(5),
+        );
+        writeln!(out, "y").unwrap();
+        assert_eq!(out.flush().unwrap_err().kind(), io::ErrorKind::BrokenPipe);
+    }
+}
+
+#[test]
+fn dropped_output_lines_are_in_the_summary() {
+    let (reports, summary) = decide(&fixtures::seed000_same_node(true), true);
+    let mut out = TextOutput::new(Vec::new(), false, false);
+    out.summary(&summary, 0).unwrap();
+    out.summary(&summary, 42).unwrap();
+    let text = String::from_utf8(out.into_inner()).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(!lines[0].contains("output lines dropped"), "{}", lines[0]);
+    assert!(
+        lines[1].ends_with("; output lines dropped (stdout not read fast enough): 42"),
+        "{}",
+        lines[1]
+    );
+    let mut out = JsonOutput::new(Vec::new(), false);
+    out.summary(&summary, 42).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.into_inner()).unwrap();
+    assert_eq!(v["kind"], "summary");
+    assert_eq!(v["dropped_output_lines"], 42);
+    assert_eq!(v["flows"], reports.len());
 }

@@ -27,6 +27,11 @@ impl<W: io::Write> TextOutput<W> {
         }
     }
 
+    /// The target, for lines that are not flows (the preamble).
+    pub fn writer(&mut self) -> &mut W {
+        &mut self.out
+    }
+
     pub fn into_inner(self) -> W {
         self.out
     }
@@ -150,7 +155,9 @@ impl<W: io::Write> TextOutput<W> {
         self.out.flush()
     }
 
-    pub fn summary(&mut self, s: &Summary) -> io::Result<()> {
+    /// `dropped_lines`: output lines a live session dropped because stdout
+    /// was not read fast enough.
+    pub fn summary(&mut self, s: &Summary, dropped_lines: u64) -> io::Result<()> {
         let by = Verdict::ALL
             .iter()
             .map(|v| format!("{} {}", v.as_str(), s.by_verdict.get(*v)))
@@ -161,6 +168,11 @@ impl<W: io::Write> TextOutput<W> {
             line.push_str(&format!(", {} incomplete", s.incomplete_flows));
         }
         line.push_str(&format!("; lost events: {}", s.lost_events));
+        if dropped_lines > 0 {
+            line.push_str(&format!(
+                "; output lines dropped (stdout not read fast enough): {dropped_lines}"
+            ));
+        }
         if s.foreign_flows > 0 {
             line.push_str(&format!(
                 "; {} flows of other namespaces ignored",

@@ -344,6 +344,13 @@ impl TcAttachments {
         out
     }
 
+    /// Closing a tcx link costs one RCU grace period under the RTNL lock
+    /// (kernel/bpf/tcx.c tcx_link_release: rtnl_lock, bpf_mprog_detach,
+    /// tcx_entry_sync = synchronize_rcu, rtnl_unlock), so links close one at
+    /// a time whatever we do: closing 612 links (306 interfaces) took 9.2 s
+    /// from one thread and 8.4 s from eight on this 2-core VM (~14 ms each).
+    /// Exiting without closing them would leave the same work to the kernel
+    /// at exit, so nattrace waits; the session writes its output meanwhile.
     pub fn detach_all(&mut self) {
         if let Some(p) = &self.pending {
             p.cancel.store(true, Ordering::Relaxed);

@@ -15,7 +15,7 @@ mod tests;
 
 use std::{
     fs::File,
-    io::{self, BufWriter, Write},
+    io::{self, Write},
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
@@ -27,6 +27,7 @@ pub use self::reader::{MAX_LINE_BYTES, ReadProblem, Reader, Record};
 use crate::{
     collector::{CollectorConfig, DropReasons},
     facts::NodeFacts,
+    output::queue::{self, Overflow, QueueWriter, WriteQueue},
     probes::KernelStats,
     ruleset::KubeProxyRules,
     service::Service,
@@ -204,15 +205,26 @@ pub enum RecordingError {
     Write(io::Error),
 }
 
-/// Appends a session to a recording file. Write errors and the size cap
-/// stop the recording, never the trace: [`warn`](Self::take_warning) says so once.
+/// How far the disk (or whatever reads a FIFO) may fall behind before
+/// events are dropped from the recording (and counted as lost in it).
+pub const QUEUE_BYTES: usize = 64 << 20;
+
+/// Appends a session to a recording file, through a bounded queue written by
+/// its own thread (a slow disk or FIFO never stalls the session). Write
+/// errors and the size cap stop the recording, never the trace; lines that
+/// do not fit in the queue are dropped and counted as lost events in the
+/// following `stats` lines, so `analyze` marks the affected flows incomplete.
+/// [`take_warning`](Self::take_warning) says so once.
 pub struct RecordingWriter {
-    out: Option<BufWriter<File>>,
+    out: Option<QueueWriter>,
+    /// `out` after the recording stopped (cap, error): still drained at exit.
+    retired: Option<QueueWriter>,
     path: PathBuf,
     written: u64,
     limit: Option<u64>,
     last_flush: Instant,
     warning: Option<String>,
+    warned_drops: bool,
 }
 
 impl RecordingWriter {
@@ -221,20 +233,40 @@ impl RecordingWriter {
         header: &Header,
         limit_bytes: Option<u64>,
     ) -> Result<Self, RecordingError> {
-        let file = File::create(path).map_err(|error| RecordingError::Create {
+        let file = queue::create_output(path).map_err(|error| RecordingError::Create {
             path: path.to_owned(),
             error,
         })?;
+        Self::from_file(file, path, header, limit_bytes)
+    }
+
+    /// [`create`](Self::create) with a file opened already (before attaching,
+    /// so a bad path fails before anything is touched).
+    pub fn from_file(
+        file: File,
+        path: &Path,
+        header: &Header,
+        limit_bytes: Option<u64>,
+    ) -> Result<Self, RecordingError> {
+        let queue = WriteQueue::spawn(
+            "recording",
+            Box::new(file),
+            crate::output::sink::queue_bytes(QUEUE_BYTES),
+            Overflow::Drop,
+        )
+        .map_err(RecordingError::Write)?;
         let mut w = Self {
-            out: Some(BufWriter::with_capacity(256 * 1024, file)),
+            out: Some(QueueWriter::new(queue)),
+            retired: None,
             path: path.to_owned(),
             written: 0,
             limit: limit_bytes,
             last_flush: Instant::now(),
             warning: None,
+            warned_drops: false,
         };
         w.line(&Line::Header(Box::new(header.clone())));
-        // The header is what makes the file readable at all: on disk now.
+        // The header is what makes the file readable at all: out first.
         w.flush();
         match w.warning.take() {
             Some(why) => Err(RecordingError::Write(io::Error::other(why))),
@@ -256,6 +288,7 @@ impl RecordingWriter {
 
     /// At every collector tick; also where the ≤ 1 s flush happens.
     pub fn stats(&mut self, line: StatsLine) {
+        let line = self.with_dropped(line);
         self.line(&Line::Stats(line));
         if self.last_flush.elapsed() >= FLUSH_EVERY {
             self.flush();
@@ -263,19 +296,57 @@ impl RecordingWriter {
     }
 
     pub fn end(&mut self, line: StatsLine) {
+        let line = self.with_dropped(line);
         self.line(&Line::End(line));
         self.flush();
     }
 
-    /// A one-line warning, once, when the recording stopped (cap or error).
+    /// Lines dropped from the recording (queue full) are events missing
+    /// from it: to a reader, lost events.
+    fn with_dropped(&self, mut line: StatsLine) -> StatsLine {
+        line.lost_events += self.dropped_lines();
+        line
+    }
+
+    /// Lines dropped because the target did not keep up.
+    pub fn dropped_lines(&self) -> u64 {
+        self.out.as_ref().map_or(0, |o| o.queue().dropped_lines())
+    }
+
+    /// A one-line warning, once per cause: the recording stopped (cap or
+    /// error), or lines were dropped.
     pub fn take_warning(&mut self) -> Option<String> {
+        if let Some(Err(e)) = self.out.as_ref().map(|o| o.queue().check()) {
+            self.fail(e);
+        }
+        if self.warning.is_none() && !self.warned_drops && self.dropped_lines() > 0 {
+            self.warned_drops = true;
+            return Some(format!(
+                "recording {} is not being written fast enough: dropping events beyond {} KiB queued (recorded as lost events)",
+                self.path.display(),
+                crate::output::sink::queue_bytes(QUEUE_BYTES) >> 10
+            ));
+        }
         self.warning.take()
+    }
+
+    /// Waits until what was recorded is written, at most until `deadline`
+    /// and no longer than `stall` without progress. False if it gave up.
+    pub fn drain(&mut self, deadline: Instant, stall: Duration) -> bool {
+        let mut done = true;
+        for out in [self.out.as_mut(), self.retired.as_mut()]
+            .into_iter()
+            .flatten()
+        {
+            let _ = out.flush();
+            done &= out.queue().drain(deadline, stall).done;
+        }
+        done
     }
 
     pub fn bytes_written(&self) -> u64 {
         self.written
     }
-
     fn line(&mut self, line: &Line) {
         let Some(out) = self.out.as_mut() else {
             return;
@@ -293,7 +364,7 @@ impl RecordingWriter {
             let mut marker = serde_json::to_vec(&capped).unwrap_or_default();
             marker.push(b'\n');
             let _ = out.write_all(&marker).and_then(|()| out.flush());
-            self.out = None;
+            self.retired = self.out.take();
             self.warning = Some(format!(
                 "recording {} reached the --write-max-mb limit ({} bytes): no longer recording, still tracing",
                 self.path.display(),
@@ -317,7 +388,7 @@ impl RecordingWriter {
     }
 
     fn fail(&mut self, e: io::Error) {
-        self.out = None;
+        self.retired = self.out.take();
         self.warning = Some(format!(
             "writing recording {} failed ({e}): no longer recording, still tracing",
             self.path.display()

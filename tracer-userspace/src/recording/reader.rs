@@ -1,6 +1,8 @@
 //! Reading a recording that may be cut short, corrupt, from another version,
-//! or crafted: every line is bounded, nothing panics, and the first line
-//! that does not make sense ends the reading with a [`ReadProblem`].
+//! or crafted: every line is bounded and nothing panics. A line that does
+//! not make sense (a block of NUL bytes after a crash, wrong types, an
+//! overlong line) is skipped and counted, and reading goes on; only the end
+//! of the input before the `end` record stops it with a [`ReadProblem`].
 use std::{
     fs::File,
     io::{self, BufRead, BufReader, Read},
@@ -43,6 +45,10 @@ pub struct Reader<R> {
     finished: bool,
     /// Lines of a kind this version does not know (a newer writer): skipped.
     pub unknown_lines: u64,
+    /// Lines that are not valid records: skipped.
+    pub skipped_lines: u64,
+    /// The first of them, and why.
+    pub first_skipped: Option<ReadProblem>,
     /// The header's format version when newer than [`VERSION`].
     pub newer_version: Option<u32>,
 }
@@ -86,6 +92,8 @@ impl<R: BufRead> Reader<R> {
             problem: None,
             finished: false,
             unknown_lines: 0,
+            skipped_lines: 0,
+            first_skipped: None,
             newer_version: None,
         };
         match r.raw_line() {
@@ -142,6 +150,31 @@ impl<R: BufRead> Reader<R> {
         Ok(Raw::Partial)
     }
 
+    /// After [`Raw::TooLong`]: reads up to the end of that line without keeping it.
+    fn skip_rest_of_line(&mut self) -> io::Result<()> {
+        loop {
+            self.buf.clear();
+            let n = (&mut self.inner)
+                .take(1 << 20)
+                .read_until(b'\n', &mut self.buf)?;
+            if n == 0 || self.buf.last() == Some(&b'\n') {
+                self.buf.clear();
+                return Ok(());
+            }
+        }
+    }
+
+    /// Counts a line that is not a valid record and goes on.
+    fn skip(&mut self, why: impl Into<String>) {
+        self.skipped_lines += 1;
+        if self.first_skipped.is_none() {
+            self.first_skipped = Some(ReadProblem {
+                line: self.line_no,
+                why: why.into(),
+            });
+        }
+    }
+
     fn stop(&mut self, why: impl Into<String>) -> Option<Record> {
         self.finished = true;
         self.problem = Some(ReadProblem {
@@ -163,14 +196,35 @@ impl<R: BufRead> Reader<R> {
                     return self.stop("no end record (nattrace was killed or the file was cut)");
                 }
                 Ok(Raw::TooLong) => {
-                    return self.stop(format!("line longer than {MAX_LINE_BYTES} bytes"));
+                    if let Err(e) = self.skip_rest_of_line() {
+                        return self.stop(format!("read error: {e}"));
+                    }
+                    self.skip(format!("line longer than {MAX_LINE_BYTES} bytes"));
+                    continue;
                 }
                 Ok(Raw::Partial) => {
                     return self.stop("the last line is incomplete (the writer was cut off)");
                 }
                 Ok(Raw::Line) => {}
             }
+            // A crash can leave a block of NUL bytes where the file system
+            // had allocated but not written: a record may follow it on the
+            // same line.
+            let start = self
+                .buf
+                .iter()
+                .position(|&b| b != 0)
+                .unwrap_or(self.buf.len());
+            if start > 0 {
+                self.buf.drain(..start);
+            }
+            while self.buf.last() == Some(&0) {
+                self.buf.pop();
+            }
             if self.buf.iter().all(u8::is_ascii_whitespace) {
+                if start > 0 {
+                    self.skip("NUL bytes");
+                }
                 continue;
             }
             let line = match serde_json::from_slice::<Line>(&self.buf) {
@@ -178,31 +232,42 @@ impl<R: BufRead> Reader<R> {
                 Err(e) => {
                     if self.is_unknown_kind() {
                         self.unknown_lines += 1;
-                        continue;
+                    } else {
+                        self.skip(format!("not a valid record ({e})"));
                     }
-                    return self.stop(format!("not a valid record ({e})"));
+                    continue;
                 }
             };
             return match line {
-                Line::Event(ev) if ev.ts_ns >= MAX_TS_NS => self.stop("event time out of range"),
+                Line::Event(ev) if ev.ts_ns >= MAX_TS_NS => {
+                    self.skip("event time out of range");
+                    continue;
+                }
                 Line::Event(ev) => Some(Record::Event(ev)),
                 // Names only label output: an overlong one is cut, not fatal.
                 Line::Interface(mut i) => {
                     i.name = i.name.chars().take(64).collect();
                     Some(Record::Interface(i))
                 }
-                Line::Stats(s) if s.now_ns >= MAX_TS_NS => self.stop("stats time out of range"),
+                Line::Stats(s) if s.now_ns >= MAX_TS_NS => {
+                    self.skip("stats time out of range");
+                    continue;
+                }
                 Line::Stats(s) => Some(Record::Stats(s)),
-                Line::Header(_) => self.stop("a second header"),
+                Line::Header(_) => {
+                    self.skip("a second header");
+                    continue;
+                }
                 Line::Capped { bytes } => {
                     self.finished = true;
                     Some(Record::Capped { bytes })
                 }
+                Line::End(s) if s.now_ns >= MAX_TS_NS => {
+                    self.skip("end time out of range");
+                    continue;
+                }
                 Line::End(s) => {
                     self.finished = true;
-                    if s.now_ns >= MAX_TS_NS {
-                        return self.stop("end time out of range");
-                    }
                     Some(Record::End(s))
                 }
             };

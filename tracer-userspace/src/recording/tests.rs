@@ -39,7 +39,10 @@ fn temp(name: &str) -> PathBuf {
 /// Records the seed-000 fixture like a live session would (events, a stats
 /// line, end) and returns the file's bytes.
 fn record(limit: Option<u64>) -> (Vec<u8>, Option<String>) {
-    let path = temp(&format!("rec-{limit:?}"));
+    // Tests run in parallel: one file each.
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = temp(&format!("rec-{limit:?}-{n}"));
     let mut w = RecordingWriter::create(&path, &header(), limit).unwrap();
     let events = fixtures::seed000_same_node(false);
     let last = events.iter().map(|e| e.ts_ns).max().unwrap();
@@ -54,6 +57,8 @@ fn record(limit: Option<u64>) -> (Vec<u8>, Option<String>) {
         now_ns: fixtures::T0 + 10_000_000_000,
         ..Default::default()
     });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    assert!(w.drain(deadline, std::time::Duration::from_secs(10)));
     let warning = w.take_warning();
     let bytes = std::fs::read(&path).unwrap();
     let _ = std::fs::remove_file(&path);
@@ -214,12 +219,89 @@ proptest! {
 }
 
 #[test]
-fn an_overlong_line_stops_reading_without_buffering_it_all() {
-    let mut input = serde_json::to_vec(&Line::Header(Box::new(header()))).unwrap();
-    input.push(b'\n');
+fn an_overlong_line_is_skipped_without_buffering_it_all() {
+    let (bytes, _) = record(None);
+    let at = bytes.iter().position(|&b| b == b'\n').unwrap() + 1;
+    let mut input = bytes[..at].to_vec();
     input.extend(std::iter::repeat_n(b'x', MAX_LINE_BYTES + 10));
-    let (_, problem) = decide(&input);
-    assert!(problem.unwrap().why.contains("longer"));
+    input.push(b'\n');
+    input.extend_from_slice(&bytes[at..]);
+    let (reader, reports) = read_all(&input);
+    assert_eq!(reader.skipped_lines, 1);
+    assert!(
+        reader
+            .first_skipped
+            .as_ref()
+            .unwrap()
+            .why
+            .contains("longer")
+    );
+    assert_eq!(reader.problem(), None, "the end record was still read");
+    assert_eq!(reports.len(), 1);
+}
+
+type SliceReader<'a> = Reader<BufReader<Cursor<&'a [u8]>>>;
+
+/// Reads `input` to the end; the reader (for its counters) and the flows.
+fn read_all(input: &[u8]) -> (SliceReader<'_>, Vec<crate::collector::FlowReport>) {
+    let (mut reader, header) = Reader::new(BufReader::new(Cursor::new(input))).unwrap();
+    let mut c = Collector::new(header.collector_config().unwrap());
+    let mut out = Vec::new();
+    let mut end = 0;
+    for rec in reader.by_ref() {
+        match rec {
+            Record::Event(ev) => c.push(ev),
+            Record::Stats(s) => out.extend(c.tick(s.now_ns)),
+            Record::End(s) => end = s.now_ns,
+            Record::Interface(i) => c.learn_interface(i.netns, i.ifindex, &i.name),
+            Record::Capped { .. } => {}
+        }
+    }
+    out.extend(c.finish(end).0);
+    (reader, out)
+}
+
+#[test]
+fn a_block_of_nul_bytes_mid_file_is_skipped_and_reading_goes_on() {
+    let (bytes, _) = record(None);
+    let text = String::from_utf8(bytes.clone()).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines.len() > 6, "{}", lines.len());
+    // What a crash leaves: the middle of a line through the middle of the
+    // next one zeroed, in place (the file keeps its length).
+    let start = text.find(lines[3]).unwrap() + 10;
+    let end = text.find(lines[5]).unwrap() + 7;
+    let mut corrupt = bytes.clone();
+    corrupt[start..end].fill(0);
+    let (reader, reports) = read_all(&corrupt);
+    assert_eq!(reader.problem(), None, "read to the end record");
+    // The newlines between are zeroed too: lines[3..=5] are one line now.
+    assert_eq!(reader.skipped_lines, 1, "{:?}", reader.first_skipped);
+    assert_eq!(reader.first_skipped.as_ref().unwrap().line, 4);
+    assert_eq!(reports.len(), 1);
+    // A whole line of NULs before a record on the same line: the record is kept.
+    let mut padded = bytes[..text.find(lines[3]).unwrap()].to_vec();
+    padded.extend(std::iter::repeat_n(0u8, 4096));
+    padded.extend_from_slice(&bytes[text.find(lines[3]).unwrap()..]);
+    let (reader, reports) = read_all(&padded);
+    assert_eq!(reader.skipped_lines, 0);
+    let (_, expected) = read_all(&bytes);
+    assert_eq!(reports, expected);
+}
+
+#[test]
+fn lines_with_wrong_types_are_skipped_and_counted() {
+    let (bytes, _) = record(None);
+    let mut text = String::from_utf8(bytes).unwrap();
+    let at = text.find('\n').unwrap() + 1;
+    text.insert_str(
+        at,
+        "{\"kind\":\"event\",\"ts_ns\":\"yesterday\"}\n{\"kind\":\"stats\",\"now_ns\":-1}\n[1,2]\n",
+    );
+    let (reader, reports) = read_all(text.as_bytes());
+    assert_eq!(reader.skipped_lines, 3);
+    assert_eq!(reader.problem(), None);
+    assert_eq!(reports.len(), 1);
 }
 
 #[test]

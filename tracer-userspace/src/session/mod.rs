@@ -1,22 +1,28 @@
 //! One live tracing session: load the probes, feed their events to the
 //! collector, print each flow as its verdict is decided, stop on Ctrl-C,
 //! SIGTERM or `--duration`, then detach and summarise.
+mod watch;
+
 use std::{
     io,
     path::{Path, PathBuf},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use log::warn;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tracer_common::PacketEvent;
 
+use self::watch::{NetnsWatch, Notices};
 pub use crate::output::sink::{Outcome, OutputFormat};
 use crate::{
     collector::{Collector, DropReasons},
-    output::sink::Outputs,
+    output::{
+        queue::{self, Overflow},
+        sink::Outputs,
+    },
     probes::{
-        self, TraceError, TraceOptions, Tracer, cleanup,
+        self, KernelStats, TraceError, TraceOptions, Tracer, cleanup,
         ifnames::IfNameResolver,
         netns::{Netns, NetnsError},
         table::BackendChoice,
@@ -53,6 +59,8 @@ pub enum SessionError {
     #[error("writing output failed: {0}")]
     Output(io::Error),
     #[error("{0}")]
+    CreateOutput(io::Error),
+    #[error("{0}")]
     Recording(#[from] RecordingError),
 }
 
@@ -77,16 +85,54 @@ pub fn run(options: SessionOptions) -> Result<Outcome, SessionError> {
     runtime.block_on(run_async(options))
 }
 
+/// After a signal, everything (detach, last flows, summary) is done within
+/// this, whatever the reader of our output does.
+const EXIT_BUDGET: Duration = Duration::from_millis(700);
+/// Past this many interfaces detaching takes long enough to say so (two
+/// tcx links each, one RCU grace period per link: probes/tc.rs).
+const SLOW_DETACH_INTERFACES: usize = 64;
+/// Otherwise, the output is written as long as the reader keeps reading.
+const OUTPUT_STALL: Duration = Duration::from_secs(1);
+
+/// Why the event loop ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stop {
+    Signal,
+    Duration,
+    NetnsGone,
+}
+
 async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     // Before attaching: a Ctrl-C while attaching must still detach, which
     // the default disposition (exit without unwinding) would not.
     let mut sigint = signal(SignalKind::interrupt()).map_err(SessionError::Runtime)?;
     let mut sigterm = signal(SignalKind::terminate()).map_err(SessionError::Runtime)?;
-    match cleanup::remove_leftovers(options.netns.as_deref()) {
-        Ok(removed) if !removed.is_empty() => eprintln!(
-            "nattrace: removed what a killed nattrace left behind: {}",
-            removed.join("; ")
+    let mut notices = Notices::new();
+    // Output files are opened before anything is attached: a bad path (or a
+    // FIFO nobody reads) fails without touching the node.
+    let record_file = match &options.write {
+        Some(path) => Some(
+            queue::create_output(path).map_err(|error| RecordingError::Create {
+                path: path.clone(),
+                error,
+            })?,
         ),
+        None => None,
+    };
+    let pcap_file = match &options.pcap {
+        Some(path) => Some(queue::create_output(path).map_err(|e| {
+            SessionError::CreateOutput(io::Error::new(
+                e.kind(),
+                format!("cannot create {}: {e}", path.display()),
+            ))
+        })?),
+        None => None,
+    };
+    match cleanup::remove_leftovers(options.netns.as_deref()) {
+        Ok(removed) if !removed.is_empty() => notices.say(format_args!(
+            "removed what a killed nattrace left behind: {}",
+            summarize_removed(&removed)
+        )),
         Ok(_) => {}
         // Tracer::start reports a missing namespace in its one line.
         Err(NetnsError::NotFound { .. } | NetnsError::Open { .. }) => {}
@@ -98,21 +144,34 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         ringbuf_bytes: options.ringbuf_bytes,
         backend: options.backend,
     })?;
+    let watch = NetnsWatch::new(options.netns.as_deref());
     for skipped in tracer.skipped() {
-        eprintln!("nattrace: skipped {}: {}", skipped.program, skipped.reason);
+        notices.say(format_args!(
+            "skipped {}: {}",
+            skipped.program, skipped.reason
+        ));
     }
     let header = header(&options, &tracer);
-    let mut recorder = match &options.write {
-        Some(path) => Some(RecordingWriter::create(
+    let mut recorder = match (record_file, &options.write) {
+        (Some(file), Some(path)) => Some(RecordingWriter::from_file(
+            file,
             path,
             &header,
             options.write_max_bytes,
         )?),
-        None => None,
+        _ => None,
     };
-    let mut outputs = Outputs::new(options.format, options.color, options.verbose);
-    if let Some(path) = &options.pcap {
-        outputs.pcap(path, &header).map_err(SessionError::Output)?;
+    let mut outputs = Outputs::new(
+        options.format,
+        options.color,
+        options.verbose,
+        Overflow::Drop,
+    )
+    .map_err(SessionError::Output)?;
+    if let (Some(file), Some(path)) = (pcap_file, &options.pcap) {
+        outputs
+            .pcap_file(file, path, &header)
+            .map_err(SessionError::Output)?;
     }
     outputs.preamble(&header).map_err(SessionError::Output)?;
     let mut collector = Collector::new(header.collector_config()?);
@@ -144,7 +203,7 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         .and_then(|v| v.parse().ok())
         .map(Duration::from_millis);
 
-    loop {
+    let stop = loop {
         tokio::select! {
             res = tracer.next_events(&mut events) => {
                 if let Err(err) = res {
@@ -157,31 +216,37 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
             }
             _ = ticker.tick() => {
                 ticks += 1;
+                if watch.as_ref().is_some_and(NetnsWatch::gone) {
+                    break Stop::NetnsGone;
+                }
                 // The kernel wakes the reader only when the ring buffer is
                 // filling: read what is there before deciding by the clock.
                 tracer.drain(&mut events);
                 push(&mut collector, recorder.as_mut(), ifnames.as_mut(), &mut events);
                 let attached = tracer.collect_tc();
                 if attached > 0 {
-                    eprintln!("nattrace: tc now attached on {attached} more interfaces (their device tracepoints stood in until now)");
+                    notices.say(format_args!("tc now attached on {attached} more interfaces (their device tracepoints stood in until now)"));
                 }
                 let stats = tracer.stats();
                 if stats.ringbuf_full > last_lost {
-                    eprintln!(
-                        "nattrace: warning: {} events lost so far (ring buffer full); affected flows are marked incomplete",
+                    notices.warn(format_args!(
+                        "{} events lost so far (ring buffer full); affected flows are marked incomplete",
                         stats.ringbuf_full
-                    );
+                    ));
                     last_lost = stats.ringbuf_full;
                 }
                 let now = monotonic_ns();
                 if let Some(rec) = recorder.as_mut() {
                     rec.stats(StatsLine::new(now, &stats));
                     if let Some(w) = rec.take_warning() {
-                        eprintln!("nattrace: warning: {w}");
+                        notices.warn(w);
                     }
                 }
                 collector.note_lost(stats.ringbuf_full);
                 outputs.flows(collector.tick(now)).map_err(SessionError::Output)?;
+                for w in outputs.take_warnings() {
+                    notices.warn(w);
+                }
                 for client in collector.take_mute_candidates() {
                     if let Err(err) = tracer.mute(client) {
                         warn!("could not mute a decided flow: {err}");
@@ -189,25 +254,46 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
                 }
                 if ticks.is_multiple_of(5) {
                     match tracer.poll_new_interfaces() {
-                        Ok(names) if !names.is_empty() => eprintln!("nattrace: now also tracing {}", names.join(", ")),
+                        Ok(names) if !names.is_empty() => notices.say(format_args!("now also tracing {}", names.join(", "))),
                         Ok(_) => {}
                         Err(err) => warn!("watching for new interfaces failed: {err}"),
                     }
                 }
             }
-            _ = sigint.recv() => break,
-            _ = sigterm.recv() => break,
-            _ = &mut until_deadline => break,
+            _ = sigint.recv() => break Stop::Signal,
+            _ = sigterm.recv() => break Stop::Signal,
+            _ = &mut until_deadline => break Stop::Duration,
         }
+    };
+    let stopped_at = Instant::now();
+
+    // What the kernel still holds; then the last verdicts go to the output
+    // threads, which write them while we detach (with hundreds of tcx
+    // links detaching takes seconds, see probes/tc.rs).
+    tracer.drain(&mut events);
+    push(&mut collector, recorder.as_mut(), ifnames.as_mut(), &mut events);
+    let stats = tracer.stats();
+    let mut tracer = Some(tracer);
+    if stop == Stop::NetnsGone {
+        // Let go first: our descriptors are what keeps the deleted node alive.
+        let netns_name = tracer.as_ref().map(|t| t.facts().netns_name.clone());
+        drop(tracer.take());
+        // The interface-name resolver holds the namespace open too.
+        drop(ifnames.take());
+        let path = watch.as_ref().map(|w| w.path().display().to_string());
+        notices.say(format_args!(
+            "network namespace {} was deleted ({} no longer names it): stopped tracing and released it",
+            netns_name.unwrap_or_default(),
+            path.unwrap_or_default()
+        ));
     }
 
     let finishing = finish(
-        &mut tracer,
         collector,
         &mut outputs,
         recorder.as_mut(),
-        ifnames.as_mut(),
-        &mut events,
+        stats,
+        &mut notices,
     );
     let interrupted = tokio::select! {
         biased;
@@ -218,11 +304,52 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         }
     };
     if interrupted {
-        eprintln!("nattrace: interrupted again: exiting now without the summary");
+        notices.say("interrupted again: exiting now without the summary");
     }
     // Detaches everything, also after a second Ctrl-C.
+    if let Some(t) = &tracer
+        && t.facts().interfaces.len() > SLOW_DETACH_INTERFACES
+    {
+        notices.say(format_args!(
+            "detaching from {} interfaces: the kernel takes a few milliseconds per tc link, so this takes a few seconds",
+            t.facts().interfaces.len()
+        ));
+    }
     drop(tracer);
-    Ok(outputs.outcome)
+
+    // Let the output reach its readers: within the exit budget after a
+    // signal (but a reader that keeps up gets what was just queued), else
+    // as long as they keep reading.
+    let drain_until = match stop {
+        Stop::Signal => (stopped_at + EXIT_BUDGET).max(Instant::now() + Duration::from_millis(100)),
+        Stop::Duration | Stop::NetnsGone if interrupted => Instant::now(),
+        Stop::Duration | Stop::NetnsGone => Instant::now() + Duration::from_secs(24 * 3600),
+    };
+    if let Some(rec) = recorder.as_mut()
+        && !rec.drain(drain_until, OUTPUT_STALL)
+    {
+        notices.warn("the --write target is not being read: the recording is incomplete");
+    }
+    for w in outputs
+        .take_warnings()
+        .into_iter()
+        .chain(outputs.drain(drain_until, OUTPUT_STALL))
+    {
+        notices.warn(w);
+    }
+    let dropped = outputs.dropped_lines();
+    if dropped > 0 {
+        notices.warn(format_args!(
+            "{dropped} output lines were dropped because stdout was not read fast enough"
+        ));
+    }
+    notices.drain(
+        drain_until.max(Instant::now() + Duration::from_millis(50)),
+        Duration::from_millis(100),
+    );
+    let mut outcome = std::mem::take(&mut outputs.outcome);
+    outcome.aborted = stop == Stop::NetnsGone;
+    Ok(outcome)
 }
 
 async fn second_signal(sigint: &mut Signal, sigterm: &mut Signal) {
@@ -264,25 +391,21 @@ fn push(
     }
 }
 
-/// Drain, decide what is pending, print it and the summary. Yields between
+/// Decide what is pending, print it and the summary. Yields between
 /// batches of flows so a second Ctrl-C can cut a long output short.
 async fn finish(
-    tracer: &mut Tracer,
     mut collector: Collector,
     outputs: &mut Outputs,
-    mut recorder: Option<&mut RecordingWriter>,
-    ifnames: Option<&mut IfNameResolver>,
-    events: &mut Vec<PacketEvent>,
+    recorder: Option<&mut RecordingWriter>,
+    stats: KernelStats,
+    notices: &mut Notices,
 ) -> Result<(), SessionError> {
-    tracer.drain(events);
-    push(&mut collector, recorder.as_deref_mut(), ifnames, events);
-    let stats = tracer.stats();
     let now = monotonic_ns();
     collector.note_lost(stats.ringbuf_full);
     if let Some(rec) = recorder {
         rec.end(StatsLine::new(now, &stats));
         if let Some(w) = rec.take_warning() {
-            eprintln!("nattrace: warning: {w}");
+            notices.warn(w);
         }
     }
     let (mut reports, mut summary) = collector.finish(now);
@@ -295,6 +418,44 @@ async fn finish(
         tokio::task::yield_now().await;
     }
     outputs.summary(&summary).map_err(SessionError::Output)
+}
+
+/// The leftover cleanup's findings in one short line: on a node with
+/// hundreds of interfaces, counts and the first few interface names.
+fn summarize_removed(removed: &[String]) -> String {
+    const SHOWN: usize = 3;
+    if removed.len() <= SHOWN {
+        return removed.join("; ");
+    }
+    // Entries read "<kind> [<program>] on <interface>".
+    let mut kinds: Vec<(String, usize)> = Vec::new();
+    let mut ifaces: Vec<&str> = Vec::new();
+    for r in removed {
+        let (what, iface) = r.rsplit_once(" on ").unwrap_or((r.as_str(), ""));
+        let kind = what.split(' ').take(2).collect::<Vec<_>>().join(" ");
+        match kinds.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => *n += 1,
+            None => kinds.push((kind, 1)),
+        }
+        if !iface.is_empty() && !ifaces.contains(&iface) {
+            ifaces.push(iface);
+        }
+    }
+    let counts = kinds
+        .iter()
+        .map(|(k, n)| format!("{n} × {k}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut names = ifaces
+        .iter()
+        .take(SHOWN)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if ifaces.len() > SHOWN {
+        names.push_str(&format!(" and {} more", ifaces.len() - SHOWN));
+    }
+    format!("{counts} on {} interfaces ({names})", ifaces.len())
 }
 
 /// What a recording and `analyze` need to re-decide this session's flows.
@@ -362,4 +523,29 @@ fn kernel_drop_reasons() -> DropReasons {
     }
     pairs.extend(parsed.pairs().map(|(v, n)| (v, n.to_owned())));
     DropReasons::from_pairs(pairs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::summarize_removed;
+
+    #[test]
+    fn leftovers_on_hundreds_of_interfaces_fit_one_short_line() {
+        let removed: Vec<String> = (0..302)
+            .flat_map(|i| {
+                [
+                    format!("tc filter tc_ingress on veth{i}"),
+                    format!("tc filter tc_egress on veth{i}"),
+                    format!("clsact qdisc on veth{i}"),
+                ]
+            })
+            .collect();
+        let line = summarize_removed(&removed);
+        assert_eq!(
+            line,
+            "604 × tc filter, 302 × clsact qdisc on 302 interfaces (veth0, veth1, veth2 and 299 more)"
+        );
+        let few = ["tc filter tc_ingress on eth0".to_owned()];
+        assert_eq!(summarize_removed(&few), "tc filter tc_ingress on eth0");
+    }
 }
