@@ -317,6 +317,8 @@ fn interface_lines_name_pod_interfaces_in_analyze() {
         now_ns: fixtures::T0 + 10_000_000_000,
         ..Default::default()
     });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    assert!(w.drain(deadline, std::time::Duration::from_secs(10)));
     let bytes = std::fs::read(&path).unwrap();
     let _ = std::fs::remove_file(&path);
     let text = String::from_utf8(bytes.clone()).unwrap();
