@@ -39,8 +39,8 @@ pub use lab::{EXEC_TIMEOUT, Lab};
 pub use netns::{NAME_PREFIX, NETNS_DIR, Netns, cleanup_stale};
 pub use servers::{LAB_SERVER_ENV, lab_server_path};
 pub use spec::{
-    EndpointSpec, KubeProxyConfig, LabSpec, NodeSpec, OutsideSpec, Overlay, PodSpec, Protocol,
-    Server, ServiceSpec,
+    CniChains, EndpointSpec, IptablesBackend, KubeProxyConfig, LabSpec, NodeSpec, OutsideSpec,
+    Overlay, PodSpec, Protocol, Server, ServiceSpec,
 };
 pub use topology::{
     OUTSIDE, ROUTER, UNDERLAY, VXLAN_ID, VXLAN_MTU, VXLAN_PORT, node_underlay_ip,
