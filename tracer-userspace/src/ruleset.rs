@@ -310,11 +310,20 @@ fn legacy_tables_exist(netns: &Netns) -> bool {
         .is_some_and(|names| !names.trim().is_empty())
 }
 
-/// Whether nf_tables is loaded: asking nfnetlink for nf_tables otherwise
-/// loads the module (nfnetlink autoloads missing subsystems), a change to
-/// the node.
+/// Whether nf_tables is there without loading anything: asking nfnetlink
+/// for nf_tables otherwise loads the module (nfnetlink autoloads missing
+/// subsystems), a change to the node. True when the kernel cannot load
+/// modules at all (no /proc/modules), when it is loaded, or built in.
 fn nf_tables_loaded() -> bool {
-    std::path::Path::new("/sys/module/nf_tables").exists()
+    let Ok(modules) = std::fs::read_to_string("/proc/modules") else {
+        return true;
+    };
+    if modules.lines().any(|l| l.starts_with("nf_tables ")) {
+        return true;
+    }
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    std::fs::read_to_string(format!("/lib/modules/{}/modules.builtin", release.trim()))
+        .is_ok_and(|b| b.lines().any(|l| l.ends_with("/nf_tables.ko")))
 }
 
 /// Reads kube-proxy's rules (nat and filter tables) in `netns` (None =
