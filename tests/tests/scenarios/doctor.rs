@@ -3,7 +3,7 @@ use super::*;
 
 // ---------------------------------------------------------------- 7: doctor
 
-fn doctor(lab: &Lab) -> (Option<i32>, Value) {
+pub(super) fn doctor(lab: &Lab) -> (Option<i32>, Value) {
     let bin = nattrace();
     let ns = lab.node_netns(presets::NODE_A).unwrap().path();
     let out = std::process::Command::new(bin)
