@@ -64,6 +64,18 @@ fn root_default_node_has_kube_proxys_complete_layout_through_iptables_nft() {
         rendered(&lab, node, "filter"),
         "{filter}"
     );
+    // nat too, but for the probabilities: iptables-save prints one more digit.
+    let nat = lab.iptables_save_table(node, "nat").expect("save");
+    let no_prob = |v: Vec<String>| -> Vec<String> {
+        v.into_iter()
+            .filter(|l| !l.contains("--probability"))
+            .collect()
+    };
+    assert_eq!(
+        no_prob(saved_rules(&nat)),
+        no_prob(rendered(&lab, node, "nat")),
+        "{nat}"
+    );
     let mangle = lab.iptables_save_table(node, "mangle").expect("save");
     assert_eq!(
         saved_rules(&mangle),
