@@ -346,7 +346,18 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
     }
     let mut best = KubeProxyRules::default();
     for (program, source) in sources {
-        let Some(text) = run_in(&ns, program, &[]) else {
+        // Distributions without the -nft/-legacy names ship one of them as
+        // plain `iptables-save`; its --version says which.
+        let Some(text) = run_in(&ns, program, &[]).or_else(|| {
+            let backend = if source == "nft" {
+                "nf_tables"
+            } else {
+                "legacy"
+            };
+            run_in(&ns, "iptables-save", &["--version"])
+                .filter(|v| v.contains(backend))
+                .and_then(|_| run_in(&ns, "iptables-save", &[]))
+        }) else {
             continue;
         };
         let rules = parse_save(&text);
