@@ -34,6 +34,8 @@ pub struct ResolvedService {
     pub endpoints: Vec<(Ipv4Addr, u16)>,
     /// See [`crate::ServiceSpec::pinned`].
     pub pinned: Option<usize>,
+    /// See [`crate::ServiceSpec::node_port`].
+    pub node_port: Option<u16>,
 }
 
 /// `KUBE-SVC-<hash>`: kube-proxy's `servicePortChainName`.
@@ -42,6 +44,12 @@ pub fn svc_chain(port_name: &str, protocol: Protocol) -> String {
         "KUBE-SVC-{}",
         hash16(&format!("{port_name}{}", protocol.as_str()))
     )
+}
+
+/// `KUBE-EXT-<hash>`: kube-proxy's `serviceExternalChainName` (same hash
+/// as the Service's `KUBE-SVC-` chain).
+pub fn ext_chain(port_name: &str, protocol: Protocol) -> String {
+    svc_chain(port_name, protocol).replacen("KUBE-SVC-", "KUBE-EXT-", 1)
 }
 
 /// `KUBE-SEP-<hash>`: kube-proxy's `servicePortEndpointChainName`
@@ -221,6 +229,26 @@ pub(crate) fn nat_table(config: &KubeProxyConfig, services: &[ResolvedService]) 
             );
         }
 
+        if let Some(node_port) = svc.node_port {
+            // externalTrafficPolicy: Cluster — traffic from outside is
+            // masqueraded, then load-balanced like the ClusterIP.
+            let ext = ext_chain(name, svc.protocol);
+            t.chain(&ext);
+            t.rule(
+                "KUBE-NODEPORTS",
+                &format!(
+                    r#"-p {proto} -m comment --comment "{name}" -m {proto} --dport {node_port} -j {ext}"#
+                ),
+            );
+            t.rule(
+                &ext,
+                &format!(
+                    r#"-m comment --comment "masquerade traffic for {name} external destinations" -j KUBE-MARK-MASQ"#
+                ),
+            );
+            t.rule(&ext, &format!("-j {svc_chain}"));
+        }
+
         let n = svc.endpoints.len();
         for (i, (ip, port)) in svc.endpoints.iter().enumerate() {
             let endpoint = format!("{ip}:{port}");
@@ -305,6 +333,7 @@ mod tests {
                 ("100.96.55.22".parse().unwrap(), 8080),
             ],
             pinned,
+            node_port: None,
         }
     }
 

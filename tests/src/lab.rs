@@ -252,6 +252,7 @@ impl Lab {
                     .map(|ep| (self.pod_ip(&ep.pod).expect("validated"), ep.port))
                     .collect(),
                 pinned: svc.pinned,
+                node_port: svc.node_port,
             })
             .collect()
     }

@@ -292,18 +292,28 @@ pub fn hairpin(opts: Hairpin) -> LabSpec {
 /// ready), so kube-proxy REJECTs it in filter `KUBE-SERVICES`.
 pub const EMPTY_SERVICE_IP: Ipv4Addr = Ipv4Addr::new(100, 67, 30, 140);
 
+/// [`no_endpoints`]' NodePort of `default/web:http`.
+pub const WEB_NODE_PORT: u16 = 30080;
+/// [`no_endpoints`]' NodePort of `default/web-empty:http`.
+pub const EMPTY_NODE_PORT: u16 = 30081;
+
 /// A bridged node with [`CLIENT_POD`], `default/web:http` served by
 /// [`BACKEND_POD`], and `default/web-empty:http` ([`EMPTY_SERVICE_IP`]:80)
-/// without endpoints.
+/// without endpoints; both are NodePort Services ([`WEB_NODE_PORT`],
+/// [`EMPTY_NODE_PORT`]).
 pub fn no_endpoints() -> LabSpec {
-    let mut spec = single_node(true).service(ServiceSpec::new(
-        "default",
-        "web-empty",
-        "http",
-        EMPTY_SERVICE_IP,
-        WEB_PORT,
-        Protocol::Tcp,
-    ));
+    let mut spec = single_node(true).service(
+        ServiceSpec::new(
+            "default",
+            "web-empty",
+            "http",
+            EMPTY_SERVICE_IP,
+            WEB_PORT,
+            Protocol::Tcp,
+        )
+        .node_port(EMPTY_NODE_PORT),
+    );
+    spec.services[0].node_port = Some(WEB_NODE_PORT);
     spec.nodes[0].pod_cidr = NODE_A_POD_CIDR;
     spec
 }

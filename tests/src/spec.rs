@@ -218,6 +218,9 @@ pub struct ServiceSpec {
     /// the probabilities become 0 before the pinned endpoint and 1 at it, so
     /// tests are deterministic while the ruleset still reads like a real node's.
     pub pinned: Option<usize>,
+    /// `type: NodePort`: the port on every node address (`KUBE-NODEPORTS`
+    /// in nat, or a `KUBE-EXTERNAL-SERVICES` REJECT without endpoints).
+    pub node_port: Option<u16>,
 }
 
 impl ServiceSpec {
@@ -239,7 +242,14 @@ impl ServiceSpec {
             protocol,
             endpoints: Vec::new(),
             pinned: None,
+            node_port: None,
         }
+    }
+
+    /// Makes it a NodePort Service on `port`.
+    pub fn node_port(mut self, port: u16) -> Self {
+        self.node_port = Some(port);
+        self
     }
 
     /// Adds an endpoint: `pod`'s IP, `target_port`.

@@ -90,6 +90,15 @@ pub(crate) fn filter_table(services: &[ResolvedService]) -> Table {
             "KUBE-SERVICES",
             &no_endpoints_rule(svc.cluster_ip, svc.port, proto, &svc.port_name),
         );
+        if let Some(node_port) = svc.node_port {
+            t.rule(
+                "KUBE-EXTERNAL-SERVICES",
+                &format!(
+                    r#"-p {proto} -m comment --comment "{} has no endpoints" -m addrtype --dst-type LOCAL -m {proto} --dport {node_port} -j REJECT --reject-with icmp-port-unreachable"#,
+                    svc.port_name
+                ),
+            );
+        }
     }
     t
 }

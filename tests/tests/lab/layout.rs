@@ -127,6 +127,26 @@ fn root_default_node_has_kube_proxys_complete_layout_through_iptables_nft() {
         .http_get(presets::CLIENT_POD, presets::WEB_SERVICE_IP, 80, SHORT)
         .expect("curl");
     assert!(out.status.success(), "{}", text(&out));
+    // NodePorts on the node's address: KUBE-NODEPORTS → KUBE-EXT-… in nat,
+    // and filter KUBE-EXTERNAL-SERVICES' REJECT for the empty one.
+    let node_ip = lab::node_underlay_ip(0);
+    let out = lab
+        .http_get(presets::CLIENT_POD, node_ip, presets::WEB_NODE_PORT, SHORT)
+        .expect("curl");
+    assert!(out.status.success(), "{}", text(&out));
+    let out = lab
+        .http_get(
+            presets::CLIENT_POD,
+            node_ip,
+            presets::EMPTY_NODE_PORT,
+            SHORT,
+        )
+        .expect("curl");
+    assert_eq!(out.status.code(), Some(7), "{}", text(&out));
+    assert!(
+        filter.contains("-A KUBE-EXTERNAL-SERVICES -p tcp -m comment --comment \"default/web-empty:http has no endpoints\" -m addrtype --dst-type LOCAL -m tcp --dport 30081 -j REJECT --reject-with icmp-port-unreachable"),
+        "{filter}"
+    );
 }
 
 #[test]

@@ -171,6 +171,7 @@ fn resolve(spec: &LabSpec) -> Vec<lab::kube_proxy::ResolvedService> {
             protocol: s.protocol,
             endpoints: s.endpoints.iter().map(|e| (ip(&e.pod), e.port)).collect(),
             pinned: s.pinned,
+            node_port: s.node_port,
         })
         .collect()
 }
