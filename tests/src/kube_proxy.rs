@@ -316,6 +316,19 @@ mod tests {
     }
 
     #[test]
+    fn ext_chain_shares_the_service_hash() {
+        // From a real node's iptables-save (an unnamed port prints no `:port`).
+        assert_eq!(
+            svc_chain("default/jtest", Protocol::Tcp),
+            "KUBE-SVC-FXJ34XFJ55FJZHFP"
+        );
+        assert_eq!(
+            ext_chain("default/jtest", Protocol::Tcp),
+            "KUBE-EXT-FXJ34XFJ55FJZHFP"
+        );
+    }
+
+    #[test]
     fn base32_matches_rfc4648() {
         assert_eq!(base32_std(b"foobar"), "MZXW6YTBOI");
         assert_eq!(base32_std(b"f"), "MY");
