@@ -1,6 +1,13 @@
-//! kube-proxy's iptables-mode nat rules for ClusterIP Services, rendered in
-//! `iptables-restore` format the way kube-proxy (1.2x) writes them, so the
-//! tracer sees the chain names, comments and match order of a real node.
+//! kube-proxy's iptables-mode rules for ClusterIP Services, rendered in
+//! `iptables-restore` format the way `iptables-save` shows what kube-proxy
+//! (1.2x/1.3x) wrote, so the tracer sees the chain names, comments and match
+//! order of a real node. [`render_node`] adds kube-proxy's filter table,
+//! kubelet's chains, the canaries and the CNI's chains (`node`, `cni`).
+
+mod cni;
+mod node;
+
+pub use node::{NodeNet, render_node};
 
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
@@ -27,6 +34,8 @@ pub struct ResolvedService {
     pub endpoints: Vec<(Ipv4Addr, u16)>,
     /// See [`crate::ServiceSpec::pinned`].
     pub pinned: Option<usize>,
+    /// See [`crate::ServiceSpec::node_port`].
+    pub node_port: Option<u16>,
 }
 
 /// `KUBE-SVC-<hash>`: kube-proxy's `servicePortChainName`.
@@ -35,6 +44,12 @@ pub fn svc_chain(port_name: &str, protocol: Protocol) -> String {
         "KUBE-SVC-{}",
         hash16(&format!("{port_name}{}", protocol.as_str()))
     )
+}
+
+/// `KUBE-EXT-<hash>`: kube-proxy's `serviceExternalChainName` (same hash
+/// as the Service's `KUBE-SVC-` chain).
+pub fn ext_chain(port_name: &str, protocol: Protocol) -> String {
+    svc_chain(port_name, protocol).replacen("KUBE-SVC-", "KUBE-EXT-", 1)
 }
 
 /// `KUBE-SEP-<hash>`: kube-proxy's `servicePortEndpointChainName`
@@ -83,101 +98,198 @@ fn probability(i: usize, n: usize, pinned: Option<usize>) -> String {
     format!("{p:.10}")
 }
 
-/// The complete `*nat` table for `iptables-restore` on one node.
-pub fn render_nat(config: &KubeProxyConfig, services: &[ResolvedService]) -> String {
-    let mut chains = vec![
-        "KUBE-MARK-MASQ".to_string(),
-        "KUBE-NODEPORTS".to_string(),
-        "KUBE-POSTROUTING".to_string(),
-        "KUBE-SERVICES".to_string(),
-    ];
-    let mut rules = String::new();
-    // `writeln!` to a String cannot fail.
-    let mut rule = |line: String| {
-        let _ = writeln!(rules, "{line}");
-    };
+/// One table of an `iptables-restore` input, printed the way `iptables-save`
+/// prints it: rules of the built-in chains first (in hook order), then the
+/// user chains sorted by name, each chain's rules in the order they were
+/// added. Only user chains are declared: with iptables-nft a built-in chain
+/// (and so a netfilter hook) exists only once a rule is added to it, as when
+/// kube-proxy, kubelet and the CNI add their jumps with `iptables -I/-A`.
+#[derive(Debug)]
+pub struct Table {
+    name: &'static str,
+    builtins: &'static [&'static str],
+    chains: std::collections::BTreeSet<String>,
+    rules: Vec<(String, String)>,
+}
 
-    rule(
-        r#"-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#
-            .into(),
+impl Table {
+    /// An empty table; `name` is `filter`, `nat`, `mangle` or `raw`.
+    pub fn new(name: &'static str) -> Table {
+        let builtins: &'static [&'static str] = match name {
+            "nat" => &["PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"],
+            "filter" => &["INPUT", "FORWARD", "OUTPUT"],
+            "raw" => &["PREROUTING", "OUTPUT"],
+            _ => &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"],
+        };
+        Table {
+            name,
+            builtins,
+            chains: Default::default(),
+            rules: Vec::new(),
+        }
+    }
+
+    /// Declares a user chain (idempotent).
+    pub fn chain(&mut self, name: &str) {
+        self.chains.insert(name.to_string());
+    }
+
+    /// Appends `-A chain rest` (`rest` starts with the matches).
+    pub fn rule(&mut self, chain: &str, rest: &str) {
+        self.rules.push((chain.to_string(), rest.to_string()));
+    }
+
+    /// Whether the table has anything to write.
+    pub fn is_empty(&self) -> bool {
+        self.chains.is_empty() && self.rules.is_empty()
+    }
+
+    /// The table in `iptables-restore` format, `*name` to `COMMIT`.
+    pub fn render(&self) -> String {
+        let mut out = format!("*{}\n", self.name);
+        for chain in &self.chains {
+            let _ = writeln!(out, ":{chain} - [0:0]");
+        }
+        let order = self
+            .builtins
+            .iter()
+            .map(|b| b.to_string())
+            .chain(self.chains.iter().cloned());
+        for chain in order {
+            for (_, rest) in self.rules.iter().filter(|(c, _)| *c == chain) {
+                let _ = writeln!(out, "-A {chain} {rest}");
+            }
+        }
+        out.push_str("COMMIT\n");
+        out
+    }
+}
+
+/// kube-proxy's nat chains and rules (without the node's other writers).
+pub(crate) fn nat_table(config: &KubeProxyConfig, services: &[ResolvedService]) -> Table {
+    let mut t = Table::new("nat");
+    for chain in [
+        "KUBE-MARK-MASQ",
+        "KUBE-NODEPORTS",
+        "KUBE-POSTROUTING",
+        "KUBE-SERVICES",
+    ] {
+        t.chain(chain);
+    }
+    t.rule(
+        "PREROUTING",
+        r#"-m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#,
     );
-    rule(r#"-A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#.into());
-    rule(
-        r#"-A POSTROUTING -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING"#
-            .into(),
+    t.rule(
+        "OUTPUT",
+        r#"-m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#,
     );
-    rule(format!("-A KUBE-MARK-MASQ -j MARK --set-xmark {MASQ_MARK}"));
-    rule(format!(
-        "-A KUBE-POSTROUTING -m mark ! --mark {MASQ_MARK} -j RETURN"
-    ));
+    t.rule(
+        "POSTROUTING",
+        r#"-m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING"#,
+    );
+    t.rule(
+        "KUBE-MARK-MASQ",
+        &format!("-j MARK --set-xmark {MASQ_MARK}"),
+    );
+    t.rule(
+        "KUBE-POSTROUTING",
+        &format!("-m mark ! --mark {MASQ_MARK} -j RETURN"),
+    );
     // Clears the bit so a packet re-entering the stack (e.g. after vxlan
     // encapsulation) is not masqueraded twice.
-    rule("-A KUBE-POSTROUTING -j MARK --set-xmark 0x4000/0x0".into());
-    rule(r#"-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE --random-fully"#.into());
+    t.rule("KUBE-POSTROUTING", "-j MARK --set-xmark 0x4000/0x0");
+    t.rule(
+        "KUBE-POSTROUTING",
+        r#"-m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE --random-fully"#,
+    );
 
-    for svc in services {
+    // Services without endpoints get no nat rules at all: kube-proxy
+    // REJECTs them in the filter table (see `node::filter_table`).
+    for svc in services.iter().filter(|s| !s.endpoints.is_empty()) {
         let proto = svc.protocol.as_str();
         let name = &svc.port_name;
         let svc_chain = svc_chain(name, svc.protocol);
-        chains.push(svc_chain.clone());
+        t.chain(&svc_chain);
         let cluster_ip_match = format!(
             r#"-d {}/32 -p {proto} -m comment --comment "{name} cluster IP" -m {proto} --dport {}"#,
             svc.cluster_ip, svc.port
         );
-        rule(format!(
-            "-A KUBE-SERVICES {cluster_ip_match} -j {svc_chain}"
-        ));
+        t.rule(
+            "KUBE-SERVICES",
+            &format!("{cluster_ip_match} -j {svc_chain}"),
+        );
 
         if config.masquerade_all {
-            rule(format!(
-                "-A {svc_chain} {cluster_ip_match} -j KUBE-MARK-MASQ"
-            ));
+            t.rule(&svc_chain, &format!("{cluster_ip_match} -j KUBE-MARK-MASQ"));
         } else if let Some(cidr) = config.cluster_cidr {
-            rule(format!(
-                "-A {svc_chain} ! -s {} {cluster_ip_match} -j KUBE-MARK-MASQ",
-                cidr.trunc()
-            ));
+            t.rule(
+                &svc_chain,
+                &format!("! -s {} {cluster_ip_match} -j KUBE-MARK-MASQ", cidr.trunc()),
+            );
+        }
+
+        if let Some(node_port) = svc.node_port {
+            // externalTrafficPolicy: Cluster — traffic from outside is
+            // masqueraded, then load-balanced like the ClusterIP.
+            let ext = ext_chain(name, svc.protocol);
+            t.chain(&ext);
+            t.rule(
+                "KUBE-NODEPORTS",
+                &format!(
+                    r#"-p {proto} -m comment --comment "{name}" -m {proto} --dport {node_port} -j {ext}"#
+                ),
+            );
+            t.rule(
+                &ext,
+                &format!(
+                    r#"-m comment --comment "masquerade traffic for {name} external destinations" -j KUBE-MARK-MASQ"#
+                ),
+            );
+            t.rule(&ext, &format!("-j {svc_chain}"));
         }
 
         let n = svc.endpoints.len();
         for (i, (ip, port)) in svc.endpoints.iter().enumerate() {
             let endpoint = format!("{ip}:{port}");
             let sep = sep_chain(name, svc.protocol, &endpoint);
-            chains.push(sep.clone());
+            t.chain(&sep);
             let comment = format!(r#"-m comment --comment "{name} -> {endpoint}""#);
             if i + 1 < n {
-                rule(format!(
-                    "-A {svc_chain} {comment} -m statistic --mode random --probability {} -j {sep}",
-                    probability(i, n, svc.pinned)
-                ));
+                t.rule(
+                    &svc_chain,
+                    &format!(
+                        "{comment} -m statistic --mode random --probability {} -j {sep}",
+                        probability(i, n, svc.pinned)
+                    ),
+                );
             } else {
-                rule(format!("-A {svc_chain} {comment} -j {sep}"));
+                t.rule(&svc_chain, &format!("{comment} -j {sep}"));
             }
             // Hairpin: a pod reaching itself through its Service must be
             // SNATed, or its reply would never come back through the node.
             if !config.omit_hairpin_masquerade {
-                rule(format!(
-                    r#"-A {sep} -s {ip}/32 -m comment --comment "{name}" -j KUBE-MARK-MASQ"#
-                ));
+                t.rule(
+                    &sep,
+                    &format!(r#"-s {ip}/32 -m comment --comment "{name}" -j KUBE-MARK-MASQ"#),
+                );
             }
-            rule(format!(
-                r#"-A {sep} -p {proto} -m comment --comment "{name}" -m {proto} -j DNAT --to-destination {endpoint}"#
-            ));
+            t.rule(
+                &sep,
+                &format!(
+                    r#"-p {proto} -m comment --comment "{name}" -m {proto} -j DNAT --to-destination {endpoint}"#
+                ),
+            );
         }
     }
     // kube-proxy always ends KUBE-SERVICES with the NodePort jump.
-    rule(r#"-A KUBE-SERVICES -m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"#.into());
+    t.rule("KUBE-SERVICES", r#"-m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"#);
+    t
+}
 
-    let mut out = String::from("*nat\n");
-    for builtin in ["PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"] {
-        let _ = writeln!(out, ":{builtin} ACCEPT [0:0]");
-    }
-    for chain in &chains {
-        let _ = writeln!(out, ":{chain} - [0:0]");
-    }
-    out.push_str(&rules);
-    out.push_str("COMMIT\n");
-    out
+/// kube-proxy's own `*nat` table for `iptables-restore`, in `iptables-save` order.
+pub fn render_nat(config: &KubeProxyConfig, services: &[ResolvedService]) -> String {
+    nat_table(config, services).render()
 }
 
 #[cfg(test)]
@@ -204,6 +316,19 @@ mod tests {
     }
 
     #[test]
+    fn ext_chain_shares_the_service_hash() {
+        // From a real node's iptables-save (an unnamed port prints no `:port`).
+        assert_eq!(
+            svc_chain("default/jtest", Protocol::Tcp),
+            "KUBE-SVC-FXJ34XFJ55FJZHFP"
+        );
+        assert_eq!(
+            ext_chain("default/jtest", Protocol::Tcp),
+            "KUBE-EXT-FXJ34XFJ55FJZHFP"
+        );
+    }
+
+    #[test]
     fn base32_matches_rfc4648() {
         assert_eq!(base32_std(b"foobar"), "MZXW6YTBOI");
         assert_eq!(base32_std(b"f"), "MY");
@@ -221,6 +346,7 @@ mod tests {
                 ("100.96.55.22".parse().unwrap(), 8080),
             ],
             pinned,
+            node_port: None,
         }
     }
 
@@ -230,6 +356,7 @@ mod tests {
             cluster_cidr: Some(cidr("100.96.0.0/11")),
             masquerade_all: false,
             omit_hairpin_masquerade: false,
+            ..Default::default()
         };
         let nat = render_nat(&config, &[web(None)]);
         let svc = svc_chain("default/web:http", Protocol::Tcp);
@@ -256,6 +383,7 @@ mod tests {
             cluster_cidr: Some(cidr("100.96.0.0/11")),
             masquerade_all: true,
             omit_hairpin_masquerade: false,
+            ..Default::default()
         };
         let nat = render_nat(&config, &[web(Some(1))]);
         assert!(

@@ -7,8 +7,9 @@ use std::process::{Child, Output, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::cidr::Ipv4Cidr;
 use crate::error::{LabError, Result};
-use crate::kube_proxy::{self, ResolvedService};
+use crate::kube_proxy::{self, NodeNet, ResolvedService};
 use crate::netns::{self, Netns};
 use crate::servers;
 use crate::spec::LabSpec;
@@ -223,16 +224,21 @@ impl Lab {
         self.run(node, &["conntrack", "-L"])
     }
 
-    /// `iptables-save -t nat` in a node's namespace.
+    /// `iptables-save -t nat` in a node's namespace, through the backend the
+    /// lab wrote its rules with.
     pub fn iptables_save(&self, node: &str) -> Result<String> {
-        self.node_netns(node)?;
-        self.run(node, &["iptables-save", "-t", "nat"])
+        self.iptables_save_table(node, "nat")
     }
 
-    /// The kube-proxy nat table every node of this lab gets.
-    pub fn kube_proxy_rules(&self) -> String {
-        let services: Vec<ResolvedService> = self
-            .spec
+    /// `iptables-save -t <table>` in a node's namespace (the lab's backend).
+    pub fn iptables_save_table(&self, node: &str, table: &str) -> Result<String> {
+        self.node_netns(node)?;
+        let save = self.spec.kube_proxy.iptables.save();
+        self.run(node, &[save, "-t", table])
+    }
+
+    fn resolved_services(&self) -> Vec<ResolvedService> {
+        self.spec
             .services
             .iter()
             .map(|svc| ResolvedService {
@@ -246,18 +252,65 @@ impl Lab {
                     .map(|ep| (self.pod_ip(&ep.pod).expect("validated"), ep.port))
                     .collect(),
                 pinned: svc.pinned,
+                node_port: svc.node_port,
             })
-            .collect();
-        kube_proxy::render_nat(&self.spec.kube_proxy, &services)
+            .collect()
+    }
+
+    /// kube-proxy's own nat table (the same on every node of this lab).
+    pub fn kube_proxy_rules(&self) -> String {
+        kube_proxy::render_nat(&self.spec.kube_proxy, &self.resolved_services())
+    }
+
+    /// Everything the lab writes with `iptables-restore` on `node`: kube-proxy's
+    /// filter and nat tables, kubelet's chains, the canaries and the CNI's chains.
+    pub fn node_rules(&self, node: &str) -> Result<String> {
+        let spec = self
+            .spec
+            .nodes
+            .iter()
+            .find(|n| n.name == node)
+            .ok_or_else(|| LabError::UnknownTarget {
+                name: node.to_string(),
+                known: self.targets().join(", "),
+            })?;
+        Ok(kube_proxy::render_node(
+            &self.spec.kube_proxy,
+            &self.resolved_services(),
+            NodeNet {
+                pod_cidr: spec.pod_cidr,
+                cluster_network: self.cluster_network(),
+            },
+        ))
+    }
+
+    /// The cluster's pod network: kube-proxy's `--cluster-cidr`, or else the
+    /// smallest prefix holding every node's pod CIDR (flannel's `Network`).
+    fn cluster_network(&self) -> Ipv4Cidr {
+        if let Some(c) = self.spec.kube_proxy.cluster_cidr {
+            return c.trunc();
+        }
+        let first = self.spec.nodes[0].pod_cidr;
+        let mut prefix = first.prefix();
+        while prefix > 0
+            && !self.spec.nodes.iter().all(|n| {
+                Ipv4Cidr::new(first.network(), prefix).contains(n.pod_cidr.network())
+                    && n.pod_cidr.prefix() >= prefix
+            })
+        {
+            prefix -= 1;
+        }
+        Ipv4Cidr::new(first.network(), prefix).trunc()
     }
 
     fn install_kube_proxy(&self) -> Result<()> {
-        let rules = self.kube_proxy_rules();
+        let restore = self.spec.kube_proxy.iptables.restore();
         for node in &self.spec.nodes {
+            let rules = self.node_rules(&node.name)?;
             netns::run_checked(
                 Some(self.netns(&node.name)?),
                 // -w: legacy iptables takes a host-wide lock; parallel labs queue on it.
-                &["iptables-restore", "-w", "5"],
+                &[restore, "-w", "5"],
                 Some(rules.as_bytes()),
             )?;
         }

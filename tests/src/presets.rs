@@ -6,7 +6,8 @@ use std::net::Ipv4Addr;
 
 use crate::cidr::{Ipv4Cidr, cidr};
 use crate::spec::{
-    KubeProxyConfig, LabSpec, NodeSpec, OutsideSpec, Overlay, PodSpec, Protocol, ServiceSpec,
+    CniChains, KubeProxyConfig, LabSpec, NodeSpec, OutsideSpec, Overlay, PodSpec, Protocol,
+    ServiceSpec,
 };
 
 /// The node the client pod runs on.
@@ -106,6 +107,7 @@ fn kops_kube_proxy() -> KubeProxyConfig {
         cluster_cidr: Some(CLUSTER_CIDR),
         masquerade_all: false,
         omit_hairpin_masquerade: false,
+        ..KubeProxyConfig::default()
     }
 }
 
@@ -226,6 +228,11 @@ pub fn seed003(opts: Seed003) -> LabSpec {
         cluster_cidr: None,
         masquerade_all: opts.masquerade_all,
         omit_hairpin_masquerade: false,
+        // flanneld --ip-masq would masquerade the outside client's request
+        // on its way to another node's pod and so hide the incident: the
+        // report's nodes did not masquerade it.
+        cni_chains: CniChains::Flannel { ip_masq: false },
+        ..KubeProxyConfig::default()
     };
     spec.overlay = Overlay::Vxlan;
     spec.outside = Some(OutsideSpec {
@@ -278,5 +285,35 @@ pub fn hairpin(opts: Hairpin) -> LabSpec {
         omit_hairpin_masquerade: !opts.masquerade,
         ..kops_kube_proxy()
     };
+    spec
+}
+
+/// `default/web-empty:http`: a Service whose pods are all gone (or not
+/// ready), so kube-proxy REJECTs it in filter `KUBE-SERVICES`.
+pub const EMPTY_SERVICE_IP: Ipv4Addr = Ipv4Addr::new(100, 67, 30, 140);
+
+/// [`no_endpoints`]' NodePort of `default/web:http`.
+pub const WEB_NODE_PORT: u16 = 30080;
+/// [`no_endpoints`]' NodePort of `default/web-empty:http`.
+pub const EMPTY_NODE_PORT: u16 = 30081;
+
+/// A bridged node with [`CLIENT_POD`], `default/web:http` served by
+/// [`BACKEND_POD`], and `default/web-empty:http` ([`EMPTY_SERVICE_IP`]:80)
+/// without endpoints; both are NodePort Services ([`WEB_NODE_PORT`],
+/// [`EMPTY_NODE_PORT`]).
+pub fn no_endpoints() -> LabSpec {
+    let mut spec = single_node(true).service(
+        ServiceSpec::new(
+            "default",
+            "web-empty",
+            "http",
+            EMPTY_SERVICE_IP,
+            WEB_PORT,
+            Protocol::Tcp,
+        )
+        .node_port(EMPTY_NODE_PORT),
+    );
+    spec.services[0].node_port = Some(WEB_NODE_PORT);
+    spec.nodes[0].pod_cidr = NODE_A_POD_CIDR;
     spec
 }

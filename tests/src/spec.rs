@@ -261,13 +261,17 @@ pub struct ServiceSpec {
     pub port: u16,
     /// TCP or UDP.
     pub protocol: Protocol,
-    /// Endpoints in kube-proxy's order.
+    /// Endpoints in kube-proxy's order. Empty: a Service without endpoints,
+    /// which kube-proxy REJECTs in filter `KUBE-SERVICES`.
     pub endpoints: Vec<EndpointSpec>,
     /// Index into `endpoints` that every connection goes to. The rules keep
     /// kube-proxy's shape (a `statistic` jump per endpoint but the last), only
     /// the probabilities become 0 before the pinned endpoint and 1 at it, so
     /// tests are deterministic while the ruleset still reads like a real node's.
     pub pinned: Option<usize>,
+    /// `type: NodePort`: the port on every node address (`KUBE-NODEPORTS`
+    /// in nat, or a `KUBE-EXTERNAL-SERVICES` REJECT without endpoints).
+    pub node_port: Option<u16>,
 }
 
 impl ServiceSpec {
@@ -289,7 +293,14 @@ impl ServiceSpec {
             protocol,
             endpoints: Vec::new(),
             pinned: None,
+            node_port: None,
         }
+    }
+
+    /// Makes it a NodePort Service on `port`.
+    pub fn node_port(mut self, port: u16) -> Self {
+        self.node_port = Some(port);
+        self
     }
 
     /// Adds an endpoint: `pod`'s IP, `target_port`.
@@ -334,6 +345,63 @@ pub struct KubeProxyConfig {
     /// reaching itself through its Service is not masqueraded (a broken or
     /// hand-edited ruleset, seed 004 case 3's failure).
     pub omit_hairpin_masquerade: bool,
+    /// Which iptables binaries write the rules (the kernel side differs:
+    /// nf_tables chains vs. x_tables tables, with their own hooks).
+    pub iptables: IptablesBackend,
+    /// The CNI's own chains written beside kube-proxy's.
+    pub cni_chains: CniChains,
+}
+
+/// The iptables backend kube-proxy and kubelet write through.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum IptablesBackend {
+    /// `iptables-nft`: nf_tables tables `ip filter`/`ip nat`/`ip mangle`,
+    /// whose base chains exist only once a rule is added to them.
+    #[default]
+    Nft,
+    /// `iptables-legacy`: x_tables; a table, once instantiated in the
+    /// namespace, hooks every chain it has (`/proc/net/ip_tables_names`).
+    Legacy,
+}
+
+impl IptablesBackend {
+    /// The `*-restore` binary for this backend.
+    pub fn restore(self) -> &'static str {
+        match self {
+            IptablesBackend::Nft => "iptables-nft-restore",
+            IptablesBackend::Legacy => "iptables-legacy-restore",
+        }
+    }
+
+    /// The `*-save` binary for this backend.
+    pub fn save(self) -> &'static str {
+        match self {
+            IptablesBackend::Nft => "iptables-nft-save",
+            IptablesBackend::Legacy => "iptables-legacy-save",
+        }
+    }
+}
+
+/// The CNI chains on every node, beside kube-proxy's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CniChains {
+    /// flannel: `FLANNEL-FWD` in filter FORWARD, and with `ip_masq`
+    /// (kube-flannel.yml's `--ip-masq`) `FLANNEL-POSTRTG` in nat POSTROUTING.
+    Flannel {
+        /// flanneld `--ip-masq`.
+        ip_masq: bool,
+    },
+    /// Calico's raw and mangle `cali-*` chains (PREROUTING/OUTPUT in raw,
+    /// PREROUTING/POSTROUTING in mangle).
+    Calico,
+    /// No CNI chains.
+    None,
+}
+
+impl Default for CniChains {
+    fn default() -> Self {
+        CniChains::Flannel { ip_masq: true }
+    }
 }
 
 /// How one node's pods reach another node's pods.

@@ -142,9 +142,6 @@ pub(crate) fn validate(spec: &LabSpec) -> Result<()> {
     }
     for svc in &spec.services {
         let what = svc.port_name_string();
-        if svc.endpoints.is_empty() {
-            return err(format!("service {what} has no endpoints"));
-        }
         for ep in &svc.endpoints {
             if !pods.iter().any(|p| p.name == ep.pod) {
                 return err(format!(

@@ -25,6 +25,10 @@ macro_rules! require_root {
 
 const SHORT: Duration = Duration::from_secs(2);
 
+// Below the macro, so its textual scope reaches it.
+#[path = "lab/layout.rs"]
+mod layout;
+
 fn text(out: &Output) -> String {
     format!(
         "exit {:?}\nstdout: {}\nstderr: {}",

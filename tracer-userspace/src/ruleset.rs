@@ -1,7 +1,8 @@
-//! kube-proxy's nat rules, read-only: which Service, `KUBE-SVC-…` and
-//! `KUBE-SEP-…` chain sent a flow to its backend. Parsing is pure; the only
-//! I/O is [`read`], which runs `iptables-save -t nat` (never a command that
-//! changes the ruleset) in the traced namespace.
+//! kube-proxy's rules, read-only: which Service, `KUBE-SVC-…` and
+//! `KUBE-SEP-…` chain sent a flow to its backend (nat), and which Service
+//! ports kube-proxy REJECTs for having no endpoints (filter). Parsing is
+//! pure; the only I/O is [`read`], which runs `*-save` commands in the traced
+//! namespace, and only those that change nothing there (see [`read`]).
 use std::{
     collections::HashMap,
     net::{Ipv4Addr, SocketAddrV4},
@@ -59,12 +60,28 @@ pub struct SvcRule {
     pub endpoints: Vec<SepRule>,
 }
 
+/// A Service port kube-proxy rejects because it has no endpoints.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RejectRule {
+    pub ip: Ipv4Addr,
+    pub port: u16,
+    /// "tcp" / "udp".
+    pub protocol: String,
+    /// `namespace/name:port`.
+    pub port_name: String,
+    /// The rule that rejects (iptables: the `-A KUBE-SERVICES …` line as
+    /// saved; nftables: the chain/map element).
+    pub rule: String,
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct KubeProxyRules {
     pub mode: ProxyMode,
     /// Which iptables backend held the rules: "legacy" / "nft".
     pub source: Option<&'static str>,
     pub services: Vec<SvcRule>,
+    /// Service ports without endpoints, which kube-proxy REJECTs.
+    pub no_endpoints: Vec<RejectRule>,
 }
 
 /// What a flow's Service and backend map to in the ruleset.
@@ -95,6 +112,13 @@ impl KubeProxyRules {
             sep_chain: sep.map(|e| e.chain.clone()),
             hairpin_masq: sep.map(|e| e.hairpin_masq),
         })
+    }
+
+    /// kube-proxy's no-endpoints REJECT for this Service IP:port, if any.
+    pub fn no_endpoints_for(&self, service: SocketAddrV4, proto: &str) -> Option<&RejectRule> {
+        self.no_endpoints
+            .iter()
+            .find(|r| r.ip == *service.ip() && r.port == service.port() && r.protocol == proto)
     }
 
     /// Whether every Service's chain masquerades all traffic (`masqueradeAll: true`).
@@ -274,23 +298,71 @@ fn run_in(netns: &Netns, program: &str, args: &[&str]) -> Option<String> {
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
 }
 
-/// Reads the nat table of `netns` (None = current) from whichever iptables
-/// backend holds kube-proxy's rules. Read-only: `*-save` commands only.
+/// Whether x_tables (legacy) tables exist in the namespace. Read through
+/// `thread-self`: `/proc/net` follows `/proc/self`, the thread-group
+/// leader, whose namespace is not the one this thread entered
+/// (fs/proc/proc_net.c, get_proc_task_net).
+fn legacy_tables_exist(netns: &Netns) -> bool {
+    netns
+        .run(|| std::fs::read_to_string("/proc/thread-self/net/ip_tables_names"))
+        .ok()
+        .and_then(Result::ok)
+        .is_some_and(|names| !names.trim().is_empty())
+}
+
+/// Whether nf_tables is there without loading anything: asking nfnetlink
+/// for nf_tables otherwise loads the module (nfnetlink autoloads missing
+/// subsystems), a change to the node. True when the kernel cannot load
+/// modules at all (no /proc/modules), when it is loaded, or built in.
+fn nf_tables_loaded() -> bool {
+    let Ok(modules) = std::fs::read_to_string("/proc/modules") else {
+        return true;
+    };
+    if modules.lines().any(|l| l.starts_with("nf_tables ")) {
+        return true;
+    }
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    std::fs::read_to_string(format!("/lib/modules/{}/modules.builtin", release.trim()))
+        .is_ok_and(|b| b.lines().any(|l| l.ends_with("/nf_tables.ko")))
+}
+
+/// Reads kube-proxy's rules (nat and filter tables) in `netns` (None =
+/// current) from whichever iptables backend holds them. Strictly read-only:
+/// `iptables-nft-save` only when nf_tables is loaded; `iptables-legacy-save`
+/// only when legacy tables already exist in that namespace, since asking
+/// x_tables for a table that is not there instantiates it (and loads its
+/// module: `iptables-legacy-save -t nat` on an nft node creates a legacy nat
+/// table with every hook). Without `-t`, a save lists only existing tables.
 pub fn read(netns: Option<&str>) -> KubeProxyRules {
     let Ok(ns) = Netns::open(netns) else {
         return KubeProxyRules::default();
     };
+    let mut sources: Vec<(&str, &'static str)> = Vec::new();
+    if nf_tables_loaded() {
+        sources.push(("iptables-nft-save", "nft"));
+    }
+    if legacy_tables_exist(&ns) {
+        sources.push(("iptables-legacy-save", "legacy"));
+    }
     let mut best = KubeProxyRules::default();
-    for (program, source) in [
-        ("iptables-nft-save", "nft"),
-        ("iptables-legacy-save", "legacy"),
-        ("iptables-save", "default"),
-    ] {
-        let Some(text) = run_in(&ns, program, &["-t", "nat"]) else {
+    for (program, source) in sources {
+        // Distributions without the -nft/-legacy names ship one of them as
+        // plain `iptables-save`; its --version says which.
+        let Some(text) = run_in(&ns, program, &[]).or_else(|| {
+            let backend = if source == "nft" {
+                "nf_tables"
+            } else {
+                "legacy"
+            };
+            run_in(&ns, "iptables-save", &["--version"])
+                .filter(|v| v.contains(backend))
+                .and_then(|_| run_in(&ns, "iptables-save", &[]))
+        }) else {
             continue;
         };
-        let rules = parse_nat(&text);
-        if rules.services.len() > best.services.len()
+        let rules = parse_save(&text);
+        let size = |r: &KubeProxyRules| r.services.len() + r.no_endpoints.len();
+        if size(&rules) > size(&best)
             || (best.mode == ProxyMode::None && rules.mode != ProxyMode::None)
         {
             best = KubeProxyRules {
@@ -300,12 +372,16 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
         }
     }
     if best.mode == ProxyMode::None
+        && nf_tables_loaded()
         && run_in(&ns, "nft", &["list", "tables"]).is_some_and(|t| t.contains("kube-proxy"))
     {
         best.mode = ProxyMode::Nftables;
     }
     best
 }
+
+mod filter;
+pub use filter::{parse_filter_rejects, parse_save};
 
 #[cfg(test)]
 mod tests;

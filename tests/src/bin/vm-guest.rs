@@ -153,6 +153,7 @@ fn run() -> anyhow::Result<bool> {
             backend: presets::Backend::SameNode,
         }))
         .with_context(|| format!("building the {} lab", sc.name))?;
+        checks.record(&format!("{} node layout", sc.name), node_layout(&lab));
         let facts = lab_facts(&lab)?;
         say(&format!(
             "vm-guest: {} lab up in {:.1}s (node netns inode {}, client port ifindex {}, backend port ifindex {})",
@@ -190,6 +191,46 @@ fn run() -> anyhow::Result<bool> {
         started.elapsed().as_secs_f64()
     ));
     Ok(checks.failed.is_empty())
+}
+
+/// The guest node carries kube-proxy's complete layout like every root lab
+/// node: its filter and mangle tables read back from the kernel exactly as
+/// the lab rendered them (so the guest has every module they need).
+fn node_layout(lab: &Lab) -> Result<String, String> {
+    let node = presets::NODE_A;
+    let rendered = lab.node_rules(node).map_err(|e| e.to_string())?;
+    let mut summary = Vec::new();
+    for table in ["filter", "mangle", "nat"] {
+        let saved = lab
+            .iptables_save_table(node, table)
+            .map_err(|e| e.to_string())?;
+        let kept = |text: &str| -> Vec<String> {
+            text.lines()
+                .filter(|l| !l.starts_with('#') && !l.starts_with('*') && *l != "COMMIT")
+                .filter(|l| !l.starts_with(':') || l.ends_with("- [0:0]"))
+                // iptables-save prints probabilities with one more digit.
+                .filter(|l| !l.contains("--probability"))
+                .map(str::to_string)
+                .collect()
+        };
+        let want: Vec<String> = {
+            let header = format!("*{table}");
+            let section: String = rendered
+                .split_inclusive("COMMIT\n")
+                .find(|s| s.starts_with(&header))
+                .unwrap_or_default()
+                .to_string();
+            kept(&section)
+        };
+        let got = kept(&saved);
+        if got != want {
+            return Err(format!(
+                "{table} table differs from the rendered layout:\n{saved}"
+            ));
+        }
+        summary.push(format!("{table} {} lines", got.len()));
+    }
+    Ok(summary.join(", "))
 }
 
 fn parse_args() -> anyhow::Result<(Option<Vec<&'static str>>, PathBuf)> {

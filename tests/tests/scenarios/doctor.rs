@@ -3,7 +3,7 @@ use super::*;
 
 // ---------------------------------------------------------------- 7: doctor
 
-fn doctor(lab: &Lab) -> (Option<i32>, Value) {
+pub(super) fn doctor(lab: &Lab) -> (Option<i32>, Value) {
     let bin = nattrace();
     let ns = lab.node_netns(presets::NODE_A).unwrap().path();
     let out = std::process::Command::new(bin)
@@ -108,14 +108,52 @@ fn ruleset_fixture_matches_the_lab_renderer() {
         .endpoint(presets::BACKEND_POD, 53),
     );
     let rendered = render(&spec);
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tracer-userspace/src/ruleset/fixtures/lab_nat.txt"
+    );
+    if std::env::var_os("NATTRACE_REGEN_FIXTURES").is_some() {
+        std::fs::write(path, &rendered).expect("writing the fixture");
+    }
     let fixture = include_str!("../../../tracer-userspace/src/ruleset/fixtures/lab_nat.txt");
     assert_eq!(
         rendered, fixture,
-        "regenerate tracer-userspace/src/ruleset/fixtures/lab_nat.txt from this output"
+        "regenerate with NATTRACE_REGEN_FIXTURES=1 cargo test -p nattrace-tests --test scenarios ruleset_fixture"
+    );
+}
+
+/// The whole-node rendering (filter with a no-endpoints REJECT, nat, mangle,
+/// flannel's chains) the ruleset reader's `parse_save` is tested against.
+#[test]
+fn node_ruleset_fixture_matches_the_lab_renderer() {
+    let spec = presets::no_endpoints();
+    let rendered = lab::kube_proxy::render_node(
+        &spec.kube_proxy,
+        &resolve(&spec),
+        lab::kube_proxy::NodeNet {
+            pod_cidr: spec.nodes[0].pod_cidr,
+            cluster_network: presets::CLUSTER_CIDR,
+        },
+    );
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tracer-userspace/src/ruleset/fixtures/lab_node.txt"
+    );
+    if std::env::var_os("NATTRACE_REGEN_FIXTURES").is_some() {
+        std::fs::write(path, &rendered).expect("writing the fixture");
+    }
+    let fixture = std::fs::read_to_string(path).unwrap_or_default();
+    assert_eq!(
+        rendered, fixture,
+        "regenerate with NATTRACE_REGEN_FIXTURES=1 cargo test -p nattrace-tests --test scenarios ruleset_fixture"
     );
 }
 
 fn render(spec: &LabSpec) -> String {
+    lab::kube_proxy::render_nat(&spec.kube_proxy, &resolve(spec))
+}
+
+fn resolve(spec: &LabSpec) -> Vec<lab::kube_proxy::ResolvedService> {
     let ip = |pod: &str| {
         spec.nodes
             .iter()
@@ -124,8 +162,7 @@ fn render(spec: &LabSpec) -> String {
             .map(|p| p.ip)
             .unwrap()
     };
-    let services: Vec<lab::kube_proxy::ResolvedService> = spec
-        .services
+    spec.services
         .iter()
         .map(|s| lab::kube_proxy::ResolvedService {
             port_name: s.port_name_string(),
@@ -134,7 +171,7 @@ fn render(spec: &LabSpec) -> String {
             protocol: s.protocol,
             endpoints: s.endpoints.iter().map(|e| (ip(&e.pod), e.port)).collect(),
             pinned: s.pinned,
+            node_port: s.node_port,
         })
-        .collect();
-    lab::kube_proxy::render_nat(&spec.kube_proxy, &services)
+        .collect()
 }

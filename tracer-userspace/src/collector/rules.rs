@@ -12,7 +12,7 @@ use super::{
     ifnames::IfNames,
     path_rules::{bridge_of, hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
     report::Verdict,
-    types::{Dir, Obs, node_egress, node_ingress, packet_kind},
+    types::{Dir, Obs, Proto, node_egress, node_ingress, packet_kind},
 };
 use crate::{facts::NodeFacts, ruleset::KubeProxyRules};
 
@@ -33,6 +33,8 @@ pub enum CauseId {
     ReplyBridgedWithoutNetfilter,
     /// Seed 003: DNATed here, the reply went back another way.
     NoReplyThroughNode,
+    /// kube-proxy REJECTs the Service port: it has no endpoints.
+    NoEndpoints,
     /// The request reached the nat table but no DNAT rule matched.
     NotDnated,
     DroppedByNetfilter,
@@ -47,6 +49,7 @@ impl CauseId {
         CauseId::BridgeNfCallIptablesOff,
         CauseId::ReplyBridgedWithoutNetfilter,
         CauseId::NoReplyThroughNode,
+        CauseId::NoEndpoints,
         CauseId::NotDnated,
         CauseId::DroppedByNetfilter,
         CauseId::DroppedByRpFilter,
@@ -60,6 +63,7 @@ impl CauseId {
             CauseId::BridgeNfCallIptablesOff => "bridge_nf_call_iptables_off",
             CauseId::ReplyBridgedWithoutNetfilter => "reply_bridged_without_netfilter",
             CauseId::NoReplyThroughNode => "no_reply_through_node",
+            CauseId::NoEndpoints => "no_endpoints",
             CauseId::NotDnated => "not_dnated",
             CauseId::DroppedByNetfilter => "dropped_by_netfilter",
             CauseId::DroppedByRpFilter => "dropped_by_rp_filter",
@@ -85,6 +89,9 @@ impl CauseId {
             }
             CauseId::NoReplyThroughNode => {
                 "make replies return through the DNATing node: SNAT here (kube-proxy masqueradeAll: true, or externalTrafficPolicy: Cluster), or route the Service CIDR to the backend's node"
+            }
+            CauseId::NoEndpoints => {
+                "the Service has no ready endpoints: check its EndpointSlices (kubectl get endpointslices -n <namespace> -l kubernetes.io/service-name=<name>), that its selector matches running pods and that they pass their readiness probes"
             }
             CauseId::NotDnated => {
                 "check that the Service has ready endpoints (kubectl get endpointslices) and that kube-proxy programmed its rules (iptables-save | grep the Service IP)"
@@ -120,6 +127,9 @@ impl CauseId {
             }
             CauseId::NoReplyThroughNode => {
                 "seed 003 seen from the DNATing node: asymmetric return path"
+            }
+            CauseId::NoEndpoints => {
+                "Service without endpoints: kube-proxy's REJECT answers ICMP port unreachable (curl: connection refused)"
             }
             CauseId::NotDnated => "Service without endpoints / rules not programmed",
             CauseId::DroppedByNetfilter => "a DROP/REJECT rule (NetworkPolicy, firewall)",
@@ -239,6 +249,11 @@ const RULES: &[Rule] = &[
         id: CauseId::NoReplyThroughNode,
         verdicts: &[Verdict::NoReply],
         check: no_reply_through_node,
+    },
+    Rule {
+        id: CauseId::NoEndpoints,
+        verdicts: &[Verdict::Dropped, Verdict::NoReply],
+        check: no_endpoints,
     },
     Rule {
         id: CauseId::NotDnated,
@@ -383,6 +398,41 @@ fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
             "the {} was DNATed here to {backend}{at}, but no reply came back through this node within {} ms (asymmetric return path){elsewhere}",
             first_request_kind(ctx),
             ctx.reply_timeout_ns / 1_000_000
+        ),
+    ))
+}
+
+/// Not DNATed, and kube-proxy's ruleset REJECTs this Service IP:port for
+/// having no endpoints. REJECT answers with ICMP port unreachable and
+/// returns NF_DROP, so the kernel frees the request with reason
+/// NETFILTER_DROP (net/netfilter/core.c, nf_hook_slow).
+fn no_endpoints(ctx: &RuleCtx<'_>) -> Option<Found> {
+    if ctx.flow.backend.is_some() {
+        return None;
+    }
+    let proto = Proto::from_raw(ctx.flow.proto)?;
+    let reject = ctx
+        .kube
+        .no_endpoints_for(ctx.flow.service.socket_addr(), proto.as_str())?;
+    let what = first_request_kind(ctx);
+    let how = match ctx.drop {
+        Some(drop) if Some(drop.drop_reason) == ctx.known.netfilter_drop => format!(
+            "netfilter dropped the {what} {} and kube-proxy's REJECT answered with ICMP port unreachable (the client sees \"connection refused\")",
+            drop_place(ctx.flow, drop, ctx.ifnames)
+        ),
+        Some(_) => return None,
+        None => format!("the {what} was never DNATed and got no reply"),
+    };
+    let (namespace, name) = reject
+        .port_name
+        .split_once('/')
+        .map(|(ns, rest)| (ns, rest.rsplit_once(':').map_or(rest, |(n, _)| n)))
+        .unwrap_or(("<namespace>", &reject.port_name));
+    Some((
+        format!("{} has no endpoints", reject.port_name),
+        format!(
+            "{} ({}) has no endpoints: {how}; rejected by `{}`; check kubectl get endpointslices -n {namespace} -l kubernetes.io/service-name={name}",
+            reject.port_name, ctx.flow.service, reject.rule
         ),
     ))
 }

@@ -237,3 +237,65 @@ fn readme_table_matches_the_cause_table() {
         .collect();
     assert_eq!(rows, table, "README.md's table is out of date");
 }
+
+/// Decides a recording the way `nattrace analyze` does.
+fn decide_recording(text: &str) -> Vec<FlowReport> {
+    use crate::recording::{Reader, Record};
+    let (mut reader, header) =
+        Reader::new(std::io::BufReader::new(std::io::Cursor::new(text))).unwrap();
+    let mut c = Collector::new(header.collector_config().unwrap());
+    let mut out = Vec::new();
+    let mut end = 0;
+    for rec in reader.by_ref() {
+        match rec {
+            Record::Event(ev) => c.push(ev),
+            Record::Interface(i) => c.learn_interface(i.netns, i.ifindex, &i.name),
+            Record::Stats(s) => out.extend(c.tick(s.now_ns)),
+            Record::End(s) => end = s.now_ns,
+            Record::Capped { .. } => {}
+        }
+    }
+    out.extend(c.finish(end).0);
+    assert!(reader.problem().is_none(), "{:?}", reader.problem());
+    out
+}
+
+/// Recorded on a lab node (`nattrace --write`, scenario test
+/// `root_service_without_endpoints_is_no_endpoints_naming_service_and_rule`
+/// with NATTRACE_RECORD_NO_ENDPOINTS set): curl to a Service without
+/// endpoints; kube-proxy's filter REJECT dropped the SYN after FORWARD.
+#[test]
+fn recorded_service_without_endpoints_is_no_endpoints() {
+    let flows = decide_recording(include_str!("fixtures/no_endpoints.rec"));
+    assert_eq!(flows.len(), 1, "{flows:?}");
+    let f = &flows[0];
+    assert_eq!(f.verdict, Verdict::Dropped);
+    let cause = f.cause.as_ref().expect("a cause");
+    assert_eq!(cause.id, CauseId::NoEndpoints);
+    assert_eq!(cause.clause, "default/web-empty:http has no endpoints");
+    for needle in [
+        "after netfilter FORWARD",
+        "-A KUBE-SERVICES -d 100.67.30.140/32 -p tcp -m comment --comment \"default/web-empty:http has no endpoints\"",
+        "kubectl get endpointslices -n default -l kubernetes.io/service-name=web-empty",
+    ] {
+        assert!(
+            cause.text.contains(needle),
+            "{needle:?} missing: {}",
+            cause.text
+        );
+    }
+}
+
+/// The same events without the ruleset's REJECT: only the generic cause.
+#[test]
+fn netfilter_drop_without_a_no_endpoints_reject_stays_generic() {
+    let text = include_str!("fixtures/no_endpoints.rec");
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    let mut header: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
+    header["kube_proxy"]["no_endpoints"] = serde_json::json!([]);
+    lines[0] = header.to_string();
+    let flows = decide_recording(&(lines.join("\n") + "\n"));
+    assert_eq!(flows.len(), 1);
+    let cause = flows[0].cause.as_ref().expect("a cause");
+    assert_eq!(cause.id, CauseId::DroppedByNetfilter);
+}

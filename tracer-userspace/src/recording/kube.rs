@@ -6,7 +6,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use serde::{Deserialize, Deserializer};
 
-use crate::ruleset::{KubeProxyRules, ProxyMode, SepRule, SvcRule};
+use crate::ruleset::{KubeProxyRules, ProxyMode, RejectRule, SepRule, SvcRule};
 
 #[derive(Deserialize)]
 struct Rules {
@@ -16,6 +16,19 @@ struct Rules {
     source: Option<String>,
     #[serde(default)]
     services: Vec<Svc>,
+    #[serde(default)]
+    no_endpoints: Vec<Reject>,
+}
+
+#[derive(Deserialize)]
+struct Reject {
+    ip: Ipv4Addr,
+    port: u16,
+    protocol: String,
+    #[serde(default)]
+    port_name: String,
+    #[serde(default)]
+    rule: String,
 }
 
 #[derive(Deserialize)]
@@ -72,6 +85,17 @@ pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<KubeProxyRu
                         hairpin_masq: e.hairpin_masq,
                     })
                     .collect(),
+            })
+            .collect(),
+        no_endpoints: r
+            .no_endpoints
+            .into_iter()
+            .map(|r| RejectRule {
+                ip: r.ip,
+                port: r.port,
+                protocol: r.protocol,
+                port_name: r.port_name,
+                rule: r.rule,
             })
             .collect(),
     })

@@ -103,3 +103,69 @@ fn words_keep_quoted_text_together() {
     );
     assert_eq!(words(r#"--comment """#), vec!["--comment", ""]);
 }
+
+/// A whole node as the lab renders it (tests/src/kube_proxy/node.rs; kept
+/// in sync by `node_ruleset_fixture_matches_the_lab_renderer`).
+const LAB_NODE: &str = include_str!("fixtures/lab_node.txt");
+
+#[test]
+fn whole_dump_gives_services_from_nat_and_rejects_from_filter() {
+    let rules = parse_save(LAB_NODE);
+    assert_eq!(rules.mode, ProxyMode::Iptables);
+    assert_eq!(rules.services.len(), 1, "{rules:?}");
+    assert_eq!(rules.services[0].name, "default/web:http");
+    assert_eq!(rules.no_endpoints.len(), 1, "{rules:?}");
+    let r = rules
+        .no_endpoints_for(ep("100.67.30.140:80"), "tcp")
+        .expect("the REJECT");
+    assert_eq!(r.port_name, "default/web-empty:http");
+    assert_eq!(r.protocol, "tcp");
+    assert!(
+        r.rule.starts_with("-A KUBE-SERVICES -d 100.67.30.140/32") && r.rule.contains("-j REJECT"),
+        "{}",
+        r.rule
+    );
+    assert!(
+        rules
+            .no_endpoints_for(ep("100.67.30.140:81"), "tcp")
+            .is_none()
+    );
+    assert!(
+        rules
+            .no_endpoints_for(ep("100.67.30.140:80"), "udp")
+            .is_none()
+    );
+    // The filter table's KUBE-SERVICES is not mistaken for nat's.
+    assert!(rules.lookup(ep("100.67.30.140:80"), "tcp", None).is_none());
+}
+
+#[test]
+fn kube_proxys_own_reject_forms_are_read() {
+    // kube-proxy's restore input (proxier_test.go) and an external IP.
+    let text = "*filter\n:KUBE-SERVICES - [0:0]\n:KUBE-EXTERNAL-SERVICES - [0:0]\n\
+        -A KUBE-SERVICES -m comment --comment \"ns6/svc6:p80 has no endpoints\" -m tcp -p tcp -d 172.30.0.46 --dport 80 -j REJECT\n\
+        -A KUBE-EXTERNAL-SERVICES -m comment --comment \"ns6/svc6:p80 has no endpoints\" -m addrtype --dst-type LOCAL -m tcp -p tcp --dport 3001 -j REJECT\n\
+        -A KUBE-SERVICES -m comment --comment \"ns2/svc2:p53 has no endpoints\" -m udp -p udp -d 172.30.0.42 --dport 53 -j REJECT\n\
+        -A KUBE-SERVICES -m comment --comment \"something else\" -m tcp -p tcp -d 172.30.0.47 --dport 80 -j REJECT\n\
+        COMMIT\n*nat\n:KUBE-SERVICES - [0:0]\nCOMMIT\n";
+    let rules = parse_save(text);
+    assert_eq!(rules.no_endpoints.len(), 2, "{rules:?}");
+    assert_eq!(
+        rules
+            .no_endpoints_for(ep("172.30.0.46:80"), "tcp")
+            .unwrap()
+            .port_name,
+        "ns6/svc6:p80"
+    );
+    assert!(
+        rules
+            .no_endpoints_for(ep("172.30.0.42:53"), "udp")
+            .is_some()
+    );
+    assert_eq!(rules.mode, ProxyMode::Iptables);
+}
+
+#[test]
+fn nat_only_text_still_parses() {
+    assert_eq!(parse_save(LAB_NAT), parse_nat(LAB_NAT));
+}

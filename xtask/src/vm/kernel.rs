@@ -47,6 +47,16 @@ pub const MODULES: &[&str] = &[
     "xt_conntrack",
     // kube-proxy picks among endpoints with `-m statistic --mode random`.
     "xt_statistic",
+    // The rest of a node's layout (tests/src/kube_proxy/node.rs): kube-proxy's
+    // filter table with its no-endpoints REJECT and conntrack matches (which
+    // iptables-nft turns into native `ct` and `reject` expressions), the mangle
+    // canaries, and the legacy variant's tables and REJECT target.
+    "nft_ct",
+    "nf_reject_ipv4",
+    "nft_reject",
+    "nft_reject_ipv4",
+    "iptable_mangle",
+    "ipt_REJECT",
     "sch_ingress",
     "cls_bpf",
 ];

@@ -1,0 +1,58 @@
+//! A Service without endpoints on a bridged node (issue 10 item 5):
+//! kube-proxy's filter REJECT drops the SYN and answers ICMP port
+//! unreachable; nattrace names the Service and the rule, not "no reply".
+use super::*;
+
+fn empty_svc() -> String {
+    format!("{}:{}", presets::EMPTY_SERVICE_IP, presets::WEB_PORT)
+}
+
+/// Traces the empty Service while the client curls it; the recording goes
+/// to `write` when given (how `collector/fixtures/no_endpoints.rec` was made).
+pub(super) fn no_endpoints_trace(lab: &Lab, write: Option<&std::path::Path>) -> Finished {
+    let write_arg = write.map(|p| p.display().to_string());
+    let mut extra: Vec<&str> = Vec::new();
+    if let Some(w) = &write_arg {
+        extra.extend(["--write", w.as_str()]);
+    }
+    trace(lab, presets::NODE_A, &empty_svc(), &extra, || {
+        let out = lab
+            .http_get(
+                presets::CLIENT_POD,
+                presets::EMPTY_SERVICE_IP,
+                presets::WEB_PORT,
+                CLIENT_TIMEOUT,
+            )
+            .expect("curl");
+        // curl: (7) Failed to connect ... Connection refused — at once.
+        assert_eq!(
+            out.status.code(),
+            Some(7),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    })
+}
+
+#[test]
+fn root_service_without_endpoints_is_no_endpoints_naming_service_and_rule() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = build_lab(presets::no_endpoints());
+    let record = std::env::var_os("NATTRACE_RECORD_NO_ENDPOINTS").map(std::path::PathBuf::from);
+    let done = no_endpoints_trace(&lab, record.as_deref());
+    let f = only_flow(&done);
+    assert_common(&f, "dropped", Some("no_endpoints"), &done);
+    let why = f["cause_text"].as_str().expect("cause text");
+    for needle in [
+        "default/web-empty:http",
+        "-A KUBE-SERVICES -d 100.67.30.140/32",
+        "-j REJECT",
+        "ICMP port unreachable",
+        "kubectl get endpointslices -n default -l kubernetes.io/service-name=web-empty",
+    ] {
+        assert!(why.contains(needle), "{needle:?} missing: {why}");
+    }
+    assert!(f["backend"].is_null(), "{f}");
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+}
