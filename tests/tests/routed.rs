@@ -28,12 +28,6 @@ const TRACE_SECS: &str = "4";
 const REPLY_TIMEOUT_MS: &str = "1000";
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Set to true once branch `labrules` (cause `no_endpoints`, kube-proxy's
-/// REJECT rules for Services without endpoints) is merged: then the
-/// endpoint-less Service's flow must name that cause instead of the generic
-/// `dropped_by_netfilter` that a REJECT gives today.
-const NO_ENDPOINTS_CAUSE_MERGED: bool = false;
-
 /// The causes that speak of a bridge: none may ever fire on a routed node.
 const BRIDGE_CAUSES: &[&str] = &[
     "bridge_nf_call_iptables_off",
@@ -559,78 +553,33 @@ fn root_routed_network_policy_drop_in_forward() {
 
 // ------------------------------------------------ Service without endpoints
 
-/// `default/empty:http`: a Service whose pods are all gone.
-const EMPTY_SERVICE_IP: Ipv4Addr = Ipv4Addr::new(100, 67, 30, 134);
-
-/// kube-proxy's filter rules for a Service without endpoints, as its
-/// iptables proxier writes them (`pkg/proxy/iptables/proxier.go`: the
-/// "kubernetes service portals" jumps for new connections and a REJECT in
-/// KUBE-SERVICES). Until branch `labrules` makes the lab render them for
-/// endpoint-less Services of the spec, the test writes them itself.
-fn install_no_endpoints_reject(lab: &Lab, node: &str) {
-    let rules = format!(
-        "*filter\n:KUBE-SERVICES - [0:0]\n\
-         -A FORWARD -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
-         -A OUTPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
-         -A KUBE-SERVICES -d {EMPTY_SERVICE_IP}/32 -p tcp -m comment --comment \"default/empty:http has no endpoints\" -m tcp --dport 80 -j REJECT --reject-with icmp-port-unreachable\n\
-         COMMIT\n"
-    );
-    let out = std::process::Command::new("ip")
-        .args(["netns", "exec", lab.netns(node).unwrap().name()])
-        .args(["iptables-restore", "-w", "5", "--noflush"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut child| {
-            use std::io::Write as _;
-            child
-                .stdin
-                .take()
-                .expect("piped")
-                .write_all(rules.as_bytes())?;
-            child.wait_with_output()
-        })
-        .expect("running iptables-restore");
-    assert!(
-        out.status.success(),
-        "iptables-restore: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// kube-proxy REJECTs a Service without endpoints: the client gets ICMP
-/// port-unreachable (curl: connection refused, exit 7) at once. Needs branch
-/// `prio` (the REJECT lives in filter FORWARD, priority 0).
+/// kube-proxy REJECTs a Service without endpoints (the lab renders its
+/// filter `KUBE-SERVICES` REJECT as kube-proxy does): the client gets ICMP
+/// port-unreachable (curl: connection refused, exit 7) at once, and
+/// nattrace names the Service and the rule.
 #[test]
 fn root_routed_service_without_endpoints_is_refused() {
     require_root!();
     let _lock = tracing_lock();
-    let lab = seed000(Backend::SameNode, true);
-    install_no_endpoints_reject(&lab, presets::NODE_A);
-    let svc = format!("{EMPTY_SERVICE_IP}:80");
+    let lab = routed(presets::no_endpoints());
+    let svc = format!("{}:{}", presets::EMPTY_SERVICE_IP, presets::WEB_PORT);
     let done = trace(&lab, presets::NODE_A, &svc, &[], || {
         assert_eq!(
-            curl_exit(&lab, presets::CLIENT_POD, EMPTY_SERVICE_IP),
+            curl_exit(&lab, presets::CLIENT_POD, presets::EMPTY_SERVICE_IP),
             Some(7),
             "connection refused"
         );
     });
     let f = only_flow(&done);
-    assert_eq!(f["verdict"], "dropped", "{}", done.describe());
     assert!(f["backend"].is_null(), "never DNATed: {f}");
-    if NO_ENDPOINTS_CAUSE_MERGED {
-        assert_verdict(&f, "dropped", Some("no_endpoints"), &done);
-        assert!(
-            f["cause_text"]
-                .as_str()
-                .unwrap()
-                .contains("default/empty:http"),
-            "names the Service: {f}"
-        );
-    } else {
-        assert_verdict(&f, "dropped", Some("dropped_by_netfilter"), &done);
-    }
+    assert_verdict(&f, "dropped", Some("no_endpoints"), &done);
+    assert!(
+        f["cause_text"]
+            .as_str()
+            .unwrap()
+            .contains("default/web-empty:http"),
+        "names the Service: {f}"
+    );
     assert_eq!(done.status.code(), Some(1), "{}", done.describe());
 }
 
