@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use crate::error::{LabError, Result};
 use crate::kube_proxy::{self, ResolvedService};
+use crate::kube_proxy_nft;
 use crate::netns::{self, Netns};
 use crate::servers;
-use crate::spec::LabSpec;
+use crate::spec::{LabSpec, ProxyMode};
 use crate::topology;
 
 /// Default limit for [`Lab::exec`]: generous for curl/dig with their own
@@ -231,8 +232,20 @@ impl Lab {
 
     /// The kube-proxy nat table every node of this lab gets.
     pub fn kube_proxy_rules(&self) -> String {
-        let services: Vec<ResolvedService> = self
-            .spec
+        kube_proxy::render_nat(&self.spec.kube_proxy, &self.resolved_services())
+    }
+
+    /// The `nft -f` ruleset of kube-proxy's nftables mode for node `index`.
+    pub fn kube_proxy_nft_rules(&self, index: usize) -> String {
+        kube_proxy_nft::render(
+            &self.spec.kube_proxy,
+            &self.resolved_services(),
+            topology::node_underlay_ip(index),
+        )
+    }
+
+    fn resolved_services(&self) -> Vec<ResolvedService> {
+        self.spec
             .services
             .iter()
             .map(|svc| ResolvedService {
@@ -247,19 +260,26 @@ impl Lab {
                     .collect(),
                 pinned: svc.pinned,
             })
-            .collect();
-        kube_proxy::render_nat(&self.spec.kube_proxy, &services)
+            .collect()
     }
 
     fn install_kube_proxy(&self) -> Result<()> {
         let rules = self.kube_proxy_rules();
-        for node in &self.spec.nodes {
-            netns::run_checked(
-                Some(self.netns(&node.name)?),
+        for (index, node) in self.spec.nodes.iter().enumerate() {
+            let ns = Some(self.netns(&node.name)?);
+            match self.spec.kube_proxy.mode {
                 // -w: legacy iptables takes a host-wide lock; parallel labs queue on it.
-                &["iptables-restore", "-w", "5"],
-                Some(rules.as_bytes()),
-            )?;
+                ProxyMode::Iptables => netns::run_checked(
+                    ns,
+                    &["iptables-restore", "-w", "5"],
+                    Some(rules.as_bytes()),
+                )?,
+                ProxyMode::Nftables => netns::run_checked(
+                    ns,
+                    &["nft", "-f", "-"],
+                    Some(self.kube_proxy_nft_rules(index).as_bytes()),
+                )?,
+            };
         }
         Ok(())
     }

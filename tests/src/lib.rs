@@ -25,6 +25,7 @@
 mod cidr;
 mod error;
 pub mod kube_proxy;
+pub mod kube_proxy_nft;
 mod lab;
 mod netns;
 pub mod presets;
@@ -40,7 +41,7 @@ pub use netns::{NAME_PREFIX, NETNS_DIR, Netns, cleanup_stale};
 pub use servers::{LAB_SERVER_ENV, lab_server_path};
 pub use spec::{
     EndpointSpec, KubeProxyConfig, LabSpec, NodeSpec, OutsideSpec, Overlay, PodSpec, Protocol,
-    Server, ServiceSpec,
+    ProxyMode, Server, ServiceSpec,
 };
 pub use topology::{
     OUTSIDE, ROUTER, UNDERLAY, VXLAN_ID, VXLAN_MTU, VXLAN_PORT, node_underlay_ip,

@@ -106,6 +106,7 @@ fn kops_kube_proxy() -> KubeProxyConfig {
         cluster_cidr: Some(CLUSTER_CIDR),
         masquerade_all: false,
         omit_hairpin_masquerade: false,
+        ..KubeProxyConfig::default()
     }
 }
 
@@ -226,6 +227,7 @@ pub fn seed003(opts: Seed003) -> LabSpec {
         cluster_cidr: None,
         masquerade_all: opts.masquerade_all,
         omit_hairpin_masquerade: false,
+        ..KubeProxyConfig::default()
     };
     spec.overlay = Overlay::Vxlan;
     spec.outside = Some(OutsideSpec {

@@ -283,6 +283,18 @@ pub struct KubeProxyConfig {
     /// reaching itself through its Service is not masqueraded (a broken or
     /// hand-edited ruleset, seed 004 case 3's failure).
     pub omit_hairpin_masquerade: bool,
+    /// Which kube-proxy backend writes the rules (`--proxy-mode`).
+    pub mode: ProxyMode,
+}
+
+/// kube-proxy's `--proxy-mode` as the lab renders it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ProxyMode {
+    /// `iptables-restore` of the `*nat` table (kube-proxy's default).
+    #[default]
+    Iptables,
+    /// `nft -f` of `table ip kube-proxy` (GA since 1.33), see [`crate::kube_proxy_nft`].
+    Nftables,
 }
 
 /// How one node's pods reach another node's pods.

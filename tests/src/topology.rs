@@ -119,7 +119,8 @@ pub(crate) fn validate(spec: &LabSpec) -> Result<()> {
     }
     for svc in &spec.services {
         let what = svc.port_name_string();
-        if svc.endpoints.is_empty() {
+        // nftables mode renders kube-proxy's no-endpoint-services reject.
+        if svc.endpoints.is_empty() && spec.kube_proxy.mode == crate::spec::ProxyMode::Iptables {
             return err(format!("service {what} has no endpoints"));
         }
         for ep in &svc.endpoints {

@@ -30,6 +30,8 @@ macro_rules! require_root {
 // Below the macro, so its textual scope reaches it.
 #[path = "scenarios/doctor.rs"]
 mod doctor;
+#[path = "scenarios/nftables.rs"]
+mod nftables;
 
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
 const TRACE_SECS: &str = "4";

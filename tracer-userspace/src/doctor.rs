@@ -289,7 +289,22 @@ pub fn assess(i: &Inputs) -> Report {
     let mode = i.kube_proxy.mode;
     let (sev, msg) = match mode {
         ProxyMode::None => (Severity::Warning, "no kube-proxy rules found in the nat table (not a node, kube-proxy down, or a kube-proxy replacement)".to_string()),
-        m => (Severity::Info, format!("kube-proxy runs in {} mode ({} Services{})", m.as_str(), i.kube_proxy.services.len(), i.kube_proxy.source.map(|s| format!(", iptables-{s}")).unwrap_or_default())),
+        m => (
+            Severity::Info,
+            format!(
+                "kube-proxy runs in {} mode ({} Services{}{})",
+                m.as_str(),
+                i.kube_proxy.services.len(),
+                match i.kube_proxy.no_endpoints.len() {
+                    0 => String::new(),
+                    n => format!(", {n} without endpoints, rejected"),
+                },
+                i.kube_proxy
+                    .source
+                    .map(|s| format!(", iptables-{s}"))
+                    .unwrap_or_default()
+            ),
+        ),
     };
     out.push(finding(
         "kube_proxy_mode",
@@ -303,10 +318,10 @@ pub fn assess(i: &Inputs) -> Report {
             "masquerade_all",
             Severity::Info,
             format!("masqueradeAll={all}"),
-            if all {
-                "masqueradeAll is in effect: every Service packet is SNATed".into()
-            } else {
-                "masqueradeAll is off: clients outside the cluster CIDR keep their address (seed 003 if their replies can bypass this node)".into()
+            match (all, &i.kube_proxy.cluster_cidr) {
+                (true, _) => "masqueradeAll is in effect: every Service packet is SNATed".into(),
+                (false, Some(cidr)) => format!("masqueradeAll is off: Service traffic from outside the cluster CIDR {cidr} is masqueraded (kube-proxy --cluster-cidr), pods keep their address"),
+                (false, None) => "masqueradeAll is off: clients outside the cluster CIDR keep their address (seed 003 if their replies can bypass this node)".into(),
             },
             FIX_MASQ_ALL,
         ));

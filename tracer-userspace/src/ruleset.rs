@@ -59,12 +59,30 @@ pub struct SvcRule {
     pub endpoints: Vec<SepRule>,
 }
 
+/// A Service port without endpoints, which kube-proxy rejects (ICMP port
+/// unreachable: the client's connect fails at once).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RejectRule {
+    pub ip: Ipv4Addr,
+    pub port: u16,
+    /// "tcp" / "udp".
+    pub protocol: String,
+    /// kube-proxy's `namespace/name:port`.
+    pub port_name: String,
+    /// The rule (or map element) that rejects it, as the node shows it.
+    pub rule: String,
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct KubeProxyRules {
     pub mode: ProxyMode,
     /// Which iptables backend held the rules: "legacy" / "nft".
     pub source: Option<&'static str>,
     pub services: Vec<SvcRule>,
+    pub no_endpoints: Vec<RejectRule>,
+    /// `--cluster-cidr` as the Service chains show it: traffic from outside
+    /// it is masqueraded. None when unknown or not set.
+    pub cluster_cidr: Option<String>,
 }
 
 /// What a flow's Service and backend map to in the ruleset.
@@ -300,12 +318,14 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
         }
     }
     if best.mode == ProxyMode::None
-        && run_in(&ns, "nft", &["list", "tables"]).is_some_and(|t| t.contains("kube-proxy"))
+        && let Some(rules) =
+            run_in(&ns, "nft", &["-j", "list", "ruleset"]).and_then(|j| nft::parse(&j))
     {
-        best.mode = ProxyMode::Nftables;
+        best = rules;
     }
     best
 }
 
+pub mod nft;
 #[cfg(test)]
 mod tests;

@@ -6,7 +6,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use serde::{Deserialize, Deserializer};
 
-use crate::ruleset::{KubeProxyRules, ProxyMode, SepRule, SvcRule};
+use crate::ruleset::{KubeProxyRules, ProxyMode, RejectRule, SepRule, SvcRule};
 
 #[derive(Deserialize)]
 struct Rules {
@@ -16,6 +16,19 @@ struct Rules {
     source: Option<String>,
     #[serde(default)]
     services: Vec<Svc>,
+    #[serde(default)]
+    no_endpoints: Vec<Reject>,
+    #[serde(default)]
+    cluster_cidr: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Reject {
+    ip: Ipv4Addr,
+    port: u16,
+    protocol: String,
+    port_name: String,
+    rule: String,
 }
 
 #[derive(Deserialize)]
@@ -74,5 +87,17 @@ pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<KubeProxyRu
                     .collect(),
             })
             .collect(),
+        no_endpoints: r
+            .no_endpoints
+            .into_iter()
+            .map(|n| RejectRule {
+                ip: n.ip,
+                port: n.port,
+                protocol: n.protocol,
+                port_name: n.port_name,
+                rule: n.rule,
+            })
+            .collect(),
+        cluster_cidr: r.cluster_cidr,
     })
 }
