@@ -326,6 +326,7 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
     best
 }
 
+pub mod dataplane;
 pub mod nft;
 #[cfg(test)]
 mod tests;

@@ -270,12 +270,18 @@ async fn finish(
 fn header(options: &SessionOptions, tracer: &Tracer) -> Header {
     // Read-only static facts (sysctls, kube-proxy's rules) for the preamble
     // and for naming each flow's Service and chains.
-    let inputs = crate::doctor::gather_with(
+    let mut inputs = crate::doctor::gather_with(
         options.netns.as_deref(),
         Some(tracer.facts().interfaces.clone()),
     )
     .unwrap_or_default();
+    inputs.traced = options.services.iter().map(|s| s.addr).collect();
     let checks = crate::doctor::assess(&inputs);
+    // One line up front where the traced Services bypass netfilter NAT
+    // (IPVS, eBPF): the verdicts that follow would otherwise mislead.
+    if let Some(f) = checks.findings.iter().find(|f| f.check == "service_nat") {
+        eprintln!("nattrace: warning: {}", f.message);
+    }
     let clock = Clock {
         monotonic_ns: monotonic_ns(),
         realtime_ns: clock_ns(nix::time::ClockId::CLOCK_REALTIME),
