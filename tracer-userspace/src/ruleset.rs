@@ -83,6 +83,17 @@ pub struct KubeProxyRules {
     /// `--cluster-cidr` as the Service chains show it: traffic from outside
     /// it is masqueraded. None when unknown or not set.
     pub cluster_cidr: Option<String>,
+    /// Traced Service IPs that IPVS or an eBPF data plane translates instead
+    /// (see [`dataplane`]); filled by the session, recorded with the rules.
+    pub outside_netfilter: Vec<OutsideNetfilter>,
+}
+
+/// A Service IP translated outside netfilter, and by what.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct OutsideNetfilter {
+    pub ip: Ipv4Addr,
+    /// e.g. "IPVS (kube-proxy --proxy-mode=ipvs: kube-ipvs0 holds 10.96.0.1)".
+    pub by: String,
 }
 
 /// What a flow's Service and backend map to in the ruleset.

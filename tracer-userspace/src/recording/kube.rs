@@ -6,7 +6,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use serde::{Deserialize, Deserializer};
 
-use crate::ruleset::{KubeProxyRules, ProxyMode, RejectRule, SepRule, SvcRule};
+use crate::ruleset::{KubeProxyRules, OutsideNetfilter, ProxyMode, RejectRule, SepRule, SvcRule};
 
 #[derive(Deserialize)]
 struct Rules {
@@ -20,6 +20,14 @@ struct Rules {
     no_endpoints: Vec<Reject>,
     #[serde(default)]
     cluster_cidr: Option<String>,
+    #[serde(default)]
+    outside_netfilter: Vec<Outside>,
+}
+
+#[derive(Deserialize)]
+struct Outside {
+    ip: Ipv4Addr,
+    by: String,
 }
 
 #[derive(Deserialize)]
@@ -99,5 +107,10 @@ pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<KubeProxyRu
             })
             .collect(),
         cluster_cidr: r.cluster_cidr,
+        outside_netfilter: r
+            .outside_netfilter
+            .into_iter()
+            .map(|o| OutsideNetfilter { ip: o.ip, by: o.by })
+            .collect(),
     })
 }
