@@ -252,6 +252,24 @@ mod tests {
         assert_eq!(d.summary().unwrap().0, "ebpf");
     }
 
+    /// Only the load-balancer maps count, whatever else is pinned beside them.
+    #[test]
+    fn pinned_lb_maps_are_found_by_name() {
+        let dir = std::env::temp_dir().join(format!("nattrace-bpffs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in [
+            "cilium_lb4_services_v2",
+            "cilium_ct4_global",
+            "cali_v4_nat_fe3",
+        ] {
+            std::fs::write(dir.join(name), b"").unwrap();
+        }
+        let found = ebpf_maps(&dir);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(found, vec!["cali_v4_nat_fe3", "cilium_lb4_services_v2"]);
+        assert!(ebpf_maps(Path::new("/nonexistent/bpffs")).is_empty());
+    }
+
     #[test]
     fn ipvs_is_named_by_device_and_virtual_servers() {
         let d = Dataplane {

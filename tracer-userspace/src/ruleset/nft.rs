@@ -270,8 +270,10 @@ mod tests {
     use super::*;
 
     /// `nft -j list ruleset` on a lab node (seed 000 + kube-dns + a Service
-    /// without endpoints, nftables mode), captured by the scenarios test
-    /// `root_nft_reader_fixture_is_the_labs_nft_json`, which also regenerates it.
+    /// without endpoints, nftables mode). The scenarios test
+    /// `root_nft_reader_fixture_is_the_labs_nft_json` checks it against the
+    /// lab; regenerate it (as root) with
+    /// `NATTRACE_WRITE_FIXTURE=1 cargo test -p nattrace-tests --test scenarios root_nft_reader_fixture_is_the_labs_nft_json`.
     const LAB_NFT: &str = include_str!("fixtures/lab_nft.json");
 
     fn ep(s: &str) -> SocketAddrV4 {
