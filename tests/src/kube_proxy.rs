@@ -69,7 +69,7 @@ fn hash16(s: &str) -> String {
 
 /// RFC 4648 base32 (Go's `base32.StdEncoding`); padding is irrelevant since
 /// only a prefix is used.
-fn base32_std(data: &[u8]) -> String {
+pub(crate) fn base32_std(data: &[u8]) -> String {
     const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
     let mut out = String::with_capacity(data.len().div_ceil(5) * 8);
     let (mut buffer, mut bits) = (0u32, 0u32);

@@ -10,9 +10,10 @@ use std::time::Duration;
 use crate::cidr::Ipv4Cidr;
 use crate::error::{LabError, Result};
 use crate::kube_proxy::{self, NodeNet, ResolvedService};
+use crate::kube_proxy_nft;
 use crate::netns::{self, Netns};
 use crate::servers;
-use crate::spec::LabSpec;
+use crate::spec::{LabSpec, ProxyMode};
 use crate::topology;
 
 /// Default limit for [`Lab::exec`]: generous for curl/dig with their own
@@ -237,6 +238,15 @@ impl Lab {
         self.run(node, &[save, "-t", table])
     }
 
+    /// The `nft -f` ruleset of kube-proxy's nftables mode for node `index`.
+    pub fn kube_proxy_nft_rules(&self, index: usize) -> String {
+        kube_proxy_nft::render(
+            &self.spec.kube_proxy,
+            &self.resolved_services(),
+            topology::node_underlay_ip(index),
+        )
+    }
+
     fn resolved_services(&self) -> Vec<ResolvedService> {
         self.spec
             .services
@@ -303,16 +313,22 @@ impl Lab {
         Ipv4Cidr::new(first.network(), prefix).trunc()
     }
 
+    /// kube-proxy's rules (iptables or nftables mode), kubelet's chains and
+    /// the CNI's, on every node.
     fn install_kube_proxy(&self) -> Result<()> {
         let restore = self.spec.kube_proxy.iptables.restore();
-        for node in &self.spec.nodes {
+        for (index, node) in self.spec.nodes.iter().enumerate() {
+            let ns = Some(self.netns(&node.name)?);
             let rules = self.node_rules(&node.name)?;
-            netns::run_checked(
-                Some(self.netns(&node.name)?),
-                // -w: legacy iptables takes a host-wide lock; parallel labs queue on it.
-                &[restore, "-w", "5"],
-                Some(rules.as_bytes()),
-            )?;
+            // -w: legacy iptables takes a host-wide lock; parallel labs queue on it.
+            netns::run_checked(ns, &[restore, "-w", "5"], Some(rules.as_bytes()))?;
+            if self.spec.kube_proxy.mode == ProxyMode::Nftables {
+                netns::run_checked(
+                    ns,
+                    &["nft", "-f", "-"],
+                    Some(self.kube_proxy_nft_rules(index).as_bytes()),
+                )?;
+            }
         }
         Ok(())
     }

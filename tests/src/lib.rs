@@ -25,6 +25,7 @@
 mod cidr;
 mod error;
 pub mod kube_proxy;
+pub mod kube_proxy_nft;
 mod lab;
 mod netns;
 pub mod presets;
@@ -40,7 +41,7 @@ pub use netns::{NAME_PREFIX, NETNS_DIR, Netns, cleanup_stale};
 pub use servers::{LAB_SERVER_ENV, lab_server_path};
 pub use spec::{
     CniChains, Datapath, EndpointSpec, IptablesBackend, KubeProxyConfig, LabSpec, NodeSpec,
-    OutsideSpec, Overlay, PodSpec, Protocol, ROUTED_GATEWAY, Server, ServiceSpec,
+    OutsideSpec, Overlay, PodSpec, Protocol, ProxyMode, ROUTED_GATEWAY, Server, ServiceSpec,
 };
 pub use topology::{
     OUTSIDE, ROUTED_HOST_MAC, ROUTER, UNDERLAY, VXLAN_ID, VXLAN_MTU, VXLAN_PORT, host_veth,

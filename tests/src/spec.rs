@@ -350,6 +350,8 @@ pub struct KubeProxyConfig {
     pub iptables: IptablesBackend,
     /// The CNI's own chains written beside kube-proxy's.
     pub cni_chains: CniChains,
+    /// Which kube-proxy backend writes the rules (`--proxy-mode`).
+    pub mode: ProxyMode,
 }
 
 /// The iptables backend kube-proxy and kubelet write through.
@@ -402,6 +404,16 @@ impl Default for CniChains {
     fn default() -> Self {
         CniChains::Flannel { ip_masq: true }
     }
+}
+
+/// kube-proxy's `--proxy-mode` as the lab renders it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ProxyMode {
+    /// `iptables-restore` of kube-proxy's filter, nat and mangle tables (its default).
+    #[default]
+    Iptables,
+    /// `nft -f` of `table ip kube-proxy` (GA since 1.33), see [`crate::kube_proxy_nft`].
+    Nftables,
 }
 
 /// How one node's pods reach another node's pods.

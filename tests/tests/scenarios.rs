@@ -11,9 +11,10 @@ use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use lab::kube_proxy::{sep_chain, svc_chain};
+use lab::kube_proxy_nft::{endpoint_chain, service_chain};
 use lab::presets::{self, Backend};
 use lab::tracer::{Finished, Nattrace, nattrace, tracing_lock};
-use lab::{Lab, LabSpec, Protocol, build_lab};
+use lab::{Lab, LabSpec, Protocol, ProxyMode, build_lab};
 use serde_json::Value;
 
 macro_rules! require_root {
@@ -34,6 +35,52 @@ mod doctor;
 mod no_endpoints;
 #[path = "scenarios/readonly.rs"]
 mod readonly;
+#[path = "scenarios/ipvs.rs"]
+mod ipvs;
+#[path = "scenarios/nftables.rs"]
+mod nftables;
+
+/// Each seed scenario is a function of kube-proxy's mode; this declares its
+/// test for iptables mode (the original name) and for nftables mode (`_nft`).
+macro_rules! both_modes {
+    ($body:ident: $iptables:ident, $nftables:ident) => {
+        #[test]
+        fn $iptables() {
+            require_root!();
+            $body(ProxyMode::Iptables);
+        }
+        #[test]
+        fn $nftables() {
+            require_root!();
+            $body(ProxyMode::Nftables);
+        }
+    };
+}
+
+/// Builds `spec` with kube-proxy in `mode`.
+fn build_in(mode: ProxyMode, mut spec: LabSpec) -> Lab {
+    spec.kube_proxy.mode = mode;
+    build_lab(spec)
+}
+
+/// The Service and endpoint chain names kube-proxy gives `name` in `mode`.
+fn chain_names(mode: ProxyMode, name: &str, proto: Protocol, endpoint: &str) -> (String, String) {
+    match mode {
+        ProxyMode::Iptables => (svc_chain(name, proto), sep_chain(name, proto, endpoint)),
+        ProxyMode::Nftables => (
+            service_chain(name, proto),
+            endpoint_chain(name, proto, endpoint),
+        ),
+    }
+}
+
+/// The flow names the Service and the chains that DNATed it.
+fn assert_chains(f: &Value, mode: ProxyMode, name: &str, proto: Protocol, endpoint: &str) {
+    let (svc, sep) = chain_names(mode, name, proto, endpoint);
+    assert_eq!(f["k8s_service"], name, "{f}");
+    assert_eq!(f["svc_chain"], svc, "{f}");
+    assert_eq!(f["sep_chain"], sep, "{f}");
+}
 
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
 const TRACE_SECS: &str = "4";
@@ -145,11 +192,14 @@ fn assert_common(f: &Value, verdict: &str, cause: Option<&str>, done: &Finished)
 
 // ---------------------------------------------------------------- 1: DNS
 
-fn dns_trace(bridge_nf_call_iptables: bool) -> (Finished, bool) {
-    let lab = build_lab(presets::dns(presets::Dns {
-        bridge_nf_call_iptables,
-        backend: Backend::SameNode,
-    }));
+fn dns_trace(bridge_nf_call_iptables: bool, mode: ProxyMode) -> (Finished, bool) {
+    let lab = build_in(
+        mode,
+        presets::dns(presets::Dns {
+            bridge_nf_call_iptables,
+            backend: Backend::SameNode,
+        }),
+    );
     let svc = format!("{}:53", presets::DNS_SERVICE_IP);
     let mut answered = false;
     let done = trace(&lab, presets::NODE_A, &svc, &[], || {
@@ -167,7 +217,7 @@ fn dns_trace(bridge_nf_call_iptables: bool) -> (Finished, bool) {
     (done, answered)
 }
 
-fn assert_dns_flow(f: &Value) {
+fn assert_dns_flow(f: &Value, mode: ProxyMode) {
     assert_eq!(f["proto"], "udp", "{f}");
     assert_eq!(ip_of(&f["client"]), presets::CLIENT_IP, "{f}");
     assert_eq!(
@@ -175,15 +225,15 @@ fn assert_dns_flow(f: &Value) {
         format!("{}:53", presets::DNS_SERVICE_IP),
         "{f}"
     );
-    assert_eq!(f["backend"], format!("{}:53", presets::DNS_POD_IP), "{f}");
-    assert_eq!(f["k8s_service"], "kube-system/kube-dns:dns", "{f}");
+    let backend = format!("{}:53", presets::DNS_POD_IP);
+    assert_eq!(f["backend"], backend, "{f}");
+    assert_chains(f, mode, "kube-system/kube-dns:dns", Protocol::Udp, &backend);
 }
 
-#[test]
-fn root_dns_seed001_broken_reply_from_unexpected_source() {
-    require_root!();
+both_modes!(dns_broken: root_dns_seed001_broken_reply_from_unexpected_source, root_dns_seed001_broken_reply_from_unexpected_source_nft);
+fn dns_broken(mode: ProxyMode) {
     let _lock = tracing_lock();
-    let (done, answered) = dns_trace(false);
+    let (done, answered) = dns_trace(false, mode);
     assert!(!answered, "seed 001: dig gets no usable answer");
     let f = only_flow(&done);
     assert_common(
@@ -192,29 +242,27 @@ fn root_dns_seed001_broken_reply_from_unexpected_source() {
         Some("bridge_nf_call_iptables_off"),
         &done,
     );
-    assert_dns_flow(&f);
+    assert_dns_flow(&f, mode);
     assert_eq!(done.status.code(), Some(1), "{}", done.describe());
 }
 
-#[test]
-fn root_dns_seed001_healthy_is_ok() {
-    require_root!();
+both_modes!(dns_healthy: root_dns_seed001_healthy_is_ok, root_dns_seed001_healthy_is_ok_nft);
+fn dns_healthy(mode: ProxyMode) {
     let _lock = tracing_lock();
-    let (done, answered) = dns_trace(true);
+    let (done, answered) = dns_trace(true, mode);
     assert!(answered, "{}", done.describe());
     let f = only_flow(&done);
     assert_common(&f, "ok", None, &done);
-    assert_dns_flow(&f);
+    assert_dns_flow(&f, mode);
     assert_eq!(done.status.code(), Some(0), "{}", done.describe());
 }
 
 // ------------------------------------------------------ 4: node-local client
 
-#[test]
-fn root_node_local_client_shows_output_dnat_and_masquerade() {
-    require_root!();
+both_modes!(node_local: root_node_local_client_shows_output_dnat_and_masquerade, root_node_local_client_shows_output_dnat_and_masquerade_nft);
+fn node_local(mode: ProxyMode) {
     let _lock = tracing_lock();
-    let lab = build_lab(presets::seed000(presets::Seed000::default()));
+    let lab = build_in(mode, presets::seed000(presets::Seed000::default()));
     let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
         assert!(curl(&lab, presets::NODE_A), "curl from the node works");
     });
@@ -223,6 +271,7 @@ fn root_node_local_client_shows_output_dnat_and_masquerade() {
     assert_eq!(ip_of(&f["client"]), lab::node_underlay_ip(0), "{f}");
     let backend = format!("{}:80", presets::BACKEND_IP);
     assert_eq!(f["backend"], backend, "{f}");
+    assert_chains(&f, mode, "default/web:http", Protocol::Tcp, &backend);
     let gateway = presets::NODE_A_POD_CIDR.host(1);
     assert_eq!(
         ip_of(&f["snat"]),
@@ -247,14 +296,16 @@ fn root_node_local_client_shows_output_dnat_and_masquerade() {
 
 // ---------------------------------------------------------- 5: cross-node
 
-#[test]
-fn root_cross_node_path_shows_prerouting_forward_postrouting_and_overlay() {
-    require_root!();
+both_modes!(cross_node: root_cross_node_path_shows_prerouting_forward_postrouting_and_overlay, root_cross_node_path_shows_prerouting_forward_postrouting_and_overlay_nft);
+fn cross_node(mode: ProxyMode) {
     let _lock = tracing_lock();
-    let lab = build_lab(presets::seed000(presets::Seed000 {
-        bridge_nf_call_iptables: true,
-        backend: Backend::OtherNode,
-    }));
+    let lab = build_in(
+        mode,
+        presets::seed000(presets::Seed000 {
+            bridge_nf_call_iptables: true,
+            backend: Backend::OtherNode,
+        }),
+    );
     let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
         assert!(curl(&lab, presets::CLIENT_POD));
     });
@@ -263,6 +314,7 @@ fn root_cross_node_path_shows_prerouting_forward_postrouting_and_overlay() {
     assert_eq!(ip_of(&f["client"]), presets::CLIENT_IP, "{f}");
     let backend = format!("{}:80", presets::REMOTE_BACKEND_IP);
     assert_eq!(f["backend"], backend, "{f}");
+    assert_chains(&f, mode, "default/web:http", Protocol::Tcp, &backend);
     assert!(f["snat"].is_null(), "pod → pod is not masqueraded: {f}");
     for place in [
         "netfilter PREROUTING after-nat",
@@ -284,11 +336,14 @@ fn root_cross_node_path_shows_prerouting_forward_postrouting_and_overlay() {
 
 // -------------------------------------------------- 2: asymmetric return path
 
-fn seed003(masquerade_all: bool) -> Lab {
-    build_lab(presets::seed003(presets::Seed003 {
-        masquerade_all,
-        backend: Backend::OtherNode,
-    }))
+fn seed003(masquerade_all: bool, mode: ProxyMode) -> Lab {
+    build_in(
+        mode,
+        presets::seed003(presets::Seed003 {
+            masquerade_all,
+            backend: Backend::OtherNode,
+        }),
+    )
 }
 
 fn outside_curl(lab: &Lab) -> bool {
@@ -301,11 +356,10 @@ fn assert_outside_flow(f: &Value) {
     assert_eq!(f["backend"], format!("{}:80", presets::BACKEND_IP), "{f}");
 }
 
-#[test]
-fn root_seed003_on_the_dnating_node_no_reply_through_node() {
-    require_root!();
+both_modes!(seed003_dnating_node: root_seed003_on_the_dnating_node_no_reply_through_node, root_seed003_on_the_dnating_node_no_reply_through_node_nft);
+fn seed003_dnating_node(mode: ProxyMode) {
     let _lock = tracing_lock();
-    let lab = seed003(false);
+    let lab = seed003(false, mode);
     let done = trace(&lab, presets::NODE_B, &web_svc(), &[], || {
         assert!(!outside_curl(&lab), "seed 003: the connection fails");
     });
@@ -316,11 +370,10 @@ fn root_seed003_on_the_dnating_node_no_reply_through_node() {
     assert_eq!(done.status.code(), Some(1), "{}", done.describe());
 }
 
-#[test]
-fn root_seed003_with_masquerade_all_is_ok_and_snated() {
-    require_root!();
+both_modes!(seed003_masquerade_all: root_seed003_with_masquerade_all_is_ok_and_snated, root_seed003_with_masquerade_all_is_ok_and_snated_nft);
+fn seed003_masquerade_all(mode: ProxyMode) {
     let _lock = tracing_lock();
-    let lab = seed003(true);
+    let lab = seed003(true, mode);
     let done = trace(&lab, presets::NODE_B, &web_svc(), &[], || {
         assert!(outside_curl(&lab), "masqueradeAll fixes seed 003");
     });
@@ -335,11 +388,10 @@ fn root_seed003_with_masquerade_all_is_ok_and_snated() {
     );
 }
 
-#[test]
-fn root_seed003_on_the_backend_node_reply_bypasses_the_dnating_node() {
-    require_root!();
+both_modes!(seed003_backend_node: root_seed003_on_the_backend_node_reply_bypasses_the_dnating_node, root_seed003_on_the_backend_node_reply_bypasses_the_dnating_node_nft);
+fn seed003_backend_node(mode: ProxyMode) {
     let _lock = tracing_lock();
-    let lab = seed003(false);
+    let lab = seed003(false, mode);
     let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
         assert!(!outside_curl(&lab));
     });
@@ -361,7 +413,12 @@ fn root_seed003_on_the_backend_node_reply_bypasses_the_dnating_node() {
 
 // --------------------------------------------------------------- 3: hairpin
 
-fn hairpin_trace(hairpin_mode: bool, masquerade: bool, accept_local: bool) -> (Finished, bool) {
+fn hairpin_trace(
+    hairpin_mode: bool,
+    masquerade: bool,
+    accept_local: bool,
+    mode: ProxyMode,
+) -> (Finished, bool) {
     let mut spec = presets::hairpin(presets::Hairpin {
         hairpin_mode,
         masquerade,
@@ -374,7 +431,7 @@ fn hairpin_trace(hairpin_mode: bool, masquerade: bool, accept_local: bool) -> (F
             spec.nodes[0].pods[0].sysctls.push((key.into(), "1".into()));
         }
     }
-    let lab = build_lab(spec);
+    let lab = build_in(mode, spec);
     let mut worked = false;
     let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
         worked = curl(&lab, presets::BACKEND_POD);
@@ -388,15 +445,16 @@ fn assert_hairpin_flow(f: &Value) {
     assert_eq!(f["hairpin"], true, "{f}");
 }
 
-#[test]
-fn root_hairpin_with_masquerade_is_ok() {
-    require_root!();
+both_modes!(hairpin_masquerade: root_hairpin_with_masquerade_is_ok, root_hairpin_with_masquerade_is_ok_nft);
+fn hairpin_masquerade(mode: ProxyMode) {
     let _lock = tracing_lock();
-    let (done, worked) = hairpin_trace(true, true, false);
+    let (done, worked) = hairpin_trace(true, true, false, mode);
     assert!(worked, "{}", done.describe());
     let f = only_flow(&done);
     assert_common(&f, "ok", None, &done);
     assert_hairpin_flow(&f);
+    let backend = format!("{}:80", presets::BACKEND_IP);
+    assert_chains(&f, mode, "default/web:http", Protocol::Tcp, &backend);
     assert_eq!(ip_of(&f["snat"]), presets::NODE_A_POD_CIDR.host(1), "{f}");
     let detail = f["detail"].as_str().unwrap();
     assert!(
@@ -405,11 +463,10 @@ fn root_hairpin_with_masquerade_is_ok() {
     );
 }
 
-#[test]
-fn root_hairpin_mode_off_is_named() {
-    require_root!();
+both_modes!(hairpin_off: root_hairpin_mode_off_is_named, root_hairpin_mode_off_is_named_nft);
+fn hairpin_off(mode: ProxyMode) {
     let _lock = tracing_lock();
-    let (done, worked) = hairpin_trace(false, true, false);
+    let (done, worked) = hairpin_trace(false, true, false, mode);
     assert!(!worked);
     let f = only_flow(&done);
     assert!(
@@ -421,31 +478,29 @@ fn root_hairpin_mode_off_is_named() {
     assert_hairpin_flow(&f);
 }
 
+both_modes!(hairpin_unmasqueraded: root_hairpin_without_masquerade_is_dropped_as_local_source, root_hairpin_without_masquerade_is_dropped_as_local_source_nft);
 /// Without masquerade the pod receives its own SYN with its own address as
 /// source: Linux drops it (IP_LOCAL_SOURCE) unless accept_local is set.
-#[test]
-fn root_hairpin_without_masquerade_is_dropped_as_local_source() {
-    require_root!();
+fn hairpin_unmasqueraded(mode: ProxyMode) {
     let _lock = tracing_lock();
-    let (done, worked) = hairpin_trace(true, false, false);
+    let (done, worked) = hairpin_trace(true, false, false, mode);
     assert!(!worked);
     let f = only_flow(&done);
     assert_common(&f, "dropped", Some("hairpin_not_masqueraded"), &done);
     assert_hairpin_flow(&f);
     assert!(f["snat"].is_null(), "{f}");
-    assert!(
-        f["cause_text"].as_str().unwrap().contains("KUBE-SEP-"),
-        "{f}"
-    );
+    // The cause names the endpoint chain that lacks the hairpin mark.
+    let backend = format!("{}:80", presets::BACKEND_IP);
+    let (_, sep) = chain_names(mode, "default/web:http", Protocol::Tcp, &backend);
+    assert!(f["cause_text"].as_str().unwrap().contains(&sep), "{f}");
 }
 
+both_modes!(hairpin_accept_local: root_hairpin_without_masquerade_accept_local_is_not_reverse_nated, root_hairpin_without_masquerade_accept_local_is_not_reverse_nated_nft);
 /// With accept_local the SYN is accepted and the SYN-ACK goes straight back
 /// inside the pod: the reply is not reverse-NATed (the description).
-#[test]
-fn root_hairpin_without_masquerade_accept_local_is_not_reverse_nated() {
-    require_root!();
+fn hairpin_accept_local(mode: ProxyMode) {
     let _lock = tracing_lock();
-    let (done, worked) = hairpin_trace(true, false, true);
+    let (done, worked) = hairpin_trace(true, false, true, mode);
     assert!(!worked);
     let f = only_flow(&done);
     assert_common(
@@ -460,25 +515,19 @@ fn root_hairpin_without_masquerade_accept_local_is_not_reverse_nated() {
 
 // ------------------------------------------------ 6: hook path and chains
 
-#[test]
-fn root_chains_and_full_hook_path_are_reported() {
-    require_root!();
+both_modes!(chains_and_path: root_chains_and_full_hook_path_are_reported, root_chains_and_full_hook_path_are_reported_nft);
+fn chains_and_path(mode: ProxyMode) {
     let _lock = tracing_lock();
-    let lab = build_lab(presets::seed000(presets::Seed000::default()));
+    let lab = build_in(mode, presets::seed000(presets::Seed000::default()));
     let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
         assert!(curl(&lab, presets::CLIENT_POD));
     });
     let f = only_flow(&done);
     assert_common(&f, "ok", None, &done);
     let name = "default/web:http";
-    assert_eq!(f["k8s_service"], name, "{f}");
-    assert_eq!(f["svc_chain"], svc_chain(name, Protocol::Tcp), "{f}");
     let backend = format!("{}:80", presets::BACKEND_IP);
-    assert_eq!(
-        f["sep_chain"],
-        sep_chain(name, Protocol::Tcp, &backend),
-        "{f}"
-    );
+    assert_chains(&f, mode, name, Protocol::Tcp, &backend);
+    let (svc, _) = chain_names(mode, name, Protocol::Tcp, &backend);
     // Every packet until the verdict (an `ok` flow is then muted in the
     // kernel), each with its whole path through the node.
     let packets = f["packets"].as_array().unwrap();
@@ -518,10 +567,7 @@ fn root_chains_and_full_hook_path_are_reported() {
         },
     );
     let out = text.stdout.join("\n");
-    assert!(
-        out.contains(&format!("[{name} {}", svc_chain(name, Protocol::Tcp))),
-        "{out}"
-    );
+    assert!(out.contains(&format!("[{name} {svc}")), "{out}");
     assert!(out.contains("netfilter PREROUTING after-nat"), "{out}");
     assert!(out.contains("nattrace: checks: "), "{out}");
 }

@@ -8,9 +8,10 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use lab::kube_proxy_nft::{endpoint_chain, service_chain};
 use lab::presets::{self, Backend, Seed000};
 use lab::tracer::{Finished, Nattrace, curl_parallel, nattrace, tracing_lock};
-use lab::{Lab, Protocol, ServiceSpec, build_lab};
+use lab::{Lab, Protocol, ProxyMode, ServiceSpec, build_lab};
 use serde_json::Value;
 
 macro_rules! require_root {
@@ -45,11 +46,49 @@ const CURL_MAX_TIME: Duration = Duration::from_secs(1);
 const TRACE_SECS: f64 = 3.5;
 const REPLY_TIMEOUT_MS: &str = "1000";
 
-fn seed000(bridge_nf_call_iptables: bool, backend: Backend) -> Lab {
-    build_lab(presets::seed000(Seed000 {
+/// Each seed scenario is a function of kube-proxy's mode; this declares its
+/// test for iptables mode (the original name) and for nftables mode (`_nft`).
+macro_rules! both_modes {
+    ($body:ident: $iptables:ident, $nftables:ident) => {
+        #[test]
+        fn $iptables() {
+            require_root!();
+            $body(ProxyMode::Iptables);
+        }
+        #[test]
+        fn $nftables() {
+            require_root!();
+            $body(ProxyMode::Nftables);
+        }
+    };
+}
+
+fn seed000(bridge_nf_call_iptables: bool, backend: Backend, mode: ProxyMode) -> Lab {
+    let mut spec = presets::seed000(Seed000 {
         bridge_nf_call_iptables,
         backend,
-    }))
+    });
+    spec.kube_proxy.mode = mode;
+    build_lab(spec)
+}
+
+/// In nftables mode every flow names kube-proxy's nftables chains for the
+/// web Service and `backend` (iptables mode is covered in the scenarios).
+fn assert_nft_chains(done: &Finished, mode: ProxyMode, backend: std::net::Ipv4Addr) {
+    if mode != ProxyMode::Nftables {
+        return;
+    }
+    let name = "default/web:http";
+    let endpoint = format!("{backend}:{}", presets::WEB_PORT);
+    for f in flows(done) {
+        assert_eq!(f["k8s_service"], name, "{f}");
+        assert_eq!(f["svc_chain"], service_chain(name, Protocol::Tcp), "{f}");
+        assert_eq!(
+            f["sep_chain"],
+            endpoint_chain(name, Protocol::Tcp, &endpoint),
+            "{f}"
+        );
+    }
 }
 
 /// `--svc <svc> --netns <node-a> --output json` plus `extra`.
@@ -174,10 +213,9 @@ fn ports(base: u16, n: u16) -> Vec<u16> {
     (base..base + n).collect()
 }
 
-#[test]
-fn root_seed000_broken_every_same_node_connection_is_not_reverse_nated() {
-    require_root!();
-    let lab = seed000(false, Backend::SameNode);
+both_modes!(seed000_broken: root_seed000_broken_every_same_node_connection_is_not_reverse_nated, root_seed000_broken_every_same_node_connection_is_not_reverse_nated_nft);
+fn seed000_broken(mode: ProxyMode) {
+    let lab = seed000(false, Backend::SameNode, mode);
     let ports = ports(41000, 6);
     let _lock = tracing_lock();
     let done = trace(&lab, &[web_svc()], || {
@@ -194,6 +232,7 @@ fn root_seed000_broken_every_same_node_connection_is_not_reverse_nated() {
         "reply_not_reverse_nated",
         presets::BACKEND_IP,
     );
+    assert_nft_chains(&done, mode, presets::BACKEND_IP);
     for f in flows(&done) {
         assert_eq!(f["cause"], "bridge_nf_call_iptables_off", "{f}");
         assert!(f["hint"].as_str().is_some_and(|h| !h.is_empty()), "{f}");
@@ -204,10 +243,9 @@ fn root_seed000_broken_every_same_node_connection_is_not_reverse_nated() {
     }
 }
 
-#[test]
-fn root_seed000_healthy_every_connection_is_ok() {
-    require_root!();
-    let lab = seed000(true, Backend::SameNode);
+both_modes!(seed000_healthy: root_seed000_healthy_every_connection_is_ok, root_seed000_healthy_every_connection_is_ok_nft);
+fn seed000_healthy(mode: ProxyMode) {
+    let lab = seed000(true, Backend::SameNode, mode);
     let ports = ports(42000, 5);
     let _lock = tracing_lock();
     let done = trace(&lab, &[web_svc()], || {
@@ -218,16 +256,16 @@ fn root_seed000_healthy_every_connection_is_ok() {
     });
     assert_eq!(done.status.code(), Some(0), "{}", done.describe());
     assert_web_flows(&done, &ports, "ok", presets::BACKEND_IP);
+    assert_nft_chains(&done, mode, presets::BACKEND_IP);
     for f in flows(&done) {
         assert!(f["cause"].is_null(), "{f}");
     }
 }
 
-#[test]
-fn root_cross_node_backend_is_ok_with_both_settings() {
-    require_root!();
+both_modes!(cross_node_both_settings: root_cross_node_backend_is_ok_with_both_settings, root_cross_node_backend_is_ok_with_both_settings_nft);
+fn cross_node_both_settings(mode: ProxyMode) {
     for bridge_nf_call_iptables in [true, false] {
-        let lab = seed000(bridge_nf_call_iptables, Backend::OtherNode);
+        let lab = seed000(bridge_nf_call_iptables, Backend::OtherNode, mode);
         let ports = ports(43000, 5);
         let _lock = tracing_lock();
         let done = trace(&lab, &[web_svc()], || {
@@ -243,6 +281,7 @@ fn root_cross_node_backend_is_ok_with_both_settings() {
             done.describe()
         );
         assert_web_flows(&done, &ports, "ok", presets::REMOTE_BACKEND_IP);
+        assert_nft_chains(&done, mode, presets::REMOTE_BACKEND_IP);
     }
 }
 

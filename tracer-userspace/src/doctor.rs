@@ -8,7 +8,7 @@ use serde::Serialize;
 use crate::{
     facts::Interface,
     probes::netns::{self, Netns, NetnsError},
-    ruleset::{self, KubeProxyRules, ProxyMode},
+    ruleset::{self, KubeProxyRules, ProxyMode, dataplane::Dataplane},
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -56,6 +56,10 @@ pub struct Inputs {
     pub conntrack_count: Option<u64>,
     pub conntrack_max: Option<u64>,
     pub kube_proxy: KubeProxyRules,
+    /// IPVS / eBPF load balancers that may translate Services instead.
+    pub dataplane: Dataplane,
+    /// The Service IPs a trace follows (empty for `doctor`).
+    pub traced: Vec<std::net::Ipv4Addr>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -117,6 +121,7 @@ const FIX_RP_FILTER: &str =
     "sysctl -w net.ipv4.conf.all.rp_filter=2 (loose) and the same for the interface";
 const FIX_CONNTRACK: &str = "raise net.netfilter.nf_conntrack_max (kube-proxy --conntrack-max-per-core) or find what fills the table (conntrack -S)";
 const FIX_KUBE_PROXY: &str = "check that kube-proxy runs on this node and syncs its rules (its logs, iptables-save | grep KUBE-SERVICES)";
+const FIX_DATAPLANE: &str = "follow these Services with the data plane's own tools (ipvsadm -Ln --stats, cilium-dbg service list / bpftool map dump): nattrace's verdicts cover netfilter NAT only";
 const FIX_MASQ_ALL: &str = "if clients outside the cluster reach ClusterIPs through one node, set kube-proxy masqueradeAll: true so replies return through it";
 
 /// Interface names for a finding's one-line `value`: the first few and a
@@ -312,7 +317,22 @@ pub fn assess(i: &Inputs) -> Report {
     let mode = i.kube_proxy.mode;
     let (sev, msg) = match mode {
         ProxyMode::None => (Severity::Warning, "no kube-proxy rules found in the nat table (not a node, kube-proxy down, or a kube-proxy replacement)".to_string()),
-        m => (Severity::Info, format!("kube-proxy runs in {} mode ({} Services{})", m.as_str(), i.kube_proxy.services.len(), i.kube_proxy.source.map(|s| format!(", iptables-{s}")).unwrap_or_default())),
+        m => (
+            Severity::Info,
+            format!(
+                "kube-proxy runs in {} mode ({} Services{}{})",
+                m.as_str(),
+                i.kube_proxy.services.len(),
+                match i.kube_proxy.no_endpoints.len() {
+                    0 => String::new(),
+                    n => format!(", {n} without endpoints, rejected"),
+                },
+                i.kube_proxy
+                    .source
+                    .map(|s| format!(", iptables-{s}"))
+                    .unwrap_or_default()
+            ),
+        ),
     };
     out.push(finding(
         "kube_proxy_mode",
@@ -321,15 +341,18 @@ pub fn assess(i: &Inputs) -> Report {
         msg,
         FIX_KUBE_PROXY,
     ));
+    if let Some(f) = service_nat(i) {
+        out.push(f);
+    }
     if let Some(all) = i.kube_proxy.masquerade_all() {
         out.push(finding(
             "masquerade_all",
             Severity::Info,
             format!("masqueradeAll={all}"),
-            if all {
-                "masqueradeAll is in effect: every Service packet is SNATed".into()
-            } else {
-                "masqueradeAll is off: clients outside the cluster CIDR keep their address (seed 003 if their replies can bypass this node)".into()
+            match (all, &i.kube_proxy.cluster_cidr) {
+                (true, _) => "masqueradeAll is in effect: every Service packet is SNATed".into(),
+                (false, Some(cidr)) => format!("masqueradeAll is off: Service traffic from outside the cluster CIDR {cidr} is masqueraded (kube-proxy --cluster-cidr), pods keep their address"),
+                (false, None) => "masqueradeAll is off: clients outside the cluster CIDR keep their address (seed 003 if their replies can bypass this node)".into(),
             },
             FIX_MASQ_ALL,
         ));
@@ -338,6 +361,36 @@ pub fn assess(i: &Inputs) -> Report {
         netns: i.netns.clone(),
         findings: out,
     }
+}
+
+/// Whether Services (the traced ones, or any for `doctor`) are translated by
+/// something other than netfilter NAT, where nattrace's verdicts mislead.
+fn service_nat(i: &Inputs) -> Option<Finding> {
+    let traced: Vec<String> = i
+        .traced
+        .iter()
+        .filter_map(|ip| {
+            let who = i.dataplane.not_netfilter(*ip, &i.kube_proxy)?;
+            Some(format!("{ip} is translated by {who}"))
+        })
+        .collect();
+    let (value, what) = if !traced.is_empty() {
+        ("service_nat=not-netfilter".to_string(), traced.join("; "))
+    } else if i.traced.is_empty() {
+        let (kind, text) = i.dataplane.summary()?;
+        (format!("service_nat={kind}"), text)
+    } else {
+        return None;
+    };
+    Some(finding(
+        "service_nat",
+        Severity::Warning,
+        value,
+        format!(
+            "{what}, not by netfilter NAT: nattrace sees these packets, but its NAT verdicts and causes do not apply to them"
+        ),
+        FIX_DATAPLANE,
+    ))
 }
 
 fn read_u64(path: &str) -> Option<u64> {
@@ -385,6 +438,7 @@ pub fn gather_with(
     inputs.br_netfilter_loaded = inputs.bridge_nf_call_iptables.is_some()
         || std::path::Path::new("/sys/module/br_netfilter").exists();
     inputs.kube_proxy = ruleset::read(netns_spec);
+    inputs.dataplane = Dataplane::detect(&ns);
     Ok(inputs)
 }
 

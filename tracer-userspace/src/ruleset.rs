@@ -60,17 +60,17 @@ pub struct SvcRule {
     pub endpoints: Vec<SepRule>,
 }
 
-/// A Service port kube-proxy rejects because it has no endpoints.
+/// A Service port without endpoints, which kube-proxy rejects (ICMP port
+/// unreachable: the client's connect fails at once).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct RejectRule {
     pub ip: Ipv4Addr,
     pub port: u16,
     /// "tcp" / "udp".
     pub protocol: String,
-    /// `namespace/name:port`.
+    /// kube-proxy's `namespace/name:port`.
     pub port_name: String,
-    /// The rule that rejects (iptables: the `-A KUBE-SERVICES …` line as
-    /// saved; nftables: the chain/map element).
+    /// The rule (or map element) that rejects it, as the node shows it.
     pub rule: String,
 }
 
@@ -80,8 +80,21 @@ pub struct KubeProxyRules {
     /// Which iptables backend held the rules: "legacy" / "nft".
     pub source: Option<&'static str>,
     pub services: Vec<SvcRule>,
-    /// Service ports without endpoints, which kube-proxy REJECTs.
     pub no_endpoints: Vec<RejectRule>,
+    /// `--cluster-cidr` as the Service chains show it: traffic from outside
+    /// it is masqueraded. None when unknown or not set.
+    pub cluster_cidr: Option<String>,
+    /// Traced Service IPs that IPVS or an eBPF data plane translates instead
+    /// (see [`dataplane`]); filled by the session, recorded with the rules.
+    pub outside_netfilter: Vec<OutsideNetfilter>,
+}
+
+/// A Service IP translated outside netfilter, and by what.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct OutsideNetfilter {
+    pub ip: Ipv4Addr,
+    /// e.g. "IPVS (kube-proxy --proxy-mode=ipvs: kube-ipvs0 holds 10.96.0.1)".
+    pub by: String,
 }
 
 /// What a flow's Service and backend map to in the ruleset.
@@ -373,9 +386,10 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
     }
     if best.mode == ProxyMode::None
         && nf_tables_loaded()
-        && run_in(&ns, "nft", &["list", "tables"]).is_some_and(|t| t.contains("kube-proxy"))
+        && let Some(rules) =
+            run_in(&ns, "nft", &["-j", "list", "ruleset"]).and_then(|j| nft::parse(&j))
     {
-        best.mode = ProxyMode::Nftables;
+        best = rules;
     }
     best
 }
@@ -383,5 +397,7 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
 mod filter;
 pub use filter::{parse_filter_rejects, parse_save};
 
+pub mod dataplane;
+pub mod nft;
 #[cfg(test)]
 mod tests;

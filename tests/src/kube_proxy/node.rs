@@ -13,7 +13,7 @@
 
 use super::{MASQ_MARK, ResolvedService, Table, cni, nat_table};
 use crate::cidr::Ipv4Cidr;
-use crate::spec::{CniChains, KubeProxyConfig};
+use crate::spec::{CniChains, KubeProxyConfig, ProxyMode};
 
 /// What the renderer needs to know about the node itself.
 #[derive(Clone, Copy, Debug)]
@@ -66,10 +66,7 @@ pub(crate) fn filter_table(services: &[ResolvedService]) -> Table {
     t.rule("OUTPUT", &portals);
 
     // kubelet's (and kube-proxy's copy of) the route_localnet guard.
-    t.rule(
-        "KUBE-FIREWALL",
-        r#"! -s 127.0.0.0/8 -d 127.0.0.0/8 -m comment --comment "block incoming localnet connections" -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP"#,
-    );
+    t.rule("KUBE-FIREWALL", LOCALNET_GUARD);
     // Left out by kube-proxy only when nf_conntrack_tcp_be_liberal is set.
     t.rule("KUBE-FORWARD", "-m conntrack --ctstate INVALID -j DROP");
     t.rule(
@@ -103,6 +100,19 @@ pub(crate) fn filter_table(services: &[ResolvedService]) -> Table {
     t
 }
 
+/// kubelet's own filter chain (`KUBE-FIREWALL`, the route_localnet guard):
+/// what the filter table holds on a node whose kube-proxy runs in nftables mode.
+fn kubelet_filter_table() -> Table {
+    let mut t = Table::new("filter");
+    t.chain("KUBE-FIREWALL");
+    t.rule("INPUT", "-j KUBE-FIREWALL");
+    t.rule("OUTPUT", "-j KUBE-FIREWALL");
+    t.rule("KUBE-FIREWALL", LOCALNET_GUARD);
+    t
+}
+
+const LOCALNET_GUARD: &str = r#"! -s 127.0.0.0/8 -d 127.0.0.0/8 -m comment --comment "block incoming localnet connections" -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP"#;
+
 /// kube-proxy's REJECT for a Service port without endpoints, as
 /// `iptables-save` prints it (without the leading `-A KUBE-SERVICES`).
 pub fn no_endpoints_rule(
@@ -126,13 +136,21 @@ pub fn render_node(
     let mut mangle = Table::new("mangle");
     // kubelet's hint chain tells other tools which backend it uses.
     mangle.chain("KUBE-IPTABLES-HINT");
-    let mut filter = filter_table(services);
-    let mut nat = nat_table(config, services);
+    // In nftables mode kube-proxy writes its own `table ip kube-proxy`
+    // (crate::kube_proxy_nft); kubelet and the CNI still use iptables.
+    let nftables_mode = config.mode == ProxyMode::Nftables;
+    let (mut filter, mut nat) = if nftables_mode {
+        (kubelet_filter_table(), Table::new("nat"))
+    } else {
+        (filter_table(services), nat_table(config, services))
+    };
     let mut raw = Table::new("raw");
-    // Both canaries: kube-proxy and kubelet re-sync when theirs vanishes.
+    // The canaries: kube-proxy and kubelet re-sync when theirs vanishes.
     for t in [&mut mangle, &mut filter, &mut nat] {
         t.chain("KUBE-KUBELET-CANARY");
-        t.chain("KUBE-PROXY-CANARY");
+        if !nftables_mode {
+            t.chain("KUBE-PROXY-CANARY");
+        }
     }
     match config.cni_chains {
         CniChains::Flannel { ip_masq } => {

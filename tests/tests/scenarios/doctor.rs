@@ -3,7 +3,7 @@ use super::*;
 
 // ---------------------------------------------------------------- 7: doctor
 
-pub(super) fn doctor(lab: &Lab) -> (Option<i32>, Value) {
+pub(crate) fn doctor(lab: &Lab) -> (Option<i32>, Value) {
     let bin = nattrace();
     let ns = lab.node_netns(presets::NODE_A).unwrap().path();
     let out = std::process::Command::new(bin)
@@ -22,7 +22,7 @@ pub(super) fn doctor(lab: &Lab) -> (Option<i32>, Value) {
     (out.status.code(), v)
 }
 
-fn finding<'a>(report: &'a Value, check: &str) -> &'a Value {
+pub(crate) fn finding<'a>(report: &'a Value, check: &str) -> &'a Value {
     report["findings"]
         .as_array()
         .unwrap()

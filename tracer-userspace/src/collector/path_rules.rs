@@ -96,14 +96,21 @@ pub(super) fn hairpin_not_masqueraded(ctx: &RuleCtx<'_>) -> Option<Found> {
         .and_then(|m| Some((m.sep_chain?, m.hairpin_masq?)))
         .filter(|(_, masq)| !masq)
         .map(|(sep, _)| {
-            format!(
-                "; {sep} has no `-s {}/32 -j KUBE-MARK-MASQ`",
-                std::net::Ipv4Addr::from(backend.addr)
-            )
+            let ip = std::net::Ipv4Addr::from(backend.addr);
+            match ctx.kube.mode {
+                crate::ruleset::ProxyMode::Nftables => {
+                    format!("; {sep} has no `ip saddr {ip} jump mark-for-masquerade`")
+                }
+                _ => format!("; {sep} has no `-s {ip}/32 -j KUBE-MARK-MASQ`"),
+            }
         })
         .unwrap_or_default();
+    let marker = match ctx.kube.mode {
+        crate::ruleset::ProxyMode::Nftables => "its endpoint chain",
+        _ => "KUBE-SEP",
+    };
     Some((
-        "hairpin without masquerade (KUBE-SEP did not mark it)".to_string(),
+        format!("hairpin without masquerade ({marker} did not mark it)"),
         format!(
             "the pod reached itself through the Service (hairpin) and the {} was not masqueraded, {what}{missing}",
             ctx.first_request_kind(),

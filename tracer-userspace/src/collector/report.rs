@@ -236,6 +236,16 @@ fn detail(
 ) -> String {
     let mut s = match (verdict, flow.client_reply) {
         (Verdict::Ok, Some(r)) => {
+            let ip = std::net::Ipv4Addr::from(flow.service.addr);
+            if let Some(o) = ctx.kube.outside_netfilter.iter().find(|o| o.ip == ip) {
+                // No claim about a reverse NAT that netfilter never did.
+                return format!(
+                    "{} reached the client from {}; {ip} is translated by {}, not netfilter NAT, which nattrace cannot judge",
+                    kind(flow, r.packet),
+                    flow.service,
+                    o.by
+                );
+            }
             let mut s = format!(
                 "{} reached the client from {} (reverse-NATed",
                 kind(flow, r.packet),

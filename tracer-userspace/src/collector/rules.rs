@@ -19,6 +19,9 @@ use crate::{facts::NodeFacts, ruleset::KubeProxyRules};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CauseId {
+    /// The Service is load-balanced by IPVS or an eBPF data plane on this
+    /// node, not by netfilter NAT: no NAT-based cause applies.
+    ServiceNotNetfilter,
     /// Seed 003 seen from the backend's node: the request came in already
     /// DNATed by another node, the reply left here straight to the client.
     ReplyBypassesDnatNode,
@@ -53,10 +56,12 @@ impl CauseId {
         CauseId::NotDnated,
         CauseId::DroppedByNetfilter,
         CauseId::DroppedByRpFilter,
+        CauseId::ServiceNotNetfilter,
     ];
 
     pub fn as_str(self) -> &'static str {
         match self {
+            CauseId::ServiceNotNetfilter => "service_not_netfilter",
             CauseId::ReplyBypassesDnatNode => "reply_bypasses_dnat_node",
             CauseId::HairpinNotMasqueraded => "hairpin_not_masqueraded",
             CauseId::HairpinModeOff => "hairpin_mode_off",
@@ -72,6 +77,9 @@ impl CauseId {
 
     pub fn hint(self) -> &'static str {
         match self {
+            CauseId::ServiceNotNetfilter => {
+                "follow the Service with the data plane's own tools (ipvsadm -Ln --stats; cilium-dbg service list, bpftool map dump): nattrace judges netfilter NAT only"
+            }
             CauseId::ReplyBypassesDnatNode => {
                 "make replies return through the node that DNATed the request: kube-proxy masqueradeAll: true on the nodes the traffic enters by (or externalTrafficPolicy: Cluster), or route the Service CIDR so requests enter where the backend runs"
             }
@@ -110,6 +118,9 @@ impl CauseId {
     /// The incident behind the cause, for the README's table.
     pub fn incident(self) -> &'static str {
         match self {
+            CauseId::ServiceNotNetfilter => {
+                "Service load-balanced by IPVS (kube-ipvs0) or an eBPF data plane (Cilium, Calico), not netfilter"
+            }
             CauseId::ReplyBypassesDnatNode => {
                 "seed 003 seen from the backend's node: request arrives already DNATed, reply leaves with the pod's address"
             }
@@ -220,6 +231,16 @@ struct Rule {
 }
 
 const RULES: &[Rule] = &[
+    // First: every NAT-based cause below would mislead for such a Service.
+    Rule {
+        id: CauseId::ServiceNotNetfilter,
+        verdicts: &[
+            Verdict::ReplyNotReverseNated,
+            Verdict::NoReply,
+            Verdict::Dropped,
+        ],
+        check: service_not_netfilter,
+    },
     Rule {
         id: CauseId::ReplyBypassesDnatNode,
         verdicts: &[Verdict::ReplyNotReverseNated],
@@ -433,6 +454,22 @@ fn no_endpoints(ctx: &RuleCtx<'_>) -> Option<Found> {
         format!(
             "{} ({}) has no endpoints: {how}; rejected by `{}`; check kubectl get endpointslices -n {namespace} -l kubernetes.io/service-name={name}",
             reject.port_name, ctx.flow.service, reject.rule
+        ),
+    ))
+}
+
+fn service_not_netfilter(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let ip = std::net::Ipv4Addr::from(ctx.flow.service.addr);
+    let by = ctx
+        .kube
+        .outside_netfilter
+        .iter()
+        .find(|o| o.ip == ip)
+        .map(|o| o.by.as_str())?;
+    Some((
+        format!("{ip} is translated by {by}, not netfilter"),
+        format!(
+            "{ip} is translated on this node by {by}, not by netfilter NAT: nattrace saw the packets but cannot judge that NAT, so this verdict does not say why the Service failed"
         ),
     ))
 }

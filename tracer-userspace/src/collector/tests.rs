@@ -303,6 +303,38 @@ fn not_dnated_when_no_rule_matched() {
     assert_eq!(r.backend, None);
 }
 
+/// The same evidence for a Service that IPVS translates on this node: no
+/// NAT-based cause, the flow says what translates it instead.
+#[test]
+fn service_translated_outside_netfilter_gets_no_nat_cause() {
+    let mut b = Builder::default();
+    let syn = tcp(tcp_flags::SYN, 1, 0, 1, 0x10, REQUEST);
+    b.path(
+        syn,
+        T0,
+        &[
+            (tc_in(VETH_CLIENT), CLIENT, SVC),
+            (nf(PRE_ROUTING, BEFORE), CLIENT, SVC),
+            (nf(PRE_ROUTING, AFTER), CLIENT, SVC),
+            (tc_out(ETH0), CLIENT, SVC),
+        ],
+    );
+    let mut cfg = config(Some(true));
+    cfg.kube_proxy.outside_netfilter = vec![crate::ruleset::OutsideNetfilter {
+        ip: SVC.0.into(),
+        by: "IPVS (kube-proxy --proxy-mode=ipvs: kube-ipvs0 holds 100.67.30.133)".into(),
+    }];
+    let (reports, _) = run_with(cfg, &b.events, T0 + 10_000 * MS);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::NoReply);
+    assert_eq!(cause_id(r), Some(CauseId::ServiceNotNetfilter));
+    let text = &r.cause.as_ref().unwrap().text;
+    assert!(
+        text.starts_with("100.67.30.133 is translated on this node by IPVS"),
+        "{text}"
+    );
+}
+
 #[test]
 fn reordered_events_give_the_same_reports() {
     for (name, events) in all() {

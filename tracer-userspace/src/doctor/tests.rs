@@ -31,6 +31,7 @@ fn healthy() -> Inputs {
         conntrack_count: Some(10),
         conntrack_max: Some(1000),
         kube_proxy: parse_nat(include_str!("../ruleset/fixtures/lab_nat.txt")),
+        ..Inputs::default()
     }
 }
 
@@ -132,4 +133,76 @@ fn the_one_line_stays_short_with_hundreds_of_interfaces() {
         .find(|f| f.check == "hairpin_mode")
         .unwrap();
     assert!(hairpin.message.contains("veth0000012d"));
+}
+
+#[test]
+fn nftables_mode_reports_services_rejects_and_cluster_cidr_masquerade() {
+    let r = assess(&Inputs {
+        kube_proxy: crate::ruleset::nft::parse(include_str!("../ruleset/fixtures/lab_nft.json"))
+            .unwrap(),
+        ..healthy()
+    });
+    let mode = r
+        .findings
+        .iter()
+        .find(|f| f.check == "kube_proxy_mode")
+        .unwrap();
+    assert_eq!(mode.value, "kube-proxy=nftables");
+    assert_eq!(
+        mode.message,
+        "kube-proxy runs in nftables mode (2 Services, 1 without endpoints, rejected)"
+    );
+    let masq = r
+        .findings
+        .iter()
+        .find(|f| f.check == "masquerade_all")
+        .unwrap();
+    assert_eq!(masq.value, "masqueradeAll=false");
+    assert!(
+        masq.message
+            .contains("outside the cluster CIDR 100.96.0.0/11 is masqueraded")
+    );
+    assert!(r.findings.iter().all(|f| f.check != "service_nat"));
+}
+
+#[test]
+fn services_outside_netfilter_are_a_warning_for_doctor_and_the_traced_ip() {
+    use crate::ruleset::dataplane::Dataplane;
+    let ipvs = Dataplane {
+        ipvs_device: Some(vec!["10.96.0.1".parse().unwrap()]),
+        ..Dataplane::default()
+    };
+    // doctor: no traced IP, the node as a whole.
+    let r = assess(&Inputs {
+        dataplane: ipvs.clone(),
+        kube_proxy: KubeProxyRules::default(),
+        ..healthy()
+    });
+    assert_eq!(severity(&r, "service_nat"), Severity::Warning);
+    assert!(
+        r.one_line().contains("service_nat=ipvs (warning)"),
+        "{}",
+        r.one_line()
+    );
+    // A trace of the IPVS address is marked; one of kube-proxy's NAT Services is not.
+    let traced = |ip: &str| {
+        assess(&Inputs {
+            dataplane: ipvs.clone(),
+            traced: vec![ip.parse().unwrap()],
+            ..healthy()
+        })
+    };
+    let r = traced("10.96.0.1");
+    let f = r
+        .findings
+        .iter()
+        .find(|f| f.check == "service_nat")
+        .unwrap();
+    assert!(
+        f.message.starts_with("10.96.0.1 is translated by IPVS"),
+        "{}",
+        f.message
+    );
+    let r = traced("100.67.30.133");
+    assert!(r.findings.iter().all(|f| f.check != "service_nat"));
 }

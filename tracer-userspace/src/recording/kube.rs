@@ -6,7 +6,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use serde::{Deserialize, Deserializer};
 
-use crate::ruleset::{KubeProxyRules, ProxyMode, RejectRule, SepRule, SvcRule};
+use crate::ruleset::{KubeProxyRules, OutsideNetfilter, ProxyMode, RejectRule, SepRule, SvcRule};
 
 #[derive(Deserialize)]
 struct Rules {
@@ -18,6 +18,16 @@ struct Rules {
     services: Vec<Svc>,
     #[serde(default)]
     no_endpoints: Vec<Reject>,
+    #[serde(default)]
+    cluster_cidr: Option<String>,
+    #[serde(default)]
+    outside_netfilter: Vec<Outside>,
+}
+
+#[derive(Deserialize)]
+struct Outside {
+    ip: Ipv4Addr,
+    by: String,
 }
 
 #[derive(Deserialize)]
@@ -90,13 +100,19 @@ pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<KubeProxyRu
         no_endpoints: r
             .no_endpoints
             .into_iter()
-            .map(|r| RejectRule {
-                ip: r.ip,
-                port: r.port,
-                protocol: r.protocol,
-                port_name: r.port_name,
-                rule: r.rule,
+            .map(|n| RejectRule {
+                ip: n.ip,
+                port: n.port,
+                protocol: n.protocol,
+                port_name: n.port_name,
+                rule: n.rule,
             })
+            .collect(),
+        cluster_cidr: r.cluster_cidr,
+        outside_netfilter: r
+            .outside_netfilter
+            .into_iter()
+            .map(|o| OutsideNetfilter { ip: o.ip, by: o.by })
             .collect(),
     })
 }

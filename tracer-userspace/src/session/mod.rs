@@ -462,12 +462,28 @@ fn summarize_removed(removed: &[String]) -> String {
 fn header(options: &SessionOptions, tracer: &Tracer) -> Header {
     // Read-only static facts (sysctls, kube-proxy's rules) for the preamble
     // and for naming each flow's Service and chains.
-    let inputs = crate::doctor::gather_with(
+    let mut inputs = crate::doctor::gather_with(
         options.netns.as_deref(),
         Some(tracer.facts().interfaces.clone()),
     )
     .unwrap_or_default();
+    inputs.traced = options.services.iter().map(|s| s.addr).collect();
+    // Recorded with kube-proxy's rules, so the collector (live and in
+    // `analyze`) gives such a Service's flows no NAT-based cause.
+    inputs.kube_proxy.outside_netfilter = inputs
+        .traced
+        .iter()
+        .filter_map(|&ip| {
+            let by = inputs.dataplane.not_netfilter(ip, &inputs.kube_proxy)?;
+            Some(crate::ruleset::OutsideNetfilter { ip, by })
+        })
+        .collect();
     let checks = crate::doctor::assess(&inputs);
+    // One line up front where the traced Services bypass netfilter NAT
+    // (IPVS, eBPF): the verdicts that follow would otherwise mislead.
+    if let Some(f) = checks.findings.iter().find(|f| f.check == "service_nat") {
+        eprintln!("nattrace: warning: {}", f.message);
+    }
     let clock = Clock {
         monotonic_ns: monotonic_ns(),
         realtime_ns: clock_ns(nix::time::ClockId::CLOCK_REALTIME),
