@@ -96,9 +96,14 @@ fn root_nft_lab_forwards_and_rejects_like_kube_proxy() {
     ] {
         assert!(ruleset.contains(&want), "{want} missing:\n{ruleset}");
     }
-    // No iptables rules: kube-proxy in nftables mode writes none.
+    // kube-proxy in nftables mode writes no iptables rules; kubelet's
+    // canary and flannel's chains stay in iptables, as on a real node.
     let nat = lab.iptables_save(presets::NODE_A).unwrap_or_default();
-    assert!(!nat.contains("KUBE-"), "{nat}");
+    for theirs in ["KUBE-SERVICES", "KUBE-SVC-", "KUBE-SEP-", "KUBE-PROXY-CANARY"] {
+        assert!(!nat.contains(theirs), "{theirs} in:\n{nat}");
+    }
+    assert!(nat.contains("KUBE-KUBELET-CANARY"), "{nat}");
+    assert!(nat.contains("FLANNEL-POSTRTG"), "{nat}");
     assert!(curl(&lab, presets::CLIENT_POD), "the Service answers");
     let refused = lab
         .http_get(
