@@ -251,6 +251,74 @@ impl Lab {
         kube_proxy::render_nat(&self.spec.kube_proxy, &services)
     }
 
+    /// Deletes a pod the way a terminated pod disappears while its endpoint
+    /// is still programmed: its processes and its namespace (and so its veth
+    /// pair) go, kube-proxy's rules for it stay. Returns once the node's end
+    /// of the veth is gone.
+    pub fn delete_pod(&mut self, pod: &str) -> Result<()> {
+        let (node, port) = self.pod_port(pod)?;
+        let at = self
+            .namespaces
+            .iter()
+            .position(|(t, _)| t == pod)
+            .ok_or_else(|| LabError::Spec(format!("pod {pod} was already deleted")))?;
+        let (_, ns) = self.namespaces.remove(at);
+        let me = std::process::id() as i32;
+        for pid in ns.pids().into_iter().filter(|p| *p != me) {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        ns.delete();
+        // The namespace is torn down asynchronously (cleanup_net runs from a
+        // workqueue): wait for its veth to vanish from the node.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let out = self.exec(&node, &["ip", "link", "show", "dev", &port])?;
+            if !out.status.success() {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(LabError::Spec(format!(
+                    "{port} of deleted pod {pod} is still on {node} after 10 s"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills every process of a pod but keeps its namespace: the pod's
+    /// address still answers ARP, but its ports are closed (RST).
+    pub fn stop_pod_servers(&self, pod: &str) -> Result<()> {
+        self.pod_port(pod)?;
+        let ns = self.netns(pod)?;
+        let me = std::process::id() as i32;
+        for pid in ns.pids().into_iter().filter(|p| *p != me) {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while ns.pids().into_iter().any(|p| p != me) {
+            if std::time::Instant::now() > deadline {
+                return Err(LabError::Spec(format!("servers of {pod} survive SIGKILL")));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// The pod's node and the node's end of its veth (`veth<index>`, see topology.rs).
+    fn pod_port(&self, pod: &str) -> Result<(String, String)> {
+        self.spec
+            .nodes
+            .iter()
+            .find_map(|n| {
+                let j = n.pods.iter().position(|p| p.name == pod)?;
+                Some((n.name.clone(), format!("veth{j}")))
+            })
+            .ok_or_else(|| LabError::UnknownTarget {
+                name: pod.to_string(),
+                known: self.targets().join(", "),
+            })
+    }
+
     fn install_kube_proxy(&self) -> Result<()> {
         let rules = self.kube_proxy_rules();
         for node in &self.spec.nodes {

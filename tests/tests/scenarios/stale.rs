@@ -1,0 +1,309 @@
+//! Issue 11: stale endpoints. A backend pod deleted while kube-proxy still
+//! DNATs to it (its KUBE-SEP rule kept: the pod is terminating, the
+//! EndpointSlice not updated yet), a backend alive with its port closed, and
+//! a SYN whose retransmit is load-balanced to another backend.
+//!
+//! `NATTRACE_RECORD_DIR=dir` also records each trace (`--write`), which is
+//! how the collector fixtures `stale_*.rec` were made.
+use lab::{KubeProxyConfig, NodeSpec, PodSpec, ServiceSpec};
+
+use super::*;
+
+/// A second HTTP backend on node-a, next to [`presets::BACKEND_POD`].
+const BACKEND_2_POD: &str = "backend-2";
+const BACKEND_2_IP: Ipv4Addr = Ipv4Addr::new(100, 96, 54, 248);
+
+/// The reply timeout of these traces (1 s) is shorter than neighbour
+/// resolution takes to fail (3 s): the issue's situation.
+const STALE_TRACE_SECS: &str = "8";
+const CURL_MAX: Duration = Duration::from_secs(5);
+
+fn record_args(name: &str) -> Vec<String> {
+    std::env::var("NATTRACE_RECORD_DIR")
+        .map(|d| vec!["--write".to_string(), format!("{d}/{name}.rec")])
+        .unwrap_or_default()
+}
+
+/// Traces the web Service on node-a while the client curls it once (at most
+/// [`CURL_MAX`]); returns the trace and whether curl succeeded.
+fn trace_curl(lab: &Lab, record: &str) -> (Finished, bool) {
+    let extra = record_args(record);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mut worked = false;
+    let done = trace_for(
+        lab,
+        presets::NODE_A,
+        &web_svc(),
+        &extra,
+        STALE_TRACE_SECS,
+        || {
+            worked = lab
+                .http_get(
+                    presets::CLIENT_POD,
+                    presets::WEB_SERVICE_IP,
+                    presets::WEB_PORT,
+                    CURL_MAX,
+                )
+                .expect("running curl")
+                .status
+                .success();
+        },
+    );
+    (done, worked)
+}
+
+/// Client, backend and backend-2 on one bridged node; the web Service's
+/// endpoints are backend then backend-2.
+fn two_backends() -> LabSpec {
+    let node = NodeSpec::new(presets::NODE_A, presets::NODE_A_POD_CIDR)
+        .pod(PodSpec::new(presets::CLIENT_POD, presets::CLIENT_IP))
+        .pod(PodSpec::new(presets::BACKEND_POD, presets::BACKEND_IP).http(presets::WEB_PORT))
+        .pod(PodSpec::new(BACKEND_2_POD, BACKEND_2_IP).http(presets::WEB_PORT));
+    let svc = ServiceSpec::new(
+        "default",
+        "web",
+        "http",
+        presets::WEB_SERVICE_IP,
+        presets::WEB_PORT,
+        Protocol::Tcp,
+    )
+    .endpoint(presets::BACKEND_POD, presets::WEB_PORT)
+    .endpoint(BACKEND_2_POD, presets::WEB_PORT);
+    let mut spec = LabSpec::new(vec![node]).service(svc);
+    spec.kube_proxy = KubeProxyConfig {
+        cluster_cidr: Some(presets::CLUSTER_CIDR),
+        masquerade_all: false,
+        omit_hairpin_masquerade: false,
+    };
+    spec
+}
+
+/// Test-only deviation from kube-proxy (documented): its KUBE-SVC chain picks
+/// an endpoint with `-m statistic --mode random`; here every other new
+/// connection (conntrack entry) takes the first endpoint instead, so the
+/// first SYN goes to the first endpoint and a retransmit that creates a new
+/// entry goes to the second, deterministically.
+fn alternate_endpoints(lab: &Lab, node: &str) {
+    lab.run(
+        node,
+        &[
+            "sh",
+            "-c",
+            "iptables-save -t nat \
+             | sed 's/--mode random --probability [0-9.]*/--mode nth --every 2 --packet 0/' \
+             | iptables-restore -w 5",
+        ],
+    )
+    .expect("rewriting the endpoint choice");
+    let rules = lab.iptables_save(node).expect("iptables-save");
+    assert!(rules.contains("--mode nth"), "{rules}");
+}
+
+fn backend_ip() -> String {
+    format!("{}:{}", presets::BACKEND_IP, presets::WEB_PORT)
+}
+
+fn backend_sep() -> String {
+    sep_chain("default/web:http", Protocol::Tcp, &backend_ip())
+}
+
+/// The verdict must come from the backend, never from the path.
+fn assert_stale(f: &Value, done: &Finished, evidence: &str) {
+    assert_eq!(f["cause"], "backend_unreachable", "{}", done.describe());
+    assert_eq!(f["backend"], backend_ip(), "{}", done.describe());
+    assert_eq!(f["sep_chain"], backend_sep(), "{}", done.describe());
+    let text = f["cause_text"].as_str().unwrap_or_default();
+    assert!(text.contains(&backend_sep()), "{}", done.describe());
+    assert!(text.contains(evidence), "{}", done.describe());
+    assert!(
+        f["hint"]
+            .as_str()
+            .is_some_and(|h| h.contains("kubectl get endpointslices")),
+        "{}",
+        done.describe()
+    );
+}
+
+/// Deleted pod, no neighbour entry for it yet: the DNATed SYNs wait on the
+/// ARP queue and are dropped with NEIGH_FAILED ~3 s later — after the 1 s
+/// reply timeout, so the verdict must wait for it.
+#[test]
+fn root_deleted_backend_bridged_neighbour_fails() {
+    require_root!();
+    let _lock = tracing_lock();
+    let mut lab = build_lab(presets::single_node(true));
+    lab.delete_pod(presets::BACKEND_POD)
+        .expect("deleting the pod");
+    let (done, worked) = trace_curl(&lab, "stale_deleted_cold");
+    assert!(!worked, "curl to a deleted backend must fail");
+    let f = only_flow(&done);
+    assert_eq!(f["verdict"], "dropped", "{}", done.describe());
+    assert_stale(&f, &done, "NEIGH_FAILED");
+    let attempts = f["attempts"].as_array().expect("attempts");
+    assert!(attempts.len() >= 2, "SYN retransmits: {}", done.describe());
+    assert!(
+        attempts
+            .iter()
+            .all(|a| a["backend"] == backend_ip() && a["answered"] == false),
+        "{}",
+        done.describe()
+    );
+    assert_eq!(
+        attempts[0]["dropped"],
+        "NEIGH_FAILED",
+        "{}",
+        done.describe()
+    );
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+}
+
+/// Deleted pod the node talked to before: the neighbour entry still has its
+/// MAC, no bridge port has it, and the bridge drops the frame (NO_TX_TARGET,
+/// no other port to flood to).
+#[test]
+fn root_deleted_backend_bridged_old_mac() {
+    require_root!();
+    let _lock = tracing_lock();
+    let mut lab = build_lab(presets::single_node(true));
+    assert!(
+        curl(&lab, presets::CLIENT_POD),
+        "the backend works at first"
+    );
+    lab.delete_pod(presets::BACKEND_POD)
+        .expect("deleting the pod");
+    let (done, worked) = trace_curl(&lab, "stale_deleted_warm");
+    assert!(!worked, "curl to a deleted backend must fail");
+    let f = only_flow(&done);
+    assert_eq!(f["verdict"], "dropped", "{}", done.describe());
+    assert_stale(&f, &done, "NO_TX_TARGET");
+}
+
+/// As above with another pod on the bridge: the bridge floods the frame
+/// for the vanished MAC to it, and that pod drops it (OTHERHOST) — the
+/// "drop in some pod namespace" of issue 11.
+#[test]
+fn root_deleted_backend_bridged_flooded_to_other_pod() {
+    require_root!();
+    let _lock = tracing_lock();
+    let mut spec = presets::single_node(true);
+    spec.nodes[0] = spec.nodes[0]
+        .clone()
+        .pod(PodSpec::new(BACKEND_2_POD, BACKEND_2_IP));
+    let mut lab = build_lab(spec);
+    assert!(
+        curl(&lab, presets::CLIENT_POD),
+        "the backend works at first"
+    );
+    lab.delete_pod(presets::BACKEND_POD)
+        .expect("deleting the pod");
+    let (done, worked) = trace_curl(&lab, "stale_deleted_flooded");
+    assert!(!worked, "curl to a deleted backend must fail");
+    let f = only_flow(&done);
+    assert_eq!(f["verdict"], "dropped", "{}", done.describe());
+    assert_stale(&f, &done, "OTHERHOST");
+}
+
+/// Two endpoints, the first deleted: the first SYN is DNATed to it and
+/// queued for ARP, its conntrack entry never confirmed; the retransmit is
+/// load-balanced again, to backend-2, which answers. The flow is `ok`, names
+/// backend-2, and lists both attempts.
+#[test]
+fn root_retransmit_load_balanced_to_live_backend() {
+    require_root!();
+    let _lock = tracing_lock();
+    let mut lab = build_lab(two_backends());
+    alternate_endpoints(&lab, presets::NODE_A);
+    lab.delete_pod(presets::BACKEND_POD)
+        .expect("deleting the pod");
+    let (done, worked) = trace_curl(&lab, "stale_retransmit");
+    assert!(
+        worked,
+        "the retransmit reaches backend-2: {}",
+        done.describe()
+    );
+    let f = only_flow(&done);
+    let live = format!("{BACKEND_2_IP}:{}", presets::WEB_PORT);
+    assert_common(&f, "ok", None, &done);
+    assert_eq!(f["backend"], live, "{}", done.describe());
+    assert_eq!(
+        f["sep_chain"],
+        sep_chain("default/web:http", Protocol::Tcp, &live),
+        "{}",
+        done.describe()
+    );
+    let attempts = f["attempts"].as_array().expect("attempts");
+    assert_eq!(attempts.len(), 2, "{}", done.describe());
+    assert_eq!(attempts[0]["backend"], backend_ip(), "{}", done.describe());
+    assert_eq!(attempts[0]["answered"], false, "{}", done.describe());
+    assert_eq!(attempts[1]["backend"], live, "{}", done.describe());
+    assert_eq!(attempts[1]["answered"], true, "{}", done.describe());
+    assert_eq!(done.status.code(), Some(0), "{}", done.describe());
+}
+
+/// The text line shows the attempts.
+#[test]
+fn root_retransmit_attempts_in_text() {
+    require_root!();
+    let _lock = tracing_lock();
+    let mut lab = build_lab(two_backends());
+    alternate_endpoints(&lab, presets::NODE_A);
+    lab.delete_pod(presets::BACKEND_POD)
+        .expect("deleting the pod");
+    let done = trace_for(
+        &lab,
+        presets::NODE_A,
+        &web_svc(),
+        &["--output", "text"],
+        STALE_TRACE_SECS,
+        || {
+            assert!(curl_max(&lab, CURL_MAX));
+        },
+    );
+    let line = done
+        .stdout
+        .iter()
+        .find(|l| l.starts_with("✓ ok"))
+        .unwrap_or_else(|| panic!("{}", done.describe()));
+    let live = format!("{BACKEND_2_IP}:{}", presets::WEB_PORT);
+    assert!(line.contains(&format!("DNAT→ {live}")), "{line}");
+    assert!(
+        line.contains(&format!("Attempts: +0 ms → {} no answer", backend_ip())),
+        "{line}"
+    );
+    assert!(line.contains(&format!("→ {live} answered")), "{line}");
+}
+
+fn curl_max(lab: &Lab, max: Duration) -> bool {
+    lab.http_get(
+        presets::CLIENT_POD,
+        presets::WEB_SERVICE_IP,
+        presets::WEB_PORT,
+        max,
+    )
+    .expect("running curl")
+    .status
+    .success()
+}
+
+/// The backend pod is there (answers ARP) but nothing listens: it answers
+/// the SYN with RST, which reaches the client reverse-NATed.
+#[test]
+fn root_backend_port_closed_is_refused() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = build_lab(presets::single_node(true));
+    lab.stop_pod_servers(presets::BACKEND_POD)
+        .expect("stopping the server");
+    let (done, worked) = trace_curl(&lab, "stale_port_closed");
+    assert!(!worked, "nothing listens");
+    let f = only_flow(&done);
+    assert_common(&f, "refused", Some("backend_port_closed"), &done);
+    assert_eq!(f["backend"], backend_ip(), "{}", done.describe());
+    let text = f["cause_text"].as_str().unwrap_or_default();
+    assert!(
+        text.contains(&backend_ip()) && text.contains(&backend_sep()) && text.contains("RST"),
+        "{}",
+        done.describe()
+    );
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+}

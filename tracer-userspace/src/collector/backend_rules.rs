@@ -1,0 +1,209 @@
+//! Causes that are about the backend itself rather than the path: a stale
+//! endpoint (the pod is gone, its KUBE-SEP rule still DNATs to it) and a
+//! backend that refuses the connection (alive, port closed).
+//!
+//! What the kernel shows for a request DNATed to a deleted pod on a bridged
+//! node (measured on 6.18 with `tests/tests/scenarios/stale.rs`, recordings in
+//! `fixtures/stale_*.rec`):
+//! - No neighbour entry for the pod's address (never talked to, or already
+//!   failed): br_netfilter's PREROUTING DNATs it, and as the new route leads
+//!   back out of the bridge the packet is re-bridged ("bridged_dnat" in
+//!   br_nf_pre_routing_finish, net/bridge/br_netfilter_hooks.c), whose
+//!   br_nf_pre_routing_finish_bridge calls `neigh->output`: the packet waits
+//!   on the entry's arp_queue (`__neigh_event_send`, net/core/neighbour.c)
+//!   and no later hook sees it. When the probes run out
+//!   (`neigh_max_probes` = ucast_probes + app_probes + mcast_probes, counting
+//!   from ucast_probes: 3 broadcast probes `retrans_time` = 1 s apart, the
+//!   arp_tbl defaults in net/ipv4/arp.c), `neigh_invalidate` hands every
+//!   queued packet to `arp_error_report`, which frees it with
+//!   `SKB_DROP_REASON_NEIGH_FAILED` — about 3 s after the first one queued,
+//!   usually after the reply timeout.
+//! - A neighbour entry that still has the MAC (the pod answered recently):
+//!   the bridge looks the MAC up, no port has it any more, so it floods the
+//!   frame — other pods drop it with `OTHERHOST`, and with no other port the
+//!   bridge frees it with `NO_TX_TARGET` (br_flood, net/bridge/br_forward.c).
+//!   The neighbour state machine is not driven on this path (the cached
+//!   header is copied by neigh_hh_bridge), so no NEIGH_FAILED follows.
+//!
+//! Because the queued packet never reached POSTROUTING, its conntrack entry
+//! was never confirmed: it dies with the packet, and the client's
+//! retransmitted SYN is load-balanced again, possibly to a live backend
+//! (see `attempts` in report.rs).
+use std::net::Ipv4Addr;
+
+use tracer_common::{hook, nat_stage, proto, tcp_flags};
+
+use super::{
+    drop_reason::KnownReasons,
+    flow::Flow,
+    rules::RuleCtx,
+    types::{Dir, Endpoint, Obs, Proto, node_egress},
+};
+
+type Found = (String, String);
+
+/// How long after a request vanished inside the node (queued for neighbour
+/// resolution) its NEIGH_FAILED drop can still arrive: 3 probes × 1 s
+/// (arp_tbl defaults, net/ipv4/arp.c) plus timer slack.
+pub(crate) const NEIGH_FAIL_WAIT_NS: u64 = 3_500_000_000;
+
+/// Where DNAT sent this request packet: its destination after the node's
+/// NAT, when that differs from the Service.
+pub(crate) fn packet_backend(flow: &Flow, packet: u8) -> Option<Endpoint> {
+    flow.packet_obs(packet)
+        .find(|o| o.dst != flow.service && o.dst != flow.client)
+        .map(|o| o.dst)
+}
+
+/// The backend a reply packet came from, as seen before reverse NAT.
+pub(crate) fn reply_backend(flow: &Flow, packet: u8) -> Option<Endpoint> {
+    flow.packet_obs(packet)
+        .find(|o| o.src != flow.service)
+        .map(|o| o.src)
+}
+
+/// The first time a request of the flow was DNATed in the node and then
+/// vanished: no hook after NAT saw it leave, deliver it, or drop it. That is
+/// a packet held on a neighbour entry's queue (see the module comment), whose
+/// fate the kernel reports only when resolution fails.
+pub(crate) fn vanished_since(flow: &Flow, node_netns: u32) -> Option<u64> {
+    let node = |ns: u32| ns == 0 || ns == node_netns;
+    flow.packets
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.dir == Dir::Request && p.in_node)
+        .filter_map(|(i, p)| {
+            let mut dnated = false;
+            for o in flow.packet_obs(i as u8) {
+                if o.hook == hook::DROP || (node(o.netns) && node_egress(o.hook)) {
+                    return None;
+                }
+                if o.hook == hook::NETFILTER
+                    && o.nat_stage == nat_stage::AFTER
+                    && o.dst != flow.service
+                {
+                    dnated = true;
+                }
+            }
+            dnated.then_some(p.first_ts)
+        })
+        .min()
+}
+
+/// Until when a `no_reply` decision should wait for the kernel's verdict
+/// on a request that vanished after DNAT.
+pub(crate) fn hold_until(flow: &Flow, node_netns: u32) -> Option<u64> {
+    vanished_since(flow, node_netns).map(|t| t + NEIGH_FAIL_WAIT_NS)
+}
+
+fn is_stale_drop(known: &KnownReasons, o: &Obs, node_netns: u32) -> bool {
+    if o.hook != hook::DROP {
+        return false;
+    }
+    let r = o.drop_reason;
+    known.is_neigh_failure(r)
+        || Some(r) == known.no_tx_target
+        // Flooded by the bridge to pods that are not the backend.
+        || (Some(r) == known.otherhost && o.netns != 0 && o.netns != node_netns)
+}
+
+fn sep_of(ctx: &RuleCtx<'_>, backend: Endpoint) -> String {
+    Proto::from_raw(ctx.flow.proto)
+        .and_then(|p| {
+            ctx.kube.lookup(
+                ctx.flow.service.socket_addr(),
+                p.as_str(),
+                Some(backend.socket_addr()),
+            )
+        })
+        .and_then(|m| m.sep_chain)
+        .map(|sep| format!(" (endpoint chain {sep})"))
+        .unwrap_or_default()
+}
+
+pub(super) fn backend_unreachable(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let flow = ctx.flow;
+    let drop = flow.obs.iter().find(|o| {
+        flow.packets[o.packet as usize].dir == Dir::Request
+            && o.dst != flow.service
+            && is_stale_drop(ctx.known, o, ctx.node_netns)
+    });
+    let (backend, how) = match drop {
+        Some(o) => {
+            let ip = Ipv4Addr::from(o.dst.addr);
+            let how = if ctx.known.is_neigh_failure(o.drop_reason) {
+                format!(
+                    "the node could not resolve {ip}'s MAC address on {}: nothing answered its ARP requests, and the kernel dropped the queued {} ({})",
+                    ctx.ifname(o.ifindex),
+                    ctx.kind(o.packet),
+                    ctx.reason(o.drop_reason)
+                )
+            } else if Some(o.drop_reason) == ctx.known.no_tx_target {
+                format!(
+                    "the node still had {ip}'s old MAC address, but no bridge port has it any more: the bridge found nowhere to send the {} ({})",
+                    ctx.kind(o.packet),
+                    ctx.reason(o.drop_reason)
+                )
+            } else {
+                format!(
+                    "the node still had {ip}'s old MAC address, but no bridge port has it any more: the bridge flooded the {} to other pods, which dropped it ({} in namespace {})",
+                    ctx.kind(o.packet),
+                    ctx.reason(o.drop_reason),
+                    o.netns
+                )
+            };
+            (o.dst, how)
+        }
+        None => {
+            // No drop (yet): a request held for neighbour resolution for
+            // longer than resolution takes.
+            let since = vanished_since(flow, ctx.node_netns)?;
+            if ctx.decided_ts < since + NEIGH_FAIL_WAIT_NS {
+                return None;
+            }
+            let p = flow
+                .packets
+                .iter()
+                .position(|p| p.first_ts == since && p.dir == Dir::Request)?;
+            let b = packet_backend(flow, p as u8)?;
+            (
+                b,
+                format!(
+                    "the {} never left the node after DNAT (held waiting for {}'s MAC address for {} ms)",
+                    ctx.kind(p as u8),
+                    Ipv4Addr::from(b.addr),
+                    (ctx.decided_ts - since) / 1_000_000
+                ),
+            )
+        }
+    };
+    Some((
+        format!("backend {backend} is unreachable (stale endpoint?)"),
+        format!(
+            "the {} was DNATed to backend {backend}{}, which is gone or unreachable: {how}",
+            ctx.first_request_kind(),
+            sep_of(ctx, backend),
+        ),
+    ))
+}
+
+/// The first reply the client got was a RST from the backend itself.
+pub(super) fn backend_port_closed(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let flow = ctx.flow;
+    let reply = flow.client_reply?;
+    let p = &flow.packets[reply.packet as usize];
+    if flow.proto != proto::TCP || p.key.tcp_flags & tcp_flags::RST == 0 {
+        return None;
+    }
+    let backend = reply_backend(flow, reply.packet).or(flow.backend)?;
+    Some((
+        format!("backend {backend} refused the connection (port closed)"),
+        format!(
+            "the {} was DNATed to backend {backend}{}, which answered with {}: the pod is there but nothing listens on port {} (not started yet, crashed, or a wrong targetPort)",
+            ctx.first_request_kind(),
+            sep_of(ctx, backend),
+            ctx.kind(reply.packet),
+            backend.port
+        ),
+    ))
+}
