@@ -24,6 +24,10 @@
 //!   bridge frees it with `NO_TX_TARGET` (br_flood, net/bridge/br_forward.c).
 //!   The neighbour state machine is not driven on this path (the cached
 //!   header is copied by neigh_hh_bridge), so no NEIGH_FAILED follows.
+//!   Which of the two happens can depend on the bridge's MAC: one never set
+//!   by hand follows its lowest port MAC, and when the deleted port had it,
+//!   the change flushes the bridge's neighbour entries (NETDEV_CHANGEADDR →
+//!   neigh_changeaddr in arp_netdev_event, net/ipv4/arp.c).
 //!
 //! Because the queued packet never reached POSTROUTING, its conntrack entry
 //! was never confirmed: it dies with the packet, and the client's
@@ -31,7 +35,7 @@
 //! (see `attempts` in report.rs).
 use std::net::Ipv4Addr;
 
-use tracer_common::{hook, nat_stage, proto, tcp_flags};
+use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
 
 use super::{
     drop_reason::KnownReasons,
@@ -75,7 +79,12 @@ pub(crate) fn vanished_since(flow: &Flow, node_netns: u32) -> Option<u64> {
         .filter_map(|(i, p)| {
             let mut dnated = false;
             for o in flow.packet_obs(i as u8) {
-                if o.hook == hook::DROP || (node(o.netns) && node_egress(o.hook)) {
+                // Left, dropped, or delivered to a local socket (a host-network
+                // backend): not waiting for a neighbour.
+                if o.hook == hook::DROP
+                    || (node(o.netns) && node_egress(o.hook))
+                    || (o.hook == hook::NETFILTER && o.nf_hook == nf_hook::LOCAL_IN)
+                {
                     return None;
                 }
                 if o.hook == hook::NETFILTER

@@ -26,6 +26,8 @@ mod tests;
 mod tests_paths;
 #[cfg(test)]
 mod tests_scenarios;
+#[cfg(test)]
+mod tests_stale;
 
 use std::{
     cmp::Reverse,

@@ -1,0 +1,197 @@
+//! Issue 11 from real recordings (`nattrace --write` in the lab, see
+//! tests/tests/scenarios/stale.rs; reply timeout 1000 ms): a deleted backend
+//! with and without a neighbour entry, flooded to another pod, a closed
+//! port, and a retransmit load-balanced to a live backend.
+use std::io::Cursor;
+
+use super::{CauseId, Collector, FlowReport, Summary, Verdict};
+use crate::recording::{Header, Reader, Record};
+
+const DEAD: &str = "100.96.54.247:80";
+const DEAD_SEP: &str = "KUBE-SEP-QCNXID34Z55D2JC7";
+const LIVE: &str = "100.96.54.248:80";
+const LIVE_SEP: &str = "KUBE-SEP-XDUMBMVBSKA65X3W";
+const S: u64 = 1_000_000_000;
+
+fn recording(name: &str) -> &'static [u8] {
+    match name {
+        "cold" => include_bytes!("fixtures/stale_deleted_cold.rec"),
+        "warm" => include_bytes!("fixtures/stale_deleted_warm.rec"),
+        "flooded" => include_bytes!("fixtures/stale_deleted_flooded.rec"),
+        "port_closed" => include_bytes!("fixtures/stale_port_closed.rec"),
+        "retransmit" => include_bytes!("fixtures/stale_retransmit.rec"),
+        other => panic!("no recording {other}"),
+    }
+}
+
+fn open(name: &str) -> (Reader<Cursor<&'static [u8]>>, Header) {
+    Reader::new(Cursor::new(recording(name))).expect("a nattrace recording")
+}
+
+/// Replays like the live session did: events, a tick at every stats line,
+/// finish at the end line. `stop_after`: the session stopped this long
+/// after the first event (finish there instead).
+fn replay(name: &str, stop_after: Option<u64>) -> (Vec<FlowReport>, Summary) {
+    let (reader, header) = open(name);
+    let mut c = Collector::new(header.collector_config().expect("config"));
+    let mut out = Vec::new();
+    let mut first = None;
+    let mut end = 0;
+    for rec in reader {
+        let now = match rec {
+            Record::Event(ev) => {
+                let t0 = *first.get_or_insert(ev.ts_ns);
+                if stop_after.is_some_and(|d| ev.ts_ns > t0 + d) {
+                    end = t0 + stop_after.unwrap_or(0);
+                    break;
+                }
+                c.push(ev);
+                continue;
+            }
+            Record::Stats(s) => s.now_ns,
+            Record::End(s) => {
+                end = s.now_ns;
+                break;
+            }
+            Record::Capped { .. } => continue,
+        };
+        if let (Some(t0), Some(d)) = (first, stop_after)
+            && now > t0 + d
+        {
+            end = t0 + d;
+            break;
+        }
+        out.extend(c.tick(now));
+        end = now;
+    }
+    let (rest, summary) = c.finish(end);
+    out.extend(rest);
+    (out, summary)
+}
+
+fn only(reports: &[FlowReport]) -> &FlowReport {
+    assert_eq!(reports.len(), 1, "{reports:#?}");
+    &reports[0]
+}
+
+fn cause(r: &FlowReport) -> Option<CauseId> {
+    r.cause.as_ref().map(|c| c.id)
+}
+
+fn assert_stale(r: &FlowReport, evidence: &str) {
+    assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
+    assert_eq!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
+    assert_eq!(r.backend.map(|b| b.to_string()).as_deref(), Some(DEAD));
+    let kube = r.kube.as_ref().expect("kube-proxy chains");
+    assert_eq!(kube.sep_chain.as_deref(), Some(DEAD_SEP));
+    let text = &r.cause.as_ref().unwrap().text;
+    assert!(text.contains(DEAD) && text.contains(DEAD_SEP), "{text}");
+    assert!(text.contains(evidence), "{text}");
+}
+
+#[test]
+fn deleted_backend_neighbour_failure_is_waited_for() {
+    let (reports, _) = replay("cold", None);
+    let r = only(&reports);
+    assert_stale(r, "NEIGH_FAILED");
+    // The kernel frees the queued SYNs ~3 s after the first: past the 1 s
+    // reply timeout, so the verdict was held for them.
+    let waited = r.decided_ts_ns - r.first_ts_ns;
+    assert!(
+        (3 * S..4 * S).contains(&waited),
+        "decided after {waited} ns"
+    );
+    assert!(r.attempts.len() >= 3, "{:#?}", r.attempts);
+    for a in &r.attempts {
+        assert_eq!(a.backend.map(|b| b.to_string()).as_deref(), Some(DEAD));
+        assert_eq!(a.sep_chain.as_deref(), Some(DEAD_SEP));
+        assert!(!a.answered);
+    }
+    assert_eq!(
+        r.attempts[0].dropped.as_ref().map(|n| n.as_str()),
+        Some("NEIGH_FAILED")
+    );
+}
+
+/// Offline (all events, then finish) decides the same as the live replay.
+#[test]
+fn deleted_backend_same_verdict_offline() {
+    let (reader, header) = open("cold");
+    let mut c = Collector::new(header.collector_config().unwrap());
+    for rec in reader {
+        if let Record::Event(ev) = rec {
+            c.push(ev);
+        }
+    }
+    let (offline, _) = c.finish(u64::MAX / 4);
+    let (live, _) = replay("cold", None);
+    let (a, b) = (only(&offline), only(&live));
+    assert_eq!(
+        (a.verdict, cause(a), a.decided_ts_ns),
+        (b.verdict, cause(b), b.decided_ts_ns)
+    );
+}
+
+/// Tracing stopped before neighbour resolution could fail: no drop yet, and
+/// the DNATed SYN never left the node — that is no routing problem, so no
+/// `no_reply_through_node` (issue 11's harmful advice).
+#[test]
+fn stopped_before_neighbour_failure_blames_no_route() {
+    let (reports, _) = replay("cold", Some(2 * S));
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::NoReply, "{r:#?}");
+    assert_eq!(cause(r), None, "{r:#?}");
+}
+
+#[test]
+fn deleted_backend_with_old_mac_dropped_by_the_bridge() {
+    let (reports, _) = replay("warm", None);
+    assert_stale(only(&reports), "NO_TX_TARGET");
+}
+
+#[test]
+fn deleted_backend_flooded_to_another_pod() {
+    let (reports, _) = replay("flooded", None);
+    let r = only(&reports);
+    assert_stale(r, "OTHERHOST");
+    assert!(r.cause.as_ref().unwrap().text.contains("flooded"));
+}
+
+#[test]
+fn closed_port_is_refused_by_the_backend() {
+    let (reports, _) = replay("port_closed", None);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Refused, "{r:#?}");
+    assert_eq!(cause(r), Some(CauseId::BackendPortClosed), "{r:#?}");
+    assert_eq!(r.backend.map(|b| b.to_string()).as_deref(), Some(DEAD));
+    let text = &r.cause.as_ref().unwrap().text;
+    assert!(text.contains(DEAD_SEP) && text.contains("RST"), "{text}");
+    assert_eq!(r.attempts.len(), 1);
+    assert!(r.attempts[0].answered);
+}
+
+/// The first SYN went to the deleted backend (queued for ARP, conntrack
+/// entry unconfirmed), the retransmit to the live one: the flow names the
+/// backend that answered and lists both.
+#[test]
+fn retransmit_to_another_backend_names_the_one_that_answered() {
+    let (reports, summary) = replay("retransmit", None);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Ok, "{r:#?}");
+    assert_eq!(r.backend.map(|b| b.to_string()).as_deref(), Some(LIVE));
+    assert_eq!(
+        r.kube.as_ref().and_then(|k| k.sep_chain.as_deref()),
+        Some(LIVE_SEP)
+    );
+    let got: Vec<(String, bool)> = r
+        .attempts
+        .iter()
+        .map(|a| (a.backend.unwrap().to_string(), a.answered))
+        .collect();
+    assert_eq!(
+        got,
+        vec![(DEAD.to_string(), false), (LIVE.to_string(), true)]
+    );
+    assert_eq!(r.attempts[1].sep_chain.as_deref(), Some(LIVE_SEP));
+    assert_eq!(summary.by_verdict.ok, 1);
+}
