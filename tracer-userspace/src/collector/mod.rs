@@ -27,7 +27,7 @@ mod tests_paths;
 #[cfg(test)]
 mod tests_scenarios;
 #[cfg(test)]
-mod tests_stale;
+pub(crate) mod tests_stale;
 
 use std::{
     cmp::Reverse,

@@ -231,7 +231,7 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         proto.as_str(),
         backend.map(|b| b.socket_addr()),
     );
-    let attempts = attempts(flow, ctx, proto);
+    let attempts = attempts(flow, ctx, proto, (backend, kube.as_ref()));
     FlowReport {
         verdict,
         proto,
@@ -254,7 +254,12 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
 
 /// The opening request's transmissions (SYNs without ACK, or UDP requests),
 /// each with its backend, whether that backend answered it, and its drop.
-fn attempts(flow: &Flow, ctx: &ReportCtx<'_>, proto: Proto) -> Vec<Attempt> {
+fn attempts(
+    flow: &Flow,
+    ctx: &ReportCtx<'_>,
+    proto: Proto,
+    (reported, kube): (Option<super::types::Endpoint>, Option<&KubeMatch>),
+) -> Vec<Attempt> {
     let opening = |key: &super::types::PacketKey| {
         flow.proto != proto::TCP
             || key.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
@@ -270,7 +275,11 @@ fn attempts(flow: &Flow, ctx: &ReportCtx<'_>, proto: Proto) -> Vec<Attempt> {
                 .packet_obs(i as u8)
                 .find(|o| o.hook == hook::DROP && ctx.known.is_drop(o.drop_reason))
                 .map(|o| ctx.reason_name(o.drop_reason));
+            // Usually the reported backend, whose chain is already known.
             let sep_chain = b.and_then(|b| {
+                if Some(b) == reported {
+                    return kube.and_then(|k| k.sep_chain.clone());
+                }
                 ctx.kube
                     .lookup(
                         flow.service.socket_addr(),

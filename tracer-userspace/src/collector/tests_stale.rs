@@ -31,7 +31,7 @@ fn open(name: &str) -> (Reader<Cursor<&'static [u8]>>, Header) {
 /// Replays like the live session did: events, a tick at every stats line,
 /// finish at the end line. `stop_after`: the session stopped this long
 /// after the first event (finish there instead).
-fn replay(name: &str, stop_after: Option<u64>) -> (Vec<FlowReport>, Summary) {
+pub(crate) fn replay(name: &str, stop_after: Option<u64>) -> (Vec<FlowReport>, Summary) {
     let (reader, header) = open(name);
     let mut c = Collector::new(header.collector_config().expect("config"));
     let mut out = Vec::new();
