@@ -99,10 +99,23 @@ pub(crate) fn vanished_since(flow: &Flow, node_netns: u32) -> Option<u64> {
         .min()
 }
 
-/// Until when a `no_reply` decision should wait for the kernel's verdict
-/// on a request that vanished after DNAT.
+/// Until when a `no_reply` decision should wait: a request DNATed here with
+/// no reply seen anywhere may still be reported dropped by neighbour
+/// resolution — here (it vanished after DNAT) or on the backend's node — and
+/// that would make a routing cause (no_reply_through_node) wrong advice.
 pub(crate) fn hold_until(flow: &Flow, node_netns: u32) -> Option<u64> {
-    vanished_since(flow, node_netns).map(|t| t + NEIGH_FAIL_WAIT_NS)
+    if flow.backend.is_none() || flow.packets.iter().any(|p| p.dir == Dir::Reply) {
+        return None;
+    }
+    let first = flow
+        .packets
+        .iter()
+        .enumerate()
+        .filter(|(i, p)| p.dir == Dir::Request && packet_backend(flow, *i as u8).is_some())
+        .map(|(_, p)| p.first_ts)
+        .min();
+    let vanished = vanished_since(flow, node_netns);
+    first.or(vanished).map(|t| t + NEIGH_FAIL_WAIT_NS)
 }
 
 fn is_stale_drop(known: &KnownReasons, o: &Obs, node_netns: u32) -> bool {
@@ -140,10 +153,22 @@ pub(super) fn backend_unreachable(ctx: &RuleCtx<'_>) -> Option<Found> {
     let (backend, how) = match drop {
         Some(o) => {
             let ip = Ipv4Addr::from(o.dst.addr);
+            // Tracepoints see every namespace of the kernel: in a lab or kind
+            // the backend's own node may be another namespace here.
+            let who = if ctx.is_node(o.netns) {
+                format!(
+                    "the node could not resolve {ip}'s MAC address on {}",
+                    ctx.ifname(o.ifindex)
+                )
+            } else {
+                format!(
+                    "namespace {} (the backend's node?) could not resolve {ip}'s MAC address",
+                    o.netns
+                )
+            };
             let how = if ctx.known.is_neigh_failure(o.drop_reason) {
                 format!(
-                    "the node could not resolve {ip}'s MAC address on {}: nothing answered its ARP requests, and the kernel dropped the queued {} ({})",
-                    ctx.ifname(o.ifindex),
+                    "{who}: nothing answered its ARP requests, and the kernel dropped the queued {} ({})",
                     ctx.kind(o.packet),
                     ctx.reason(o.drop_reason)
                 )
