@@ -229,10 +229,18 @@ fn root_deleted_backend_bridged_flooded_to_other_pod() {
 fn root_deleted_backend_on_other_node() {
     require_root!();
     let _lock = tracing_lock();
-    let mut lab = build_lab(presets::seed000(presets::Seed000 {
+    let mut spec = presets::seed000(presets::Seed000 {
         bridge_nf_call_iptables: true,
         backend: Backend::OtherNode,
-    }));
+    });
+    // Another pod keeps node-b's cni0 up: with the deleted pod's port its
+    // last one, the bridge loses carrier a moment later and the kernel
+    // flushes the SYN queued for the pod's MAC (QUEUE_PURGE) instead of
+    // failing resolution (NEIGH_FAILED) — also named, but at random.
+    spec.nodes[1] = spec.nodes[1]
+        .clone()
+        .pod(PodSpec::new("bystander-b", Ipv4Addr::new(100, 96, 55, 30)));
+    let mut lab = build_lab(spec);
     lab.delete_pod(presets::REMOTE_BACKEND_POD)
         .expect("deleting the pod");
     let (done, worked) = trace_curl(&lab, "stale_deleted_other_node");

@@ -124,6 +124,7 @@ fn is_stale_drop(known: &KnownReasons, o: &Obs, node_netns: u32) -> bool {
     }
     let r = o.drop_reason;
     known.is_neigh_failure(r)
+        || Some(r) == known.queue_purge
         || Some(r) == known.no_tx_target
         // Flooded by the bridge to pods that are not the backend.
         || (Some(r) == known.otherhost && o.netns != 0 && o.netns != node_netns)
@@ -169,6 +170,15 @@ pub(super) fn backend_unreachable(ctx: &RuleCtx<'_>) -> Option<Found> {
             let how = if ctx.known.is_neigh_failure(o.drop_reason) {
                 format!(
                     "{who}: nothing answered its ARP requests, and the kernel dropped the queued {} ({})",
+                    ctx.kind(o.packet),
+                    ctx.reason(o.drop_reason)
+                )
+            } else if Some(o.drop_reason) == ctx.known.queue_purge {
+                // neigh_flush_dev (net/core/neighbour.c) purges an entry's
+                // queue when its device loses carrier or changes address,
+                // e.g. a bridge whose last port (the pod's) went away.
+                format!(
+                    "{who}: the {} was queued waiting for it when the kernel flushed the neighbour entry ({}), as when the device towards the pod lost its last port or changed its MAC address",
                     ctx.kind(o.packet),
                     ctx.reason(o.drop_reason)
                 )

@@ -175,6 +175,9 @@ pub(crate) struct KnownReasons {
     pub no_tx_target: Option<u32>,
     /// A frame for another MAC reached a host (e.g. flooded by a bridge).
     pub otherhost: Option<u32>,
+    /// A queue was flushed, e.g. a neighbour entry's packets when its
+    /// device lost carrier or changed address (neigh_flush_dev).
+    pub queue_purge: Option<u32>,
 }
 
 impl DropReasons {
@@ -263,6 +266,7 @@ impl DropReasons {
             ],
             no_tx_target: self.code("NO_TX_TARGET"),
             otherhost: self.code("OTHERHOST"),
+            queue_purge: self.code("QUEUE_PURGE"),
         }
     }
 }

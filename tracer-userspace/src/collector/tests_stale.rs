@@ -20,6 +20,7 @@ fn recording(name: &str) -> &'static [u8] {
         "flooded" => include_bytes!("fixtures/stale_deleted_flooded.rec"),
         "port_closed" => include_bytes!("fixtures/stale_port_closed.rec"),
         "retransmit" => include_bytes!("fixtures/stale_retransmit.rec"),
+        "other_node" => include_bytes!("fixtures/stale_deleted_other_node.rec"),
         other => panic!("no recording {other}"),
     }
 }
@@ -194,4 +195,74 @@ fn retransmit_to_another_backend_names_the_one_that_answered() {
     );
     assert_eq!(r.attempts[1].sep_chain.as_deref(), Some(LIVE_SEP));
     assert_eq!(summary.by_verdict.ok, 1);
+}
+
+/// The deleted backend was on the other node: the SYN left by flannel.1 and
+/// the other node's neighbour resolution failed ~3 s later (its namespace is
+/// on the same kernel in the lab). Decided at the 1 s reply timeout this was
+/// `no_reply_through_node` with masqueradeAll advice.
+#[test]
+fn deleted_backend_on_other_node_is_not_a_routing_problem() {
+    let (reports, _) = replay("other_node", None);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
+    assert_eq!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
+    assert_eq!(
+        r.backend.map(|b| b.to_string()).as_deref(),
+        Some("100.96.55.21:80")
+    );
+    let text = &r.cause.as_ref().unwrap().text;
+    assert!(
+        text.contains("the backend's node?") && text.contains("NEIGH_FAILED"),
+        "{text}"
+    );
+}
+
+/// Same, tracing stopped at 2 s: the drop could still come, so no routing
+/// cause either.
+#[test]
+fn deleted_backend_on_other_node_stopped_early_names_no_cause() {
+    let (reports, _) = replay("other_node", Some(2 * S));
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::NoReply, "{r:#?}");
+    assert_eq!(cause(r), None, "{r:#?}");
+}
+
+/// The shape of a lab run where the backend's node lost its last bridge
+/// port: the SYN crossed the overlay, waited for the pod's MAC on node-b
+/// and was flushed with the neighbour entry (QUEUE_PURGE) when node-b's
+/// bridge lost carrier.
+#[test]
+fn queued_request_flushed_on_the_backends_node() {
+    use super::fixtures::*;
+    use tracer_common::{direction, tcp_flags};
+    const NODE_B_NS: u32 = 4026532597;
+    let cfg = config(Some(true));
+    let purge = cfg.drop_reasons.code("QUEUE_PURGE").unwrap();
+    let mut b = Builder::default();
+    let syn = tcp(tcp_flags::SYN, 7, 0, 42, 0xa1, direction::REQUEST);
+    let t = b.route(
+        syn,
+        T0,
+        &[
+            &from_pod(CLIENT_NS, VETH_CLIENT, CLIENT, SVC),
+            &forwarded(CLIENT, SVC, REMOTE_BACKEND, CLIENT),
+            &[(tc_out(FLANNEL), CLIENT, REMOTE_BACKEND)],
+            &[(rx(NODE_B_NS, 5), CLIENT, REMOTE_BACKEND)],
+        ],
+    );
+    b.path(
+        syn,
+        t + 200 * 1_000_000,
+        &[(drop(NODE_B_NS, 3, purge), CLIENT, REMOTE_BACKEND)],
+    );
+    let (reports, _) = super::tests::run_with(cfg, &b.events, T0 + 10 * S);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
+    assert_eq!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
+    let text = &r.cause.as_ref().unwrap().text;
+    assert!(
+        text.contains("QUEUE_PURGE") && text.contains("100.96.12.5"),
+        "{text}"
+    );
 }
