@@ -364,3 +364,59 @@ fn root_backend_port_closed_is_refused() {
     );
     assert_eq!(done.status.code(), Some(1), "{}", done.describe());
 }
+
+/// kube-dns with a deleted pod still in its rules: the query (UDP) waits
+/// for the pod's MAC like a SYN and is dropped with NEIGH_FAILED.
+#[test]
+fn root_deleted_dns_backend_neighbour_fails() {
+    require_root!();
+    let _lock = tracing_lock();
+    let mut lab = build_lab(presets::dns(presets::Dns {
+        bridge_nf_call_iptables: true,
+        backend: Backend::SameNode,
+    }));
+    lab.delete_pod(presets::DNS_POD).expect("deleting the pod");
+    let svc = format!("{}:53", presets::DNS_SERVICE_IP);
+    let extra = record_args("stale_dns");
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let mut answered = true;
+    let done = trace_for(
+        &lab,
+        presets::NODE_A,
+        &svc,
+        &extra,
+        STALE_TRACE_SECS,
+        || {
+            let out = lab
+                .dig(
+                    presets::CLIENT_POD,
+                    presets::DNS_SERVICE_IP,
+                    presets::DNS_NAME,
+                    CURL_MAX,
+                )
+                .expect("running dig");
+            answered = String::from_utf8_lossy(&out.stdout).contains("ANSWER SECTION");
+        },
+    );
+    assert!(!answered, "the deleted DNS pod cannot answer");
+    let f = only_flow(&done);
+    let dead = format!("{}:53", presets::DNS_POD_IP);
+    assert_eq!(f["proto"], "udp", "{}", done.describe());
+    assert_eq!(f["verdict"], "dropped", "{}", done.describe());
+    assert_eq!(f["cause"], "backend_unreachable", "{}", done.describe());
+    assert_eq!(f["backend"], dead, "{}", done.describe());
+    assert_eq!(
+        f["sep_chain"],
+        sep_chain("kube-system/kube-dns:dns", Protocol::Udp, &dead),
+        "{}",
+        done.describe()
+    );
+    let text = f["cause_text"].as_str().unwrap_or_default();
+    assert!(text.contains("NEIGH_FAILED"), "{}", done.describe());
+    assert_eq!(
+        f["attempts"][0]["dropped"],
+        "NEIGH_FAILED",
+        "{}",
+        done.describe()
+    );
+}
