@@ -472,9 +472,13 @@ fn no_reply_detail(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> String {
             "; no reply before tracing stopped ({} ms after the request)",
             d.decided_ts.saturating_sub(flow.first_ts) / 1_000_000
         )),
+        // Held past the reply timeout for a neighbour failure (backend_rules.rs).
         None => s.push_str(&format!(
             "; no reply within {} ms",
-            ctx.reply_timeout_ns / 1_000_000
+            d.decided_ts
+                .saturating_sub(flow.first_ts)
+                .max(ctx.reply_timeout_ns)
+                / 1_000_000
         )),
     }
     s
