@@ -256,7 +256,15 @@ impl Lab {
     /// pair) go, kube-proxy's rules for it stay. Returns once the node's end
     /// of the veth is gone.
     pub fn delete_pod(&mut self, pod: &str) -> Result<()> {
-        let (node, port) = self.pod_port(pod)?;
+        let node = self.pod_node(pod)?;
+        // The node's end of the pod's veth, by ifindex ("eth0@if7"), so this
+        // works whatever the datapath names it.
+        let link = self.run(pod, &["ip", "-o", "link", "show", "dev", "eth0"])?;
+        let peer = link
+            .split_once("@if")
+            .and_then(|(_, rest)| rest.split(':').next())
+            .and_then(|i| i.parse::<u32>().ok())
+            .ok_or_else(|| LabError::Spec(format!("no veth peer in {pod}'s eth0: {link}")))?;
         let at = self
             .namespaces
             .iter()
@@ -270,15 +278,16 @@ impl Lab {
         ns.delete();
         // The namespace is torn down asynchronously (cleanup_net runs from a
         // workqueue): wait for its veth to vanish from the node.
+        let prefix = format!("{peer}: ");
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
-            let out = self.exec(&node, &["ip", "link", "show", "dev", &port])?;
-            if !out.status.success() {
+            let links = self.run(&node, &["ip", "-o", "link", "show"])?;
+            if !links.lines().any(|l| l.starts_with(&prefix)) {
                 return Ok(());
             }
             if std::time::Instant::now() > deadline {
                 return Err(LabError::Spec(format!(
-                    "{port} of deleted pod {pod} is still on {node} after 10 s"
+                    "the veth (ifindex {peer}) of deleted pod {pod} is still on {node} after 10 s"
                 )));
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -288,7 +297,7 @@ impl Lab {
     /// Kills every process of a pod but keeps its namespace: the pod's
     /// address still answers ARP, but its ports are closed (RST).
     pub fn stop_pod_servers(&self, pod: &str) -> Result<()> {
-        self.pod_port(pod)?;
+        self.pod_node(pod)?;
         let ns = self.netns(pod)?;
         let me = std::process::id() as i32;
         for pid in ns.pids().into_iter().filter(|p| *p != me) {
@@ -304,15 +313,13 @@ impl Lab {
         Ok(())
     }
 
-    /// The pod's node and the node's end of its veth (`veth<index>`, see topology.rs).
-    fn pod_port(&self, pod: &str) -> Result<(String, String)> {
+    /// The node a pod runs on.
+    fn pod_node(&self, pod: &str) -> Result<String> {
         self.spec
             .nodes
             .iter()
-            .find_map(|n| {
-                let j = n.pods.iter().position(|p| p.name == pod)?;
-                Some((n.name.clone(), format!("veth{j}")))
-            })
+            .find(|n| n.pods.iter().any(|p| p.name == pod))
+            .map(|n| n.name.clone())
             .ok_or_else(|| LabError::UnknownTarget {
                 name: pod.to_string(),
                 known: self.targets().join(", "),
