@@ -420,3 +420,24 @@ fn root_deleted_dns_backend_neighbour_fails() {
         done.describe()
     );
 }
+
+/// A routed node's state after a pod is deleted, emulated on the bridged
+/// lab node: the pod's address falls into a blackhole route (Calico: the
+/// /32 route leaves with the pod's veth, the node's block is a blackhole).
+/// The DNATed SYN is dropped at the route lookup (NOT_SPECIFIED).
+#[test]
+fn root_deleted_backend_blackhole_route() {
+    require_root!();
+    let _lock = tracing_lock();
+    let mut lab = build_lab(presets::single_node(true));
+    lab.delete_pod(presets::BACKEND_POD)
+        .expect("deleting the pod");
+    let host = format!("{}/32", presets::BACKEND_IP);
+    lab.run(presets::NODE_A, &["ip", "route", "add", "blackhole", &host])
+        .expect("adding the blackhole route");
+    let (done, worked) = trace_curl(&lab, "stale_blackhole");
+    assert!(!worked, "curl to a deleted backend must fail");
+    let f = only_flow(&done);
+    assert_eq!(f["verdict"], "dropped", "{}", done.describe());
+    assert_stale(&f, &done, "no route");
+}

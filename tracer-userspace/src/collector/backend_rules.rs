@@ -118,6 +118,30 @@ pub(crate) fn hold_until(flow: &Flow, node_netns: u32) -> Option<u64> {
     first.or(vanished).map(|t| t + NEIGH_FAIL_WAIT_NS)
 }
 
+/// A request dropped in the node at the route lookup right after DNAT: no
+/// route to the backend, e.g. a routed node (Calico) whose pod /32 route
+/// left with the pod's veth, so the address falls into the node block's
+/// blackhole route. Measured with such a route in the lab: NOT_SPECIFIED
+/// (ip_error keeps its default reason for a blackhole).
+fn is_no_route_drop(flow: &Flow, known: &KnownReasons, o: &Obs, node_netns: u32) -> bool {
+    let node = |ns: u32| ns == 0 || ns == node_netns;
+    if o.hook != hook::DROP || !node(o.netns) || !known.no_route.contains(&Some(o.drop_reason)) {
+        return false;
+    }
+    // The packet's previous point: the DNAT itself (PREROUTING or, for a
+    // node-local client, OUTPUT); tc ingress of the same device may repeat.
+    flow.packet_obs(o.packet)
+        .filter(|p| p.ts_ns <= o.ts_ns && p.hook != hook::DROP)
+        .filter(|p| p.hook == hook::NETFILTER)
+        .max_by_key(|p| p.ts_ns)
+        .is_some_and(|p| {
+            p.nat_stage == nat_stage::AFTER
+                && matches!(p.nf_hook, nf_hook::PRE_ROUTING | nf_hook::LOCAL_OUT)
+                && p.dst == o.dst
+                && p.dst != flow.service
+        })
+}
+
 fn is_stale_drop(known: &KnownReasons, o: &Obs, node_netns: u32) -> bool {
     if o.hook != hook::DROP {
         return false;
@@ -149,7 +173,8 @@ pub(super) fn backend_unreachable(ctx: &RuleCtx<'_>) -> Option<Found> {
     let drop = flow.obs.iter().find(|o| {
         flow.packets[o.packet as usize].dir == Dir::Request
             && o.dst != flow.service
-            && is_stale_drop(ctx.known, o, ctx.node_netns)
+            && (is_stale_drop(ctx.known, o, ctx.node_netns)
+                || is_no_route_drop(flow, ctx.known, o, ctx.node_netns))
     });
     let (backend, how) = match drop {
         Some(o) => {
@@ -167,7 +192,13 @@ pub(super) fn backend_unreachable(ctx: &RuleCtx<'_>) -> Option<Found> {
                     o.netns
                 )
             };
-            let how = if ctx.known.is_neigh_failure(o.drop_reason) {
+            let how = if is_no_route_drop(flow, ctx.known, o, ctx.node_netns) {
+                format!(
+                    "the node has no route to {ip}: the {} was dropped at the routing decision right after DNAT ({}), as on a routed node whose route to the pod left with the pod's veth (the node's pod block is a blackhole route)",
+                    ctx.kind(o.packet),
+                    ctx.reason(o.drop_reason)
+                )
+            } else if ctx.known.is_neigh_failure(o.drop_reason) {
                 format!(
                     "{who}: nothing answered its ARP requests, and the kernel dropped the queued {} ({})",
                     ctx.kind(o.packet),

@@ -178,6 +178,10 @@ pub(crate) struct KnownReasons {
     /// A queue was flushed, e.g. a neighbour entry's packets when its
     /// device lost carrier or changed address (neigh_flush_dev).
     pub queue_purge: Option<u32>,
+    /// Dropped at a failed route lookup: `ip_error` (net/ipv4/route.c) for
+    /// a blackhole route keeps NOT_SPECIFIED; no route at all is
+    /// IP_INNOROUTES / IP_OUTNOROUTES.
+    pub no_route: [Option<u32>; 3],
 }
 
 impl DropReasons {
@@ -267,6 +271,11 @@ impl DropReasons {
             no_tx_target: self.code("NO_TX_TARGET"),
             otherhost: self.code("OTHERHOST"),
             queue_purge: self.code("QUEUE_PURGE"),
+            no_route: [
+                self.code("NOT_SPECIFIED"),
+                self.code("IP_INNOROUTES"),
+                self.code("IP_OUTNOROUTES"),
+            ],
         }
     }
 }

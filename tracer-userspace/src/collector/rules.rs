@@ -139,7 +139,7 @@ impl CauseId {
             CauseId::DroppedByNetfilter => "a DROP/REJECT rule (NetworkPolicy, firewall)",
             CauseId::DroppedByRpFilter => "reverse-path filter drops an asymmetric packet",
             CauseId::BackendUnreachable => {
-                "stale endpoint: backend pod deleted or unreachable, its KUBE-SEP rule still in place (neighbour resolution fails, or the bridge has no port for its MAC)"
+                "stale endpoint: backend pod deleted or unreachable, its KUBE-SEP rule still in place (neighbour resolution fails, the bridge has no port for its MAC, or no route to it)"
             }
             CauseId::BackendPortClosed => {
                 "backend pod alive but nothing listens on the target port: it answers with RST"

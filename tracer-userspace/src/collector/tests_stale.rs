@@ -21,6 +21,7 @@ fn recording(name: &str) -> &'static [u8] {
         "port_closed" => include_bytes!("fixtures/stale_port_closed.rec"),
         "retransmit" => include_bytes!("fixtures/stale_retransmit.rec"),
         "other_node" => include_bytes!("fixtures/stale_deleted_other_node.rec"),
+        "blackhole" => include_bytes!("fixtures/stale_blackhole.rec"),
         other => panic!("no recording {other}"),
     }
 }
@@ -265,4 +266,44 @@ fn queued_request_flushed_on_the_backends_node() {
         text.contains("QUEUE_PURGE") && text.contains("100.96.12.5"),
         "{text}"
     );
+}
+
+/// A blackhole route for the deleted pod's address (a routed node's state):
+/// the DNATed SYN is dropped at the route lookup.
+#[test]
+fn deleted_backend_behind_a_blackhole_route() {
+    let (reports, _) = replay("blackhole", None);
+    let r = only(&reports);
+    assert_stale(r, "no route to 100.96.54.247");
+    assert!(r.cause.as_ref().unwrap().text.contains("NOT_SPECIFIED"));
+}
+
+/// A NOT_SPECIFIED drop elsewhere than at the route lookup after DNAT says
+/// nothing about the backend.
+#[test]
+fn unspecified_drop_in_a_pod_is_not_a_stale_endpoint() {
+    use super::fixtures::*;
+    use tracer_common::{direction, tcp_flags};
+    let cfg = config(Some(true));
+    let unspecified = cfg.drop_reasons.code("NOT_SPECIFIED").unwrap();
+    let mut b = Builder::default();
+    let syn = tcp(tcp_flags::SYN, 7, 0, 42, 0xa1, direction::REQUEST);
+    let t = b.route(
+        syn,
+        T0,
+        &[
+            &from_pod(CLIENT_NS, VETH_CLIENT, CLIENT, SVC),
+            &forwarded(CLIENT, SVC, BACKEND, CLIENT),
+            &to_pod(VETH_BACKEND, BACKEND_NS, CLIENT, BACKEND),
+        ],
+    );
+    b.path(
+        syn,
+        t,
+        &[(drop(BACKEND_NS, POD_ETH0, unspecified), CLIENT, BACKEND)],
+    );
+    let (reports, _) = super::tests::run_with(cfg, &b.events, T0 + 10 * S);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
+    assert_ne!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
 }
