@@ -103,8 +103,17 @@ pub(crate) fn vanished_since(flow: &Flow, node_netns: u32) -> Option<u64> {
 /// no reply seen anywhere may still be reported dropped by neighbour
 /// resolution — here (it vanished after DNAT) or on the backend's node — and
 /// that would make a routing cause (no_reply_through_node) wrong advice.
-pub(crate) fn hold_until(flow: &Flow, node_netns: u32) -> Option<u64> {
+pub(crate) fn hold_until(flow: &Flow, node_netns: u32, known: &KnownReasons) -> Option<u64> {
     if flow.backend.is_none() || flow.packets.iter().any(|p| p.dir == Dir::Reply) {
+        return None;
+    }
+    // Already dropped on the way (a rule, the bridge, no route): that is
+    // the evidence, nothing more to wait for.
+    if flow.obs.iter().any(|o| {
+        o.hook == hook::DROP
+            && known.is_drop(o.drop_reason)
+            && flow.packets[o.packet as usize].in_node
+    }) {
         return None;
     }
     let first = flow

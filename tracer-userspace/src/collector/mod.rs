@@ -547,7 +547,8 @@ impl Collector {
             // A request still queued for neighbour resolution: its drop
             // (a stale endpoint) may come after the reply timeout, and would
             // change the cause (backend_rules.rs). Wait for it.
-            if let Some(until) = backend_rules::hold_until(f, self.cfg.facts.netns_inode)
+            if let Some(until) =
+                backend_rules::hold_until(f, self.cfg.facts.netns_inode, &self.known)
                 && until > deadline
                 && !f.reported
             {

@@ -399,7 +399,7 @@ fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
     }
     // Decided before a neighbour failure on the way could have been
     // reported (tracing stopped): the backend may just be gone.
-    if super::backend_rules::hold_until(ctx.flow, ctx.node_netns)
+    if super::backend_rules::hold_until(ctx.flow, ctx.node_netns, ctx.known)
         .is_some_and(|t| ctx.decided_ts < t)
     {
         return None;

@@ -276,6 +276,8 @@ fn deleted_backend_behind_a_blackhole_route() {
     let r = only(&reports);
     assert_stale(r, "no route to 100.96.54.247");
     assert!(r.cause.as_ref().unwrap().text.contains("NOT_SPECIFIED"));
+    // Dropped at once: nothing more to wait for after the reply timeout.
+    assert_eq!(r.decided_ts_ns - r.first_ts_ns, S, "{r:#?}");
 }
 
 /// A NOT_SPECIFIED drop elsewhere than at the route lookup after DNAT says
