@@ -313,6 +313,81 @@ impl Lab {
         Ipv4Cidr::new(first.network(), prefix).trunc()
     }
 
+    /// Deletes a pod the way a terminated pod disappears while its endpoint
+    /// is still programmed: its processes and its namespace (and so its veth
+    /// pair) go, kube-proxy's rules for it stay. Returns once the node's end
+    /// of the veth is gone.
+    pub fn delete_pod(&mut self, pod: &str) -> Result<()> {
+        let node = self.pod_node(pod)?;
+        // The node's end of the pod's veth, by ifindex ("eth0@if7"), so this
+        // works whatever the datapath names it.
+        let link = self.run(pod, &["ip", "-o", "link", "show", "dev", "eth0"])?;
+        let peer = link
+            .split_once("@if")
+            .and_then(|(_, rest)| rest.split(':').next())
+            .and_then(|i| i.parse::<u32>().ok())
+            .ok_or_else(|| LabError::Spec(format!("no veth peer in {pod}'s eth0: {link}")))?;
+        let at = self
+            .namespaces
+            .iter()
+            .position(|(t, _)| t == pod)
+            .ok_or_else(|| LabError::Spec(format!("pod {pod} was already deleted")))?;
+        let (_, ns) = self.namespaces.remove(at);
+        let me = std::process::id() as i32;
+        for pid in ns.pids().into_iter().filter(|p| *p != me) {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        ns.delete();
+        // The namespace is torn down asynchronously (cleanup_net runs from a
+        // workqueue): wait for its veth to vanish from the node.
+        let prefix = format!("{peer}: ");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let links = self.run(&node, &["ip", "-o", "link", "show"])?;
+            if !links.lines().any(|l| l.starts_with(&prefix)) {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(LabError::Spec(format!(
+                    "the veth (ifindex {peer}) of deleted pod {pod} is still on {node} after 10 s"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills every process of a pod but keeps its namespace: the pod's
+    /// address still answers ARP, but its ports are closed (RST).
+    pub fn stop_pod_servers(&self, pod: &str) -> Result<()> {
+        self.pod_node(pod)?;
+        let ns = self.netns(pod)?;
+        let me = std::process::id() as i32;
+        for pid in ns.pids().into_iter().filter(|p| *p != me) {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while ns.pids().into_iter().any(|p| p != me) {
+            if std::time::Instant::now() > deadline {
+                return Err(LabError::Spec(format!("servers of {pod} survive SIGKILL")));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// The node a pod runs on.
+    fn pod_node(&self, pod: &str) -> Result<String> {
+        self.spec
+            .nodes
+            .iter()
+            .find(|n| n.pods.iter().any(|p| p.name == pod))
+            .map(|n| n.name.clone())
+            .ok_or_else(|| LabError::UnknownTarget {
+                name: pod.to_string(),
+                known: self.targets().join(", "),
+            })
+    }
+
     /// kube-proxy's rules (iptables or nftables mode), kubelet's chains and
     /// the CNI's, on every node.
     fn install_kube_proxy(&self) -> Result<()> {

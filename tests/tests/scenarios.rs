@@ -31,14 +31,16 @@ macro_rules! require_root {
 // Below the macro, so its textual scope reaches it.
 #[path = "scenarios/doctor.rs"]
 mod doctor;
-#[path = "scenarios/no_endpoints.rs"]
-mod no_endpoints;
-#[path = "scenarios/readonly.rs"]
-mod readonly;
 #[path = "scenarios/ipvs.rs"]
 mod ipvs;
 #[path = "scenarios/nftables.rs"]
 mod nftables;
+#[path = "scenarios/no_endpoints.rs"]
+mod no_endpoints;
+#[path = "scenarios/readonly.rs"]
+mod readonly;
+#[path = "scenarios/stale.rs"]
+mod stale;
 
 /// Each seed scenario is a function of kube-proxy's mode; this declares its
 /// test for iptables mode (the original name) and for nftables mode (`_nft`).
@@ -89,6 +91,18 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Traces `svc` on `node` (JSON, plus `extra`) while `traffic` runs.
 fn trace(lab: &Lab, node: &str, svc: &str, extra: &[&str], traffic: impl FnOnce()) -> Finished {
+    trace_for(lab, node, svc, extra, TRACE_SECS, traffic)
+}
+
+/// [`trace`] for `secs` seconds.
+fn trace_for(
+    lab: &Lab,
+    node: &str,
+    svc: &str,
+    extra: &[&str],
+    secs: &str,
+    traffic: impl FnOnce(),
+) -> Finished {
     let bin = nattrace();
     let ns = lab.node_netns(node).expect("node").path();
     let mut args: Vec<String> = [
@@ -97,7 +111,7 @@ fn trace(lab: &Lab, node: &str, svc: &str, extra: &[&str], traffic: impl FnOnce(
         "--netns",
         &ns.display().to_string(),
         "--duration",
-        TRACE_SECS,
+        secs,
         "--reply-timeout",
         REPLY_TIMEOUT_MS,
     ]
@@ -114,8 +128,9 @@ fn trace(lab: &Lab, node: &str, svc: &str, extra: &[&str], traffic: impl FnOnce(
         .wait_started(ATTACH_TIMEOUT)
         .unwrap_or_else(|e| panic!("{e:#}"));
     traffic();
+    let secs: u64 = secs.parse().expect("whole seconds");
     tracer
-        .wait(Duration::from_secs(4) + ATTACH_TIMEOUT)
+        .wait(Duration::from_secs(secs) + ATTACH_TIMEOUT)
         .unwrap_or_else(|e| panic!("{e:#}"))
 }
 

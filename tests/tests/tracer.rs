@@ -29,12 +29,12 @@ macro_rules! require_root {
 mod cleanup;
 #[path = "tracer/input.rs"]
 mod input;
-#[path = "tracer/priorities.rs"]
-mod priorities;
 #[path = "tracer/many.rs"]
 mod many;
 #[path = "tracer/netns_gone.rs"]
 mod netns_gone;
+#[path = "tracer/priorities.rs"]
+mod priorities;
 #[path = "tracer/stalled.rs"]
 mod stalled;
 

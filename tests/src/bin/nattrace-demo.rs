@@ -22,7 +22,13 @@ const CURLS: usize = 3;
 /// Loading and attaching (BTF parsing, verifier) on a busy 2-core machine.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
 const CAUSE: &str = "bridge_nf_call_iptables_off";
-const VERDICTS: [&str; 4] = ["ok", "reply_not_reverse_nated", "no_reply", "dropped"];
+const VERDICTS: [&str; 5] = [
+    "ok",
+    "reply_not_reverse_nated",
+    "no_reply",
+    "dropped",
+    "refused",
+];
 
 struct Case {
     heading: &'static str,

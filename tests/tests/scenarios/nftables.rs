@@ -99,7 +99,12 @@ fn root_nft_lab_forwards_and_rejects_like_kube_proxy() {
     // kube-proxy in nftables mode writes no iptables rules; kubelet's
     // canary and flannel's chains stay in iptables, as on a real node.
     let nat = lab.iptables_save(presets::NODE_A).unwrap_or_default();
-    for theirs in ["KUBE-SERVICES", "KUBE-SVC-", "KUBE-SEP-", "KUBE-PROXY-CANARY"] {
+    for theirs in [
+        "KUBE-SERVICES",
+        "KUBE-SVC-",
+        "KUBE-SEP-",
+        "KUBE-PROXY-CANARY",
+    ] {
         assert!(!nat.contains(theirs), "{theirs} in:\n{nat}");
     }
     assert!(nat.contains("KUBE-KUBELET-CANARY"), "{nat}");

@@ -168,6 +168,20 @@ pub(crate) struct KnownReasons {
     pub no_socket: Option<u32>,
     pub netfilter_drop: Option<u32>,
     pub rp_filter: Option<u32>,
+    /// Neighbour (ARP) resolution gave up: NEIGH_FAILED, NEIGH_QUEUEFULL,
+    /// NEIGH_DEAD, NEIGH_CREATEFAIL.
+    pub neigh: [Option<u32>; 4],
+    /// The bridge had no port to send the frame to (unknown destination MAC).
+    pub no_tx_target: Option<u32>,
+    /// A frame for another MAC reached a host (e.g. flooded by a bridge).
+    pub otherhost: Option<u32>,
+    /// A queue was flushed, e.g. a neighbour entry's packets when its
+    /// device lost carrier or changed address (neigh_flush_dev).
+    pub queue_purge: Option<u32>,
+    /// Dropped at a failed route lookup: `ip_error` (net/ipv4/route.c) for
+    /// a blackhole route keeps NOT_SPECIFIED; no route at all is
+    /// IP_INNOROUTES / IP_OUTNOROUTES.
+    pub no_route: [Option<u32>; 3],
 }
 
 impl DropReasons {
@@ -248,6 +262,20 @@ impl DropReasons {
             no_socket: self.code("NO_SOCKET"),
             netfilter_drop: self.code("NETFILTER_DROP"),
             rp_filter: self.code("IP_RPFILTER"),
+            neigh: [
+                self.code("NEIGH_FAILED"),
+                self.code("NEIGH_QUEUEFULL"),
+                self.code("NEIGH_DEAD"),
+                self.code("NEIGH_CREATEFAIL"),
+            ],
+            no_tx_target: self.code("NO_TX_TARGET"),
+            otherhost: self.code("OTHERHOST"),
+            queue_purge: self.code("QUEUE_PURGE"),
+            no_route: [
+                self.code("NOT_SPECIFIED"),
+                self.code("IP_INNOROUTES"),
+                self.code("IP_OUTNOROUTES"),
+            ],
         }
     }
 }
@@ -256,6 +284,11 @@ impl KnownReasons {
     /// `kfree_skb` also fires for packets that were consumed, not dropped.
     pub fn is_drop(&self, reason: u32) -> bool {
         Some(reason) != self.not_dropped && Some(reason) != self.consumed
+    }
+
+    /// The packet waited for the next hop's MAC and the kernel gave up.
+    pub fn is_neigh_failure(&self, reason: u32) -> bool {
+        self.neigh.contains(&Some(reason))
     }
 }
 

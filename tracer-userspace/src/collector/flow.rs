@@ -4,6 +4,7 @@
 use tracer_common::{PacketEvent, hook, nat_stage, nf_hook, proto, tcp_flags};
 
 use super::{
+    backend_rules::NEIGH_FAIL_WAIT_NS,
     drop_reason::KnownReasons,
     types::{Dir, Endpoint, Obs, PacketKey, PairKey, node_egress, node_ingress},
 };
@@ -151,6 +152,14 @@ impl Flow {
             return out;
         }
         let probe = Obs::new(ev, 0);
+        // A packet queued on a neighbour entry is freed (NEIGH_FAILED) only
+        // when resolution gives up, seconds later (backend_rules.rs): its
+        // drop still belongs to it.
+        let late_gap = if ev.hook == hook::DROP {
+            ctx.packet_gap_ns.max(NEIGH_FAIL_WAIT_NS)
+        } else {
+            ctx.packet_gap_ns
+        };
         let mut found = None;
         for (i, p) in self
             .packets
@@ -161,7 +170,7 @@ impl Flow {
         {
             if p.key != key
                 || ev.ts_ns + ctx.packet_gap_ns < p.first_ts
-                || ev.ts_ns > p.last_ts + ctx.packet_gap_ns
+                || ev.ts_ns > p.last_ts + late_gap
             {
                 continue;
             }

@@ -7,6 +7,7 @@
 //! the reports, `take_mute_candidates()` → mute those endpoints in the
 //! kernel. At exit: drain, `note_lost`, `finish(now)`. Offline: `push` all,
 //! `finish(last ts)`.
+mod backend_rules;
 mod drop_reason;
 mod flow;
 mod ifnames;
@@ -28,8 +29,13 @@ mod tests_paths;
 mod tests_routed;
 #[cfg(test)]
 mod tests_scenarios;
+#[cfg(test)]
+pub(crate) mod tests_stale;
 
-use std::collections::{HashMap, VecDeque};
+use std::{
+    cmp::Reverse,
+    collections::{BinaryHeap, HashMap, VecDeque},
+};
 
 use tracer_common::{EndpointKey, PacketEvent, proto, tcp_flags};
 
@@ -42,7 +48,7 @@ use self::{
 };
 pub use self::{
     drop_reason::{DropReasons, DropReasonsError},
-    report::{FlowReport, Hop, PacketEvidence, Verdict},
+    report::{Attempt, FlowReport, Hop, PacketEvidence, Verdict},
     rules::{Cause, CauseId, markdown_table},
     summary::{Summary, VerdictCounts},
     types::{Dir, Endpoint, Name, Proto, packet_kind},
@@ -140,6 +146,9 @@ pub struct Collector {
     last_skb_purge: u64,
     decide_q: VecDeque<(u64, FlowRef)>,
     timeout_q: VecDeque<(u64, FlowRef)>,
+    /// No-reply decisions postponed until the kernel can have reported a
+    /// request's fate (neighbour resolution): (until, slot, generation).
+    hold_q: BinaryHeap<Reverse<(u64, u32, u32)>>,
     age_q: VecDeque<FlowRef>,
     ready: Vec<FlowReport>,
     mute: Vec<EndpointKey>,
@@ -169,6 +178,7 @@ impl Collector {
             last_skb_purge: 0,
             decide_q: VecDeque::new(),
             timeout_q: VecDeque::new(),
+            hold_q: BinaryHeap::new(),
             age_q: VecDeque::new(),
             ready: Vec::new(),
             mute: Vec::new(),
@@ -296,6 +306,7 @@ impl Collector {
             + table(self.skbs.capacity(), size_of::<(u64, SkbEntry)>())
             + self.pending.capacity() * size_of::<PacketEvent>()
             + (self.decide_q.capacity() + self.timeout_q.capacity()) * size_of::<(u64, FlowRef)>()
+            + self.hold_q.capacity() * size_of::<(u64, u32, u32)>()
             + self.age_q.capacity() * size_of::<FlowRef>()
             + self.free.capacity() * 4
     }
@@ -536,8 +547,30 @@ impl Collector {
             }
             self.timeout_q.pop_front();
             // A reply already at the client is decided through decide_q, after settling.
+            let Some(f) = self.flow(r).filter(|f| f.client_reply.is_none()) else {
+                continue;
+            };
+            // A request still queued for neighbour resolution: its drop
+            // (a stale endpoint) may come after the reply timeout, and would
+            // change the cause (backend_rules.rs). Wait for it.
+            if let Some(until) =
+                backend_rules::hold_until(f, self.cfg.facts.netns_inode, &self.known)
+                && until > deadline
+                && !f.reported
+            {
+                self.hold_q.push(Reverse((until, r.idx, r.generation)));
+                continue;
+            }
+            self.decide(r, deadline);
+        }
+        while let Some(&Reverse((until, idx, generation))) = self.hold_q.peek() {
+            if until > upto {
+                break;
+            }
+            self.hold_q.pop();
+            let r = FlowRef { idx, generation };
             if self.flow(r).is_some_and(|f| f.client_reply.is_none()) {
-                self.decide(r, deadline);
+                self.decide(r, until);
             }
         }
     }

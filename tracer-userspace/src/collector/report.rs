@@ -3,9 +3,10 @@
 use std::net::SocketAddrV4;
 
 use serde::Serialize;
-use tracer_common::{hook, nat_stage, nf_hook, proto};
+use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
 
 use super::{
+    backend_rules::{packet_backend, reply_backend},
     drop_reason::{DropReasons, KnownReasons},
     flow::Flow,
     ifnames::IfNames,
@@ -28,14 +29,18 @@ pub enum Verdict {
     NoReply,
     /// No reply reached the client, and a packet of the flow was dropped.
     Dropped,
+    /// The first reply reached the client reverse-NATed, but it was a RST:
+    /// the backend refused the connection.
+    Refused,
 }
 
 impl Verdict {
-    pub const ALL: [Verdict; 4] = [
+    pub const ALL: [Verdict; 5] = [
         Verdict::Ok,
         Verdict::ReplyNotReverseNated,
         Verdict::NoReply,
         Verdict::Dropped,
+        Verdict::Refused,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -44,6 +49,7 @@ impl Verdict {
             Verdict::ReplyNotReverseNated => "reply_not_reverse_nated",
             Verdict::NoReply => "no_reply",
             Verdict::Dropped => "dropped",
+            Verdict::Refused => "refused",
         }
     }
 }
@@ -85,6 +91,24 @@ pub struct PacketEvidence {
     pub hops: Vec<Hop>,
 }
 
+/// One transmission of the flow's opening request (a SYN and its
+/// retransmits, or each UDP request): a retransmitted SYN whose first
+/// attempt's conntrack entry died unconfirmed is load-balanced again, so
+/// attempts can go to different backends (issue 11).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Attempt {
+    /// First event of this transmission.
+    pub at_ns: u64,
+    /// Where DNAT sent it (None: not seen after DNAT).
+    pub backend: Option<SocketAddrV4>,
+    /// kube-proxy's endpoint chain for that backend.
+    pub sep_chain: Option<String>,
+    /// A reply came back from that backend for it.
+    pub answered: bool,
+    /// Drop reason, if a drop of this transmission was seen.
+    pub dropped: Option<Name>,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct FlowReport {
     pub verdict: Verdict,
@@ -108,6 +132,8 @@ pub struct FlowReport {
     pub truncated: bool,
     pub first_ts_ns: u64,
     pub decided_ts_ns: u64,
+    /// Each transmission of the opening request and its backend.
+    pub attempts: Vec<Attempt>,
     pub packets: Vec<PacketEvidence>,
 }
 
@@ -143,6 +169,13 @@ pub(crate) struct Decision {
 
 pub(crate) fn verdict_of(flow: &Flow, known: &KnownReasons) -> Verdict {
     match flow.client_reply {
+        Some(r)
+            if r.reverse_nated
+                && flow.proto == proto::TCP
+                && flow.packets[r.packet as usize].key.tcp_flags & tcp_flags::RST != 0 =>
+        {
+            Verdict::Refused
+        }
         Some(r) if r.reverse_nated => Verdict::Ok,
         Some(_) => Verdict::ReplyNotReverseNated,
         None if first_drop(flow, known).is_some() => Verdict::Dropped,
@@ -174,6 +207,8 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         drop,
         kube: ctx.kube,
         ifnames: ctx.ifnames,
+        reasons: ctx.reasons,
+        decided_ts: d.decided_ts,
     };
     // Causes rest on the absence of events too (no netfilter hook, no reply):
     // with events missing they would be guesses.
@@ -183,8 +218,14 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         rules::infer(&rule_ctx)
     };
     let reply_src = flow.client_reply.map(|r| flow.obs[r.obs as usize].src);
-    let backend = flow
-        .backend
+    // The backend that answered, which is not the first one DNAT picked when
+    // a retransmit was load-balanced again.
+    let answered_by = flow
+        .client_reply
+        .and_then(|r| reply_backend(flow, r.packet))
+        .filter(|_| flow.backend.is_some());
+    let backend = answered_by
+        .or(flow.backend)
         .or(reply_src.filter(|_| verdict == Verdict::ReplyNotReverseNated));
     let detail = detail(flow, ctx, verdict, cause.as_ref(), drop, d);
     let proto = Proto::from_raw(flow.proto).unwrap_or(Proto::Tcp);
@@ -193,6 +234,7 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         proto.as_str(),
         backend.map(|b| b.socket_addr()),
     );
+    let attempts = attempts(flow, ctx, proto, (backend, kube.as_ref()));
     FlowReport {
         verdict,
         proto,
@@ -208,8 +250,77 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         truncated: flow.truncated,
         first_ts_ns: flow.first_ts,
         decided_ts_ns: d.decided_ts,
+        attempts,
         packets: evidence(flow, ctx),
     }
+}
+
+/// The opening request's transmissions (SYNs without ACK, or UDP requests),
+/// each with its backend, whether that backend answered it, and its drop.
+fn attempts(
+    flow: &Flow,
+    ctx: &ReportCtx<'_>,
+    proto: Proto,
+    (reported, kube): (Option<super::types::Endpoint>, Option<&KubeMatch>),
+) -> Vec<Attempt> {
+    let opening = |key: &super::types::PacketKey| {
+        flow.proto != proto::TCP
+            || key.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
+    };
+    let mut out: Vec<(Attempt, Option<super::types::Endpoint>)> = flow
+        .packets
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.dir == Dir::Request && opening(&p.key))
+        .map(|(i, p)| {
+            let b = packet_backend(flow, i as u8);
+            let dropped = flow
+                .packet_obs(i as u8)
+                .find(|o| o.hook == hook::DROP && ctx.known.is_drop(o.drop_reason))
+                .map(|o| ctx.reason_name(o.drop_reason));
+            // Usually the reported backend, whose chain is already known.
+            let sep_chain = b.and_then(|b| {
+                if Some(b) == reported {
+                    return kube.and_then(|k| k.sep_chain.clone());
+                }
+                ctx.kube
+                    .lookup(
+                        flow.service.socket_addr(),
+                        proto.as_str(),
+                        Some(b.socket_addr()),
+                    )
+                    .and_then(|m| m.sep_chain)
+            });
+            (
+                Attempt {
+                    at_ns: p.first_ts,
+                    backend: b.map(|b| b.socket_addr()),
+                    sep_chain,
+                    answered: false,
+                    dropped,
+                },
+                b,
+            )
+        })
+        .collect();
+    out.sort_by_key(|(a, _)| a.at_ns);
+    for (i, p) in flow.packets.iter().enumerate() {
+        if p.dir != Dir::Reply {
+            continue;
+        }
+        let Some(from) = reply_backend(flow, i as u8) else {
+            continue;
+        };
+        // The latest transmission to that backend before the reply is the one answered.
+        if let Some((a, _)) = out
+            .iter_mut()
+            .rev()
+            .find(|(a, b)| *b == Some(from) && a.at_ns <= p.first_ts)
+        {
+            a.answered = true;
+        }
+    }
+    out.into_iter().map(|(a, _)| a).collect()
 }
 
 pub(crate) fn is_hairpin(flow: &Flow) -> bool {
@@ -294,6 +405,16 @@ fn detail(
             }
             s
         }
+        (Verdict::Refused, Some(r)) => {
+            let from = reply_backend(flow, r.packet)
+                .map(|b| format!(" from backend {b}"))
+                .unwrap_or_default();
+            format!(
+                "{}{from} reached the client (reverse-NATed to {}): the connection was refused",
+                kind(flow, r.packet),
+                flow.service
+            )
+        }
         (Verdict::Dropped, _) => {
             let o = drop.expect("dropped verdict has a drop");
             let place = if ctx.is_node(o.netns) {
@@ -374,9 +495,13 @@ fn no_reply_detail(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> String {
             "; no reply before tracing stopped ({} ms after the request)",
             d.decided_ts.saturating_sub(flow.first_ts) / 1_000_000
         )),
+        // Held past the reply timeout for a neighbour failure (backend_rules.rs).
         None => s.push_str(&format!(
             "; no reply within {} ms",
-            ctx.reply_timeout_ns / 1_000_000
+            d.decided_ts
+                .saturating_sub(flow.first_ts)
+                .max(ctx.reply_timeout_ns)
+                / 1_000_000
         )),
     }
     s

@@ -7,7 +7,8 @@ use serde::Serialize;
 use tracer_common::{hook, nat_stage, nf_hook};
 
 use super::{
-    drop_reason::KnownReasons,
+    backend_rules::{backend_port_closed, backend_unreachable},
+    drop_reason::{DropReasons, KnownReasons},
     flow::Flow,
     ifnames::IfNames,
     path_rules::{bridge_of, hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
@@ -42,6 +43,10 @@ pub enum CauseId {
     NotDnated,
     DroppedByNetfilter,
     DroppedByRpFilter,
+    /// Issue 11: DNATed to a backend that is gone (stale endpoint) or unreachable.
+    BackendUnreachable,
+    /// Issue 11: the backend answered the SYN with RST (pod alive, port closed).
+    BackendPortClosed,
 }
 
 impl CauseId {
@@ -57,6 +62,8 @@ impl CauseId {
         CauseId::DroppedByNetfilter,
         CauseId::DroppedByRpFilter,
         CauseId::ServiceNotNetfilter,
+        CauseId::BackendUnreachable,
+        CauseId::BackendPortClosed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -72,6 +79,8 @@ impl CauseId {
             CauseId::NotDnated => "not_dnated",
             CauseId::DroppedByNetfilter => "dropped_by_netfilter",
             CauseId::DroppedByRpFilter => "dropped_by_rp_filter",
+            CauseId::BackendUnreachable => "backend_unreachable",
+            CauseId::BackendPortClosed => "backend_port_closed",
         }
     }
 
@@ -110,6 +119,12 @@ impl CauseId {
             CauseId::DroppedByRpFilter => {
                 "reverse-path filtering dropped it: fix the return route, or set net.ipv4.conf.<interface>.rp_filter=2 (loose)"
             }
+            CauseId::BackendUnreachable => {
+                "the endpoint is stale: check `kubectl get endpointslices` for the Service (is the backend's address still listed?), and the backend pod's readiness and termination (kubectl get pod -o wide, describe: deleted, evicted, node gone?); kube-proxy drops the KUBE-SEP rule once the endpoint is removed"
+            }
+            CauseId::BackendPortClosed => {
+                "the backend pod runs but nothing listens on the port: check the Service's targetPort against the container's port, the container's logs and its readiness probe (a pod should not be ready before it listens)"
+            }
         }
     }
 }
@@ -145,6 +160,12 @@ impl CauseId {
             CauseId::NotDnated => "Service without endpoints / rules not programmed",
             CauseId::DroppedByNetfilter => "a DROP/REJECT rule (NetworkPolicy, firewall)",
             CauseId::DroppedByRpFilter => "reverse-path filter drops an asymmetric packet",
+            CauseId::BackendUnreachable => {
+                "stale endpoint: backend pod deleted or unreachable, its KUBE-SEP rule still in place (neighbour resolution fails, the bridge has no port for its MAC, or no route to it)"
+            }
+            CauseId::BackendPortClosed => {
+                "backend pod alive but nothing listens on the target port: it answers with RST"
+            }
         }
     }
 
@@ -199,6 +220,10 @@ pub(crate) struct RuleCtx<'a> {
     pub drop: Option<&'a Obs>,
     pub kube: &'a KubeProxyRules,
     pub ifnames: &'a IfNames,
+    /// Drop reason names, for the cause texts.
+    pub reasons: &'a DropReasons,
+    /// When the verdict is being decided (event time).
+    pub decided_ts: u64,
 }
 
 impl RuleCtx<'_> {
@@ -213,6 +238,12 @@ impl RuleCtx<'_> {
     pub(super) fn kind(&self, packet: u8) -> &'static str {
         let p = &self.flow.packets[packet as usize];
         packet_kind(p.key.proto, p.key.tcp_flags, p.dir)
+    }
+
+    pub(super) fn reason(&self, value: u32) -> String {
+        self.reasons
+            .name(value)
+            .map_or_else(|| format!("reason {value}"), |n| n.to_string())
     }
 
     /// The name of a node interface (`if<N>` if unknown).
@@ -265,6 +296,18 @@ const RULES: &[Rule] = &[
         id: CauseId::ReplyBridgedWithoutNetfilter,
         verdicts: &[Verdict::ReplyNotReverseNated],
         check: bridged_reply_sysctl_on,
+    },
+    // Before the path causes below: a request that never left the node, or
+    // was flooded because its backend's MAC is gone, is no routing problem.
+    Rule {
+        id: CauseId::BackendUnreachable,
+        verdicts: &[Verdict::NoReply, Verdict::Dropped],
+        check: backend_unreachable,
+    },
+    Rule {
+        id: CauseId::BackendPortClosed,
+        verdicts: &[Verdict::Refused],
+        check: backend_port_closed,
     },
     Rule {
         id: CauseId::NoReplyThroughNode,
@@ -380,6 +423,23 @@ fn first_request_kind(ctx: &RuleCtx<'_>) -> &'static str {
 
 fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
     let backend = ctx.flow.backend?;
+    // An asymmetric return path needs a request that left the node; one
+    // that never did (held for neighbour resolution) is no routing problem.
+    let left = ctx.flow.obs.iter().any(|o| {
+        ctx.flow.packets[o.packet as usize].dir == Dir::Request
+            && ctx.is_node(o.netns)
+            && node_egress(o.hook)
+    });
+    if !left {
+        return None;
+    }
+    // Decided before a neighbour failure on the way could have been
+    // reported (tracing stopped): the backend may just be gone.
+    if super::backend_rules::hold_until(ctx.flow, ctx.node_netns, ctx.known)
+        .is_some_and(|t| ctx.decided_ts < t)
+    {
+        return None;
+    }
     if ctx
         .flow
         .packets

@@ -9,6 +9,7 @@ pub struct VerdictCounts {
     pub reply_not_reverse_nated: u64,
     pub no_reply: u64,
     pub dropped: u64,
+    pub refused: u64,
 }
 
 impl VerdictCounts {
@@ -18,6 +19,7 @@ impl VerdictCounts {
             Verdict::ReplyNotReverseNated => self.reply_not_reverse_nated,
             Verdict::NoReply => self.no_reply,
             Verdict::Dropped => self.dropped,
+            Verdict::Refused => self.refused,
         }
     }
 
@@ -27,6 +29,7 @@ impl VerdictCounts {
             Verdict::ReplyNotReverseNated => self.reply_not_reverse_nated += 1,
             Verdict::NoReply => self.no_reply += 1,
             Verdict::Dropped => self.dropped += 1,
+            Verdict::Refused => self.refused += 1,
         }
     }
 }

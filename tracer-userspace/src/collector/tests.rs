@@ -236,7 +236,14 @@ fn no_reply_through_node_after_timeout() {
         c.push(*ev);
     }
     let cfg = CollectorConfig::default();
-    let due = T0 + cfg.reply_timeout_ns + cfg.reorder_window_ns;
+    // Not at the reply timeout: with no reply seen anywhere, a neighbour
+    // failure on the way to the backend (a stale endpoint) could still be
+    // reported, and would make the routing cause wrong (issue 11).
+    let due = T0 + super::backend_rules::NEIGH_FAIL_WAIT_NS + cfg.reorder_window_ns;
+    assert!(
+        c.tick(T0 + cfg.reply_timeout_ns + cfg.reorder_window_ns)
+            .is_empty()
+    );
     assert!(c.tick(due - 1).is_empty());
     let reports = c.tick(due);
     let r = only(&reports);
@@ -252,8 +259,8 @@ fn no_reply_through_node_after_timeout() {
             .contains("DNATed here to 100.96.12.5:80 at PREROUTING")
     );
     assert!(r.cause.as_ref().unwrap().hint.contains("masqueradeAll"));
-    // Two SYNs before the deadline; the third (at 3 s) comes after it.
-    assert_eq!(r.packets.len(), 2);
+    // Three SYNs (0, 1, 3 s) before the held decision.
+    assert_eq!(r.packets.len(), 3);
     let (rest, _) = c.finish(T0 + 10_000 * MS);
     assert!(rest.is_empty());
 }

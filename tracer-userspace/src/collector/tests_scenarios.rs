@@ -240,22 +240,9 @@ fn readme_table_matches_the_cause_table() {
 
 /// Decides a recording the way `nattrace analyze` does.
 fn decide_recording(text: &str) -> Vec<FlowReport> {
-    use crate::recording::{Reader, Record};
     let (mut reader, header) =
-        Reader::new(std::io::BufReader::new(std::io::Cursor::new(text))).unwrap();
-    let mut c = Collector::new(header.collector_config().unwrap());
-    let mut out = Vec::new();
-    let mut end = 0;
-    for rec in reader.by_ref() {
-        match rec {
-            Record::Event(ev) => c.push(ev),
-            Record::Interface(i) => c.learn_interface(i.netns, i.ifindex, &i.name),
-            Record::Stats(s) => out.extend(c.tick(s.now_ns)),
-            Record::End(s) => end = s.now_ns,
-            Record::Capped { .. } => {}
-        }
-    }
-    out.extend(c.finish(end).0);
+        crate::recording::Reader::new(std::io::BufReader::new(std::io::Cursor::new(text))).unwrap();
+    let (out, _) = crate::recording::replay::replay(&mut reader, &header, None);
     assert!(reader.problem().is_none(), "{:?}", reader.problem());
     out
 }

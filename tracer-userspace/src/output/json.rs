@@ -5,7 +5,7 @@ use std::{io, net::SocketAddrV4};
 
 use serde::Serialize;
 
-use crate::collector::{Dir, FlowReport, Hop, PacketEvidence, Proto, Summary, Verdict};
+use crate::collector::{Attempt, Dir, FlowReport, Hop, PacketEvidence, Proto, Summary, Verdict};
 
 #[derive(Serialize)]
 struct JsonFlow<'a> {
@@ -29,6 +29,9 @@ struct JsonFlow<'a> {
     truncated: bool,
     first_ts_ns: u64,
     decided_ts_ns: u64,
+    /// Each transmission of the opening request (SYN retransmits) and the
+    /// backend DNAT chose for it: retransmits can be load-balanced again.
+    attempts: &'a [Attempt],
     /// True when `packets` keeps only the hops that prove an `ok` verdict.
     packets_abridged: bool,
     packets: Packets<'a>,
@@ -124,6 +127,7 @@ impl<W: io::Write> JsonOutput<W> {
             truncated: r.truncated,
             first_ts_ns: r.first_ts_ns,
             decided_ts_ns: r.decided_ts_ns,
+            attempts: &r.attempts,
             packets_abridged: abridged,
             packets,
         };

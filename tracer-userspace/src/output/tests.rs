@@ -406,3 +406,29 @@ fn dropped_output_lines_are_in_the_summary() {
     assert_eq!(v["dropped_output_lines"], 42);
     assert_eq!(v["flows"], reports.len());
 }
+
+/// Issue 11: a SYN retransmit load-balanced to another backend (a real lab
+/// recording): JSON carries every attempt, the text line lists them.
+#[test]
+fn attempts_in_json_and_text() {
+    let (reports, summary) = crate::collector::tests_stale::replay("retransmit", None);
+    let mut json = JsonOutput::new(Vec::new(), false);
+    json.flow(&reports[0]).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&json.into_inner()).unwrap();
+    assert_eq!(v["backend"], "100.96.54.248:80");
+    let attempts = v["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{v}");
+    assert_eq!(attempts[0]["backend"], "100.96.54.247:80");
+    assert_eq!(attempts[0]["sep_chain"], "KUBE-SEP-QCNXID34Z55D2JC7");
+    assert_eq!(attempts[0]["answered"], false);
+    assert_eq!(attempts[1]["backend"], "100.96.54.248:80");
+    assert_eq!(attempts[1]["answered"], true);
+    assert!(attempts[1]["at_ns"].as_u64() > attempts[0]["at_ns"].as_u64());
+    let out = text(&reports, &summary, false, false);
+    let line = out.lines().next().unwrap();
+    assert!(
+        line.contains(". Attempts: +0 ms → 100.96.54.247:80 no answer, +"),
+        "{line}"
+    );
+    assert!(line.ends_with(" ms → 100.96.54.248:80 answered."), "{line}");
+}

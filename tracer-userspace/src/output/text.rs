@@ -68,6 +68,9 @@ impl<W: io::Write> TextOutput<W> {
             line.push(']');
         }
         line.push_str(&format!(" — {}.", r.detail));
+        if let Some(a) = attempts(r) {
+            line.push_str(&format!(" Attempts: {a}."));
+        }
         if let Some(cause) = &r.cause {
             line.push_str(&format!(
                 " {b}cause: {}{reset} — fix: {}",
@@ -160,6 +163,8 @@ impl<W: io::Write> TextOutput<W> {
     pub fn summary(&mut self, s: &Summary, dropped_lines: u64) -> io::Result<()> {
         let by = Verdict::ALL
             .iter()
+            // `refused` is rare: listed only when it happened.
+            .filter(|v| **v != Verdict::Refused || s.by_verdict.get(**v) > 0)
             .map(|v| format!("{} {}", v.as_str(), s.by_verdict.get(*v)))
             .collect::<Vec<_>>()
             .join(", ");
@@ -188,4 +193,32 @@ impl<W: io::Write> TextOutput<W> {
         writeln!(self.out, "{line}")?;
         self.out.flush()
     }
+}
+
+/// The opening request's transmissions, briefly, when there was more than
+/// one backend or more than one attempt: "100.96.54.247:80 (KUBE-SEP-…)
+/// dropped NEIGH_FAILED at +0 ms, 100.96.54.248:80 answered at +1012 ms".
+fn attempts(r: &FlowReport) -> Option<String> {
+    let first = r.attempts.first()?;
+    let several_backends = r.attempts.iter().any(|a| a.backend != first.backend);
+    if r.attempts.len() < 2 || (!several_backends && r.verdict == Verdict::Ok) {
+        return None;
+    }
+    let parts: Vec<String> = r
+        .attempts
+        .iter()
+        .map(|a| {
+            let to = a
+                .backend
+                .map_or_else(|| "not DNATed".to_string(), |b| b.to_string());
+            let what = match (&a.dropped, a.answered) {
+                (_, true) => "answered".to_string(),
+                (Some(reason), false) => format!("dropped {reason}"),
+                (None, false) => "no answer".to_string(),
+            };
+            let ms = a.at_ns.saturating_sub(r.first_ts_ns) / 1_000_000;
+            format!("+{ms} ms → {to} {what}")
+        })
+        .collect();
+    Some(parts.join(", "))
 }

@@ -11,6 +11,8 @@
 mod kube;
 mod reader;
 #[cfg(test)]
+pub(crate) mod replay;
+#[cfg(test)]
 mod tests;
 
 use std::{

@@ -67,22 +67,7 @@ fn record(limit: Option<u64>) -> (Vec<u8>, Option<String>) {
 
 fn decide(bytes: &[u8]) -> (Vec<crate::collector::FlowReport>, Option<ReadProblem>) {
     let (mut reader, header) = Reader::new(BufReader::new(Cursor::new(bytes))).unwrap();
-    let mut c = Collector::new(header.collector_config().unwrap());
-    let mut out = Vec::new();
-    let mut end = 0;
-    for rec in reader.by_ref() {
-        match rec {
-            Record::Event(ev) => c.push(ev),
-            Record::Interface(i) => c.learn_interface(i.netns, i.ifindex, &i.name),
-            Record::Stats(s) => {
-                c.note_lost(s.lost_events);
-                out.extend(c.tick(s.now_ns));
-            }
-            Record::End(s) => end = s.now_ns,
-            Record::Capped { .. } => {}
-        }
-    }
-    out.extend(c.finish(end).0);
+    let (out, _) = super::replay::replay(&mut reader, &header, None);
     (out, reader.problem().cloned())
 }
 
@@ -245,19 +230,7 @@ type SliceReader<'a> = Reader<BufReader<Cursor<&'a [u8]>>>;
 /// Reads `input` to the end; the reader (for its counters) and the flows.
 fn read_all(input: &[u8]) -> (SliceReader<'_>, Vec<crate::collector::FlowReport>) {
     let (mut reader, header) = Reader::new(BufReader::new(Cursor::new(input))).unwrap();
-    let mut c = Collector::new(header.collector_config().unwrap());
-    let mut out = Vec::new();
-    let mut end = 0;
-    for rec in reader.by_ref() {
-        match rec {
-            Record::Event(ev) => c.push(ev),
-            Record::Stats(s) => out.extend(c.tick(s.now_ns)),
-            Record::End(s) => end = s.now_ns,
-            Record::Interface(i) => c.learn_interface(i.netns, i.ifindex, &i.name),
-            Record::Capped { .. } => {}
-        }
-    }
-    out.extend(c.finish(end).0);
+    let (out, _) = super::replay::replay(&mut reader, &header, None);
     (reader, out)
 }
 

@@ -271,7 +271,12 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     // threads, which write them while we detach (with hundreds of tcx
     // links detaching takes seconds, see probes/tc.rs).
     tracer.drain(&mut events);
-    push(&mut collector, recorder.as_mut(), ifnames.as_mut(), &mut events);
+    push(
+        &mut collector,
+        recorder.as_mut(),
+        ifnames.as_mut(),
+        &mut events,
+    );
     let stats = tracer.stats();
     let mut tracer = Some(tracer);
     if stop == Stop::NetnsGone {

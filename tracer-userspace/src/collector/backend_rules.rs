@@ -1,0 +1,293 @@
+//! Causes that are about the backend itself rather than the path: a stale
+//! endpoint (the pod is gone, its KUBE-SEP rule still DNATs to it) and a
+//! backend that refuses the connection (alive, port closed).
+//!
+//! What the kernel shows for a request DNATed to a deleted pod on a bridged
+//! node (measured on 6.18 with `tests/tests/scenarios/stale.rs`, recordings in
+//! `fixtures/stale_*.rec`):
+//! - No neighbour entry for the pod's address (never talked to, or already
+//!   failed): br_netfilter's PREROUTING DNATs it, and as the new route leads
+//!   back out of the bridge the packet is re-bridged ("bridged_dnat" in
+//!   br_nf_pre_routing_finish, net/bridge/br_netfilter_hooks.c), whose
+//!   br_nf_pre_routing_finish_bridge calls `neigh->output`: the packet waits
+//!   on the entry's arp_queue (`__neigh_event_send`, net/core/neighbour.c)
+//!   and no later hook sees it. When the probes run out
+//!   (`neigh_max_probes` = ucast_probes + app_probes + mcast_probes, counting
+//!   from ucast_probes: 3 broadcast probes `retrans_time` = 1 s apart, the
+//!   arp_tbl defaults in net/ipv4/arp.c), `neigh_invalidate` hands every
+//!   queued packet to `arp_error_report`, which frees it with
+//!   `SKB_DROP_REASON_NEIGH_FAILED` — about 3 s after the first one queued,
+//!   usually after the reply timeout.
+//! - A neighbour entry that still has the MAC (the pod answered recently):
+//!   the bridge looks the MAC up, no port has it any more, so it floods the
+//!   frame — other pods drop it with `OTHERHOST`, and with no other port the
+//!   bridge frees it with `NO_TX_TARGET` (br_flood, net/bridge/br_forward.c).
+//!   The neighbour state machine is not driven on this path (the cached
+//!   header is copied by neigh_hh_bridge), so no NEIGH_FAILED follows.
+//!   Which of the two happens can depend on the bridge's MAC: one never set
+//!   by hand follows its lowest port MAC, and when the deleted port had it,
+//!   the change flushes the bridge's neighbour entries (NETDEV_CHANGEADDR →
+//!   neigh_changeaddr in arp_netdev_event, net/ipv4/arp.c).
+//!
+//! Because the queued packet never reached POSTROUTING, its conntrack entry
+//! was never confirmed: it dies with the packet, and the client's
+//! retransmitted SYN is load-balanced again, possibly to a live backend
+//! (see `attempts` in report.rs).
+use std::net::Ipv4Addr;
+
+use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
+
+use super::{
+    drop_reason::KnownReasons,
+    flow::Flow,
+    rules::RuleCtx,
+    types::{Dir, Endpoint, Obs, Proto, node_egress},
+};
+
+type Found = (String, String);
+
+/// How long after a request vanished inside the node (queued for neighbour
+/// resolution) its NEIGH_FAILED drop can still arrive: 3 probes × 1 s
+/// (arp_tbl defaults, net/ipv4/arp.c) plus timer slack.
+pub(crate) const NEIGH_FAIL_WAIT_NS: u64 = 3_500_000_000;
+
+/// Where DNAT sent this request packet: its destination after the node's
+/// NAT, when that differs from the Service.
+pub(crate) fn packet_backend(flow: &Flow, packet: u8) -> Option<Endpoint> {
+    flow.packet_obs(packet)
+        .find(|o| o.dst != flow.service && o.dst != flow.client)
+        .map(|o| o.dst)
+}
+
+/// The backend a reply packet came from, as seen before reverse NAT.
+pub(crate) fn reply_backend(flow: &Flow, packet: u8) -> Option<Endpoint> {
+    flow.packet_obs(packet)
+        .find(|o| o.src != flow.service)
+        .map(|o| o.src)
+}
+
+/// The first time a request of the flow was DNATed in the node and then
+/// vanished: no hook after NAT saw it leave, deliver it, or drop it. That is
+/// a packet held on a neighbour entry's queue (see the module comment), whose
+/// fate the kernel reports only when resolution fails.
+pub(crate) fn vanished_since(flow: &Flow, node_netns: u32) -> Option<u64> {
+    let node = |ns: u32| ns == 0 || ns == node_netns;
+    flow.packets
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.dir == Dir::Request && p.in_node)
+        .filter_map(|(i, p)| {
+            let mut dnated = false;
+            for o in flow.packet_obs(i as u8) {
+                // Left, dropped, or delivered to a local socket (a host-network
+                // backend): not waiting for a neighbour.
+                if o.hook == hook::DROP
+                    || (node(o.netns) && node_egress(o.hook))
+                    || (o.hook == hook::NETFILTER && o.nf_hook == nf_hook::LOCAL_IN)
+                {
+                    return None;
+                }
+                if o.hook == hook::NETFILTER
+                    && o.nat_stage == nat_stage::AFTER
+                    && o.dst != flow.service
+                {
+                    dnated = true;
+                }
+            }
+            dnated.then_some(p.first_ts)
+        })
+        .min()
+}
+
+/// Until when a `no_reply` decision should wait: a request DNATed here with
+/// no reply seen anywhere may still be reported dropped by neighbour
+/// resolution — here (it vanished after DNAT) or on the backend's node — and
+/// that would make a routing cause (no_reply_through_node) wrong advice.
+pub(crate) fn hold_until(flow: &Flow, node_netns: u32, known: &KnownReasons) -> Option<u64> {
+    if flow.backend.is_none() || flow.packets.iter().any(|p| p.dir == Dir::Reply) {
+        return None;
+    }
+    // Already dropped on the way (a rule, the bridge, no route): that is
+    // the evidence, nothing more to wait for.
+    if flow.obs.iter().any(|o| {
+        o.hook == hook::DROP
+            && known.is_drop(o.drop_reason)
+            && flow.packets[o.packet as usize].in_node
+    }) {
+        return None;
+    }
+    let first = flow
+        .packets
+        .iter()
+        .enumerate()
+        .filter(|(i, p)| p.dir == Dir::Request && packet_backend(flow, *i as u8).is_some())
+        .map(|(_, p)| p.first_ts)
+        .min();
+    let vanished = vanished_since(flow, node_netns);
+    first.or(vanished).map(|t| t + NEIGH_FAIL_WAIT_NS)
+}
+
+/// A request dropped in the node at the route lookup right after DNAT: no
+/// route to the backend, e.g. a routed node (Calico) whose pod /32 route
+/// left with the pod's veth, so the address falls into the node block's
+/// blackhole route. Measured with such a route in the lab: NOT_SPECIFIED
+/// (ip_error keeps its default reason for a blackhole).
+fn is_no_route_drop(flow: &Flow, known: &KnownReasons, o: &Obs, node_netns: u32) -> bool {
+    let node = |ns: u32| ns == 0 || ns == node_netns;
+    if o.hook != hook::DROP || !node(o.netns) || !known.no_route.contains(&Some(o.drop_reason)) {
+        return false;
+    }
+    // The packet's previous point: the DNAT itself (PREROUTING or, for a
+    // node-local client, OUTPUT); tc ingress of the same device may repeat.
+    flow.packet_obs(o.packet)
+        .filter(|p| p.ts_ns <= o.ts_ns && p.hook != hook::DROP)
+        .filter(|p| p.hook == hook::NETFILTER)
+        .max_by_key(|p| p.ts_ns)
+        .is_some_and(|p| {
+            p.nat_stage == nat_stage::AFTER
+                && matches!(p.nf_hook, nf_hook::PRE_ROUTING | nf_hook::LOCAL_OUT)
+                && p.dst == o.dst
+                && p.dst != flow.service
+        })
+}
+
+fn is_stale_drop(known: &KnownReasons, o: &Obs, node_netns: u32) -> bool {
+    if o.hook != hook::DROP {
+        return false;
+    }
+    let r = o.drop_reason;
+    known.is_neigh_failure(r)
+        || Some(r) == known.queue_purge
+        || Some(r) == known.no_tx_target
+        // Flooded by the bridge to pods that are not the backend.
+        || (Some(r) == known.otherhost && o.netns != 0 && o.netns != node_netns)
+}
+
+fn sep_of(ctx: &RuleCtx<'_>, backend: Endpoint) -> String {
+    Proto::from_raw(ctx.flow.proto)
+        .and_then(|p| {
+            ctx.kube.lookup(
+                ctx.flow.service.socket_addr(),
+                p.as_str(),
+                Some(backend.socket_addr()),
+            )
+        })
+        .and_then(|m| m.sep_chain)
+        .map(|sep| format!(" (endpoint chain {sep})"))
+        .unwrap_or_default()
+}
+
+pub(super) fn backend_unreachable(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let flow = ctx.flow;
+    let drop = flow.obs.iter().find(|o| {
+        flow.packets[o.packet as usize].dir == Dir::Request
+            && o.dst != flow.service
+            && (is_stale_drop(ctx.known, o, ctx.node_netns)
+                || is_no_route_drop(flow, ctx.known, o, ctx.node_netns))
+    });
+    let (backend, how) = match drop {
+        Some(o) => {
+            let ip = Ipv4Addr::from(o.dst.addr);
+            // Tracepoints see every namespace of the kernel: in a lab or kind
+            // the backend's own node may be another namespace here.
+            let who = if ctx.is_node(o.netns) {
+                format!(
+                    "the node could not resolve {ip}'s MAC address on {}",
+                    ctx.ifname(o.ifindex)
+                )
+            } else {
+                format!(
+                    "namespace {} (the backend's node?) could not resolve {ip}'s MAC address",
+                    o.netns
+                )
+            };
+            let how = if is_no_route_drop(flow, ctx.known, o, ctx.node_netns) {
+                format!(
+                    "the node has no route to {ip}: the {} was dropped at the routing decision right after DNAT ({}), as on a routed node whose route to the pod left with the pod's veth (the node's pod block is a blackhole route)",
+                    ctx.kind(o.packet),
+                    ctx.reason(o.drop_reason)
+                )
+            } else if ctx.known.is_neigh_failure(o.drop_reason) {
+                format!(
+                    "{who}: nothing answered its ARP requests, and the kernel dropped the queued {} ({})",
+                    ctx.kind(o.packet),
+                    ctx.reason(o.drop_reason)
+                )
+            } else if Some(o.drop_reason) == ctx.known.queue_purge {
+                // neigh_flush_dev (net/core/neighbour.c) purges an entry's
+                // queue when its device loses carrier or changes address,
+                // e.g. a bridge whose last port (the pod's) went away.
+                format!(
+                    "{who}: the {} was queued waiting for it when the kernel flushed the neighbour entry ({}), as when the device towards the pod lost its last port or changed its MAC address",
+                    ctx.kind(o.packet),
+                    ctx.reason(o.drop_reason)
+                )
+            } else if Some(o.drop_reason) == ctx.known.no_tx_target {
+                format!(
+                    "the node still had {ip}'s old MAC address, but no bridge port has it any more: the bridge found nowhere to send the {} ({})",
+                    ctx.kind(o.packet),
+                    ctx.reason(o.drop_reason)
+                )
+            } else {
+                format!(
+                    "the node still had {ip}'s old MAC address, but no bridge port has it any more: the bridge flooded the {} to other pods, which dropped it ({} in namespace {})",
+                    ctx.kind(o.packet),
+                    ctx.reason(o.drop_reason),
+                    o.netns
+                )
+            };
+            (o.dst, how)
+        }
+        None => {
+            // No drop (yet): a request held for neighbour resolution for
+            // longer than resolution takes.
+            let since = vanished_since(flow, ctx.node_netns)?;
+            if ctx.decided_ts < since + NEIGH_FAIL_WAIT_NS {
+                return None;
+            }
+            let p = flow
+                .packets
+                .iter()
+                .position(|p| p.first_ts == since && p.dir == Dir::Request)?;
+            let b = packet_backend(flow, p as u8)?;
+            (
+                b,
+                format!(
+                    "the {} never left the node after DNAT (held waiting for {}'s MAC address for {} ms)",
+                    ctx.kind(p as u8),
+                    Ipv4Addr::from(b.addr),
+                    (ctx.decided_ts - since) / 1_000_000
+                ),
+            )
+        }
+    };
+    Some((
+        format!("backend {backend} is unreachable (stale endpoint?)"),
+        format!(
+            "the {} was DNATed to backend {backend}{}, which is gone or unreachable: {how}",
+            ctx.first_request_kind(),
+            sep_of(ctx, backend),
+        ),
+    ))
+}
+
+/// The first reply the client got was a RST from the backend itself.
+pub(super) fn backend_port_closed(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let flow = ctx.flow;
+    let reply = flow.client_reply?;
+    let p = &flow.packets[reply.packet as usize];
+    if flow.proto != proto::TCP || p.key.tcp_flags & tcp_flags::RST == 0 {
+        return None;
+    }
+    let backend = reply_backend(flow, reply.packet).or(flow.backend)?;
+    Some((
+        format!("backend {backend} refused the connection (port closed)"),
+        format!(
+            "the {} was DNATed to backend {backend}{}, which answered with {}: the pod is there but nothing listens on port {} (not started yet, crashed, or a wrong targetPort)",
+            ctx.first_request_kind(),
+            sep_of(ctx, backend),
+            ctx.kind(reply.packet),
+            backend.port
+        ),
+    ))
+}

@@ -1,0 +1,277 @@
+//! Issue 11 from real recordings (`nattrace --write` in the lab, see
+//! tests/tests/scenarios/stale.rs; reply timeout 1000 ms): a deleted backend
+//! with and without a neighbour entry, flooded to another pod, a closed
+//! port, and a retransmit load-balanced to a live backend.
+use std::io::Cursor;
+
+use super::{CauseId, Collector, FlowReport, Summary, Verdict};
+use crate::recording::{Header, Reader, Record};
+
+const DEAD: &str = "100.96.54.247:80";
+const DEAD_SEP: &str = "KUBE-SEP-QCNXID34Z55D2JC7";
+const LIVE: &str = "100.96.54.248:80";
+const LIVE_SEP: &str = "KUBE-SEP-XDUMBMVBSKA65X3W";
+const S: u64 = 1_000_000_000;
+
+fn recording(name: &str) -> &'static [u8] {
+    match name {
+        "cold" => include_bytes!("fixtures/stale_deleted_cold.rec"),
+        "warm" => include_bytes!("fixtures/stale_deleted_warm.rec"),
+        "flooded" => include_bytes!("fixtures/stale_deleted_flooded.rec"),
+        "port_closed" => include_bytes!("fixtures/stale_port_closed.rec"),
+        "retransmit" => include_bytes!("fixtures/stale_retransmit.rec"),
+        "other_node" => include_bytes!("fixtures/stale_deleted_other_node.rec"),
+        "blackhole" => include_bytes!("fixtures/stale_blackhole.rec"),
+        other => panic!("no recording {other}"),
+    }
+}
+
+fn open(name: &str) -> (Reader<Cursor<&'static [u8]>>, Header) {
+    Reader::new(Cursor::new(recording(name))).expect("a nattrace recording")
+}
+
+/// Replays like the live session did. `stop_after`: the session stopped
+/// this long after the first event.
+pub(crate) fn replay(name: &str, stop_after: Option<u64>) -> (Vec<FlowReport>, Summary) {
+    let (mut reader, header) = open(name);
+    crate::recording::replay::replay(&mut reader, &header, stop_after)
+}
+
+fn only(reports: &[FlowReport]) -> &FlowReport {
+    assert_eq!(reports.len(), 1, "{reports:#?}");
+    &reports[0]
+}
+
+fn cause(r: &FlowReport) -> Option<CauseId> {
+    r.cause.as_ref().map(|c| c.id)
+}
+
+fn assert_stale(r: &FlowReport, evidence: &str) {
+    assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
+    assert_eq!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
+    assert_eq!(r.backend.map(|b| b.to_string()).as_deref(), Some(DEAD));
+    let kube = r.kube.as_ref().expect("kube-proxy chains");
+    assert_eq!(kube.sep_chain.as_deref(), Some(DEAD_SEP));
+    let text = &r.cause.as_ref().unwrap().text;
+    assert!(text.contains(DEAD) && text.contains(DEAD_SEP), "{text}");
+    assert!(text.contains(evidence), "{text}");
+}
+
+#[test]
+fn deleted_backend_neighbour_failure_is_waited_for() {
+    let (reports, _) = replay("cold", None);
+    let r = only(&reports);
+    assert_stale(r, "NEIGH_FAILED");
+    // The kernel frees the queued SYNs ~3 s after the first: past the 1 s
+    // reply timeout, so the verdict was held for them.
+    let waited = r.decided_ts_ns - r.first_ts_ns;
+    assert!(
+        (3 * S..4 * S).contains(&waited),
+        "decided after {waited} ns"
+    );
+    assert!(r.attempts.len() >= 3, "{:#?}", r.attempts);
+    for a in &r.attempts {
+        assert_eq!(a.backend.map(|b| b.to_string()).as_deref(), Some(DEAD));
+        assert_eq!(a.sep_chain.as_deref(), Some(DEAD_SEP));
+        assert!(!a.answered);
+    }
+    assert_eq!(
+        r.attempts[0].dropped.as_ref().map(|n| n.as_str()),
+        Some("NEIGH_FAILED")
+    );
+}
+
+/// Offline (all events, then finish) decides the same as the live replay.
+#[test]
+fn deleted_backend_same_verdict_offline() {
+    let (reader, header) = open("cold");
+    let mut c = Collector::new(header.collector_config().unwrap());
+    for rec in reader {
+        if let Record::Event(ev) = rec {
+            c.push(ev);
+        }
+    }
+    let (offline, _) = c.finish(u64::MAX / 4);
+    let (live, _) = replay("cold", None);
+    let (a, b) = (only(&offline), only(&live));
+    assert_eq!(
+        (a.verdict, cause(a), a.decided_ts_ns),
+        (b.verdict, cause(b), b.decided_ts_ns)
+    );
+}
+
+/// Tracing stopped before neighbour resolution could fail: no drop yet, and
+/// the DNATed SYN never left the node — that is no routing problem, so no
+/// `no_reply_through_node` (issue 11's harmful advice).
+#[test]
+fn stopped_before_neighbour_failure_blames_no_route() {
+    let (reports, _) = replay("cold", Some(2 * S));
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::NoReply, "{r:#?}");
+    assert_eq!(cause(r), None, "{r:#?}");
+}
+
+#[test]
+fn deleted_backend_with_old_mac_dropped_by_the_bridge() {
+    let (reports, _) = replay("warm", None);
+    assert_stale(only(&reports), "NO_TX_TARGET");
+}
+
+#[test]
+fn deleted_backend_flooded_to_another_pod() {
+    let (reports, _) = replay("flooded", None);
+    let r = only(&reports);
+    assert_stale(r, "OTHERHOST");
+    assert!(r.cause.as_ref().unwrap().text.contains("flooded"));
+}
+
+#[test]
+fn closed_port_is_refused_by_the_backend() {
+    let (reports, _) = replay("port_closed", None);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Refused, "{r:#?}");
+    assert_eq!(cause(r), Some(CauseId::BackendPortClosed), "{r:#?}");
+    assert_eq!(r.backend.map(|b| b.to_string()).as_deref(), Some(DEAD));
+    let text = &r.cause.as_ref().unwrap().text;
+    assert!(text.contains(DEAD_SEP) && text.contains("RST"), "{text}");
+    assert_eq!(r.attempts.len(), 1);
+    assert!(r.attempts[0].answered);
+}
+
+/// The first SYN went to the deleted backend (queued for ARP, conntrack
+/// entry unconfirmed), the retransmit to the live one: the flow names the
+/// backend that answered and lists both.
+#[test]
+fn retransmit_to_another_backend_names_the_one_that_answered() {
+    let (reports, summary) = replay("retransmit", None);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Ok, "{r:#?}");
+    assert_eq!(r.backend.map(|b| b.to_string()).as_deref(), Some(LIVE));
+    assert_eq!(
+        r.kube.as_ref().and_then(|k| k.sep_chain.as_deref()),
+        Some(LIVE_SEP)
+    );
+    let got: Vec<(String, bool)> = r
+        .attempts
+        .iter()
+        .map(|a| (a.backend.unwrap().to_string(), a.answered))
+        .collect();
+    assert_eq!(
+        got,
+        vec![(DEAD.to_string(), false), (LIVE.to_string(), true)]
+    );
+    assert_eq!(r.attempts[1].sep_chain.as_deref(), Some(LIVE_SEP));
+    assert_eq!(summary.by_verdict.ok, 1);
+}
+
+/// The deleted backend was on the other node: the SYN left by flannel.1 and
+/// the other node's neighbour resolution failed ~3 s later (its namespace is
+/// on the same kernel in the lab). Decided at the 1 s reply timeout this was
+/// `no_reply_through_node` with masqueradeAll advice.
+#[test]
+fn deleted_backend_on_other_node_is_not_a_routing_problem() {
+    let (reports, _) = replay("other_node", None);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
+    assert_eq!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
+    assert_eq!(
+        r.backend.map(|b| b.to_string()).as_deref(),
+        Some("100.96.55.21:80")
+    );
+    let text = &r.cause.as_ref().unwrap().text;
+    assert!(
+        text.contains("the backend's node?") && text.contains("NEIGH_FAILED"),
+        "{text}"
+    );
+}
+
+/// Same, tracing stopped at 2 s: the drop could still come, so no routing
+/// cause either.
+#[test]
+fn deleted_backend_on_other_node_stopped_early_names_no_cause() {
+    let (reports, _) = replay("other_node", Some(2 * S));
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::NoReply, "{r:#?}");
+    assert_eq!(cause(r), None, "{r:#?}");
+}
+
+/// The shape of a lab run where the backend's node lost its last bridge
+/// port: the SYN crossed the overlay, waited for the pod's MAC on node-b
+/// and was flushed with the neighbour entry (QUEUE_PURGE) when node-b's
+/// bridge lost carrier.
+#[test]
+fn queued_request_flushed_on_the_backends_node() {
+    use super::fixtures::*;
+    use tracer_common::{direction, tcp_flags};
+    const NODE_B_NS: u32 = 4026532597;
+    let cfg = config(Some(true));
+    let purge = cfg.drop_reasons.code("QUEUE_PURGE").unwrap();
+    let mut b = Builder::default();
+    let syn = tcp(tcp_flags::SYN, 7, 0, 42, 0xa1, direction::REQUEST);
+    let t = b.route(
+        syn,
+        T0,
+        &[
+            &from_pod(CLIENT_NS, VETH_CLIENT, CLIENT, SVC),
+            &forwarded(CLIENT, SVC, REMOTE_BACKEND, CLIENT),
+            &[(tc_out(FLANNEL), CLIENT, REMOTE_BACKEND)],
+            &[(rx(NODE_B_NS, 5), CLIENT, REMOTE_BACKEND)],
+        ],
+    );
+    b.path(
+        syn,
+        t + 200 * 1_000_000,
+        &[(drop(NODE_B_NS, 3, purge), CLIENT, REMOTE_BACKEND)],
+    );
+    let (reports, _) = super::tests::run_with(cfg, &b.events, T0 + 10 * S);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
+    assert_eq!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
+    let text = &r.cause.as_ref().unwrap().text;
+    assert!(
+        text.contains("QUEUE_PURGE") && text.contains("100.96.12.5"),
+        "{text}"
+    );
+}
+
+/// A blackhole route for the deleted pod's address (a routed node's state):
+/// the DNATed SYN is dropped at the route lookup.
+#[test]
+fn deleted_backend_behind_a_blackhole_route() {
+    let (reports, _) = replay("blackhole", None);
+    let r = only(&reports);
+    assert_stale(r, "no route to 100.96.54.247");
+    assert!(r.cause.as_ref().unwrap().text.contains("NOT_SPECIFIED"));
+    // Dropped at once: nothing more to wait for after the reply timeout.
+    assert_eq!(r.decided_ts_ns - r.first_ts_ns, S, "{r:#?}");
+}
+
+/// A NOT_SPECIFIED drop elsewhere than at the route lookup after DNAT says
+/// nothing about the backend.
+#[test]
+fn unspecified_drop_in_a_pod_is_not_a_stale_endpoint() {
+    use super::fixtures::*;
+    use tracer_common::{direction, tcp_flags};
+    let cfg = config(Some(true));
+    let unspecified = cfg.drop_reasons.code("NOT_SPECIFIED").unwrap();
+    let mut b = Builder::default();
+    let syn = tcp(tcp_flags::SYN, 7, 0, 42, 0xa1, direction::REQUEST);
+    let t = b.route(
+        syn,
+        T0,
+        &[
+            &from_pod(CLIENT_NS, VETH_CLIENT, CLIENT, SVC),
+            &forwarded(CLIENT, SVC, BACKEND, CLIENT),
+            &to_pod(VETH_BACKEND, BACKEND_NS, CLIENT, BACKEND),
+        ],
+    );
+    b.path(
+        syn,
+        t,
+        &[(drop(BACKEND_NS, POD_ETH0, unspecified), CLIENT, BACKEND)],
+    );
+    let (reports, _) = super::tests::run_with(cfg, &b.events, T0 + 10 * S);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
+    assert_ne!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
+}
