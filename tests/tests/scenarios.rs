@@ -28,20 +28,6 @@ macro_rules! require_root {
     };
 }
 
-// Below the macro, so its textual scope reaches it.
-#[path = "scenarios/doctor.rs"]
-mod doctor;
-#[path = "scenarios/ipvs.rs"]
-mod ipvs;
-#[path = "scenarios/nftables.rs"]
-mod nftables;
-#[path = "scenarios/no_endpoints.rs"]
-mod no_endpoints;
-#[path = "scenarios/readonly.rs"]
-mod readonly;
-#[path = "scenarios/stale.rs"]
-mod stale;
-
 /// Each seed scenario is a function of kube-proxy's mode; this declares its
 /// test for iptables mode (the original name) and for nftables mode (`_nft`).
 macro_rules! both_modes {
@@ -58,6 +44,20 @@ macro_rules! both_modes {
         }
     };
 }
+
+// Below the macros, so their textual scope reaches them.
+#[path = "scenarios/doctor.rs"]
+mod doctor;
+#[path = "scenarios/ipvs.rs"]
+mod ipvs;
+#[path = "scenarios/nftables.rs"]
+mod nftables;
+#[path = "scenarios/no_endpoints.rs"]
+mod no_endpoints;
+#[path = "scenarios/readonly.rs"]
+mod readonly;
+#[path = "scenarios/stale.rs"]
+mod stale;
 
 /// Builds `spec` with kube-proxy in `mode`.
 fn build_in(mode: ProxyMode, mut spec: LabSpec) -> Lab {

@@ -70,17 +70,14 @@ fn root_ipvs_node_is_detected_at_start_and_in_doctor() {
         "{start}"
     );
 
-    // Without ip_vs the node's own stack answers the address with a RST.
-    // The flow makes no claim about a reverse NAT netfilter never did: it
-    // says that IPVS translates this Service.
+    // Without ip_vs the node's own stack answers the address with a RST:
+    // refused. The flow blames no netfilter NAT: it says that IPVS
+    // translates this Service.
     let f = only_flow(&done);
     assert_eq!(f["service"], svc, "{f}");
-    assert_common(&f, "ok", None, &done);
-    let detail = f["detail"].as_str().unwrap();
-    assert!(
-        detail.contains("kube-ipvs0 holds 100.64.0.1") && !detail.contains("reverse-NATed"),
-        "{f}"
-    );
+    assert_common(&f, "refused", Some("service_not_netfilter"), &done);
+    let why = f["cause_text"].as_str().unwrap();
+    assert!(why.contains("kube-ipvs0 holds 100.64.0.1"), "{f}");
 
     // doctor, which traces no IP, names IPVS for the node.
     let (_, report) = doctor(&lab);

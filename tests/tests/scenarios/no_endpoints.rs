@@ -34,25 +34,36 @@ pub(super) fn no_endpoints_trace(lab: &Lab, write: Option<&std::path::Path>) -> 
     })
 }
 
-#[test]
-fn root_service_without_endpoints_is_no_endpoints_naming_service_and_rule() {
-    require_root!();
+fn service_without_endpoints(mode: ProxyMode) {
     let _lock = tracing_lock();
-    let lab = build_lab(presets::no_endpoints());
-    let record = std::env::var_os("NATTRACE_RECORD_NO_ENDPOINTS").map(std::path::PathBuf::from);
+    let lab = build_in(mode, presets::no_endpoints());
+    let record = std::env::var_os("NATTRACE_RECORD_NO_ENDPOINTS")
+        .filter(|_| mode == ProxyMode::Iptables)
+        .map(std::path::PathBuf::from);
     let done = no_endpoints_trace(&lab, record.as_deref());
     let f = only_flow(&done);
     assert_common(&f, "dropped", Some("no_endpoints"), &done);
     let why = f["cause_text"].as_str().expect("cause text");
+    // The rule as each mode shows it: iptables-save's REJECT line, or the
+    // no-endpoint-services element of kube-proxy's nftables table.
+    let rule: &[&str] = match mode {
+        ProxyMode::Iptables => &["-A KUBE-SERVICES -d 100.67.30.140/32", "-j REJECT"],
+        ProxyMode::Nftables => &["no-endpoint-services"],
+    };
     for needle in [
         "default/web-empty:http",
-        "-A KUBE-SERVICES -d 100.67.30.140/32",
-        "-j REJECT",
         "ICMP port unreachable",
         "kubectl get endpointslices -n default -l kubernetes.io/service-name=web-empty",
-    ] {
+    ]
+    .iter()
+    .chain(rule)
+    {
         assert!(why.contains(needle), "{needle:?} missing: {why}");
     }
     assert!(f["backend"].is_null(), "{f}");
     assert_eq!(done.status.code(), Some(1), "{}", done.describe());
 }
+
+both_modes!(service_without_endpoints:
+    root_service_without_endpoints_is_no_endpoints_naming_service_and_rule,
+    root_service_without_endpoints_is_no_endpoints_naming_service_and_rule_nft);

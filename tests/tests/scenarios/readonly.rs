@@ -93,3 +93,16 @@ fn root_doctor_and_trace_change_nothing_on_an_iptables_legacy_node() {
     assert!(before.contains("# legacy"), "{before}");
     doctor_and_trace_leave_the_node_as_they_found_it(&lab);
 }
+
+/// kube-proxy in nftables mode: nattrace reads `nft -j list ruleset` and
+/// must leave kube-proxy's table, kubelet's and flannel's iptables-nft
+/// tables exactly as they were.
+#[test]
+fn root_doctor_and_trace_change_nothing_on_an_nftables_mode_node() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = build_in(ProxyMode::Nftables, presets::no_endpoints());
+    let before = snapshot(&lab);
+    assert!(before.contains("table ip kube-proxy"), "{before}");
+    doctor_and_trace_leave_the_node_as_they_found_it(&lab);
+}

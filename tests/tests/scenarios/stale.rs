@@ -442,3 +442,22 @@ fn root_deleted_backend_blackhole_route() {
     assert_eq!(f["verdict"], "dropped", "{}", done.describe());
     assert_stale(&f, &done, "no route");
 }
+
+/// The same on a real routed (Calico-style) node: the deleted pod's /32
+/// route leaves with its veth (fib_sync_down_dev flushes routes through a
+/// vanished device), its address falls into the node's blackhole route for
+/// the pod block, and the DNATed SYN is dropped at the route lookup.
+#[test]
+fn root_deleted_backend_routed_node() {
+    require_root!();
+    let _lock = tracing_lock();
+    let mut lab = build_lab(presets::single_node(true).with_datapath(lab::Datapath::Routed));
+    lab.delete_pod(presets::BACKEND_POD)
+        .expect("deleting the pod");
+    let (done, worked) = trace_curl(&lab, "stale_routed");
+    assert!(!worked, "curl to a deleted backend must fail");
+    let f = only_flow(&done);
+    assert_eq!(f["verdict"], "dropped", "{}", done.describe());
+    assert_stale(&f, &done, "no route");
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+}

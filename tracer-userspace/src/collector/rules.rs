@@ -269,6 +269,7 @@ const RULES: &[Rule] = &[
             Verdict::ReplyNotReverseNated,
             Verdict::NoReply,
             Verdict::Dropped,
+            Verdict::Refused,
         ],
         check: service_not_netfilter,
     },
