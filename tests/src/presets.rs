@@ -317,3 +317,8 @@ pub fn no_endpoints() -> LabSpec {
     spec.nodes[0].pod_cidr = NODE_A_POD_CIDR;
     spec
 }
+
+/// `default/web:http` as nattrace's `--svc` takes it.
+pub fn web_svc() -> String {
+    format!("{WEB_SERVICE_IP}:{WEB_PORT}")
+}

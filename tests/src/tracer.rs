@@ -257,6 +257,16 @@ impl Finished {
             .collect())
     }
 
+    /// The one flow of the trace; panics with everything nattrace printed
+    /// when there is not exactly one.
+    pub fn only_flow(&self) -> Value {
+        let flows = self
+            .flows()
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", self.describe()));
+        assert_eq!(flows.len(), 1, "one flow expected:\n{}", self.describe());
+        flows.into_iter().next().expect("one flow")
+    }
+
     /// The last line, which must be the `"kind":"summary"` object.
     pub fn summary(&self) -> anyhow::Result<Value> {
         let last = self.json()?.pop().context("no output at all")?;
@@ -390,4 +400,33 @@ pub fn say(text: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{text}");
     let _ = out.flush();
+}
+
+/// The address of an `"ip:port"` JSON string (a flow's client, backend, ...).
+pub fn ip_of(endpoint: &Value) -> std::net::Ipv4Addr {
+    endpoint
+        .as_str()
+        .and_then(|s| s.rsplit_once(':'))
+        .and_then(|(ip, _)| ip.parse().ok())
+        .unwrap_or_else(|| panic!("not an ip:port: {endpoint}"))
+}
+
+/// `nattrace doctor --output json` on `node` of `lab`: its exit status and
+/// its report.
+pub fn doctor(lab: &crate::Lab, node: &str) -> (Option<i32>, Value) {
+    let ns = lab.node_netns(node).expect("a node of the lab").path();
+    let out = std::process::Command::new(nattrace())
+        .args([
+            "doctor",
+            "--netns",
+            &ns.display().to_string(),
+            "--output",
+            "json",
+        ])
+        .output()
+        .expect("running nattrace doctor");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(text.trim())
+        .unwrap_or_else(|e| panic!("{e}: {text} {}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.code(), v)
 }

@@ -7,8 +7,8 @@
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
-use lab::presets::{self, Backend};
-use lab::tracer::{Finished, Nattrace, nattrace, tracing_lock};
+use lab::presets::{self, Backend, web_svc};
+use lab::tracer::{Finished, Nattrace, ip_of, nattrace, tracing_lock};
 use lab::{Datapath, Lab, LabSpec, build_lab, host_veth};
 use serde_json::Value;
 
@@ -87,26 +87,6 @@ fn trace(lab: &Lab, node: &str, svc: &str, extra: &[&str], traffic: impl FnOnce(
     tracer
         .wait(Duration::from_secs(4) + ATTACH_TIMEOUT)
         .unwrap_or_else(|e| panic!("{e:#}"))
-}
-
-fn only_flow(done: &Finished) -> Value {
-    let flows = done
-        .flows()
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", done.describe()));
-    assert_eq!(flows.len(), 1, "one flow expected:\n{}", done.describe());
-    flows.into_iter().next().unwrap()
-}
-
-fn web_svc() -> String {
-    format!("{}:{}", presets::WEB_SERVICE_IP, presets::WEB_PORT)
-}
-
-fn ip_of(endpoint: &Value) -> Ipv4Addr {
-    endpoint
-        .as_str()
-        .and_then(|s| s.rsplit_once(':'))
-        .and_then(|(ip, _)| ip.parse().ok())
-        .unwrap_or_else(|| panic!("not an ip:port: {endpoint}"))
 }
 
 fn curl_exit(lab: &Lab, from: &str, ip: Ipv4Addr) -> Option<i32> {
@@ -231,7 +211,7 @@ fn root_routed_lab_has_no_bridge_and_serves_both_nodes() {
 // ------------------------------------------------------- a healthy Service
 
 fn assert_same_node_ok(lab: &Lab, done: &Finished) {
-    let f = only_flow(done);
+    let f = done.only_flow();
     assert_verdict(&f, "ok", None, done);
     assert_eq!(ip_of(&f["client"]), presets::CLIENT_IP, "{f}");
     assert_eq!(f["backend"], format!("{}:80", presets::BACKEND_IP), "{f}");
@@ -304,7 +284,7 @@ fn root_routed_cross_node_service_is_ok() {
             Some(0)
         );
     });
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_verdict(&f, "ok", None, &done);
     let backend = format!("{}:80", presets::REMOTE_BACKEND_IP);
     assert_eq!(f["backend"], backend, "{f}");
@@ -320,21 +300,8 @@ fn root_routed_cross_node_service_is_ok() {
 fn root_routed_doctor_names_no_bridge_problem() {
     require_root!();
     let lab = seed000(Backend::SameNode, false);
-    let ns = lab.node_netns(presets::NODE_A).unwrap().path();
-    let out = std::process::Command::new(nattrace())
-        .args([
-            "doctor",
-            "--netns",
-            &ns.display().to_string(),
-            "--output",
-            "json",
-        ])
-        .output()
-        .expect("running nattrace doctor");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let report: Value = serde_json::from_str(text.trim())
-        .unwrap_or_else(|e| panic!("{e}: {text} {}", String::from_utf8_lossy(&out.stderr)));
-    assert_eq!(out.status.code(), Some(0), "{report}");
+    let (code, report) = lab::tracer::doctor(&lab, presets::NODE_A);
+    assert_eq!(code, Some(0), "{report}");
     for f in report["findings"].as_array().expect("findings") {
         assert!(
             f["check"] != "bridge_nf_call_iptables" && f["check"] != "hairpin_mode",
@@ -371,7 +338,7 @@ fn root_routed_dns_same_node_is_ok_with_bridge_nf_off() {
         answer.contains(&presets::WEB_SERVICE_IP.to_string()),
         "{answer}"
     );
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_verdict(&f, "ok", None, &done);
     assert_eq!(f["proto"], "udp", "{f}");
     assert_eq!(f["backend"], format!("{}:53", presets::DNS_POD_IP), "{f}");
@@ -398,7 +365,7 @@ fn root_routed_seed003_is_named_from_both_nodes() {
                 Some(0)
             );
         });
-        let f = only_flow(&done);
+        let f = done.only_flow();
         assert_verdict(&f, verdict, Some(cause), &done);
         assert_eq!(ip_of(&f["client"]), presets::OUTSIDE_CLIENT.addr(), "{f}");
         assert_eq!(f["backend"], format!("{}:80", presets::BACKEND_IP), "{f}");
@@ -451,7 +418,7 @@ fn root_routed_hairpin_with_masquerade_is_ok() {
     let _lock = tracing_lock();
     let (lab, done, exit) = hairpin_trace(true, false);
     assert_eq!(exit, Some(0), "{}", done.describe());
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_verdict(&f, "ok", None, &done);
     assert_hairpin(&f);
     assert_eq!(ip_of(&f["snat"]), lab::node_underlay_ip(0), "{f}");
@@ -471,7 +438,7 @@ fn root_routed_hairpin_without_masquerade_is_dropped() {
     let _lock = tracing_lock();
     let (_lab, done, exit) = hairpin_trace(false, false);
     assert_ne!(exit, Some(0), "{}", done.describe());
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_verdict(&f, "dropped", Some("hairpin_not_masqueraded"), &done);
     assert_hairpin(&f);
     assert!(f["snat"].is_null(), "{f}");
@@ -489,7 +456,7 @@ fn root_routed_hairpin_without_masquerade_accept_local_is_not_reverse_nated() {
     let _lock = tracing_lock();
     let (_lab, done, exit) = hairpin_trace(false, true);
     assert_ne!(exit, Some(0), "{}", done.describe());
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_verdict(
         &f,
         "reply_not_reverse_nated",
@@ -541,7 +508,7 @@ fn root_routed_network_policy_drop_in_forward() {
             "the DROP makes curl time out"
         );
     });
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_verdict(&f, "dropped", Some("dropped_by_netfilter"), &done);
     assert_eq!(f["backend"], format!("{}:80", presets::BACKEND_IP), "{f}");
     assert!(
@@ -570,7 +537,7 @@ fn root_routed_service_without_endpoints_is_refused() {
             "connection refused"
         );
     });
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert!(f["backend"].is_null(), "never DNATed: {f}");
     assert_verdict(&f, "dropped", Some("no_endpoints"), &done);
     assert!(

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use lab::kube_proxy::{sep_chain, svc_chain};
 use lab::kube_proxy_nft::{endpoint_chain, service_chain};
-use lab::presets::{self, Backend};
-use lab::tracer::{Finished, Nattrace, nattrace, tracing_lock};
+use lab::presets::{self, Backend, web_svc};
+use lab::tracer::{Finished, Nattrace, ip_of, nattrace, tracing_lock};
 use lab::{Lab, LabSpec, Protocol, ProxyMode, build_lab};
 use serde_json::Value;
 
@@ -139,25 +139,6 @@ fn flows(done: &Finished) -> Vec<Value> {
         .unwrap_or_else(|e| panic!("{e:#}\n{}", done.describe()))
 }
 
-/// The one flow of the trace.
-fn only_flow(done: &Finished) -> Value {
-    let flows = flows(done);
-    assert_eq!(flows.len(), 1, "one flow expected:\n{}", done.describe());
-    flows.into_iter().next().unwrap()
-}
-
-fn web_svc() -> String {
-    format!("{}:{}", presets::WEB_SERVICE_IP, presets::WEB_PORT)
-}
-
-fn ip_of(endpoint: &Value) -> Ipv4Addr {
-    endpoint
-        .as_str()
-        .and_then(|s| s.rsplit_once(':'))
-        .and_then(|(ip, _)| ip.parse().ok())
-        .unwrap_or_else(|| panic!("not an ip:port: {endpoint}"))
-}
-
 fn curl(lab: &Lab, from: &str) -> bool {
     lab.http_get(
         from,
@@ -250,7 +231,7 @@ fn dns_broken(mode: ProxyMode) {
     let _lock = tracing_lock();
     let (done, answered) = dns_trace(false, mode);
     assert!(!answered, "seed 001: dig gets no usable answer");
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(
         &f,
         "reply_not_reverse_nated",
@@ -266,7 +247,7 @@ fn dns_healthy(mode: ProxyMode) {
     let _lock = tracing_lock();
     let (done, answered) = dns_trace(true, mode);
     assert!(answered, "{}", done.describe());
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(&f, "ok", None, &done);
     assert_dns_flow(&f, mode);
     assert_eq!(done.status.code(), Some(0), "{}", done.describe());
@@ -281,7 +262,7 @@ fn node_local(mode: ProxyMode) {
     let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
         assert!(curl(&lab, presets::NODE_A), "curl from the node works");
     });
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(&f, "ok", None, &done);
     assert_eq!(ip_of(&f["client"]), lab::node_underlay_ip(0), "{f}");
     let backend = format!("{}:80", presets::BACKEND_IP);
@@ -324,7 +305,7 @@ fn cross_node(mode: ProxyMode) {
     let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
         assert!(curl(&lab, presets::CLIENT_POD));
     });
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(&f, "ok", None, &done);
     assert_eq!(ip_of(&f["client"]), presets::CLIENT_IP, "{f}");
     let backend = format!("{}:80", presets::REMOTE_BACKEND_IP);
@@ -378,7 +359,7 @@ fn seed003_dnating_node(mode: ProxyMode) {
     let done = trace(&lab, presets::NODE_B, &web_svc(), &[], || {
         assert!(!outside_curl(&lab), "seed 003: the connection fails");
     });
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(&f, "no_reply", Some("no_reply_through_node"), &done);
     assert_outside_flow(&f);
     assert!(f["hint"].as_str().unwrap().contains("masqueradeAll"), "{f}");
@@ -392,7 +373,7 @@ fn seed003_masquerade_all(mode: ProxyMode) {
     let done = trace(&lab, presets::NODE_B, &web_svc(), &[], || {
         assert!(outside_curl(&lab), "masqueradeAll fixes seed 003");
     });
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(&f, "ok", None, &done);
     assert_outside_flow(&f);
     assert!(f["snat"].is_string(), "the flow shows the SNAT: {f}");
@@ -410,7 +391,7 @@ fn seed003_backend_node(mode: ProxyMode) {
     let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
         assert!(!outside_curl(&lab));
     });
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(
         &f,
         "reply_not_reverse_nated",
@@ -465,7 +446,7 @@ fn hairpin_masquerade(mode: ProxyMode) {
     let _lock = tracing_lock();
     let (done, worked) = hairpin_trace(true, true, false, mode);
     assert!(worked, "{}", done.describe());
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(&f, "ok", None, &done);
     assert_hairpin_flow(&f);
     let backend = format!("{}:80", presets::BACKEND_IP);
@@ -483,7 +464,7 @@ fn hairpin_off(mode: ProxyMode) {
     let _lock = tracing_lock();
     let (done, worked) = hairpin_trace(false, true, false, mode);
     assert!(!worked);
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert!(
         f["verdict"] == "no_reply" || f["verdict"] == "dropped",
         "{}",
@@ -500,7 +481,7 @@ fn hairpin_unmasqueraded(mode: ProxyMode) {
     let _lock = tracing_lock();
     let (done, worked) = hairpin_trace(true, false, false, mode);
     assert!(!worked);
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(&f, "dropped", Some("hairpin_not_masqueraded"), &done);
     assert_hairpin_flow(&f);
     assert!(f["snat"].is_null(), "{f}");
@@ -517,7 +498,7 @@ fn hairpin_accept_local(mode: ProxyMode) {
     let _lock = tracing_lock();
     let (done, worked) = hairpin_trace(true, false, true, mode);
     assert!(!worked);
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(
         &f,
         "reply_not_reverse_nated",
@@ -537,7 +518,7 @@ fn chains_and_path(mode: ProxyMode) {
     let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
         assert!(curl(&lab, presets::CLIENT_POD));
     });
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(&f, "ok", None, &done);
     let name = "default/web:http";
     let backend = format!("{}:80", presets::BACKEND_IP);

@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use lab::kube_proxy_nft::{endpoint_chain, service_chain};
-use lab::presets::{self, Backend, Seed000};
+use lab::presets::{self, Backend, Seed000, web_svc};
 use lab::tracer::{Finished, Nattrace, curl_parallel, nattrace, tracing_lock};
 use lab::{Lab, Protocol, ProxyMode, ServiceSpec, build_lab};
 use serde_json::Value;
@@ -145,10 +145,6 @@ fn curls(lab: &Lab, ip: std::net::Ipv4Addr, port: u16, local_ports: &[u16]) -> u
     .map(|r| r.expect("running curl"))
     .filter(|o| o.status.success())
     .count()
-}
-
-fn web_svc() -> String {
-    format!("{}:{}", presets::WEB_SERVICE_IP, presets::WEB_PORT)
 }
 
 fn flows(done: &Finished) -> Vec<Value> {

@@ -124,21 +124,25 @@ const FIX_KUBE_PROXY: &str = "check that kube-proxy runs on this node and syncs 
 const FIX_DATAPLANE: &str = "follow these Services with the data plane's own tools (ipvsadm -Ln --stats, cilium-dbg service list / bpftool map dump): nattrace's verdicts cover netfilter NAT only";
 const FIX_MASQ_ALL: &str = "if clients outside the cluster reach ClusterIPs through one node, set kube-proxy masqueradeAll: true so replies return through it";
 
-/// Interface names for a finding's one-line `value`: the first few and a
-/// count, so the preamble stays one readable line on a node with hundreds
-/// of pods (the `message` keeps them all).
-fn few(names: &[&str]) -> String {
+/// Interface names for a one-line summary: the first few and a count, so
+/// the line stays readable on a node with hundreds of pods (the finding's
+/// `message` keeps them all).
+pub(crate) fn first_few(names: &[&str], separator: &str) -> String {
     const SHOWN: usize = 3;
     let mut out = names
         .iter()
         .take(SHOWN)
         .copied()
         .collect::<Vec<_>>()
-        .join(",");
+        .join(separator);
     if names.len() > SHOWN {
         out.push_str(&format!(" and {} more", names.len() - SHOWN));
     }
     out
+}
+
+fn few(names: &[&str]) -> String {
+    first_few(names, ",")
 }
 
 fn finding(

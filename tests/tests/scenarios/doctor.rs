@@ -4,22 +4,7 @@ use super::*;
 // ---------------------------------------------------------------- 7: doctor
 
 pub(crate) fn doctor(lab: &Lab) -> (Option<i32>, Value) {
-    let bin = nattrace();
-    let ns = lab.node_netns(presets::NODE_A).unwrap().path();
-    let out = std::process::Command::new(bin)
-        .args([
-            "doctor",
-            "--netns",
-            &ns.display().to_string(),
-            "--output",
-            "json",
-        ])
-        .output()
-        .expect("running nattrace doctor");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let v: Value = serde_json::from_str(text.trim())
-        .unwrap_or_else(|e| panic!("{e}: {text} {}", String::from_utf8_lossy(&out.stderr)));
-    (out.status.code(), v)
+    lab::tracer::doctor(lab, presets::NODE_A)
 }
 
 pub(crate) fn finding<'a>(report: &'a Value, check: &str) -> &'a Value {

@@ -73,7 +73,7 @@ fn root_ipvs_node_is_detected_at_start_and_in_doctor() {
     // Without ip_vs the node's own stack answers the address with a RST:
     // refused. The flow blames no netfilter NAT: it says that IPVS
     // translates this Service.
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_eq!(f["service"], svc, "{f}");
     assert_common(&f, "refused", Some("service_not_netfilter"), &done);
     let why = f["cause_text"].as_str().unwrap();
@@ -108,6 +108,6 @@ fn root_ipvs_device_does_not_mark_services_netfilter_translates() {
         "{}",
         done.describe()
     );
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(&f, "ok", None, &done);
 }

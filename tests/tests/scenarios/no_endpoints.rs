@@ -41,7 +41,7 @@ fn service_without_endpoints(mode: ProxyMode) {
         .filter(|_| mode == ProxyMode::Iptables)
         .map(std::path::PathBuf::from);
     let done = no_endpoints_trace(&lab, record.as_deref());
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(&f, "dropped", Some("no_endpoints"), &done);
     let why = f["cause_text"].as_str().expect("cause text");
     // The rule as each mode shows it: iptables-save's REJECT line, or the

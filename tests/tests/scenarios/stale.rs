@@ -151,7 +151,7 @@ fn root_deleted_backend_bridged_neighbour_fails() {
         .expect("deleting the pod");
     let (done, worked) = trace_curl(&lab, "stale_deleted_cold");
     assert!(!worked, "curl to a deleted backend must fail");
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_eq!(f["verdict"], "dropped", "{}", done.describe());
     assert_stale(&f, &done, "NEIGH_FAILED");
     let attempts = f["attempts"].as_array().expect("attempts");
@@ -189,7 +189,7 @@ fn root_deleted_backend_bridged_old_mac() {
         .expect("deleting the pod");
     let (done, worked) = trace_curl(&lab, "stale_deleted_warm");
     assert!(!worked, "curl to a deleted backend must fail");
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_eq!(f["verdict"], "dropped", "{}", done.describe());
     assert_stale(&f, &done, "NO_TX_TARGET");
 }
@@ -215,7 +215,7 @@ fn root_deleted_backend_bridged_flooded_to_other_pod() {
         .expect("deleting the pod");
     let (done, worked) = trace_curl(&lab, "stale_deleted_flooded");
     assert!(!worked, "curl to a deleted backend must fail");
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_eq!(f["verdict"], "dropped", "{}", done.describe());
     assert_stale(&f, &done, "OTHERHOST");
 }
@@ -246,7 +246,7 @@ fn root_deleted_backend_on_other_node() {
         .expect("deleting the pod");
     let (done, worked) = trace_curl(&lab, "stale_deleted_other_node");
     assert!(!worked, "curl to a deleted backend must fail");
-    let f = only_flow(&done);
+    let f = done.only_flow();
     let dead = format!("{}:{}", presets::REMOTE_BACKEND_IP, presets::WEB_PORT);
     assert_eq!(f["verdict"], "dropped", "{}", done.describe());
     assert_eq!(f["cause"], "backend_unreachable", "{}", done.describe());
@@ -279,7 +279,7 @@ fn root_retransmit_load_balanced_to_live_backend() {
         "the retransmit reaches backend-2: {}",
         done.describe()
     );
-    let f = only_flow(&done);
+    let f = done.only_flow();
     let live = format!("{BACKEND_2_IP}:{}", presets::WEB_PORT);
     assert_common(&f, "ok", None, &done);
     assert_eq!(f["backend"], live, "{}", done.describe());
@@ -354,7 +354,7 @@ fn root_backend_port_closed_is_refused() {
         .expect("stopping the server");
     let (done, worked) = trace_curl(&lab, "stale_port_closed");
     assert!(!worked, "nothing listens");
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_common(&f, "refused", Some("backend_port_closed"), &done);
     assert_eq!(f["backend"], backend_ip(), "{}", done.describe());
     let text = f["cause_text"].as_str().unwrap_or_default();
@@ -400,7 +400,7 @@ fn root_deleted_dns_backend_neighbour_fails() {
         },
     );
     assert!(!answered, "the deleted DNS pod cannot answer");
-    let f = only_flow(&done);
+    let f = done.only_flow();
     let dead = format!("{}:53", presets::DNS_POD_IP);
     assert_eq!(f["proto"], "udp", "{}", done.describe());
     assert_eq!(f["verdict"], "dropped", "{}", done.describe());
@@ -438,7 +438,7 @@ fn root_deleted_backend_blackhole_route() {
         .expect("adding the blackhole route");
     let (done, worked) = trace_curl(&lab, "stale_blackhole");
     assert!(!worked, "curl to a deleted backend must fail");
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_eq!(f["verdict"], "dropped", "{}", done.describe());
     assert_stale(&f, &done, "no route");
 }
@@ -456,7 +456,7 @@ fn root_deleted_backend_routed_node() {
         .expect("deleting the pod");
     let (done, worked) = trace_curl(&lab, "stale_routed");
     assert!(!worked, "curl to a deleted backend must fail");
-    let f = only_flow(&done);
+    let f = done.only_flow();
     assert_eq!(f["verdict"], "dropped", "{}", done.describe());
     assert_stale(&f, &done, "no route");
     assert_eq!(done.status.code(), Some(1), "{}", done.describe());

@@ -451,15 +451,7 @@ fn summarize_removed(removed: &[String]) -> String {
         .map(|(k, n)| format!("{n} × {k}"))
         .collect::<Vec<_>>()
         .join(", ");
-    let mut names = ifaces
-        .iter()
-        .take(SHOWN)
-        .copied()
-        .collect::<Vec<_>>()
-        .join(", ");
-    if ifaces.len() > SHOWN {
-        names.push_str(&format!(" and {} more", ifaces.len() - SHOWN));
-    }
+    let names = crate::doctor::first_few(&ifaces, ", ");
     format!("{counts} on {} interfaces ({names})", ifaces.len())
 }
 
