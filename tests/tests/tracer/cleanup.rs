@@ -16,11 +16,18 @@ use super::{ATTACH_TIMEOUT, args, build_lab, start, tracing_lock, web_svc};
 pub(super) fn node_state(lab: &Lab) -> String {
     let run = |args: &[&str]| {
         let out = lab.exec(presets::NODE_A, args).expect("running ip/tc");
+        // stderr only when the command failed: `ip link` warns on stderr
+        // ("Peer netns reference is invalid.") while it resolves peer
+        // namespace names and another test deletes its namespaces.
+        let stderr = if out.status.success() {
+            std::borrow::Cow::Borrowed("")
+        } else {
+            String::from_utf8_lossy(&out.stderr)
+        };
         format!(
-            "$ {}\n{}{}",
+            "$ {}\n{}{stderr}",
             args.join(" "),
             String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
         )
     };
     // The bridge's operstate settles on its own (UNKNOWN → UP): not ours.
