@@ -35,8 +35,12 @@ pub(super) fn node_state(lab: &Lab) -> String {
         .lines()
         .map(|l| {
             let mut words: Vec<&str> = l.split(' ').collect();
-            if let Some(i) = words.iter().position(|w| *w == "state") {
-                words.drain(i..(i + 2).min(words.len()));
+            // Nor is the peer namespace's name, which ip resolves by
+            // scanning /run/netns while other tests add and delete theirs.
+            for key in ["state", "link-netns", "link-netnsid"] {
+                if let Some(i) = words.iter().position(|w| *w == key) {
+                    words.drain(i..(i + 2).min(words.len()));
+                }
             }
             words.join(" ") + "\n"
         })
