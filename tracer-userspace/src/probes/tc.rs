@@ -11,8 +11,19 @@
 //! interfaces the links are created on a background thread while tracing
 //! already runs: until an interface is in the kernel's TC_IFACES map, the
 //! device tracepoints report its packets instead (tracer-ebpf/src/tracepoints.rs).
+//!
+//! Detaching costs the same grace period per link (see
+//! [`TcAttachments::detach_all`]), which made Ctrl-C on a node with 300 pods
+//! take 6-11 s. So past [`TRACEPOINTS_OVER`] interfaces the pods' veths get
+//! no tc at all and stay with the device tracepoints for good: on a veth
+//! they see exactly what tc would (a veth has no qdisc, so nothing runs
+//! between tc egress and `net_dev_start_xmit`, or between
+//! `netif_receive_skb` and tc ingress), and the collector takes either
+//! (collector/types.rs `node_ingress`/`node_egress`). tc stays on the node's
+//! own interfaces (uplinks, bridges, overlay devices), where a qdisc may
+//! queue between tc and the transmit tracepoint.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     io,
     os::fd::{AsFd, AsRawFd, OwnedFd, RawFd},
     sync::{
@@ -54,6 +65,11 @@ struct IfaceLinks {
 /// Interfaces attached on the calling thread; more go to a background thread.
 const INLINE_MAX: usize = 16;
 
+/// Past this many interfaces in the namespace, pod veths are left to the
+/// device tracepoints (module comment). Below it tc covers everything, as it
+/// always did: attaching and detaching a few dozen links is quick.
+const TRACEPOINTS_OVER: usize = 64;
+
 type TcxResults = Vec<(Interface, Result<Vec<OwnedFd>, String>)>;
 
 /// tcx links being created in the background.
@@ -72,6 +88,11 @@ pub struct TcAttachments {
     /// clsact mode: our claims on our programs, so another nattrace's
     /// leftover cleanup leaves our filters alone (cleanup.rs).
     claims: Vec<std::os::unix::net::UnixListener>,
+    /// Pod veths left to the device tracepoints at the last sync.
+    by_tracepoints: usize,
+    /// NATTRACE_TC_EVERYWHERE=1: tc on every interface whatever their
+    /// number (tests: the slow detach, and leftovers on every interface).
+    everywhere: bool,
 }
 
 /// What a [`TcAttachments::sync`] or [`TcAttachments::collect`] changed.
@@ -91,7 +112,14 @@ impl TcAttachments {
             ifaces: BTreeMap::new(),
             pending: None,
             claims: Vec::new(),
+            by_tracepoints: 0,
+            everywhere: std::env::var_os("NATTRACE_TC_EVERYWHERE").is_some(),
         }
+    }
+
+    /// Pod veths watched by the device tracepoints instead of tc.
+    pub fn tracepoint_count(&self) -> usize {
+        self.by_tracepoints
     }
 
     pub fn mode(&self) -> &'static str {
@@ -246,8 +274,15 @@ impl TcAttachments {
 
     /// Attaches to every interface in `ifaces` not attached yet and forgets
     /// those that disappeared; many new ones are attached in the background
-    /// (see [`collect`](Self::collect)). Must run in the traced namespace.
-    pub fn sync(&mut self, ebpf: &mut Ebpf, ifaces: &[Interface]) -> Synced {
+    /// (see [`collect`](Self::collect)). Past [`TRACEPOINTS_OVER`]
+    /// interfaces, `pod_veths` get none (module comment); links they already
+    /// have stay. Must run in the traced namespace.
+    pub fn sync(
+        &mut self,
+        ebpf: &mut Ebpf,
+        ifaces: &[Interface],
+        pod_veths: &BTreeSet<u32>,
+    ) -> Synced {
         let mut out = Synced::default();
         let gone: Vec<u32> = self
             .ifaces
@@ -267,9 +302,15 @@ impl TcAttachments {
             // Picked up by a later sync, once the background attach is done.
             return out;
         }
+        let skip_pods = !self.everywhere && ifaces.len() > TRACEPOINTS_OVER;
+        let left_to_tracepoints = |i: &Interface| skip_pods && pod_veths.contains(&i.ifindex);
+        self.by_tracepoints = ifaces
+            .iter()
+            .filter(|i| left_to_tracepoints(i) && !self.ifaces.contains_key(&i.ifindex))
+            .count();
         let todo: Vec<Interface> = ifaces
             .iter()
-            .filter(|i| !self.ifaces.contains_key(&i.ifindex))
+            .filter(|i| !self.ifaces.contains_key(&i.ifindex) && !left_to_tracepoints(i))
             .cloned()
             .collect();
         if todo.is_empty() {
