@@ -90,9 +90,12 @@ pub struct TcAttachments {
     claims: Vec<std::os::unix::net::UnixListener>,
     /// Pod veths left to the device tracepoints at the last sync.
     by_tracepoints: usize,
-    /// NATTRACE_TC_EVERYWHERE=1: tc on every interface whatever their
-    /// number (tests: the slow detach, and leftovers on every interface).
-    everywhere: bool,
+    /// Interfaces in the namespace past which pod veths get no tc.
+    /// NATTRACE_TC_EVERYWHERE=1: never (tests: leftovers on every
+    /// interface, the old slow detach); NATTRACE_TC_NODE_ONLY=1: always
+    /// (run any lab test with it to compare verdicts with and without tc
+    /// on the pods' veths).
+    pods_over: usize,
 }
 
 /// What a [`TcAttachments::sync`] or [`TcAttachments::collect`] changed.
@@ -113,7 +116,13 @@ impl TcAttachments {
             pending: None,
             claims: Vec::new(),
             by_tracepoints: 0,
-            everywhere: std::env::var_os("NATTRACE_TC_EVERYWHERE").is_some(),
+            pods_over: if std::env::var_os("NATTRACE_TC_EVERYWHERE").is_some() {
+                usize::MAX
+            } else if std::env::var_os("NATTRACE_TC_NODE_ONLY").is_some() {
+                0
+            } else {
+                TRACEPOINTS_OVER
+            },
         }
     }
 
@@ -302,7 +311,7 @@ impl TcAttachments {
             // Picked up by a later sync, once the background attach is done.
             return out;
         }
-        let skip_pods = !self.everywhere && ifaces.len() > TRACEPOINTS_OVER;
+        let skip_pods = ifaces.len() > self.pods_over;
         let left_to_tracepoints = |i: &Interface| skip_pods && pod_veths.contains(&i.ifindex);
         self.by_tracepoints = ifaces
             .iter()
