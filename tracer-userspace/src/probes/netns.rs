@@ -175,8 +175,11 @@ pub fn list_interfaces() -> Result<Vec<Interface>, NetnsError> {
 /// One link dump of the calling thread's network namespace.
 pub struct Links {
     pub interfaces: Vec<Interface>,
-    /// veths whose peer lives in another network namespace (rtnetlink's
-    /// IFLA_LINK_NETNSID is set only then): a pod's device, seen from the node.
+    /// veths whose peer lives in another network namespace and that carry no
+    /// IPv4 address here: a pod's device, seen from the node. (rtnetlink's
+    /// IFLA_LINK_NETNSID is set only when the peer's namespace differs:
+    /// net/core/rtnetlink.c `rtnl_fill_link_netnsid` with veth's
+    /// `get_link_net` = the peer's namespace.)
     pub pod_veths: BTreeSet<u32>,
 }
 

@@ -16,12 +16,15 @@
 //! [`TcAttachments::detach_all`]), which made Ctrl-C on a node with 300 pods
 //! take 6-11 s. So past [`TRACEPOINTS_OVER`] interfaces the pods' veths get
 //! no tc at all and stay with the device tracepoints for good: on a veth
-//! they see exactly what tc would (a veth has no qdisc, so nothing runs
-//! between tc egress and `net_dev_start_xmit`, or between
-//! `netif_receive_skb` and tc ingress), and the collector takes either
-//! (collector/types.rs `node_ingress`/`node_egress`). tc stays on the node's
-//! own interfaces (uplinks, bridges, overlay devices), where a qdisc may
-//! queue between tc and the transmit tracepoint.
+//! they see exactly what tc would (a veth has no qdisc: drivers/net/veth.c
+//! `veth_setup` sets IFF_NO_QUEUE, so nothing runs between tc egress and
+//! `net_dev_start_xmit`, or between `netif_receive_skb` and tc ingress; a
+//! shaping qdisc someone adds, e.g. the bandwidth CNI plugin's, only delays
+//! the transmit event, and its drops are `kfree_skb` events), and the
+//! collector takes either (collector/types.rs `node_ingress`/`node_egress`).
+//! tc stays on the node's own interfaces (uplinks, bridges, overlay
+//! devices), where a qdisc may queue between tc and the transmit tracepoint.
+//! Lab tests give the same verdicts and causes both ways (DESIGN.md).
 use std::{
     collections::{BTreeMap, BTreeSet},
     io,
