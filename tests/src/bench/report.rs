@@ -426,8 +426,8 @@ fn startup_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
          each pod a veth on `cni0`); `nattrace --svc .. --netns ..`, {} runs.\n\n\
          | | median | min–max |\n|---|---|---|\n\
          | start → first line (`start` object: tracing), {} interfaces | {start:.0} ms | {smin:.0}–{smax:.0} ms |\n\
-         | start → tc on every interface (attached in the background; device tracepoints cover the rest meanwhile) | {full:.0} ms | {fmin:.0}–{fmax:.0} ms |\n\
-         | SIGTERM → exit (everything detached, after tc was everywhere) | {det:.0} ms | {dmin:.0}–{dmax:.0} ms |\n\
+         | start → last tc link (the node's own interfaces; past 64 interfaces pod veths are left to the device tracepoints) | {full:.0} ms | {fmin:.0}–{fmax:.0} ms |\n\
+         | SIGTERM → exit (everything detached) | {det:.0} ms | {dmin:.0}–{dmax:.0} ms |\n\
          | start, the 2-pod bench node (for comparison) | {} | |\n",
         s.pods,
         s.interfaces,

@@ -31,6 +31,8 @@ mod tests_routed;
 mod tests_scenarios;
 #[cfg(test)]
 pub(crate) mod tests_stale;
+#[cfg(test)]
+mod tests_tracepoints;
 
 use std::{
     cmp::Reverse,

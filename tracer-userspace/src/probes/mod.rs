@@ -10,7 +10,7 @@ pub mod nf_link;
 pub mod table;
 mod tc;
 
-use std::{io, os::fd::OwnedFd};
+use std::{collections::BTreeSet, io, os::fd::OwnedFd};
 
 use aya::{
     Ebpf, EbpfLoader,
@@ -287,7 +287,7 @@ impl Tracer {
             ..
         } = &mut tracer;
         let nf_links_result = netns.run(|| -> Result<Synced, TraceError> {
-            read_facts(facts)?;
+            let pod_veths = read_facts(facts)?;
             // Netfilter first: a full priority window ends the attempt (or
             // switches `auto` to kprobes) before tc touched any interface.
             if let Some(nf) = &nf_programs {
@@ -312,7 +312,7 @@ impl Tracer {
                     }
                 }
             }
-            Ok(tc.sync(ebpf, &facts.interfaces))
+            Ok(tc.sync(ebpf, &facts.interfaces, &pod_veths))
         })?;
         let synced = nf_links_result?;
         tracer.note_tc(&synced);
@@ -486,8 +486,9 @@ impl Tracer {
             ..
         } = self;
         let synced = netns.run(|| -> Result<_, TraceError> {
-            facts.interfaces = netns::list_interfaces()?;
-            Ok(tc.sync(ebpf, &facts.interfaces))
+            let links = netns::list_links()?;
+            facts.interfaces = links.interfaces;
+            Ok(tc.sync(ebpf, &facts.interfaces, &links.pod_veths))
         })??;
         Ok(self.note_tc(&synced))
     }
@@ -498,6 +499,24 @@ impl Tracer {
     pub fn collect_tc(&mut self) -> usize {
         let synced = self.tc.collect(false);
         self.note_tc(&synced).len()
+    }
+
+    /// On a big node, how tc and the device tracepoints share the
+    /// interfaces (probes/tc.rs): one line for the start; None when tc is
+    /// on every interface.
+    pub fn tc_split_note(&self) -> Option<String> {
+        match self.tc.tracepoint_count() {
+            0 => None,
+            m => Some(format!(
+                "tc on {} node interfaces; {m} pod veths watched by device tracepoints",
+                self.tc_interface_count()
+            )),
+        }
+    }
+
+    /// Interfaces with tc links (or filters) now: what detaching costs.
+    pub fn tc_interface_count(&self) -> usize {
+        self.tc.interface_count() + self.tc.pending_count()
     }
 
     /// Tells the kernel which interfaces tc covers now, records failures,
@@ -651,13 +670,15 @@ fn write_config(
     Ok(())
 }
 
-/// Reads the namespace's facts; runs inside it (/proc/sys/net is per thread netns).
-fn read_facts(facts: &mut NodeFacts) -> Result<(), TraceError> {
-    facts.interfaces = netns::list_interfaces()?;
+/// Reads the namespace's facts; runs inside it (/proc/sys/net is per thread
+/// netns). Returns its pod veths (for tc).
+fn read_facts(facts: &mut NodeFacts) -> Result<BTreeSet<u32>, TraceError> {
+    let links = netns::list_links()?;
+    facts.interfaces = links.interfaces;
     facts.bridge_nf_call_iptables =
         netns::read_sysctl_bool("/proc/sys/net/bridge/bridge-nf-call-iptables");
     facts.ip_forward = netns::read_sysctl_bool("/proc/sys/net/ipv4/ip_forward");
-    Ok(())
+    Ok(links.pod_veths)
 }
 
 fn drain_ring(ring: &mut RingBuf<MapData>, out: &mut Vec<PacketEvent>, netns_inode: u32) {

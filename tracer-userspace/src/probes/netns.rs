@@ -8,6 +8,7 @@
 //! namespace's tracefs/bpffs) stays where it was. We never switch mount
 //! namespaces (unlike `ip netns exec`).
 use std::{
+    collections::BTreeSet,
     fs::File,
     os::{fd::AsFd, unix::fs::MetadataExt},
     path::{Path, PathBuf},
@@ -18,7 +19,8 @@ use netlink_packet_core::{
     NetlinkPayload,
 };
 use netlink_packet_route::{
-    RouteNetlinkMessage,
+    AddressFamily, RouteNetlinkMessage,
+    address::AddressMessage,
     link::{InfoBridgePort, InfoPortData, LinkAttribute, LinkInfo, LinkMessage},
     tc::{TcAttribute, TcHandle, TcMessage},
 };
@@ -167,11 +169,27 @@ pub(super) fn netlink_request(
 
 /// The interfaces of the calling thread's network namespace.
 pub fn list_interfaces() -> Result<Vec<Interface>, NetnsError> {
+    Ok(list_links()?.interfaces)
+}
+
+/// One link dump of the calling thread's network namespace.
+pub struct Links {
+    pub interfaces: Vec<Interface>,
+    /// veths whose peer lives in another network namespace and that carry no
+    /// IPv4 address here: a pod's device, seen from the node. (rtnetlink's
+    /// IFLA_LINK_NETNSID is set only when the peer's namespace differs:
+    /// net/core/rtnetlink.c `rtnl_fill_link_netnsid` with veth's
+    /// `get_link_net` = the peer's namespace.)
+    pub pod_veths: BTreeSet<u32>,
+}
+
+pub fn list_links() -> Result<Links, NetnsError> {
     let replies = netlink_request(
         RouteNetlinkMessage::GetLink(LinkMessage::default()),
         NLM_F_DUMP | NLM_F_REQUEST,
     )?;
     let mut out = Vec::new();
+    let mut pod_veths = BTreeSet::new();
     for reply in replies {
         let RouteNetlinkMessage::NewLink(link) = reply else {
             continue;
@@ -180,9 +198,11 @@ pub fn list_interfaces() -> Result<Vec<Interface>, NetnsError> {
             ifindex: link.header.index,
             ..Default::default()
         };
+        let mut peer_elsewhere = false;
         for attr in &link.attributes {
             match attr {
                 LinkAttribute::IfName(name) => iface.name = name.clone(),
+                LinkAttribute::LinkNetNsId(_) => peer_elsewhere = true,
                 LinkAttribute::Controller(master) => iface.master = Some(*master),
                 LinkAttribute::LinkInfo(infos) => {
                     for info in infos {
@@ -203,10 +223,33 @@ pub fn list_interfaces() -> Result<Vec<Interface>, NetnsError> {
                 _ => {}
             }
         }
+        if peer_elsewhere && iface.kind == "veth" {
+            pod_veths.insert(iface.ifindex);
+        }
         out.push(iface);
     }
+    // A veth with an IPv4 address here is the node's own uplink (kind, lab
+    // nodes: eth0's peer is in the host namespace); a pod veth's host side
+    // has none, whatever the CNI (bridge, Calico, Cilium).
+    if !pod_veths.is_empty() {
+        let mut msg = AddressMessage::default();
+        msg.header.family = AddressFamily::Inet;
+        for reply in netlink_request(
+            RouteNetlinkMessage::GetAddress(msg),
+            NLM_F_DUMP | NLM_F_REQUEST,
+        )? {
+            if let RouteNetlinkMessage::NewAddress(addr) = reply
+                && addr.header.family == AddressFamily::Inet
+            {
+                pod_veths.remove(&addr.header.index);
+            }
+        }
+    }
     out.sort_by_key(|i| i.ifindex);
-    Ok(out)
+    Ok(Links {
+        interfaces: out,
+        pod_veths,
+    })
 }
 
 fn clsact_message(ifindex: u32) -> TcMessage {

@@ -11,8 +11,22 @@
 //! interfaces the links are created on a background thread while tracing
 //! already runs: until an interface is in the kernel's TC_IFACES map, the
 //! device tracepoints report its packets instead (tracer-ebpf/src/tracepoints.rs).
+//!
+//! Detaching costs the same grace period per link (see
+//! [`TcAttachments::detach_all`]), which made Ctrl-C on a node with 300 pods
+//! take 6-11 s. So past [`TRACEPOINTS_OVER`] interfaces the pods' veths get
+//! no tc at all and stay with the device tracepoints for good: on a veth
+//! they see exactly what tc would (a veth has no qdisc: drivers/net/veth.c
+//! `veth_setup` sets IFF_NO_QUEUE, so nothing runs between tc egress and
+//! `net_dev_start_xmit`, or between `netif_receive_skb` and tc ingress; a
+//! shaping qdisc someone adds, e.g. the bandwidth CNI plugin's, only delays
+//! the transmit event, and its drops are `kfree_skb` events), and the
+//! collector takes either (collector/types.rs `node_ingress`/`node_egress`).
+//! tc stays on the node's own interfaces (uplinks, bridges, overlay
+//! devices), where a qdisc may queue between tc and the transmit tracepoint.
+//! Lab tests give the same verdicts and causes both ways (DESIGN.md).
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     io,
     os::fd::{AsFd, AsRawFd, OwnedFd, RawFd},
     sync::{
@@ -54,6 +68,11 @@ struct IfaceLinks {
 /// Interfaces attached on the calling thread; more go to a background thread.
 const INLINE_MAX: usize = 16;
 
+/// Past this many interfaces in the namespace, pod veths are left to the
+/// device tracepoints (module comment). Below it tc covers everything, as it
+/// always did: attaching and detaching a few dozen links is quick.
+const TRACEPOINTS_OVER: usize = 64;
+
 type TcxResults = Vec<(Interface, Result<Vec<OwnedFd>, String>)>;
 
 /// tcx links being created in the background.
@@ -72,6 +91,14 @@ pub struct TcAttachments {
     /// clsact mode: our claims on our programs, so another nattrace's
     /// leftover cleanup leaves our filters alone (cleanup.rs).
     claims: Vec<std::os::unix::net::UnixListener>,
+    /// Pod veths left to the device tracepoints at the last sync.
+    by_tracepoints: usize,
+    /// Interfaces in the namespace past which pod veths get no tc.
+    /// NATTRACE_TC_EVERYWHERE=1: never (tests: leftovers on every
+    /// interface, the old slow detach); NATTRACE_TC_NODE_ONLY=1: always
+    /// (run any lab test with it to compare verdicts with and without tc
+    /// on the pods' veths).
+    pods_over: usize,
 }
 
 /// What a [`TcAttachments::sync`] or [`TcAttachments::collect`] changed.
@@ -91,7 +118,20 @@ impl TcAttachments {
             ifaces: BTreeMap::new(),
             pending: None,
             claims: Vec::new(),
+            by_tracepoints: 0,
+            pods_over: if std::env::var_os("NATTRACE_TC_EVERYWHERE").is_some() {
+                usize::MAX
+            } else if std::env::var_os("NATTRACE_TC_NODE_ONLY").is_some() {
+                0
+            } else {
+                TRACEPOINTS_OVER
+            },
         }
+    }
+
+    /// Pod veths watched by the device tracepoints instead of tc.
+    pub fn tracepoint_count(&self) -> usize {
+        self.by_tracepoints
     }
 
     pub fn mode(&self) -> &'static str {
@@ -246,8 +286,15 @@ impl TcAttachments {
 
     /// Attaches to every interface in `ifaces` not attached yet and forgets
     /// those that disappeared; many new ones are attached in the background
-    /// (see [`collect`](Self::collect)). Must run in the traced namespace.
-    pub fn sync(&mut self, ebpf: &mut Ebpf, ifaces: &[Interface]) -> Synced {
+    /// (see [`collect`](Self::collect)). Past [`TRACEPOINTS_OVER`]
+    /// interfaces, `pod_veths` get none (module comment); links they already
+    /// have stay. Must run in the traced namespace.
+    pub fn sync(
+        &mut self,
+        ebpf: &mut Ebpf,
+        ifaces: &[Interface],
+        pod_veths: &BTreeSet<u32>,
+    ) -> Synced {
         let mut out = Synced::default();
         let gone: Vec<u32> = self
             .ifaces
@@ -267,9 +314,15 @@ impl TcAttachments {
             // Picked up by a later sync, once the background attach is done.
             return out;
         }
+        let skip_pods = ifaces.len() > self.pods_over;
+        let left_to_tracepoints = |i: &Interface| skip_pods && pod_veths.contains(&i.ifindex);
+        self.by_tracepoints = ifaces
+            .iter()
+            .filter(|i| left_to_tracepoints(i) && !self.ifaces.contains_key(&i.ifindex))
+            .count();
         let todo: Vec<Interface> = ifaces
             .iter()
-            .filter(|i| !self.ifaces.contains_key(&i.ifindex))
+            .filter(|i| !self.ifaces.contains_key(&i.ifindex) && !left_to_tracepoints(i))
             .cloned()
             .collect();
         if todo.is_empty() {
@@ -351,6 +404,9 @@ impl TcAttachments {
     /// from one thread and 8.4 s from eight on this 2-core VM (~14 ms each).
     /// Exiting without closing them would leave the same work to the kernel
     /// at exit, so nattrace waits; the session writes its output meanwhile.
+    /// That is why big nodes keep tc off the pod veths ([`TRACEPOINTS_OVER`]):
+    /// with 306 interfaces Ctrl-C → exit went from 7.7 s to 0.15 s
+    /// (tests/tests/tracer/many.rs).
     pub fn detach_all(&mut self) {
         if let Some(p) = &self.pending {
             p.cancel.store(true, Ordering::Relaxed);

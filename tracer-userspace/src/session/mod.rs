@@ -88,8 +88,9 @@ pub fn run(options: SessionOptions) -> Result<Outcome, SessionError> {
 /// After a signal, everything (detach, last flows, summary) is done within
 /// this, whatever the reader of our output does.
 const EXIT_BUDGET: Duration = Duration::from_millis(700);
-/// Past this many interfaces detaching takes long enough to say so (two
-/// tcx links each, one RCU grace period per link: probes/tc.rs).
+/// Past this many interfaces with tc detaching takes long enough to say so
+/// (two tcx links each, one RCU grace period per link: probes/tc.rs). Pod
+/// veths have no tc on big nodes, so this is rare (NATTRACE_TC_EVERYWHERE).
 const SLOW_DETACH_INTERFACES: usize = 64;
 /// Otherwise, the output is written as long as the reader keeps reading.
 const OUTPUT_STALL: Duration = Duration::from_secs(1);
@@ -145,6 +146,9 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         backend: options.backend,
     })?;
     let watch = NetnsWatch::new(options.netns.as_deref());
+    if let Some(note) = tracer.tc_split_note() {
+        notices.say(note);
+    }
     for skipped in tracer.skipped() {
         notices.say(format_args!(
             "skipped {}: {}",
@@ -313,11 +317,11 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     }
     // Detaches everything, also after a second Ctrl-C.
     if let Some(t) = &tracer
-        && t.facts().interfaces.len() > SLOW_DETACH_INTERFACES
+        && t.tc_interface_count() > SLOW_DETACH_INTERFACES
     {
         notices.say(format_args!(
             "detaching from {} interfaces: the kernel takes a few milliseconds per tc link, so this takes a few seconds",
-            t.facts().interfaces.len()
+            t.tc_interface_count()
         ));
     }
     drop(tracer);
