@@ -177,6 +177,24 @@ fn run() -> anyhow::Result<bool> {
         if runs.len() > 1 {
             checks.record(&format!("{} backends agree", sc.name), compare(&runs));
         }
+        if backends.contains(&"kprobe") && backends.contains(&"netfilter") {
+            let name = format!("{} auto falls back to kprobe", sc.name);
+            match auto_with_netfilter_window_full(&nattrace, &facts) {
+                Ok(run) => {
+                    let why = run.start["backend_reason"].as_str().unwrap_or_default();
+                    checks.record(
+                        &format!("{name}: reason"),
+                        if why.contains("could not attach") && why.ends_with("kprobes instead") {
+                            Ok(why.to_string())
+                        } else {
+                            Err(format!("backend_reason {why:?}"))
+                        },
+                    );
+                    judge(&mut checks, &name, sc, "kprobe", &facts, &run);
+                }
+                Err(e) => checks.record(&name, Err(format!("{e:#}"))),
+            }
+        }
     }
 
     say(&format!(
@@ -301,6 +319,59 @@ struct Run {
     start: Value,
     /// Per connection: the HTTP status line, or why there was none.
     traffic: Vec<Result<String, String>>,
+}
+
+/// Every priority nattrace's INPUT-before-SNAT link may take (1..=99) is
+/// held by an nft base chain, so its netfilter links cannot attach
+/// (`nf_hook_entries_grow`: -EBUSY): `--backend auto` must say so and trace
+/// with kprobes. The chains are removed again afterwards.
+fn auto_with_netfilter_window_full(nattrace: &Path, facts: &LabFacts) -> anyhow::Result<Run> {
+    let mut rules = String::from("table ip nattrace-vm-fill {\n");
+    for priority in 1..=99 {
+        rules.push_str(&format!(
+            "  chain input{priority} {{ type filter hook input priority {priority}; policy accept; }}\n"
+        ));
+    }
+    rules.push_str("}\n");
+    nft_in(&facts.node_path, &["-f", "-"], Some(&rules))?;
+    let run = trace(nattrace, "auto", facts);
+    nft_in(
+        &facts.node_path,
+        &["delete", "table", "ip", "nattrace-vm-fill"],
+        None,
+    )?;
+    run
+}
+
+/// `nft ARGS` in the namespace at `ns`, with `stdin` fed to it.
+fn nft_in(ns: &Path, args: &[&str], stdin: Option<&str>) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new("/usr/sbin/ip")
+        .args(["netns", "exec"])
+        .arg(ns.file_name().context("netns path")?)
+        .arg("nft")
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("running nft")?;
+    if let Some(text) = stdin {
+        child
+            .stdin
+            .take()
+            .context("nft stdin")?
+            .write_all(text.as_bytes())?;
+    }
+    drop(child.stdin.take());
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "nft {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
 }
 
 /// One nattrace run: attach, make the connections, wait for the summary.

@@ -22,6 +22,9 @@ const HOST_PROGRAMS: &[&str] = &[
     "/usr/sbin/xtables-nft-multi",
     "/usr/sbin/xtables-legacy-multi",
     "/usr/sbin/conntrack",
+    // vm-guest fills a netfilter priority window with base chains to see
+    // `--backend auto` fall back to kprobes.
+    "/usr/sbin/nft",
 ];
 
 /// iptables plugins (matches, targets) are dlopen()ed, so ldd of the binary misses them.
