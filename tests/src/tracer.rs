@@ -430,3 +430,56 @@ pub fn doctor(lab: &crate::Lab, node: &str) -> (Option<i32>, Value) {
         .unwrap_or_else(|e| panic!("{e}: {text} {}", String::from_utf8_lossy(&out.stderr)));
     (out.status.code(), v)
 }
+
+/// One point a packet of a flow passed, from nattrace's JSON.
+#[derive(Clone, Debug)]
+pub struct Hop {
+    /// The packet's kind: `SYN`, `SYN-ACK`, `DNS query`, ...
+    pub kind: String,
+    /// "hook nf_hook nat_stage ifname", the parts that exist.
+    pub place: String,
+    /// Whether the point is in the traced node's namespace.
+    pub node_ns: bool,
+    pub src: String,
+    pub dst: String,
+}
+
+/// Every hop of every packet of a flow, in order.
+pub fn hops(flow: &Value) -> Vec<Hop> {
+    let mut out = Vec::new();
+    for p in flow["packets"].as_array().expect("packets") {
+        for h in p["hops"].as_array().expect("hops") {
+            let place = [&h["hook"], &h["nf_hook"], &h["nat_stage"], &h["ifname"]]
+                .iter()
+                .filter_map(|v| v.as_str())
+                .collect::<Vec<_>>()
+                .join(" ");
+            let text = |v: &Value| v.as_str().unwrap_or("").to_string();
+            out.push(Hop {
+                kind: text(&p["kind"]),
+                place,
+                node_ns: h["node_ns"].as_bool().unwrap_or(false),
+                src: text(&h["src"]),
+                dst: text(&h["dst"]),
+            });
+        }
+    }
+    out
+}
+
+/// Whether a `kind` packet passed a point starting with `place` with
+/// addresses (src, dst) that `test` accepts.
+pub fn has_hop(flow: &Value, kind: &str, place: &str, test: impl Fn(&str, &str) -> bool) -> bool {
+    hops(flow)
+        .iter()
+        .any(|h| h.kind == kind && h.place.starts_with(place) && test(&h.src, &h.dst))
+}
+
+/// The flow's verdict and cause (`None`: no cause) are these.
+pub fn assert_verdict_and_cause(f: &Value, verdict: &str, cause: Option<&str>, done: &Finished) {
+    assert_eq!(f["verdict"], verdict, "{}", done.describe());
+    match cause {
+        Some(c) => assert_eq!(f["cause"], c, "{}", done.describe()),
+        None => assert!(f["cause"].is_null(), "{}", done.describe()),
+    }
+}

@@ -96,40 +96,12 @@ fn curl_exit(lab: &Lab, from: &str, ip: Ipv4Addr) -> Option<i32> {
         .code()
 }
 
-/// Every hop as (packet kind, "hook nf_hook nat_stage ifname", node_ns, src, dst).
-fn hops(flow: &Value) -> Vec<(String, String, bool, String, String)> {
-    let mut out = Vec::new();
-    for p in flow["packets"].as_array().expect("packets") {
-        for h in p["hops"].as_array().expect("hops") {
-            let place = [&h["hook"], &h["nf_hook"], &h["nat_stage"], &h["ifname"]]
-                .iter()
-                .filter_map(|v| v.as_str())
-                .collect::<Vec<_>>()
-                .join(" ");
-            out.push((
-                p["kind"].as_str().unwrap_or("").to_string(),
-                place,
-                h["node_ns"].as_bool().unwrap_or(false),
-                h["src"].as_str().unwrap_or("").to_string(),
-                h["dst"].as_str().unwrap_or("").to_string(),
-            ));
-        }
-    }
-    out
-}
-
 fn has_hop(flow: &Value, kind: &str, place: &str) -> bool {
-    hops(flow)
-        .iter()
-        .any(|(k, p, ..)| k == kind && p.starts_with(place))
+    lab::tracer::has_hop(flow, kind, place, |_, _| true)
 }
 
 fn assert_verdict(f: &Value, verdict: &str, cause: Option<&str>, done: &Finished) {
-    assert_eq!(f["verdict"], verdict, "{}", done.describe());
-    match cause {
-        Some(c) => assert_eq!(f["cause"], c, "{}", done.describe()),
-        None => assert!(f["cause"].is_null(), "{}", done.describe()),
-    }
+    lab::tracer::assert_verdict_and_cause(f, verdict, cause, done);
     let cause = f["cause"].as_str().unwrap_or("");
     assert!(
         !BRIDGE_CAUSES.contains(&cause),

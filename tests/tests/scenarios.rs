@@ -13,7 +13,9 @@ use std::time::Duration;
 use lab::kube_proxy::{sep_chain, svc_chain};
 use lab::kube_proxy_nft::{endpoint_chain, service_chain};
 use lab::presets::{self, Backend, web_svc};
-use lab::tracer::{Finished, Nattrace, ip_of, nattrace, tracing_lock};
+use lab::tracer::{
+    Finished, Nattrace, assert_verdict_and_cause, has_hop, hops, ip_of, nattrace, tracing_lock,
+};
 use lab::{Lab, LabSpec, Protocol, ProxyMode, build_lab};
 use serde_json::Value;
 
@@ -151,39 +153,8 @@ fn curl(lab: &Lab, from: &str) -> bool {
     .success()
 }
 
-/// The flow's hops, as (packet kind, "hook nf_hook nat_stage ifname", src, dst).
-fn hops(flow: &Value) -> Vec<(String, String, String, String)> {
-    let mut out = Vec::new();
-    for p in flow["packets"].as_array().expect("packets") {
-        for h in p["hops"].as_array().expect("hops") {
-            let place = [&h["hook"], &h["nf_hook"], &h["nat_stage"], &h["ifname"]]
-                .iter()
-                .filter_map(|v| v.as_str())
-                .collect::<Vec<_>>()
-                .join(" ");
-            out.push((
-                p["kind"].as_str().unwrap_or("").to_string(),
-                place,
-                h["src"].as_str().unwrap_or("").to_string(),
-                h["dst"].as_str().unwrap_or("").to_string(),
-            ));
-        }
-    }
-    out
-}
-
-fn has_hop(flow: &Value, kind: &str, place: &str, test: impl Fn(&str, &str) -> bool) -> bool {
-    hops(flow)
-        .iter()
-        .any(|(k, p, s, d)| k == kind && p.starts_with(place) && test(s, d))
-}
-
 fn assert_common(f: &Value, verdict: &str, cause: Option<&str>, done: &Finished) {
-    assert_eq!(f["verdict"], verdict, "{}", done.describe());
-    match cause {
-        Some(c) => assert_eq!(f["cause"], c, "{}", done.describe()),
-        None => assert!(f["cause"].is_null(), "{}", done.describe()),
-    }
+    assert_verdict_and_cause(f, verdict, cause, done);
 }
 
 // ---------------------------------------------------------------- 1: DNS
@@ -536,7 +507,7 @@ fn chains_and_path(mode: ProxyMode) {
     {
         let places: Vec<String> = hops(&serde_json::json!({ "packets": [p] }))
             .into_iter()
-            .map(|h| h.1)
+            .map(|h| h.place)
             .collect();
         for want in [
             "tc-ingress",
