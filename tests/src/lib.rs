@@ -68,3 +68,22 @@ pub fn skip_without_root(why: &str) -> bool {
 pub fn build_lab(spec: LabSpec) -> Lab {
     Lab::build(spec).unwrap_or_else(|e| panic!("building the lab failed: {e}"))
 }
+
+/// Declares a root test per kube-proxy mode for a scenario `fn body(ProxyMode)`:
+/// `$iptables` (the original name) and `$nftables` (`_nft`). The calling test
+/// file provides `require_root!`, which skips with its own message.
+#[macro_export]
+macro_rules! both_modes {
+    ($body:ident: $iptables:ident, $nftables:ident) => {
+        #[test]
+        fn $iptables() {
+            require_root!();
+            $body($crate::ProxyMode::Iptables);
+        }
+        #[test]
+        fn $nftables() {
+            require_root!();
+            $body($crate::ProxyMode::Nftables);
+        }
+    };
+}

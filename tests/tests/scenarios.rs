@@ -10,6 +10,7 @@
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
+use lab::both_modes;
 use lab::kube_proxy::{sep_chain, svc_chain};
 use lab::kube_proxy_nft::{endpoint_chain, service_chain};
 use lab::presets::{self, Backend, web_svc};
@@ -30,24 +31,7 @@ macro_rules! require_root {
     };
 }
 
-/// Each seed scenario is a function of kube-proxy's mode; this declares its
-/// test for iptables mode (the original name) and for nftables mode (`_nft`).
-macro_rules! both_modes {
-    ($body:ident: $iptables:ident, $nftables:ident) => {
-        #[test]
-        fn $iptables() {
-            require_root!();
-            $body(ProxyMode::Iptables);
-        }
-        #[test]
-        fn $nftables() {
-            require_root!();
-            $body(ProxyMode::Nftables);
-        }
-    };
-}
-
-// Below the macros, so their textual scope reaches them.
+// Below require_root!, so its textual scope reaches them.
 #[path = "scenarios/doctor.rs"]
 mod doctor;
 #[path = "scenarios/ipvs.rs"]

@@ -8,6 +8,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use lab::both_modes;
 use lab::kube_proxy_nft::{endpoint_chain, service_chain};
 use lab::presets::{self, Backend, Seed000, web_svc};
 use lab::tracer::{Finished, Nattrace, curl_parallel, nattrace, tracing_lock};
@@ -45,23 +46,6 @@ const CURL_MAX_TIME: Duration = Duration::from_secs(1);
 /// for the last events to be read.
 const TRACE_SECS: f64 = 3.5;
 const REPLY_TIMEOUT_MS: &str = "1000";
-
-/// Each seed scenario is a function of kube-proxy's mode; this declares its
-/// test for iptables mode (the original name) and for nftables mode (`_nft`).
-macro_rules! both_modes {
-    ($body:ident: $iptables:ident, $nftables:ident) => {
-        #[test]
-        fn $iptables() {
-            require_root!();
-            $body(ProxyMode::Iptables);
-        }
-        #[test]
-        fn $nftables() {
-            require_root!();
-            $body(ProxyMode::Nftables);
-        }
-    };
-}
 
 fn seed000(bridge_nf_call_iptables: bool, backend: Backend, mode: ProxyMode) -> Lab {
     let mut spec = presets::seed000(Seed000 {
