@@ -8,7 +8,7 @@ use serde::Serialize;
 use crate::{
     facts::Interface,
     probes::netns::{self, Netns, NetnsError},
-    ruleset::{self, KubeProxyRules, ProxyMode, dataplane::Dataplane},
+    ruleset::{self, KubeProxyRules, OutsideNetfilter, ProxyMode, dataplane::Dataplane},
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -370,13 +370,9 @@ pub fn assess(i: &Inputs) -> Report {
 /// Whether Services (the traced ones, or any for `doctor`) are translated by
 /// something other than netfilter NAT, where nattrace's verdicts mislead.
 fn service_nat(i: &Inputs) -> Option<Finding> {
-    let traced: Vec<String> = i
-        .traced
+    let traced: Vec<String> = outside_netfilter(i)
         .iter()
-        .filter_map(|ip| {
-            let who = i.dataplane.not_netfilter(*ip, &i.kube_proxy)?;
-            Some(format!("{ip} is translated by {who}"))
-        })
+        .map(|o| format!("{} is translated by {}", o.ip, o.by))
         .collect();
     let (value, what) = if !traced.is_empty() {
         ("service_nat=not-netfilter".to_string(), traced.join("; "))
@@ -395,6 +391,18 @@ fn service_nat(i: &Inputs) -> Option<Finding> {
         ),
         FIX_DATAPLANE,
     ))
+}
+
+/// The traced Service IPs that IPVS or an eBPF data plane translates
+/// instead of kube-proxy's netfilter NAT.
+pub(crate) fn outside_netfilter(i: &Inputs) -> Vec<OutsideNetfilter> {
+    i.traced
+        .iter()
+        .filter_map(|&ip| {
+            let by = i.dataplane.not_netfilter(ip, &i.kube_proxy)?;
+            Some(OutsideNetfilter { ip, by })
+        })
+        .collect()
 }
 
 fn read_u64(path: &str) -> Option<u64> {

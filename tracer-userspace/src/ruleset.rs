@@ -350,8 +350,9 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
     let Ok(ns) = Netns::open(netns) else {
         return KubeProxyRules::default();
     };
+    let nf_tables = nf_tables_loaded();
     let mut sources: Vec<(&str, &'static str)> = Vec::new();
-    if nf_tables_loaded() {
+    if nf_tables {
         sources.push(("iptables-nft-save", "nft"));
     }
     if legacy_tables_exist(&ns) {
@@ -385,7 +386,7 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
         }
     }
     if best.mode == ProxyMode::None
-        && nf_tables_loaded()
+        && nf_tables
         && let Some(rules) =
             run_in(&ns, "nft", &["-j", "list", "ruleset"]).and_then(|j| nft::parse(&j))
     {

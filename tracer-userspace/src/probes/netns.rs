@@ -169,7 +169,7 @@ pub(super) fn netlink_request(
 
 /// The interfaces of the calling thread's network namespace.
 pub fn list_interfaces() -> Result<Vec<Interface>, NetnsError> {
-    Ok(list_links()?.interfaces)
+    Ok(dump_links()?.0)
 }
 
 /// One link dump of the calling thread's network namespace.
@@ -183,7 +183,36 @@ pub struct Links {
     pub pod_veths: BTreeSet<u32>,
 }
 
+/// The interfaces and which of them are pod veths (one link dump, plus an
+/// address dump only when a veth's peer is elsewhere).
 pub fn list_links() -> Result<Links, NetnsError> {
+    let (interfaces, mut pod_veths) = dump_links()?;
+    // A veth with an IPv4 address here is the node's own uplink (kind, lab
+    // nodes: eth0's peer is in the host namespace); a pod veth's host side
+    // has none, whatever the CNI (bridge, Calico, Cilium).
+    if !pod_veths.is_empty() {
+        let mut msg = AddressMessage::default();
+        msg.header.family = AddressFamily::Inet;
+        for reply in netlink_request(
+            RouteNetlinkMessage::GetAddress(msg),
+            NLM_F_DUMP | NLM_F_REQUEST,
+        )? {
+            if let RouteNetlinkMessage::NewAddress(addr) = reply
+                && addr.header.family == AddressFamily::Inet
+            {
+                pod_veths.remove(&addr.header.index);
+            }
+        }
+    }
+    Ok(Links {
+        interfaces,
+        pod_veths,
+    })
+}
+
+/// The link dump: interfaces (by ifindex) and the veths whose peer is in
+/// another namespace.
+fn dump_links() -> Result<(Vec<Interface>, BTreeSet<u32>), NetnsError> {
     let replies = netlink_request(
         RouteNetlinkMessage::GetLink(LinkMessage::default()),
         NLM_F_DUMP | NLM_F_REQUEST,
@@ -228,28 +257,8 @@ pub fn list_links() -> Result<Links, NetnsError> {
         }
         out.push(iface);
     }
-    // A veth with an IPv4 address here is the node's own uplink (kind, lab
-    // nodes: eth0's peer is in the host namespace); a pod veth's host side
-    // has none, whatever the CNI (bridge, Calico, Cilium).
-    if !pod_veths.is_empty() {
-        let mut msg = AddressMessage::default();
-        msg.header.family = AddressFamily::Inet;
-        for reply in netlink_request(
-            RouteNetlinkMessage::GetAddress(msg),
-            NLM_F_DUMP | NLM_F_REQUEST,
-        )? {
-            if let RouteNetlinkMessage::NewAddress(addr) = reply
-                && addr.header.family == AddressFamily::Inet
-            {
-                pod_veths.remove(&addr.header.index);
-            }
-        }
-    }
     out.sort_by_key(|i| i.ifindex);
-    Ok(Links {
-        interfaces: out,
-        pod_veths,
-    })
+    Ok((out, pod_veths))
 }
 
 fn clsact_message(ifindex: u32) -> TcMessage {

@@ -471,14 +471,7 @@ fn header(options: &SessionOptions, tracer: &Tracer) -> Header {
     inputs.traced = options.services.iter().map(|s| s.addr).collect();
     // Recorded with kube-proxy's rules, so the collector (live and in
     // `analyze`) gives such a Service's flows no NAT-based cause.
-    inputs.kube_proxy.outside_netfilter = inputs
-        .traced
-        .iter()
-        .filter_map(|&ip| {
-            let by = inputs.dataplane.not_netfilter(ip, &inputs.kube_proxy)?;
-            Some(crate::ruleset::OutsideNetfilter { ip, by })
-        })
-        .collect();
+    inputs.kube_proxy.outside_netfilter = crate::doctor::outside_netfilter(&inputs);
     let checks = crate::doctor::assess(&inputs);
     // One line up front where the traced Services bypass netfilter NAT
     // (IPVS, eBPF): the verdicts that follow would otherwise mislead.
