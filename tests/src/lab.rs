@@ -158,6 +158,41 @@ impl Lab {
         netns::run_checked(Some(self.netns(target)?), args, None)
     }
 
+    /// A NetworkPolicy-style DROP of new TCP traffic to `dst`:`port`, inserted
+    /// first in filter FORWARD on `node` (what a policy controller writes).
+    pub fn deny_forward_to(
+        &self,
+        node: &str,
+        dst: Ipv4Addr,
+        port: u16,
+        comment: &str,
+    ) -> Result<String> {
+        let (dst, port) = (format!("{dst}/32"), port.to_string());
+        self.run(
+            node,
+            &[
+                "iptables",
+                "-w",
+                "5",
+                "-I",
+                "FORWARD",
+                "1",
+                "-d",
+                &dst,
+                "-p",
+                "tcp",
+                "--dport",
+                &port,
+                "-m",
+                "comment",
+                "--comment",
+                comment,
+                "-j",
+                "DROP",
+            ],
+        )
+    }
+
     /// Starts `args` in the background in `target` (stdio to /dev/null);
     /// the process (and its process group) is killed when the lab is dropped.
     pub fn spawn(&self, target: &str, args: &[&str]) -> Result<u32> {

@@ -449,28 +449,11 @@ fn root_routed_network_policy_drop_in_forward() {
     require_root!();
     let _lock = tracing_lock();
     let lab = seed000(Backend::SameNode, true);
-    let backend = format!("{}/32", presets::BACKEND_IP);
-    lab.run(
+    lab.deny_forward_to(
         presets::NODE_A,
-        &[
-            "iptables",
-            "-w",
-            "5",
-            "-I",
-            "FORWARD",
-            "-d",
-            &backend,
-            "-p",
-            "tcp",
-            "--dport",
-            "80",
-            "-m",
-            "comment",
-            "--comment",
-            "netpol: deny all ingress to backend",
-            "-j",
-            "DROP",
-        ],
+        presets::BACKEND_IP,
+        presets::WEB_PORT,
+        "netpol: deny all ingress to backend",
     )
     .expect("inserting the DROP rule");
     let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {

@@ -533,29 +533,11 @@ fn root_a_filter_forward_drop_is_reported_after_the_forward_hop() {
     require_root!();
     let _lock = tracing_lock();
     let lab = busy_node(true);
-    let backend = presets::BACKEND_IP.to_string();
-    lab.run(
+    lab.deny_forward_to(
         presets::NODE_A,
-        &[
-            "iptables",
-            "-w",
-            "5",
-            "-I",
-            "FORWARD",
-            "1",
-            "-d",
-            &backend,
-            "-p",
-            "tcp",
-            "--dport",
-            "80",
-            "-m",
-            "comment",
-            "--comment",
-            "networkpolicy deny",
-            "-j",
-            "DROP",
-        ],
+        presets::BACKEND_IP,
+        presets::WEB_PORT,
+        "networkpolicy deny",
     )
     .expect("DROP rule");
     let local_ports = ports(49000, 3);
