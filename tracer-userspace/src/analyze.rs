@@ -39,6 +39,72 @@ pub enum AnalyzeError {
     },
 }
 
+/// `nattrace analyze b.rec a.rec …`: every node's recording decided by its
+/// own collector, then the flows merged across nodes (`crate::merge`).
+pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, AnalyzeError> {
+    let mut nodes = Vec::new();
+    let mut headers = Vec::new();
+    for path in paths {
+        let (mut reader, header) = Reader::open(path)?;
+        let stem = path.file_stem().map_or_else(
+            || path.display().to_string(),
+            |s| s.to_string_lossy().into_owned(),
+        );
+        let mut name = header.node.clone().unwrap_or(stem);
+        // Two recordings of one node name (copies, or old files): tell them apart.
+        if nodes
+            .iter()
+            .any(|n: &crate::merge::NodeFlows| n.name.as_str() == name)
+        {
+            name = format!("{name}#{}", nodes.len() + 1);
+        }
+        let node = crate::merge::decide_node(&name, &header, reader.by_ref())?;
+        if let Some(first) = &reader.first_skipped {
+            eprintln!(
+                "nattrace: warning: recording {} has {} unreadable line(s), skipped (first at line {}: {})",
+                path.display(),
+                reader.skipped_lines,
+                first.line,
+                first.why
+            );
+        }
+        if let Some(p) = reader.problem() {
+            eprintln!(
+                "nattrace: warning: recording {} is truncated (line {}: {}); its flows still open at the cut may lack evidence",
+                path.display(),
+                p.line,
+                p.why
+            );
+        }
+        nodes.push(node);
+        headers.push(header);
+    }
+    let (reports, summary) = crate::merge::merge(&nodes);
+    let mut out = Outputs::new(opts.format, opts.color, opts.verbose, Overflow::Block)
+        .map_err(AnalyzeError::Output)?;
+    if let Some(pcap) = &opts.pcap {
+        out.pcap(pcap, &headers[0]).map_err(AnalyzeError::Output)?;
+        out.set_node_clocks(
+            nodes
+                .iter()
+                .zip(&headers)
+                .filter_map(|(n, h)| Some((n.name.to_string(), h.clock.clone()?)))
+                .collect(),
+        );
+    }
+    for h in &headers {
+        out.preamble(h).map_err(AnalyzeError::Output)?;
+    }
+    out.flows(reports).map_err(AnalyzeError::Output)?;
+    out.summary(&summary).map_err(AnalyzeError::Output)?;
+    let forever = std::time::Instant::now() + std::time::Duration::from_secs(365 * 24 * 3600);
+    out.drain(forever, std::time::Duration::from_secs(365 * 24 * 3600));
+    for w in out.take_warnings() {
+        eprintln!("nattrace: warning: {w}");
+    }
+    Ok(std::mem::take(&mut out.outcome))
+}
+
 pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
     let (mut reader, header) = Reader::open(&opts.path)?;
     let mut collector = Collector::new(header.collector_config()?);

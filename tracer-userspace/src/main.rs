@@ -68,6 +68,10 @@ struct Cli {
     /// Write every packet of each decided flow at every point it passed to FILE as pcapng (for Wireshark).
     #[arg(long, value_name = "FILE", value_parser = parse_out_path)]
     pcap: Option<PathBuf>,
+
+    /// This node's name in the --write recording (default: the --netns name, else the hostname); `analyze` of several nodes' recordings labels each hop with it.
+    #[arg(long, value_name = "NAME", value_parser = parse_node_name)]
+    node_name: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -88,11 +92,11 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Format::Text)]
         output: Format,
     },
-    /// Re-decide the flows of a recording made with --write, with the same output as the live run.
+    /// Re-decide the flows of a recording made with --write, with the same output as the live run; given several nodes' recordings, decide each flow across all of them.
     Analyze {
-        /// The recording.
-        #[arg(value_name = "FILE", value_parser = parse_in_file)]
-        file: PathBuf,
+        /// The recording(s): one per node.
+        #[arg(value_name = "FILE", value_parser = parse_in_file, required = true, num_args = 1..)]
+        files: Vec<PathBuf>,
         /// Output format.
         #[arg(long, value_enum, default_value_t = Format::Text)]
         output: Format,
@@ -214,6 +218,17 @@ fn parse_netns(s: &str) -> Result<String, String> {
     Ok(s.to_owned())
 }
 
+/// A label for output: printable, short.
+fn parse_node_name(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 253 || s.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err(format!(
+            "'{}' is not a node name (1 to 253 printable characters, no spaces)",
+            s.escape_debug()
+        ));
+    }
+    Ok(s.to_owned())
+}
+
 fn parse_ringbuf_kib(s: &str) -> Result<u32, String> {
     let kib: u32 = s
         .parse()
@@ -298,20 +313,25 @@ fn main() -> ExitCode {
     };
     match cli.command {
         Some(Command::Analyze {
-            file,
+            files,
             output,
             verbose,
             color,
             pcap,
         }) => {
             let opts = AnalyzeOptions {
-                path: file,
+                path: files[0].clone(),
                 format: format_of(output),
                 verbose,
                 color: color_on(color),
                 pcap,
             };
-            return match analyze::run(&opts) {
+            let result = if files.len() > 1 {
+                analyze::run_nodes(&opts, &files)
+            } else {
+                analyze::run(&opts)
+            };
+            return match result {
                 Ok(outcome) => ExitCode::from(outcome.exit_status()),
                 Err(err) => {
                     eprintln!("nattrace: {err}");
@@ -353,6 +373,7 @@ fn main() -> ExitCode {
         write: cli.write,
         write_max_bytes: Some(cli.write_max_mb << 20),
         pcap: cli.pcap,
+        node_name: cli.node_name,
     };
     match session::run(options) {
         Ok(outcome) => ExitCode::from(outcome.exit_status()),

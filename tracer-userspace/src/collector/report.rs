@@ -75,6 +75,10 @@ pub struct Hop {
     pub drop_reason: Option<Name>,
     /// This is where the reply was judged.
     pub client_side: bool,
+    /// The node whose recording this hop comes from, when flows are merged
+    /// across nodes (`analyze b.rec a.rec`); absent for one node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<Name>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -579,6 +583,7 @@ fn evidence(flow: &Flow, ctx: &ReportCtx<'_>) -> Vec<PacketEvidence> {
             dst: o.dst.socket_addr(),
             drop_reason: (o.hook == hook::DROP).then(|| ctx.reason_name(o.drop_reason)),
             client_side: client_obs == Some(i),
+            node: None,
         });
     }
     let dns = flow.proto == proto::UDP && flow.service.port == 53;

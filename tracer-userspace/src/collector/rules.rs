@@ -47,6 +47,10 @@ pub enum CauseId {
     BackendUnreachable,
     /// Issue 11: the backend answered the SYN with RST (pod alive, port closed).
     BackendPortClosed,
+    /// Seed 003 told from both nodes (issue 14): one node DNATed the
+    /// request, the backend's node sent the reply straight to the client.
+    /// Named only by the cross-node merge (`crate::merge`).
+    AsymmetricReturnPath,
 }
 
 impl CauseId {
@@ -64,6 +68,7 @@ impl CauseId {
         CauseId::ServiceNotNetfilter,
         CauseId::BackendUnreachable,
         CauseId::BackendPortClosed,
+        CauseId::AsymmetricReturnPath,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -81,6 +86,7 @@ impl CauseId {
             CauseId::DroppedByRpFilter => "dropped_by_rp_filter",
             CauseId::BackendUnreachable => "backend_unreachable",
             CauseId::BackendPortClosed => "backend_port_closed",
+            CauseId::AsymmetricReturnPath => "asymmetric_return_path",
         }
     }
 
@@ -125,6 +131,8 @@ impl CauseId {
             CauseId::BackendPortClosed => {
                 "the backend pod runs but nothing listens on the port: check the Service's targetPort against the container's port, the container's logs and its readiness probe (a pod should not be ready before it listens)"
             }
+            // The same fix as each node's half of the story.
+            CauseId::AsymmetricReturnPath => CauseId::NoReplyThroughNode.hint(),
         }
     }
 }
@@ -166,6 +174,9 @@ impl CauseId {
             CauseId::BackendPortClosed => {
                 "backend pod alive but nothing listens on the target port: it answers with RST"
             }
+            CauseId::AsymmetricReturnPath => {
+                "seed 003 from both nodes' recordings (`nattrace analyze b.rec a.rec`): one node DNATs, the backend's node replies straight to the client"
+            }
         }
     }
 
@@ -174,7 +185,14 @@ impl CauseId {
         RULES
             .iter()
             .find(|r| r.id == self)
-            .map_or(&[], |r| r.verdicts)
+            .map(|r| r.verdicts)
+            .or_else(|| {
+                CROSS_NODE
+                    .iter()
+                    .find(|(id, _)| *id == self)
+                    .map(|(_, v)| *v)
+            })
+            .unwrap_or(&[])
     }
 }
 
@@ -254,6 +272,13 @@ impl RuleCtx<'_> {
 
 /// (short clause, full text)
 type Found = (String, String);
+
+/// Causes that one node's events cannot show, named only when recordings
+/// of several nodes are merged (`crate::merge`), with their verdicts.
+const CROSS_NODE: &[(CauseId, &[Verdict])] = &[(
+    CauseId::AsymmetricReturnPath,
+    &[Verdict::ReplyNotReverseNated, Verdict::NoReply],
+)];
 
 struct Rule {
     id: CauseId,

@@ -36,12 +36,16 @@ struct Point {
     nat_stage: Option<&'static str>,
     ifindex: u32,
     netns: u32,
+    /// Set when flows are merged across nodes: one interface per node and point.
+    node: Option<crate::collector::Name>,
 }
 
 pub struct PcapngOutput<W: io::Write> {
     writer: PcapNgWriter<W>,
     points: HashMap<Point, u32>,
     clock: Option<Clock>,
+    /// Each node's clock, for hops of flows merged across nodes.
+    node_clocks: HashMap<String, Clock>,
 }
 
 impl<W: io::Write> PcapngOutput<W> {
@@ -67,7 +71,13 @@ impl<W: io::Write> PcapngOutput<W> {
             writer: PcapNgWriter::with_section_header(out, section)?,
             points: HashMap::new(),
             clock,
+            node_clocks: HashMap::new(),
         })
+    }
+
+    /// Hops labelled with a node get that node's wall clock.
+    pub fn set_node_clocks(&mut self, clocks: HashMap<String, Clock>) {
+        self.node_clocks = clocks;
     }
 
     pub fn flow(&mut self, r: &FlowReport) -> Result<(), PcapError> {
@@ -80,7 +90,11 @@ impl<W: io::Write> PcapngOutput<W> {
             for hop in &packet.hops {
                 let id = self.interface(hop)?;
                 let data = synthesize(r.proto, packet, hop.src, hop.dst);
-                let ts = match &self.clock {
+                let clock = match &hop.node {
+                    Some(n) => self.node_clocks.get(n.as_str()),
+                    None => self.clock.as_ref(),
+                };
+                let ts = match clock {
                     Some(c) => c.to_unix(hop.ts_ns),
                     None => hop.ts_ns,
                 };
@@ -125,6 +139,7 @@ impl<W: io::Write> PcapngOutput<W> {
             nat_stage: hop.nat_stage,
             ifindex: hop.ifindex,
             netns: hop.netns,
+            node: hop.node.clone(),
         };
         if let Some(&id) = self.points.get(&point) {
             return Ok(id);
@@ -149,9 +164,13 @@ impl<W: io::Write> PcapngOutput<W> {
     }
 }
 
-/// "tc-ingress veth-client", "netfilter PREROUTING before-nat eth0", "dev-rx if7".
+/// "tc-ingress veth-client", "netfilter PREROUTING before-nat eth0", "dev-rx if7";
+/// prefixed with the node ("node-b: tc-egress flannel.1") in merged flows.
 fn point_name(hop: &Hop) -> String {
-    let mut name = hop.hook.to_owned();
+    let mut name = match &hop.node {
+        Some(n) => format!("{n}: {}", hop.hook),
+        None => hop.hook.to_owned(),
+    };
     for part in [hop.nf_hook, hop.nat_stage].into_iter().flatten() {
         name.push(' ');
         name.push_str(part);

@@ -147,6 +147,16 @@ impl Outputs {
         Ok(())
     }
 
+    /// Each node's clock for the pcapng of flows merged across nodes.
+    pub fn set_node_clocks(
+        &mut self,
+        clocks: std::collections::HashMap<String, crate::recording::Clock>,
+    ) {
+        if let Some((_, out)) = self.pcap.as_mut() {
+            out.set_node_clocks(clocks);
+        }
+    }
+
     pub fn flows(&mut self, reports: Vec<FlowReport>) -> io::Result<()> {
         for report in &reports {
             self.outcome.flows += 1;

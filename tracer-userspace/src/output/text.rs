@@ -116,7 +116,7 @@ impl<W: io::Write> TextOutput<W> {
     }
 
     fn hop(&self, r: &FlowReport, h: &Hop) -> String {
-        let ms = h.ts_ns.saturating_sub(r.first_ts_ns) as f64 / 1e6;
+        let ms = h.ts_ns.saturating_sub(node_start(r, h)) as f64 / 1e6;
         let mut place = h.hook.to_string();
         if let Some(nf) = h.nf_hook {
             place.push(' ');
@@ -135,10 +135,11 @@ impl<W: io::Write> TextOutput<W> {
                 None => place.push_str(&format!(" if{}", h.ifindex)),
             }
         }
-        let ns = if h.node_ns {
-            "node".to_string()
-        } else {
-            format!("ns {}", h.netns)
+        let ns = match (&h.node, h.node_ns) {
+            (None, true) => "node".to_string(),
+            (None, false) => format!("ns {}", h.netns),
+            (Some(n), true) => n.to_string(),
+            (Some(n), false) => format!("{n} ns {}", h.netns),
         };
         let (dim, reset) = (self.paint(DIM), self.paint(RESET));
         let mut line = format!(
@@ -193,6 +194,22 @@ impl<W: io::Write> TextOutput<W> {
         writeln!(self.out, "{line}")?;
         self.out.flush()
     }
+}
+
+/// Times count from the flow's first event; in a flow merged across nodes,
+/// from that node's first event of the flow: the nodes' clocks are not
+/// comparable.
+fn node_start(r: &FlowReport, h: &Hop) -> u64 {
+    let Some(node) = &h.node else {
+        return r.first_ts_ns;
+    };
+    r.packets
+        .iter()
+        .flat_map(|p| &p.hops)
+        .filter(|x| x.node.as_ref() == Some(node))
+        .map(|x| x.ts_ns)
+        .min()
+        .unwrap_or(h.ts_ns)
 }
 
 /// The opening request's transmissions, briefly, when there was more than

@@ -96,6 +96,11 @@ pub struct Header {
     /// The priority each netfilter link got (probes/table.rs windows).
     #[serde(default)]
     pub nf_priorities: Vec<crate::probes::table::ChosenPriority>,
+    /// Which node this is (`--node-name`, else the `--netns` name, else the
+    /// hostname): `analyze` of several nodes' recordings labels hops with
+    /// it. Older recordings lack it; `analyze` then uses the file name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 impl Header {

@@ -29,6 +29,7 @@ fn header() -> Header {
         checks: serde_json::Value::Null,
         checks_line: None,
         nf_priorities: Vec::new(),
+        node: None,
     }
 }
 

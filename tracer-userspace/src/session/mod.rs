@@ -48,6 +48,8 @@ pub struct SessionOptions {
     pub write_max_bytes: Option<u64>,
     /// `--pcap FILE`.
     pub pcap: Option<PathBuf>,
+    /// `--node-name`: names this node in the recording's header.
+    pub node_name: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -508,7 +510,26 @@ fn header(options: &SessionOptions, tracer: &Tracer) -> Header {
         checks: serde_json::to_value(&checks.findings).unwrap_or_default(),
         checks_line: Some(checks.one_line()),
         nf_priorities: tracer.priorities().to_vec(),
+        node: Some(node_name(options)),
     }
+}
+
+/// `--node-name`, else the name of the `--netns` namespace (a kind node's
+/// or a lab's), else this host's name.
+fn node_name(options: &SessionOptions) -> String {
+    if let Some(n) = &options.node_name {
+        return n.clone();
+    }
+    if let Some(ns) = &options.netns {
+        return Path::new(ns)
+            .file_name()
+            .map_or_else(|| ns.clone(), |f| f.to_string_lossy().into_owned());
+    }
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "node".to_owned())
 }
 
 /// The running kernel's drop reason numbering (it differs between kernels);

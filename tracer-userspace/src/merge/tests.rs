@@ -1,0 +1,203 @@
+//! The merge over two real recordings of seed 003's lab (node-b DNATs,
+//! node-a runs the backend), made by the root test
+//! `tests/tests/merge.rs`; regenerate them (as root) with
+//! `NATTRACE_WRITE_FIXTURE=1 cargo test -p nattrace-tests --test merge`.
+//! The first connection is the incident, the second ran after kube-proxy's
+//! masqueradeAll rule was added on node-b.
+use std::io::Cursor;
+
+use super::*;
+use crate::{
+    collector::{CauseId, Verdict},
+    recording::Reader,
+};
+
+const NODE_B: &str = include_str!("fixtures/seed003_node_b.rec");
+const NODE_A: &str = include_str!("fixtures/seed003_node_a.rec");
+
+/// One node's flows; `shift` moves its clock (another machine's).
+fn node(text: &str, name: &str, shift: u64) -> NodeFlows {
+    let (reader, header) = Reader::new(Cursor::new(text.as_bytes())).expect("recording");
+    let records = reader.map(|r| match r {
+        Record::Event(mut ev) => {
+            ev.ts_ns += shift;
+            Record::Event(ev)
+        }
+        Record::Stats(mut s) => {
+            s.now_ns += shift;
+            Record::Stats(s)
+        }
+        Record::End(mut s) => {
+            s.now_ns += shift;
+            Record::End(s)
+        }
+        other => other,
+    });
+    decide_node(name, &header, records).expect("decided")
+}
+
+fn merged(shift_a: u64) -> Vec<FlowReport> {
+    merge(&[node(NODE_B, "node-b", 0), node(NODE_A, "node-a", shift_a)]).0
+}
+
+/// (node, place) of each hop of the packet `kind`.
+fn path(f: &FlowReport, kind: &str) -> Vec<(String, String)> {
+    let p = f.packets.iter().find(|p| p.kind == kind).expect(kind);
+    p.hops
+        .iter()
+        .filter(|h| h.node_ns)
+        .map(|h| {
+            let place = [Some(h.hook), h.nf_hook, h.nat_stage]
+                .into_iter()
+                .flatten()
+                .chain(
+                    h.ifname
+                        .as_ref()
+                        .map(|n| n.as_str())
+                        .filter(|_| h.hook != "netfilter"),
+                )
+                .collect::<Vec<_>>()
+                .join(" ");
+            (h.node.as_ref().expect("labelled").to_string(), place)
+        })
+        .collect()
+}
+
+#[test]
+fn each_node_alone_tells_half_of_seed_003() {
+    let b = node(NODE_B, "node-b", 0);
+    let a = node(NODE_A, "node-a", 0);
+    let cause = |n: &NodeFlows| n.reports[0].cause.as_ref().map(|c| c.id);
+    assert_eq!(cause(&b), Some(CauseId::NoReplyThroughNode));
+    assert_eq!(cause(&a), Some(CauseId::ReplyBypassesDnatNode));
+}
+
+#[test]
+fn seed_003_is_one_flow_with_the_asymmetric_return_path() {
+    let flows = merged(0);
+    assert_eq!(flows.len(), 2, "{flows:#?}");
+    let f = &flows[0];
+    assert_eq!(f.verdict, Verdict::ReplyNotReverseNated);
+    let cause = f.cause.as_ref().expect("cause");
+    assert_eq!(cause.id, CauseId::AsymmetricReturnPath);
+    assert!(cause.hint.contains("masqueradeAll"), "{}", cause.hint);
+    assert!(
+        cause.text.starts_with("node-b DNATed the SYN to 100.96.54.247:80 at PREROUTING and sent it to node-a by flannel.1; node-a received it by flannel.1"),
+        "{}",
+        cause.text
+    );
+    assert!(
+        cause.text.contains("the SYN-ACK left node-a by eth0"),
+        "{}",
+        cause.text
+    );
+    let syn = path(f, "SYN");
+    let want_syn = [
+        ("node-b", "tc-ingress eth0"),
+        ("node-b", "netfilter PREROUTING before-nat"),
+        ("node-b", "netfilter PREROUTING after-nat"),
+        ("node-b", "netfilter FORWARD"),
+        ("node-b", "netfilter POSTROUTING before-nat"),
+        ("node-b", "netfilter POSTROUTING after-nat"),
+        ("node-b", "tc-egress flannel.1"),
+        ("node-a", "tc-ingress flannel.1"),
+    ];
+    for (i, (n, place)) in want_syn.iter().enumerate() {
+        assert_eq!(syn[i], (n.to_string(), place.to_string()), "{syn:#?}");
+    }
+    assert_eq!(syn.last().expect("hops").1, "tc-egress veth0", "{syn:#?}");
+    // The reply: node-a to the router, never node-b.
+    let reply = path(f, "SYN-ACK");
+    assert!(reply.iter().all(|(n, _)| n == "node-a"), "{reply:#?}");
+    assert_eq!(reply.first().expect("hops").1, "tc-ingress veth0");
+    assert_eq!(reply.last().expect("hops").1, "tc-egress eth0");
+}
+
+#[test]
+fn a_hop_recorded_by_both_nodes_is_listed_once() {
+    let f = &merged(0)[0];
+    for p in &f.packets {
+        for (i, h) in p.hops.iter().enumerate() {
+            assert!(
+                !p.hops[i + 1..]
+                    .iter()
+                    .any(|x| same_event(x, h, SAME_EVENT_NS)),
+                "{} twice: {h:?}",
+                p.kind
+            );
+        }
+    }
+    // The backend pod's receive is node-a's, the outside client's send node-b's.
+    let syn = f.packets.iter().find(|p| p.kind == "SYN").expect("SYN");
+    let at_backend = syn
+        .hops
+        .iter()
+        .find(|h| !h.node_ns && h.dst.to_string() == "100.96.54.247:80" && h.hook == "dev-rx")
+        .expect("backend pod's receive");
+    assert_eq!(at_backend.node.as_ref().expect("node").as_str(), "node-a");
+}
+
+#[test]
+fn masquerade_all_is_ok_with_the_snat_shown() {
+    let f = &merged(0)[1];
+    assert_eq!(f.verdict, Verdict::Ok, "{}", f.detail);
+    assert!(f.cause.is_none());
+    let snat = f.snat.expect("SNAT");
+    assert_eq!(
+        snat.ip().to_string(),
+        "100.96.55.0",
+        "node-b's flannel.1 address"
+    );
+    assert!(f.detail.contains("client masqueraded to"), "{}", f.detail);
+}
+
+#[test]
+fn the_nodes_clocks_are_not_compared() {
+    // node-a's clock an hour and a bit ahead: same flows, same story.
+    let flows = merged(3_600_123_456_789);
+    assert_eq!(flows.len(), 2);
+    let f = flows
+        .iter()
+        .find(|f| f.verdict != Verdict::Ok)
+        .expect("the incident");
+    assert_eq!(f.verdict, Verdict::ReplyNotReverseNated);
+    assert_eq!(
+        f.cause.as_ref().map(|c| c.id),
+        Some(CauseId::AsymmetricReturnPath)
+    );
+    let syn = path(f, "SYN");
+    assert_eq!(syn[0].0, "node-b");
+    assert_eq!(syn.last().expect("hops").0, "node-a");
+}
+
+#[test]
+fn recordings_order_on_the_command_line_does_not_matter() {
+    let ab = merge(&[node(NODE_A, "node-a", 0), node(NODE_B, "node-b", 0)]).0;
+    let ba = merged(0);
+    let key = |fs: &[FlowReport]| -> Vec<_> {
+        fs.iter()
+            .map(|f| (f.verdict, f.cause.as_ref().map(|c| c.id), f.client))
+            .collect()
+    };
+    assert_eq!(key(&ab), key(&ba));
+}
+
+#[test]
+fn a_node_without_its_own_report_still_shows_its_hops() {
+    // node-a's nattrace could not follow the masqueraded connection (its
+    // kernel filter never saw the client's new address), but node-b's
+    // tracepoints saw node-a's devices: they are labelled node-a.
+    let f = &merged(0)[1];
+    let syn = path(f, "SYN");
+    assert_eq!(syn.first().expect("hops").0, "node-b", "{syn:#?}");
+    assert!(
+        syn.contains(&("node-a".to_string(), "dev-rx flannel.1".to_string())),
+        "{syn:#?}"
+    );
+    let reply = path(f, "SYN-ACK");
+    assert_eq!(reply.first().expect("hops").0, "node-a", "{reply:#?}");
+    assert_eq!(
+        reply.last().expect("hops"),
+        &("node-b".to_string(), "tc-egress eth0".to_string())
+    );
+}

@@ -1,0 +1,147 @@
+//! A merged flow's verdict and cause, from every node's half. The
+//! client-facing node (the one that DNATed the request, listed first) has
+//! the last word on what the client got, unless the other nodes' hops tell
+//! why: seed 003's reply leaving the backend's node straight to the client
+//! while the DNATing node never sees it is one story, not two.
+use std::net::SocketAddrV4;
+
+use crate::collector::{Cause, CauseId, Dir, FlowReport, Hop, Name, PacketEvidence, Verdict};
+
+pub(super) struct Decided {
+    pub verdict: Verdict,
+    pub cause: Option<Cause>,
+    pub detail: String,
+}
+
+/// `parts[0]` is the DNATing node's report; `packets` the merged evidence.
+pub(super) fn decide(parts: &[(&Name, &FlowReport)], packets: &[PacketEvidence]) -> Decided {
+    let (_, base) = parts[0];
+    if let Some(d) = asymmetric_return_path(parts, packets) {
+        return d;
+    }
+    // A drop another node saw explains a request that got no reply.
+    if base.verdict == Verdict::NoReply
+        && let Some((_, other)) = parts[1..]
+            .iter()
+            .find(|(_, r)| r.verdict == Verdict::Dropped)
+    {
+        return Decided {
+            verdict: other.verdict,
+            cause: other.cause.clone(),
+            detail: other.detail.clone(),
+        };
+    }
+    Decided {
+        verdict: base.verdict,
+        cause: base.cause.clone(),
+        detail: base.detail.clone(),
+    }
+}
+
+fn egress(h: &Hop) -> bool {
+    h.node_ns && matches!(h.hook, "tc-egress" | "dev-tx")
+}
+
+fn ingress(h: &Hop) -> bool {
+    h.node_ns && matches!(h.hook, "tc-ingress" | "dev-rx")
+}
+
+fn on<'a>(h: &'a Hop, node: &Name) -> Option<&'a Hop> {
+    (h.node.as_ref() == Some(node)).then_some(h)
+}
+
+fn ifname(h: &Hop) -> String {
+    h.ifname
+        .as_ref()
+        .map_or_else(|| format!("if{}", h.ifindex), ToString::to_string)
+}
+
+/// Seed 003 from both ends: the DNATing node sent the request on to another
+/// node, that node delivered it to the backend and sent the reply out with
+/// the backend's address straight towards the client, and the DNATing node
+/// — which holds the conntrack entry that would reverse the NAT — saw no
+/// reply at all.
+fn asymmetric_return_path(
+    parts: &[(&Name, &FlowReport)],
+    packets: &[PacketEvidence],
+) -> Option<Decided> {
+    let (dnat_node, base) = parts[0];
+    let backend: SocketAddrV4 = base.backend?;
+    if !matches!(
+        base.verdict,
+        Verdict::NoReply | Verdict::ReplyNotReverseNated
+    ) {
+        return None;
+    }
+    let hops = |dir: Dir| {
+        packets
+            .iter()
+            .filter(move |p| p.dir == dir)
+            .flat_map(move |p| p.hops.iter().map(move |h| (p, h)))
+    };
+    if hops(Dir::Reply).any(|(_, h)| h.node_ns && on(h, dnat_node).is_some()) {
+        return None;
+    }
+    let (request, sent) = hops(Dir::Request)
+        .find(|(_, h)| egress(h) && h.dst == backend && on(h, dnat_node).is_some())?;
+    let at = hops(Dir::Request)
+        .find(|(_, h)| {
+            on(h, dnat_node).is_some() && h.nat_stage == Some("after-nat") && h.dst == backend
+        })
+        .and_then(|(_, h)| h.nf_hook)
+        .map(|nf| format!(" at {nf}"))
+        .unwrap_or_default();
+    let (reply, left) = hops(Dir::Reply).rfind(|(_, h)| {
+        egress(h) && h.node.as_ref() != Some(dnat_node) && h.src == backend && h.dst == base.client
+    })?;
+    let other = left.node.clone()?;
+    let came_in = hops(Dir::Request)
+        .find(|(_, h)| ingress(h) && h.dst == backend && on(h, &other).is_some())
+        .map(|(_, h)| format!(" by {}", ifname(h)))
+        .unwrap_or_default();
+    let text = format!(
+        "{dnat_node} DNATed the {} to {backend}{at} and sent it to {other} by {}; {other} received it{came_in} and delivered it to the backend, and the {} left {other} by {} with source {backend} straight towards the client {}, never passing back through {dnat_node}, which holds the connection's conntrack entry: the reply was never reverse-NATed to {} (asymmetric return path)",
+        request.kind,
+        ifname(sent),
+        reply.kind,
+        ifname(left),
+        base.client,
+        base.service,
+    );
+    let clause = format!(
+        "the reply left {other} by {} straight to the client, bypassing {dnat_node}, which DNATed the request (asymmetric return path)",
+        ifname(left)
+    );
+    // What the client got: a node that saw the reply arrive un-NATed says
+    // so; otherwise nothing came back (the gateway of seed 003 drops it).
+    let unnated = parts
+        .iter()
+        .any(|(_, r)| r.verdict == Verdict::ReplyNotReverseNated);
+    let (verdict, head) = if unnated {
+        (
+            Verdict::ReplyNotReverseNated,
+            format!(
+                "{} reached the client with source {backend} instead of {}",
+                reply.kind, base.service
+            ),
+        )
+    } else {
+        (
+            Verdict::NoReply,
+            format!(
+                "{} DNATed to {backend} by {dnat_node}; no reply came back through {dnat_node}",
+                request.kind
+            ),
+        )
+    };
+    Some(Decided {
+        verdict,
+        detail: format!("{head}; {clause}"),
+        cause: Some(Cause {
+            id: CauseId::AsymmetricReturnPath,
+            text,
+            clause,
+            hint: CauseId::AsymmetricReturnPath.hint(),
+        }),
+    })
+}
