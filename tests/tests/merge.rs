@@ -261,6 +261,26 @@ fn root_merge_seed003_recordings_of_both_nodes() {
         );
     }
 
+    // tshark reads it: node-a's SYN-ACK leaves by eth0 with the pod's source.
+    let out = Command::new("tshark")
+        .args(["-r", &pcap_path, "-T", "fields", "-E", "separator=/t"])
+        .args([
+            "-e",
+            "frame.interface_name",
+            "-e",
+            "ip.src",
+            "-e",
+            "tcp.flags",
+        ])
+        .output()
+        .expect("running tshark");
+    let frames = String::from_utf8_lossy(&out.stdout).to_string();
+    let want = format!("{node_a}: tc-egress eth0\t{}\t0x0012", presets::BACKEND_IP);
+    assert!(
+        frames.lines().any(|l| l == want),
+        "{want} not in:\n{frames}"
+    );
+
     // Text: the same story in one line per flow.
     let text = analyze(&["--color", "never", &b_path, &a_path]);
     let text = String::from_utf8_lossy(&text.stdout).to_string();

@@ -48,6 +48,7 @@ pub fn decide_node(
     let mut reports = Vec::new();
     let mut last = 0u64;
     let mut muted = 0;
+    let mut ended = false;
     for rec in records {
         match rec {
             Record::Event(ev) => {
@@ -64,11 +65,23 @@ pub fn decide_node(
                 last = last.max(s.now_ns);
                 c.note_lost(s.lost_events);
                 muted = s.muted_packets;
+                ended = true;
             }
             Record::Capped { .. } => {}
         }
     }
-    let (rest, mut summary) = c.finish(last);
+    let (mut rest, mut summary) = c.finish(last);
+    if !ended {
+        // Still open when the recording stopped: what followed them on this
+        // node was not recorded (as `analyze` of one file says too).
+        for r in rest.iter_mut().filter(|r| !r.incomplete) {
+            r.incomplete = true;
+            r.detail.push_str(
+                "; the recording ends before this flow was decided, evidence may be incomplete",
+            );
+            summary.incomplete_flows += 1;
+        }
+    }
     reports.extend(rest);
     summary.muted_packets = muted;
     Ok(NodeFlows {

@@ -201,3 +201,30 @@ fn a_node_without_its_own_report_still_shows_its_hops() {
         &("node-b".to_string(), "tc-egress eth0".to_string())
     );
 }
+
+#[test]
+fn a_recording_cut_short_marks_its_open_flows_incomplete() {
+    // node-b's file cut 52 lines in: after the incident's packets, before
+    // its verdict was due, and without an end line.
+    let cut: String = NODE_B.lines().take(52).map(|l| format!("{l}\n")).collect();
+    let b = node(&cut, "node-b", 0);
+    assert_eq!(b.reports.len(), 1, "{:#?}", b.reports);
+    assert!(b.reports[0].incomplete);
+    let flows = merge(&[b, node(NODE_A, "node-a", 0)]).0;
+    let f = flows
+        .iter()
+        .find(|f| f.client.port() == 54830)
+        .expect("the incident");
+    assert!(f.incomplete, "{f:#?}");
+    assert!(flows.iter().filter(|f| f.client.port() == 54830).count() == 1);
+}
+
+#[test]
+fn older_recordings_without_a_node_name_still_read() {
+    let old = include_str!("../collector/fixtures/no_endpoints.rec");
+    assert!(!old.lines().next().expect("header").contains("\"node\""));
+    let (_, header) = Reader::new(Cursor::new(old.as_bytes())).expect("recording");
+    assert_eq!(header.node, None);
+    let (_, header) = Reader::new(Cursor::new(NODE_B.as_bytes())).expect("recording");
+    assert_eq!(header.node.as_deref(), Some("node-b"));
+}
