@@ -67,11 +67,11 @@ fn masquerade_all(lab: &Lab, node: &str) {
     .expect("adding the masqueradeAll rule");
 }
 
-fn record(lab: &Lab, node: &str, out: &Path, name: Option<&str>) -> Nattrace {
+fn record(lab: &Lab, node: &str, svc: &str, out: &Path, name: Option<&str>) -> Nattrace {
     let ns = lab.node_netns(node).expect("node").path();
     let mut args: Vec<String> = [
         "--svc",
-        &web_svc(),
+        svc,
         "--netns",
         &ns.display().to_string(),
         "--reply-timeout",
@@ -119,12 +119,24 @@ fn root_merge_seed003_recordings_of_both_nodes() {
     let dir = TempDir(std::env::temp_dir().join(format!("nattrace-merge-{}", std::process::id())));
     std::fs::create_dir_all(&dir.0).expect("temp dir");
     let (b_rec, a_rec) = (dir.0.join("node-b.rec"), dir.0.join("node-a.rec"));
+    let a_backend_rec = dir.0.join("node-a-backend.rec");
+    let backend_svc = format!("{}:{}", presets::BACKEND_IP, presets::WEB_PORT);
 
     let lab = build_lab(presets::seed003(Seed003::default()));
     // node-b named explicitly, node-a by its --netns name (the default).
-    let mut b = record(&lab, presets::NODE_B, &b_rec, Some(presets::NODE_B));
-    let mut a = record(&lab, presets::NODE_A, &a_rec, None);
-    for t in [&mut b, &mut a] {
+    let svc = web_svc();
+    let mut b = record(&lab, presets::NODE_B, &svc, &b_rec, Some(presets::NODE_B));
+    let mut a = record(&lab, presets::NODE_A, &svc, &a_rec, None);
+    // How a separate backend node is traced: the backend's address, which
+    // the requests DNATed elsewhere arrive with (README, "One story across nodes").
+    let mut a_backend = record(
+        &lab,
+        presets::NODE_A,
+        &backend_svc,
+        &a_backend_rec,
+        Some(presets::NODE_A),
+    );
+    for t in [&mut b, &mut a, &mut a_backend] {
         t.wait_started(ATTACH_TIMEOUT)
             .unwrap_or_else(|e| panic!("{e:#}"));
     }
@@ -133,11 +145,14 @@ fn root_merge_seed003_recordings_of_both_nodes() {
     masquerade_all(&lab, presets::NODE_B);
     assert!(outside_curl(&lab), "masqueradeAll fixes seed 003");
     std::thread::sleep(Duration::from_millis(500));
-    for t in [&b, &a] {
+    for t in [&b, &a, &a_backend] {
         t.terminate();
     }
     let done_b = b.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
     let done_a = a.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    a_backend
+        .wait(ATTACH_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"));
 
     if std::env::var_os("NATTRACE_WRITE_FIXTURE").is_some() {
         let fixtures =
@@ -146,6 +161,7 @@ fn root_merge_seed003_recordings_of_both_nodes() {
         for (from, to) in [
             (&b_rec, "seed003_node_b.rec"),
             (&a_rec, "seed003_node_a.rec"),
+            (&a_backend_rec, "seed003_node_a_backend.rec"),
         ] {
             std::fs::copy(from, fixtures.join(to)).expect("copying the fixture");
         }
@@ -279,6 +295,36 @@ fn root_merge_seed003_recordings_of_both_nodes() {
     assert!(
         frames.lines().any(|l| l == want),
         "{want} not in:\n{frames}"
+    );
+
+    // node-a traced by the backend's address: the same two stories.
+    let a_backend_path = a_backend_rec.display().to_string();
+    let out = analyze(&["--output", "json", "-v", &b_path, &a_backend_path]);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let flows: Vec<Value> = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["kind"] == "flow")
+        .collect();
+    let verdicts: Vec<(String, String)> = flows
+        .iter()
+        .map(|f| (f["verdict"].to_string(), f["cause"].to_string()))
+        .collect();
+    assert_eq!(
+        verdicts,
+        [
+            (
+                r#""reply_not_reverse_nated""#.into(),
+                r#""asymmetric_return_path""#.into()
+            ),
+            (r#""ok""#.into(), "null".into())
+        ],
+        "{stdout}"
+    );
+    assert!(
+        node_hops(&flows[1], "SYN").contains(&("node-a".into(), "tc-egress veth0".into())),
+        "node-a's own half of the masqueraded flow: {}",
+        flows[1]
     );
 
     // Text: the same story in one line per flow.

@@ -253,6 +253,9 @@ fn merge_group(nodes: &[NodeFlows], g: &[Ref]) -> FlowReport {
                         .retain(|h| h.node_ns || h.netns == own || !inodes.contains(&h.netns));
                     for h in &mut p.hops {
                         h.node = Some(nodes[n].name.clone());
+                        // Where the reply was judged is the client-facing
+                        // node's call (or the merged verdict's, below).
+                        h.client_side &= n == g[0].0;
                         if h.node_ns || h.netns == own {
                             continue;
                         }
@@ -273,6 +276,12 @@ fn merge_group(nodes: &[NodeFlows], g: &[Ref]) -> FlowReport {
         .collect();
     let base = reports[0].1;
     let decided = verdict::decide(&reports, &packets);
+    let mut packets = packets;
+    if let Some((node, ts)) = &decided.judged {
+        for h in packets.iter_mut().flat_map(|p| &mut p.hops) {
+            h.client_side = h.node.as_ref() == Some(node) && h.ts_ns == *ts;
+        }
+    }
     FlowReport {
         verdict: decided.verdict,
         cause: decided.cause,

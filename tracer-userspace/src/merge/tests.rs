@@ -204,19 +204,31 @@ fn a_node_without_its_own_report_still_shows_its_hops() {
 
 #[test]
 fn a_recording_cut_short_marks_its_open_flows_incomplete() {
-    // node-b's file cut 52 lines in: after the incident's packets, before
-    // its verdict was due, and without an end line.
-    let cut: String = NODE_B.lines().take(52).map(|l| format!("{l}\n")).collect();
+    // node-b's file cut 300 ms after its first event: after the incident's
+    // SYN, before its 1 s reply timeout, and without an end line.
+    let first_event = |l: &str| -> Option<u64> {
+        let v: serde_json::Value = serde_json::from_str(l).ok()?;
+        (v["kind"] == "event")
+            .then(|| v["ts_ns"].as_u64())
+            .flatten()
+    };
+    let t0 = NODE_B.lines().find_map(first_event).expect("an event");
+    let cut: String = NODE_B
+        .lines()
+        .take_while(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json");
+            v["kind"] != "stats" || v["now_ns"].as_u64() < Some(t0 + 300_000_000)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
     let b = node(&cut, "node-b", 0);
     assert_eq!(b.reports.len(), 1, "{:#?}", b.reports);
     assert!(b.reports[0].incomplete);
+    let port = b.reports[0].client.port();
     let flows = merge(&[b, node(NODE_A, "node-a", 0)]).0;
-    let f = flows
-        .iter()
-        .find(|f| f.client.port() == 54830)
-        .expect("the incident");
-    assert!(f.incomplete, "{f:#?}");
-    assert!(flows.iter().filter(|f| f.client.port() == 54830).count() == 1);
+    let incident: Vec<_> = flows.iter().filter(|f| f.client.port() == port).collect();
+    assert_eq!(incident.len(), 1, "{flows:#?}");
+    assert!(incident[0].incomplete, "{:#?}", incident[0]);
 }
 
 #[test]
@@ -227,4 +239,48 @@ fn older_recordings_without_a_node_name_still_read() {
     assert_eq!(header.node, None);
     let (_, header) = Reader::new(Cursor::new(NODE_B.as_bytes())).expect("recording");
     assert_eq!(header.node.as_deref(), Some("node-b"));
+}
+
+const NODE_A_BACKEND: &str = include_str!("fixtures/seed003_node_a_backend.rec");
+
+/// A recording reduced to what a separate machine records: its own
+/// namespace (tc, netfilter, its devices), none of the router's, the
+/// client's or the other node's (the lab's nodes share one kernel).
+fn separate(text: &str, name: &str) -> NodeFlows {
+    let (reader, header) = Reader::new(Cursor::new(text.as_bytes())).expect("recording");
+    let own = header.facts.netns_inode;
+    let records =
+        reader.filter(|r| !matches!(r, Record::Event(ev) if ev.netns != 0 && ev.netns != own));
+    decide_node(name, &header, records).expect("decided")
+}
+
+#[test]
+fn a_separate_backend_node_traced_by_the_backend_address_completes_the_story() {
+    // node-a traced with `--svc <backend pod>:80` (README).
+    let (flows, _) = merge(&[
+        separate(NODE_B, "node-b"),
+        separate(NODE_A_BACKEND, "node-a"),
+    ]);
+    assert_eq!(flows.len(), 2, "{flows:#?}");
+    let f = &flows[0];
+    // Nothing recorded the client's namespace: what it got is unknown,
+    // and no reply came back through node-b.
+    assert_eq!(f.verdict, Verdict::NoReply, "{}", f.detail);
+    assert_eq!(
+        f.cause.as_ref().map(|c| c.id),
+        Some(CauseId::AsymmetricReturnPath)
+    );
+    let reply = path(f, "SYN-ACK");
+    assert!(reply.iter().all(|(n, _)| n == "node-a"), "{reply:#?}");
+    assert_eq!(reply.last().expect("hops").1, "tc-egress eth0");
+    // masqueradeAll: ok, and node-a's own half of the path.
+    let ok = &flows[1];
+    assert_eq!(ok.verdict, Verdict::Ok);
+    assert!(ok.snat.is_some());
+    let syn = path(ok, "SYN");
+    assert_eq!(syn.first().expect("hops").0, "node-b");
+    assert!(
+        syn.contains(&("node-a".to_string(), "tc-egress veth0".to_string())),
+        "{syn:#?}"
+    );
 }

@@ -11,6 +11,9 @@ pub(super) struct Decided {
     pub verdict: Verdict,
     pub cause: Option<Cause>,
     pub detail: String,
+    /// The hop where the client got the reply, when another node's half
+    /// showed it: (node, ts_ns) of that hop.
+    pub judged: Option<(Name, u64)>,
 }
 
 /// `parts[0]` is the DNATing node's report; `packets` the merged evidence.
@@ -29,12 +32,14 @@ pub(super) fn decide(parts: &[(&Name, &FlowReport)], packets: &[PacketEvidence])
             verdict: other.verdict,
             cause: other.cause.clone(),
             detail: other.detail.clone(),
+            judged: None,
         };
     }
     Decided {
         verdict: base.verdict,
         cause: base.cause.clone(),
         detail: base.detail.clone(),
+        judged: None,
     }
 }
 
@@ -112,11 +117,23 @@ fn asymmetric_return_path(
         "the reply left {other} by {} straight to the client, bypassing {dnat_node}, which DNATed the request (asymmetric return path)",
         ifname(left)
     );
-    // What the client got: a node that saw the reply arrive un-NATed says
-    // so; otherwise nothing came back (the gateway of seed 003 drops it).
-    let unnated = parts
-        .iter()
-        .any(|(_, r)| r.verdict == Verdict::ReplyNotReverseNated);
+    // What the client got, where any recording saw the client's own
+    // namespace (the one its request was sent from): the reply arriving
+    // there with another source than the Service's.
+    let client_ns = hops(Dir::Request)
+        .find(|(_, h)| !h.node_ns && h.hook == "dev-tx" && h.src == base.client)
+        .map(|(_, h)| h.netns);
+    let judged = hops(Dir::Reply).find(|(_, h)| {
+        !h.node_ns
+            && Some(h.netns) == client_ns
+            && h.hook == "dev-rx"
+            && h.dst == base.client
+            && h.src != base.service
+    });
+    let unnated = judged.is_some()
+        || parts
+            .iter()
+            .any(|(_, r)| r.verdict == Verdict::ReplyNotReverseNated);
     let (verdict, head) = if unnated {
         (
             Verdict::ReplyNotReverseNated,
@@ -136,6 +153,7 @@ fn asymmetric_return_path(
     };
     Some(Decided {
         verdict,
+        judged: judged.and_then(|(_, h)| Some((h.node.clone()?, h.ts_ns))),
         detail: format!("{head}; {clause}"),
         cause: Some(Cause {
             id: CauseId::AsymmetricReturnPath,
