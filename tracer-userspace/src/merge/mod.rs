@@ -128,6 +128,8 @@ type Ref = (usize, usize);
 pub fn merge(nodes: &[NodeFlows]) -> (Vec<FlowReport>, Summary) {
     let groups = group(nodes);
     let mut out: Vec<FlowReport> = groups.iter().map(|g| merge_group(nodes, g)).collect();
+    // Output order only (each flow's time is its DNATing node's): nothing
+    // is decided from comparing two nodes' clocks.
     out.sort_by_key(|r| r.first_ts_ns);
     let mut summary = Summary::default();
     for n in nodes {

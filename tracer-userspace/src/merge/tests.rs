@@ -284,3 +284,51 @@ fn a_separate_backend_node_traced_by_the_backend_address_completes_the_story() {
         "{syn:#?}"
     );
 }
+
+#[test]
+fn one_node_alone_is_its_own_story() {
+    // Through the merge, one node's flows keep their verdicts and causes.
+    let alone = node(NODE_B, "node-b", 0);
+    let want: Vec<_> = alone
+        .reports
+        .iter()
+        .map(|r| (r.verdict, r.cause.as_ref().map(|c| c.id), r.client))
+        .collect();
+    let (flows, summary) = merge(&[alone]);
+    let got: Vec<_> = flows
+        .iter()
+        .map(|r| (r.verdict, r.cause.as_ref().map(|c| c.id), r.client))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(summary.flows, want.len() as u64);
+    assert!(
+        flows
+            .iter()
+            .flat_map(|f| &f.packets)
+            .flat_map(|p| &p.hops)
+            .all(|h| h.node.is_some())
+    );
+}
+
+#[test]
+fn packets_without_an_identity_join_nothing() {
+    // A UDP datagram with IP id 0 and no DNS id could be anyone's.
+    let p = PacketEvidence {
+        kind: "request",
+        dir: Dir::Request,
+        tcp_flags: 0,
+        seq: 0,
+        ack: 0,
+        ip_id: 0,
+        dns_id: None,
+        hops: Vec::new(),
+    };
+    assert!(!Key::of(&p).is_distinctive());
+    assert!(
+        Key::of(&PacketEvidence {
+            dns_id: Some(0x1234),
+            ..p
+        })
+        .is_distinctive()
+    );
+}
