@@ -3,7 +3,8 @@
 //! each flow from both halves. One lab serves both cases: the broken
 //! connection first, then kube-proxy's masqueradeAll rule is added on node-b
 //! (what kube-proxy writes with `masqueradeAll: true`) and the next
-//! connection must be `ok` with the SNAT shown. Needs root.
+//! connection must be `ok` with the SNAT shown. Then the same on routed
+//! nodes with flannel host-gw. About 20 s. Needs root.
 //!
 //! `NATTRACE_WRITE_FIXTURE=1` also copies the two recordings to
 //! `tracer-userspace/src/merge/fixtures/` (the merge unit tests' input).
@@ -15,7 +16,7 @@ use std::time::{Duration, Instant};
 use lab::kube_proxy::svc_chain;
 use lab::presets::{self, Seed003, web_svc};
 use lab::tracer::{Finished, Nattrace, ip_of, nattrace, tracing_lock};
-use lab::{Lab, Protocol, build_lab};
+use lab::{Datapath, Lab, LabSpec, Protocol, build_lab};
 use serde_json::Value;
 
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
@@ -128,7 +129,7 @@ fn root_merge_seed003_recordings_of_both_nodes() {
     let _lock = tracing_lock();
     let dir = TempDir(std::env::temp_dir().join(format!("nattrace-merge-{}", std::process::id())));
     std::fs::create_dir_all(&dir.0).expect("temp dir");
-    let rec = record_seed003(&dir.0);
+    let rec = record_seed003(&dir.0, presets::seed003(Seed003::default()), true);
     let pcap = dir.0.join("merged.pcapng").display().to_string();
     let out = analyze(&["--output", "json", "-v", "--pcap", &pcap, &rec.b, &rec.a]);
     let flows = flows_of(&out);
@@ -173,17 +174,44 @@ fn root_merge_seed003_recordings_of_both_nodes() {
     let text = String::from_utf8_lossy(&text.stdout).to_string();
     assert!(text.contains("cause: asymmetric_return_path"), "{text}");
     assert!(text.contains("SNAT→ 100.96.55.0:"), "{text}");
+
+    // The same on routed nodes with flannel host-gw (no overlay device):
+    // node-b forwards the request by eth0, node-a's reply leaves by eth0.
+    let routed_dir = dir.0.join("routed");
+    std::fs::create_dir_all(&routed_dir).expect("temp dir");
+    let spec = presets::seed003(Seed003::default()).with_datapath(Datapath::Routed);
+    let rec = record_seed003(&routed_dir, spec, false);
+    let flows = flows_of(&analyze(&["--output", "json", "-v", &rec.b, &rec.a]));
+    let f = &flows[0];
+    assert_eq!(f["verdict"], "reply_not_reverse_nated", "{f}");
+    assert_eq!(f["cause"], "asymmetric_return_path", "{f}");
+    let syn = node_hops(f, "SYN");
+    assert!(
+        syn.contains(&("node-b".into(), "tc-egress eth0".into())),
+        "{syn:?}"
+    );
+    assert!(
+        syn.contains(&(rec.node_a.clone(), "tc-ingress eth0".into())),
+        "{syn:?}"
+    );
+    let reply = node_hops(f, "SYN-ACK");
+    assert!(
+        !reply.is_empty() && reply.iter().all(|h| h.0 == rec.node_a),
+        "the reply never passes node-b: {reply:?}"
+    );
+    assert_eq!(flows[1]["verdict"], "ok", "{}", flows[1]);
+    assert!(flows[1]["snat"].is_string(), "{}", flows[1]);
     eprintln!("merge test took {:?}", started.elapsed());
 }
 
 /// Builds the seed 003 lab, records it on both nodes at once while the
 /// outside client fails, then succeeds with masqueradeAll; checks that each
 /// node alone tells its half.
-fn record_seed003(dir: &Path) -> Recordings {
+fn record_seed003(dir: &Path, spec: LabSpec, fixtures: bool) -> Recordings {
     let (b_rec, a_rec) = (dir.join("node-b.rec"), dir.join("node-a.rec"));
     let a_backend_rec = dir.join("node-a-backend.rec");
     let backend_svc = format!("{}:{}", presets::BACKEND_IP, presets::WEB_PORT);
-    let lab = build_lab(presets::seed003(Seed003::default()));
+    let lab = build_lab(spec);
     // node-b named explicitly, node-a by its --netns name (the default).
     let svc = web_svc();
     let mut b = record(&lab, presets::NODE_B, &svc, &b_rec, Some(presets::NODE_B));
@@ -216,7 +244,7 @@ fn record_seed003(dir: &Path) -> Recordings {
     // node-a by the backend's address judges the backend as its Service:
     // alone it says nothing about seed 003.
     done.truncate(2);
-    if std::env::var_os("NATTRACE_WRITE_FIXTURE").is_some() {
+    if fixtures && std::env::var_os("NATTRACE_WRITE_FIXTURE").is_some() {
         let fixtures =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../tracer-userspace/src/merge/fixtures");
         std::fs::create_dir_all(&fixtures).expect("fixtures dir");
