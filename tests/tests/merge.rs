@@ -6,7 +6,7 @@
 //! connection must be `ok` with the SNAT shown. Then the same on routed
 //! nodes with flannel host-gw. About 20 s. Needs root.
 //!
-//! `NATTRACE_WRITE_FIXTURE=1` also copies the two recordings to
+//! `NATTRACE_WRITE_FIXTURE=1` also copies the vxlan run's three recordings to
 //! `tracer-userspace/src/merge/fixtures/` (the merge unit tests' input).
 
 use std::path::{Path, PathBuf};
