@@ -17,7 +17,7 @@ use serde_json::Value;
 
 use super::repo;
 
-/// The Kubernetes minor of kind v0.29's default node image (the workflow's kind).
+/// The Kubernetes of the kind node image the cluster configs pin.
 const KUBERNETES_VERSION: &str = "1.33.0";
 const CLUSTER_NAME: &str = "nattrace";
 
@@ -206,6 +206,13 @@ fn kind_configs_match_their_schema_names_and_the_matrix() {
             assert_eq!(net["disableDefaultCNI"], cni == "bridge", "{file}: {net}");
             assert_eq!(net["kubeProxyMode"], proxy.as_str(), "{file}: {net}");
             assert_eq!(config["name"], CLUSTER_NAME, "{file}");
+            // The node's Kubernetes is the one the manifests are validated for.
+            let image = config["nodes"][0]["image"].as_str().unwrap_or_default();
+            let minor = KUBERNETES_VERSION.rsplit_once('.').expect("x.y.z").0;
+            assert!(
+                image.starts_with(&format!("kindest/node:v{minor}.")) && image.contains("@sha256:"),
+                "{file}: node image {image:?} is not a digest-pinned Kubernetes {minor}"
+            );
             expected.push(file);
         }
     }
