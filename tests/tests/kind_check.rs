@@ -195,3 +195,49 @@ fn check_script_refuses_an_empty_node_exec() {
         stderr(&out)
     );
 }
+
+/// ci/kind/run.sh refuses a matrix entry it has no cluster config for, and a
+/// missing binary, before it touches docker or kind (exit 2, one line).
+#[test]
+fn kind_runner_refuses_bad_arguments() {
+    let runner = repo().join("ci/kind/run.sh");
+    for (cni, proxy, bin, says) in [
+        (
+            "flannel",
+            "iptables",
+            "/bin/sh",
+            "CNI must be bridge or kindnet",
+        ),
+        (
+            "bridge",
+            "ipvs",
+            "/bin/sh",
+            "PROXY_MODE must be iptables or nftables",
+        ),
+        (
+            "kindnet",
+            "nftables",
+            "/nonexistent",
+            "NATTRACE_BIN must name",
+        ),
+    ] {
+        let out = Command::new("bash")
+            .arg(&runner)
+            .env("CNI", cni)
+            .env("PROXY_MODE", proxy)
+            .env("NATTRACE_BIN", bin)
+            .output()
+            .expect("running ci/kind/run.sh");
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{cni}/{proxy}: {}",
+            stderr(&out)
+        );
+        assert!(
+            stderr(&out).contains(says),
+            "{cni}/{proxy}: {}",
+            stderr(&out)
+        );
+    }
+}
