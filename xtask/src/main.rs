@@ -25,6 +25,8 @@ enum Task {
     VmTest(vm::VmTestArgs),
     /// Measure what nattrace costs a node (lab, release builds) and write BENCHMARKS.md.
     Bench(bench::BenchArgs),
+    /// Build the static (musl) nattrace a node or a kind node container runs; prints its path.
+    Musl,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -34,5 +36,9 @@ fn main() -> anyhow::Result<()> {
         Task::Test(args) => tasks::test(args),
         Task::VmTest(args) => vm::run(args),
         Task::Bench(args) => bench::run(args),
+        Task::Musl => {
+            println!("{}", vm::build_static_nattrace()?.display());
+            Ok(())
+        }
     }
 }

@@ -28,6 +28,24 @@ const APT_PACKAGES: &[&str] = &[
     "tshark",
     "iperf3",
     "kmod",
+    // the kind CI check (ci/kind) and the offline checks of its workflow and configs
+    "jq",
+    "shellcheck",
+    "yamllint",
+    "python3-venv",
+];
+
+/// Where the PyPI tools live: a venv of Debian's python3 (its pip refuses
+/// system-wide installs, PEP 668), with their commands linked into /usr/local/bin.
+const PYTOOLS_VENV: &str = "/opt/nattrace-pytools";
+
+/// PyPI packages (pinned: their bundled schemas are what the checks check
+/// against) and the command each provides.
+const PYPI_TOOLS: &[(&str, &str, &str)] = &[
+    // .github/workflows against its built-in, vendored (offline) schema
+    ("check-jsonschema", "0.39.0", "check-jsonschema"),
+    // Kubernetes manifests against the API's schemas, bundled (offline)
+    ("kubernetes-validate", "1.37.0", "kubernetes-validate"),
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -44,6 +62,7 @@ pub fn run() -> anyhow::Result<()> {
     nightly_with_rust_src()?;
     rustup_targets(vm::deps::RUSTUP_TARGETS)?;
     bpf_linker()?;
+    pypi_tools()?;
     eprintln!("setup: everything present");
     Ok(())
 }
@@ -180,6 +199,38 @@ fn bpf_linker() -> anyhow::Result<()> {
     )?;
     if output_of("bpf-linker", &["--version"]).is_none() {
         bail!("setup: bpf-linker installed but not on PATH: add ~/.cargo/bin to PATH");
+    }
+    Ok(())
+}
+
+fn pypi_tools() -> anyhow::Result<()> {
+    let venv = std::path::Path::new(PYTOOLS_VENV);
+    let pip = venv.join("bin/pip");
+    if !pip.exists() {
+        eprintln!("setup: creating the PyPI tools venv {PYTOOLS_VENV}");
+        // Debian's python3 by path: a pyenv shim first on PATH is another python.
+        run_checked(
+            Command::new("/usr/bin/python3").args(["-m", "venv", PYTOOLS_VENV]),
+            "python3 -m venv (needs python3-venv)",
+        )?;
+    }
+    let pip = pip.to_string_lossy();
+    for (package, version, command) in PYPI_TOOLS {
+        let shown = output_of(&pip, &["show", package]).unwrap_or_default();
+        if !shown.lines().any(|l| l == format!("Version: {version}")) {
+            eprintln!("setup: installing {package} {version} from PyPI");
+            run_checked(
+                Command::new(&*pip).args(["install", "-q", &format!("{package}=={version}")]),
+                &format!("pip install {package}=={version}"),
+            )?;
+        }
+        let link = std::path::Path::new("/usr/local/bin").join(command);
+        let target = venv.join("bin").join(command);
+        if std::fs::read_link(&link).ok().as_deref() != Some(target.as_path()) {
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(&target, &link)
+                .with_context(|| format!("setup: linking {}", link.display()))?;
+        }
     }
     Ok(())
 }

@@ -225,6 +225,13 @@ fn target_dir() -> PathBuf {
         .unwrap_or_else(|| repo_root().join("target"))
 }
 
+/// The release nattrace linked statically against musl: what the guests run,
+/// and what `cargo xtask musl` hands to nodes and kind (nothing to install there).
+pub fn build_static_nattrace() -> Result<PathBuf> {
+    let mut paths = build_payload(&["tracer-userspace:nattrace".to_string()])?;
+    Ok(paths.remove(0))
+}
+
 /// Builds the guest's binaries statically (musl) in one cargo call, so shared
 /// dependencies compile once; returns their paths.
 fn build_payload(bins: &[String]) -> Result<Vec<PathBuf>> {
@@ -248,7 +255,11 @@ fn build_payload(bins: &[String]) -> Result<Vec<PathBuf>> {
     if paths.is_empty() {
         return Ok(paths);
     }
-    eprintln!("vm-test: building payload ({})", bins.join(", "));
+    eprintln!(
+        "xtask: building {} for {}",
+        bins.join(", "),
+        deps::PAYLOAD_TARGET
+    );
     kernel::run(&mut cmd).context("building the payload for musl")?;
     Ok(paths)
 }
