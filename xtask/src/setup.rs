@@ -28,6 +28,10 @@ const APT_PACKAGES: &[&str] = &[
     "tshark",
     "iperf3",
     "kmod",
+    // cargo xtask image, and its test (tests/tests/image.rs)
+    "buildah",
+    // pip, for kubernetes-validate (PIP_PACKAGES)
+    "python3-pip",
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -44,6 +48,7 @@ pub fn run() -> anyhow::Result<()> {
     nightly_with_rust_src()?;
     rustup_targets(vm::deps::RUSTUP_TARGETS)?;
     bpf_linker()?;
+    pip_tools()?;
     eprintln!("setup: everything present");
     Ok(())
 }
@@ -149,6 +154,38 @@ fn rustup_targets(targets: &[&str]) -> anyhow::Result<()> {
             run_checked(
                 Command::new("rustup").args(["target", "add", target]),
                 &format!("rustup target add {target}"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// PyPI tools: `kubernetes-validate` checks deploy/ against Kubernetes'
+/// schemas it carries (offline; tests/tests/manifests.rs).
+const PIP_PACKAGES: &[(&str, &str)] = &[("kubernetes-validate", "kubernetes-validate==1.37.0")];
+
+fn pip_tools() -> anyhow::Result<()> {
+    for (command, requirement) in PIP_PACKAGES {
+        if output_of(command, &["--version"]).is_some() {
+            continue;
+        }
+        eprintln!("setup: pip install {requirement}");
+        let plain = Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", requirement])
+            .status()
+            .is_ok_and(|s| s.success());
+        // Debian's own python3 refuses system-wide installs (PEP 668).
+        if !plain {
+            run_checked(
+                Command::new("python3").args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--break-system-packages",
+                    requirement,
+                ]),
+                &format!("pip install {requirement} (needs python3-pip)"),
             )?;
         }
     }
