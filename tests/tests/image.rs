@@ -8,7 +8,11 @@
 //! the image runs the way a privileged host-network container does, minus
 //! the runtime: its root filesystem (`buildah mount`) under `unshare -m -p
 //! -f` (own mount and PID namespaces, the host's network namespace) and
-//! `chroot`, with /sys (BTF, bpffs), a fresh /proc and /run/netns mounted.
+//! `chroot`, with /sys (BTF, bpffs), a fresh /proc and /run/netns mounted,
+//! no /dev and the image's PATH. The broken node is traced by `--netns
+//! PATH`; the healthy one from inside its namespace with no `--netns`, as
+//! a container sharing the node's network (`hostNetwork`, `kubectl debug
+//! node`) does. Both traces run at once on the node, one curl between them.
 //!
 //! Uses the image named by `$NATTRACE_IMAGE` (`cargo xtask test` builds it
 //! first, in the same cargo call as vm-test's musl binaries), else builds
@@ -83,9 +87,20 @@ fn image() -> String {
     "localhost/nattrace:dev".to_string()
 }
 
-/// `unshare` arguments that run the image's entrypoint with `args` the way
-/// a privileged container with the host's network would.
-fn in_image(root: &Path, args: &[String]) -> Vec<String> {
+/// How the container meets the node's network namespace.
+#[derive(Clone, Copy, PartialEq)]
+enum Network {
+    /// Its own view of the host, tracing the node by `--netns PATH`.
+    NetnsFlag,
+    /// It shares the node's namespace (`hostNetwork`, `kubectl debug
+    /// node`): started inside it by `ip netns exec` (which also mounts
+    /// that namespace's sysfs, as a runtime does), traced with no `--netns`.
+    Shared,
+}
+
+/// Program and arguments that run the image's entrypoint with `args` the
+/// way a privileged container would. No /dev: nattrace needs none.
+fn in_image(lab: &Lab, root: &Path, network: Network, args: &[String]) -> (String, Vec<String>) {
     let script = r#"R=$1; shift
 mount --rbind /sys "$R/sys" && mount -t proc proc "$R/proc" &&
 mount --rbind /run/netns "$R/run/netns" &&
@@ -95,8 +110,37 @@ exec env -i PATH=/usr/bin:/usr/sbin chroot "$R" /usr/bin/nattrace "$@""#;
         .map(|s| s.to_string())
         .collect();
     v.push(root.display().to_string());
-    v.extend(args.iter().cloned());
-    v
+    match network {
+        Network::NetnsFlag => {
+            v.extend(args.iter().cloned());
+            ("unshare".into(), v)
+        }
+        Network::Shared => {
+            let ns = node_ns(lab);
+            let name = Path::new(&ns).file_name().unwrap().to_string_lossy();
+            v.extend(without_netns(args));
+            let mut ip: Vec<String> = ["netns", "exec", &name, "unshare"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+            ip.extend(v);
+            ("ip".into(), ip)
+        }
+    }
+}
+
+/// `args` minus `--netns X`.
+fn without_netns(args: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--netns" {
+            it.next();
+        } else {
+            out.push(a.clone());
+        }
+    }
+    out
 }
 
 fn node_ns(lab: &Lab) -> String {
@@ -152,7 +196,7 @@ fn verdicts(done: &Finished) -> Vec<(String, String, String)> {
 /// Traces the lab's web Service with the bare binary and the image at
 /// once (two instances on one node are supported), curls it once, and
 /// returns both outputs.
-fn trace_both(lab: &Lab, root: &Path) -> (Finished, Finished) {
+fn trace_both(lab: &Lab, root: &Path, network: Network) -> (Finished, Finished) {
     let args: Vec<String> = [
         "--svc",
         &web_svc(),
@@ -169,8 +213,9 @@ fn trace_both(lab: &Lab, root: &Path) -> (Finished, Finished) {
     .map(|s| s.to_string())
     .collect();
     let mut bare = Nattrace::spawn(&nattrace(), &args, &[], false).expect("starting nattrace");
-    let mut boxed = Nattrace::spawn(Path::new("unshare"), &in_image(root, &args), &[], false)
-        .expect("starting the image");
+    let (program, boxed_args) = in_image(lab, root, network, &args);
+    let mut boxed =
+        Nattrace::spawn(Path::new(&program), &boxed_args, &[], false).expect("starting the image");
     for t in [&mut bare, &mut boxed] {
         t.wait_started(ATTACH_TIMEOUT)
             .unwrap_or_else(|e| panic!("{e:#}"));
@@ -187,13 +232,14 @@ fn trace_both(lab: &Lab, root: &Path) -> (Finished, Finished) {
     (bare, boxed)
 }
 
-fn check_node(lab: &Lab, root: &Path, verdict: &str, cause: &str) {
+fn check_node(lab: &Lab, root: &Path, network: Network, verdict: &str, cause: &str) {
     let doctor_args: Vec<String> = ["doctor", "--netns", &node_ns(lab), "--output", "json"]
         .iter()
         .map(|s| s.to_string())
         .collect();
     let bare = doctor_json(&nattrace().display().to_string(), &doctor_args);
-    let boxed = doctor_json("unshare", &in_image(root, &doctor_args));
+    let (program, boxed_args) = in_image(lab, root, network, &doctor_args);
+    let boxed = doctor_json(&program, &boxed_args);
     assert_eq!(conclusions(&boxed), conclusions(&bare), "{boxed}\n{bare}");
     let mode = conclusions(&boxed)
         .into_iter()
@@ -204,7 +250,7 @@ fn check_node(lab: &Lab, root: &Path, verdict: &str, cause: &str) {
         "the image reads the rules: {boxed}"
     );
 
-    let (bare, boxed) = trace_both(lab, root);
+    let (bare, boxed) = trace_both(lab, root, network);
     let (b, i) = (verdicts(&bare), verdicts(&boxed));
     assert!(!b.is_empty(), "a flow:\n{}", bare.describe());
     assert_eq!(
@@ -256,6 +302,7 @@ fn root_image_gives_the_bare_binarys_doctor_and_verdicts() {
     check_node(
         &broken,
         &root.path,
+        Network::NetnsFlag,
         "reply_not_reverse_nated",
         "bridge_nf_call_iptables_off",
     );
@@ -264,7 +311,7 @@ fn root_image_gives_the_bare_binarys_doctor_and_verdicts() {
         bridge_nf_call_iptables: true,
         backend: Backend::SameNode,
     }));
-    check_node(&healthy, &root.path, "ok", "-");
+    check_node(&healthy, &root.path, Network::Shared, "ok", "-");
     println!("image test: {:.1?}", started.elapsed());
 }
 
