@@ -98,9 +98,17 @@ pub fn run(args: ImageArgs) -> Result<()> {
     )?;
     buildah(&["umount", &working.0])?;
     configure(&working.0)?;
+    let previous = buildah(&["images", "--quiet", "--no-trunc", &args.tag]).ok();
     buildah(&[
         "commit", "--quiet", "--format", "oci", &working.0, &args.tag,
     ])?;
+    // The tag moved: drop the image it named, so rebuilds do not pile up
+    // (only that one: the image storage is the machine's, not ours).
+    if let Some(old) = previous.filter(|p| !p.is_empty())
+        && buildah(&["images", "--quiet", "--no-trunc", &args.tag]).ok() != Some(old.clone())
+    {
+        let _ = buildah(&["rmi", &old]);
+    }
     if let Some(archive) = &args.archive {
         let _ = std::fs::remove_file(archive);
         buildah(&[
