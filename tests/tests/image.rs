@@ -322,6 +322,8 @@ fn root_missing_tools_are_named_not_reported_as_no_rules() {
     if lab::skip_without_root("needs root (a lab node)") {
         return;
     }
+    // Its lab uses seed 000's addresses, like the traced ones.
+    let _lock = tracing_lock();
     let lab = build_lab(presets::seed000(presets::Seed000::default()));
     let out = Command::new(nattrace())
         .args(["doctor", "--netns", &node_ns(&lab), "--output", "json"])
