@@ -320,6 +320,18 @@ pub fn assess(i: &Inputs) -> Report {
     }
     let mode = i.kube_proxy.mode;
     let (sev, msg) = match mode {
+        ProxyMode::None if !i.kube_proxy.missing_tools.is_empty() => (
+            Severity::Warning,
+            format!(
+                "kube-proxy's rules could not be read: {} (install iptables and nftables, or run the nattrace image, which carries them)",
+                i.kube_proxy
+                    .missing_tools
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+        ),
         ProxyMode::None => (Severity::Warning, "no kube-proxy rules found in the nat table (not a node, kube-proxy down, or a kube-proxy replacement)".to_string()),
         m => (
             Severity::Info,
@@ -338,10 +350,14 @@ pub fn assess(i: &Inputs) -> Report {
             ),
         ),
     };
+    let unread = mode == ProxyMode::None && !i.kube_proxy.missing_tools.is_empty();
     out.push(finding(
         "kube_proxy_mode",
         sev,
-        format!("kube-proxy={}", mode.as_str()),
+        format!(
+            "kube-proxy={}",
+            if unread { "unknown" } else { mode.as_str() }
+        ),
         msg,
         FIX_KUBE_PROXY,
     ));

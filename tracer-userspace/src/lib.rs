@@ -6,6 +6,7 @@ pub mod btf;
 pub mod collector;
 pub mod doctor;
 pub mod facts;
+pub mod host;
 pub mod merge;
 pub mod output;
 pub mod probes;

@@ -87,6 +87,25 @@ pub struct KubeProxyRules {
     /// Traced Service IPs that IPVS or an eBPF data plane translates instead
     /// (see [`dataplane`]); filled by the session, recorded with the rules.
     pub outside_netfilter: Vec<OutsideNetfilter>,
+    /// Programs needed to read the rules that are not installed (a
+    /// `FROM scratch` image without iptables): with these, an empty ruleset
+    /// means "could not look", never "no rules".
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing_tools: Vec<MissingTool>,
+}
+
+/// A program [`read`] needed and could not start because it is not installed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct MissingTool {
+    pub program: String,
+    /// `$PATH` as nattrace searched it.
+    pub path: String,
+}
+
+impl std::fmt::Display for MissingTool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} not found in PATH: {}", self.program, self.path)
+    }
 }
 
 /// A Service IP translated outside netfilter, and by what.
@@ -301,14 +320,57 @@ fn endpoint(chain: &str, rules: &[&Rule]) -> Option<SepRule> {
     })
 }
 
-/// Runs `program args` in the namespace; None when it is missing or fails.
-fn run_in(netns: &Netns, program: &str, args: &[&str]) -> Option<String> {
-    netns
-        .run(|| Command::new(program).args(args).output())
-        .ok()?
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+/// Why [`run_in`] produced no output.
+#[derive(Debug, PartialEq, Eq)]
+enum RunError {
+    /// Not installed (spawn failed with ENOENT).
+    Missing,
+    /// It ran and failed, or the namespace could not be entered.
+    Failed,
+}
+
+/// Runs `program args` in the namespace and returns its stdout.
+fn run_in(netns: &Netns, program: &str, args: &[&str]) -> Result<String, RunError> {
+    // stdin piped (closed at once by `output`), not the default /dev/null:
+    // a bare container root has no /dev, and failing to open it would look
+    // like a missing program (ENOENT).
+    let output = || {
+        Command::new(program)
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .output()
+    };
+    match netns.run(output) {
+        Ok(Ok(o)) if o.status.success() => Ok(String::from_utf8_lossy(&o.stdout).into_owned()),
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => Err(RunError::Missing),
+        _ => Err(RunError::Failed),
+    }
+}
+
+/// Collects the programs [`read`] found missing.
+struct Missing {
+    tools: Vec<MissingTool>,
+    path: String,
+}
+
+impl Missing {
+    fn new() -> Missing {
+        Missing {
+            tools: Vec::new(),
+            path: std::env::var("PATH").unwrap_or_default(),
+        }
+    }
+
+    /// `result`'s output; a missing program is noted (once).
+    fn note(&mut self, program: &str, result: Result<String, RunError>) -> Option<String> {
+        if result == Err(RunError::Missing) && !self.tools.iter().any(|t| t.program == program) {
+            self.tools.push(MissingTool {
+                program: program.to_string(),
+                path: self.path.clone(),
+            });
+        }
+        result.ok()
+    }
 }
 
 /// Whether x_tables (legacy) tables exist in the namespace. Read through
@@ -335,8 +397,12 @@ fn nf_tables_loaded() -> bool {
         return true;
     }
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    std::fs::read_to_string(format!("/lib/modules/{}/modules.builtin", release.trim()))
-        .is_ok_and(|b| b.lines().any(|l| l.ends_with("/nf_tables.ko")))
+    // In a container, the node's /lib/modules (mounted, or under /host).
+    std::fs::read_to_string(crate::host::node_path(&format!(
+        "/lib/modules/{}/modules.builtin",
+        release.trim()
+    )))
+    .is_ok_and(|b| b.lines().any(|l| l.ends_with("/nf_tables.ko")))
 }
 
 /// Reads kube-proxy's rules (nat and filter tables) in `netns` (None =
@@ -359,21 +425,34 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
         sources.push(("iptables-legacy-save", "legacy"));
     }
     let mut best = KubeProxyRules::default();
+    let mut missing = Missing::new();
     for (program, source) in sources {
         // Distributions without the -nft/-legacy names ship one of them as
         // plain `iptables-save`; its --version says which.
-        let Some(text) = run_in(&ns, program, &[]).or_else(|| {
-            let backend = if source == "nft" {
-                "nf_tables"
-            } else {
-                "legacy"
-            };
-            run_in(&ns, "iptables-save", &["--version"])
-                .filter(|v| v.contains(backend))
-                .and_then(|_| run_in(&ns, "iptables-save", &[]))
-        }) else {
-            continue;
+        let named = run_in(&ns, program, &[]);
+        let text = match named {
+            Err(RunError::Missing) => {
+                let backend = if source == "nft" {
+                    "nf_tables"
+                } else {
+                    "legacy"
+                };
+                let plain = run_in(&ns, "iptables-save", &["--version"]).and_then(|v| {
+                    if v.contains(backend) {
+                        run_in(&ns, "iptables-save", &[])
+                    } else {
+                        Err(RunError::Failed)
+                    }
+                });
+                // Only when neither name exists is the tool missing.
+                if plain == Err(RunError::Missing) {
+                    missing.note(program, Err(RunError::Missing));
+                }
+                plain.ok()
+            }
+            other => other.ok(),
         };
+        let Some(text) = text else { continue };
         let rules = parse_save(&text);
         let size = |r: &KubeProxyRules| r.services.len() + r.no_endpoints.len();
         if size(&rules) > size(&best)
@@ -387,10 +466,14 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
     }
     if best.mode == ProxyMode::None
         && nf_tables
-        && let Some(rules) =
-            run_in(&ns, "nft", &["-j", "list", "ruleset"]).and_then(|j| nft::parse(&j))
+        && let Some(rules) = missing
+            .note("nft", run_in(&ns, "nft", &["-j", "list", "ruleset"]))
+            .and_then(|j| nft::parse(&j))
     {
         best = rules;
+    }
+    if best.mode == ProxyMode::None {
+        best.missing_tools = missing.tools;
     }
     best
 }

@@ -1,5 +1,6 @@
 //! Developer tasks. `cargo xtask <task>`; see README.md.
 mod bench;
+mod image;
 mod setup;
 mod tasks;
 mod vm;
@@ -23,6 +24,8 @@ enum Task {
     Test(tasks::TestArgs),
     /// Boot Debian 6.1 and 6.12 kernels under QEMU and run the lab scenarios against each backend.
     VmTest(vm::VmTestArgs),
+    /// Build the OCI image (static nattrace + the iptables/nft it runs) with buildah.
+    Image(image::ImageArgs),
     /// Measure what nattrace costs a node (lab, release builds) and write BENCHMARKS.md.
     Bench(bench::BenchArgs),
     /// Build the static (musl) nattrace a node or a kind node container runs; prints its path.
@@ -36,6 +39,7 @@ fn main() -> anyhow::Result<()> {
         Task::Test(args) => tasks::test(args),
         Task::VmTest(args) => vm::run(args),
         Task::Bench(args) => bench::run(args),
+        Task::Image(args) => image::run(args),
         Task::Musl => {
             println!("{}", vm::build_static_nattrace()?.display());
             Ok(())

@@ -28,6 +28,8 @@ const APT_PACKAGES: &[&str] = &[
     "tshark",
     "iperf3",
     "kmod",
+    // cargo xtask image, and its test (tests/tests/image.rs)
+    "buildah",
     // the kind CI check (ci/kind) and the offline checks of its workflow and configs
     "jq",
     "shellcheck",
@@ -173,6 +175,7 @@ fn rustup_targets(targets: &[&str]) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
 
 fn bpf_linker() -> anyhow::Result<()> {
     if output_of("bpf-linker", &["--version"]).is_some_and(|v| v.contains(BPF_LINKER_VERSION)) {

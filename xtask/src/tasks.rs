@@ -3,7 +3,7 @@ use std::{path::PathBuf, process::Command};
 
 use anyhow::{Context as _, bail};
 
-use crate::{setup, vm};
+use crate::{image, setup, vm};
 
 /// Root of the workspace (xtask lives one level below it).
 pub fn workspace_root() -> PathBuf {
@@ -38,13 +38,19 @@ pub struct TestArgs {
     pub no_vm: bool,
 }
 
-/// Everything CI runs: setup, formatting and lints, unit and root integration
-/// tests on this kernel, then the guest kernels.
+/// Everything CI runs: setup, formatting and lints, the container image,
+/// unit and root integration tests on this kernel, then the guest kernels.
 pub fn test(args: TestArgs) -> anyhow::Result<()> {
     setup::run()?;
     cargo(&["fmt", "--all", "--check"])?;
     cargo(&["clippy", "--all-targets", "--", "-D", "warnings"])?;
-    cargo(&["test", "--no-fail-fast"])?;
+    // The image first: its musl build is the one vm-test needs too (same
+    // cargo call), and tests/tests/image.rs runs it instead of building one.
+    image::run(image::ImageArgs::default())?;
+    cargo_with_env(
+        &["test", "--no-fail-fast"],
+        &[("NATTRACE_IMAGE", image::DEFAULT_TAG)],
+    )?;
     if !args.no_vm {
         vm::run(vm::VmTestArgs::default())?;
     }

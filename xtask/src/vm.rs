@@ -7,7 +7,7 @@
 //! one qemu per kernel, in parallel, console streamed with a `[kernel]` prefix.
 
 pub mod deps;
-mod initramfs;
+pub mod initramfs;
 mod kernel;
 mod qemu;
 
@@ -234,7 +234,7 @@ pub fn build_static_nattrace() -> Result<PathBuf> {
 
 /// Builds the guest's binaries statically (musl) in one cargo call, so shared
 /// dependencies compile once; returns their paths.
-fn build_payload(bins: &[String]) -> Result<Vec<PathBuf>> {
+pub fn build_payload(bins: &[String]) -> Result<Vec<PathBuf>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(repo_root())

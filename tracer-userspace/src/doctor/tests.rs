@@ -206,3 +206,35 @@ fn services_outside_netfilter_are_a_warning_for_doctor_and_the_traced_ip() {
     let r = traced("100.67.30.133");
     assert!(r.findings.iter().all(|f| f.check != "service_nat"));
 }
+
+#[test]
+fn a_missing_tool_is_reported_as_missing_never_as_no_rules() {
+    let mut i = healthy();
+    i.kube_proxy = KubeProxyRules {
+        missing_tools: vec![ruleset::MissingTool {
+            program: "iptables-nft-save".into(),
+            path: "/usr/bin:/bin".into(),
+        }],
+        ..KubeProxyRules::default()
+    };
+    let r = assess(&i);
+    let f = r
+        .findings
+        .iter()
+        .find(|f| f.check == "kube_proxy_mode")
+        .unwrap();
+    assert_eq!(f.severity, Severity::Warning);
+    assert_eq!(f.value, "kube-proxy=unknown");
+    assert!(
+        f.message
+            .contains("iptables-nft-save not found in PATH: /usr/bin:/bin"),
+        "{}",
+        f.message
+    );
+    assert!(!f.message.contains("no kube-proxy rules"), "{}", f.message);
+    assert!(
+        r.one_line().contains("kube-proxy=unknown"),
+        "{}",
+        r.one_line()
+    );
+}

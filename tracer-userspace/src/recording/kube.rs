@@ -6,7 +6,9 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use serde::{Deserialize, Deserializer};
 
-use crate::ruleset::{KubeProxyRules, OutsideNetfilter, ProxyMode, RejectRule, SepRule, SvcRule};
+use crate::ruleset::{
+    KubeProxyRules, MissingTool, OutsideNetfilter, ProxyMode, RejectRule, SepRule, SvcRule,
+};
 
 #[derive(Deserialize)]
 struct Rules {
@@ -22,6 +24,8 @@ struct Rules {
     cluster_cidr: Option<String>,
     #[serde(default)]
     outside_netfilter: Vec<Outside>,
+    #[serde(default)]
+    missing_tools: Vec<MissingTool>,
 }
 
 #[derive(Deserialize)]
@@ -114,5 +118,6 @@ pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<KubeProxyRu
             .into_iter()
             .map(|o| OutsideNetfilter { ip: o.ip, by: o.by })
             .collect(),
+        missing_tools: r.missing_tools,
     })
 }

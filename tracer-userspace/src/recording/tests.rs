@@ -315,3 +315,24 @@ fn interface_lines_name_pod_interfaces_in_analyze() {
         "{hops:?}"
     );
 }
+
+#[test]
+fn missing_tools_survive_the_recording() {
+    let rules = crate::ruleset::KubeProxyRules {
+        missing_tools: vec![crate::ruleset::MissingTool {
+            program: "nft".into(),
+            path: "/usr/bin".into(),
+        }],
+        ..Default::default()
+    };
+    let json = serde_json::to_value(&rules).unwrap();
+    assert_eq!(super::kube::deserialize(json).unwrap(), rules);
+    // Recordings from before the field read as "nothing missing".
+    let old = serde_json::json!({"mode": "none"});
+    assert!(
+        super::kube::deserialize(old)
+            .unwrap()
+            .missing_tools
+            .is_empty()
+    );
+}

@@ -79,6 +79,8 @@ impl Dataplane {
             .run(|| {
                 let device = Command::new("ip")
                     .args(["-j", "-4", "addr", "show", "dev", IPVS_DEVICE])
+                    // Not /dev/null, which a bare container root lacks (ruleset::run_in).
+                    .stdin(std::process::Stdio::piped())
                     .output()
                     .ok()
                     .filter(|o| o.status.success())
@@ -96,7 +98,7 @@ impl Dataplane {
         Dataplane {
             ipvs_device,
             ipvs_services,
-            ebpf_lb_maps: ebpf_maps(Path::new(BPF_GLOBALS)),
+            ebpf_lb_maps: ebpf_maps(&crate::host::node_path(BPF_GLOBALS)),
         }
     }
 

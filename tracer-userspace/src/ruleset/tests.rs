@@ -169,3 +169,33 @@ fn kube_proxys_own_reject_forms_are_read() {
 fn nat_only_text_still_parses() {
     assert_eq!(parse_save(LAB_NAT), parse_nat(LAB_NAT));
 }
+
+#[test]
+fn a_program_that_is_not_installed_is_missing_not_failed() {
+    let ns = Netns::open(None).unwrap();
+    assert_eq!(
+        run_in(&ns, "nattrace-test-no-such-program", &[]),
+        Err(RunError::Missing)
+    );
+    // Installed but failing is not "missing".
+    assert_eq!(run_in(&ns, "false", &[]), Err(RunError::Failed));
+    assert_eq!(run_in(&ns, "echo", &["x"]).as_deref(), Ok("x\n"));
+}
+
+#[test]
+fn missing_tools_are_noted_once_with_the_search_path() {
+    let mut m = Missing {
+        tools: Vec::new(),
+        path: "/usr/sbin:/usr/bin".into(),
+    };
+    assert_eq!(m.note("nft", Ok("{}".into())).as_deref(), Some("{}"));
+    assert_eq!(m.note("nft", Err(RunError::Failed)), None);
+    assert!(m.tools.is_empty());
+    m.note("nft", Err(RunError::Missing));
+    m.note("nft", Err(RunError::Missing));
+    assert_eq!(m.tools.len(), 1);
+    assert_eq!(
+        m.tools[0].to_string(),
+        "nft not found in PATH: /usr/sbin:/usr/bin"
+    );
+}

@@ -480,6 +480,10 @@ fn header(options: &SessionOptions, tracer: &Tracer) -> Header {
     if let Some(f) = checks.findings.iter().find(|f| f.check == "service_nat") {
         eprintln!("nattrace: warning: {}", f.message);
     }
+    // Without the rules flows carry no Service name or chains: say why.
+    for tool in &inputs.kube_proxy.missing_tools {
+        eprintln!("nattrace: warning: kube-proxy's rules not read: {tool}");
+    }
     let clock = Clock {
         monotonic_ns: monotonic_ns(),
         realtime_ns: clock_ns(nix::time::ClockId::CLOCK_REALTIME),
@@ -535,13 +539,18 @@ fn node_name(options: &SessionOptions) -> String {
 /// The running kernel's drop reason numbering (it differs between kernels);
 /// the built-in 6.18 table when tracefs is not mounted.
 fn kernel_drop_reasons() -> DropReasons {
-    let parsed = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"]
-        .iter()
-        .find_map(|root| {
-            let text = std::fs::read_to_string(Path::new(root).join("events/skb/kfree_skb/format"))
-                .ok()?;
-            DropReasons::parse_tracefs_format(&text).ok()
-        });
+    // The last: tracefs of the node under `kubectl debug node`'s host root.
+    let parsed = [
+        "/sys/kernel/tracing",
+        "/sys/kernel/debug/tracing",
+        "/host/sys/kernel/tracing",
+    ]
+    .iter()
+    .find_map(|root| {
+        let text =
+            std::fs::read_to_string(Path::new(root).join("events/skb/kfree_skb/format")).ok()?;
+        DropReasons::parse_tracefs_format(&text).ok()
+    });
     let Some(parsed) = parsed else {
         return DropReasons::default();
     };

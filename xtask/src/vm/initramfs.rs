@@ -75,11 +75,29 @@ impl Tree {
         self.entries.insert(path, entry);
     }
 
-    fn dir(&mut self, path: &str) {
+    /// Writes the tree below `root` (an image's mounted root filesystem);
+    /// device nodes are left to the container runtime.
+    pub fn write_under(&self, root: &Path) -> Result<()> {
+        for (path, entry) in &self.entries {
+            let dest = root.join(path);
+            match entry {
+                Entry::Dir => fs::create_dir_all(&dest)?,
+                Entry::File { mode, data } => {
+                    fs::write(&dest, data)?;
+                    fs::set_permissions(&dest, fs::Permissions::from_mode(*mode))?;
+                }
+                Entry::Symlink(target) => std::os::unix::fs::symlink(target, &dest)?,
+                Entry::CharDev { .. } => {}
+            }
+        }
+        Ok(())
+    }
+
+    pub fn dir(&mut self, path: &str) {
         self.add(path, Entry::Dir);
     }
 
-    fn file(&mut self, path: &str, mode: u32, data: Vec<u8>) {
+    pub fn file(&mut self, path: &str, mode: u32, data: Vec<u8>) {
         self.add(path, Entry::File { mode, data });
     }
 
@@ -176,6 +194,29 @@ fn ldd(path: &Path) -> Result<Vec<PathBuf>> {
         .collect())
 }
 
+/// Host `programs` with their libraries, plus what iptables needs beside
+/// them: the multi-call names, its dlopen()ed plugins, /etc lookup files.
+/// Shared by the guests and the container image (`cargo xtask image`).
+pub fn add_host_tools(t: &mut Tree, programs: &[&str]) -> Result<()> {
+    for prog in programs {
+        t.host_program(Path::new(prog))
+            .with_context(|| format!("{prog} is missing (cargo xtask setup)"))?;
+    }
+    for (name, target) in XTABLES_LINKS {
+        t.symlink(&format!("usr/sbin/{name}"), target);
+    }
+    for e in fs::read_dir(XTABLES_DIR).with_context(|| format!("reading {XTABLES_DIR}"))? {
+        t.host_program(&e?.path())?;
+    }
+    // iptables looks these up by name; without them it warns and some matches fail.
+    for f in ["/etc/protocols", "/etc/services", "/etc/ethertypes"] {
+        if Path::new(f).exists() {
+            t.host_file(Path::new(f))?;
+        }
+    }
+    Ok(())
+}
+
 /// What goes into the guest besides the kernel's modules.
 pub struct Payload {
     /// Static binaries, installed as /bin/<file name>.
@@ -200,22 +241,7 @@ pub fn base(payload: &Payload) -> Result<Tree> {
     t.host_file(Path::new("/usr/bin/busybox"))
         .context("busybox-static is missing (cargo xtask setup)")?;
     t.symlink("bin/sh", "/usr/bin/busybox");
-    for prog in HOST_PROGRAMS {
-        t.host_program(Path::new(prog))
-            .with_context(|| format!("{prog} is missing (cargo xtask setup)"))?;
-    }
-    for (name, target) in XTABLES_LINKS {
-        t.symlink(&format!("usr/sbin/{name}"), target);
-    }
-    for e in fs::read_dir(XTABLES_DIR).with_context(|| format!("reading {XTABLES_DIR}"))? {
-        t.host_program(&e?.path())?;
-    }
-    // iptables looks these up by name; without them it warns and some matches fail.
-    for f in ["/etc/protocols", "/etc/services", "/etc/ethertypes"] {
-        if Path::new(f).exists() {
-            t.host_file(Path::new(f))?;
-        }
-    }
+    add_host_tools(&mut t, HOST_PROGRAMS)?;
     t.file(
         "etc/passwd",
         0o644,
