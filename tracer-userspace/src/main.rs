@@ -78,7 +78,7 @@ struct Cli {
     write: Option<PathBuf>,
 
     /// Once the --write file reaches this many MiB: stop recording (keep tracing), or rotate with --write-keep.
-    #[arg(long, value_name = "MB", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    #[arg(long, value_name = "MB", default_value = "1024", value_parser = parse_mib)]
     write_max_mb: u64,
 
     /// Rotate the --write file at --write-max-mb, keeping N files in all (FILE, FILE.1, ... FILE.(N-1)).
@@ -234,6 +234,17 @@ fn parse_netns(s: &str) -> Result<String, String> {
     Ok(s.to_owned())
 }
 
+/// MiB (fractions allowed: rotation tests use small files) → bytes.
+fn parse_mib(s: &str) -> Result<u64, String> {
+    let mib: f64 = s
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size in MiB (e.g. 1024)"))?;
+    if !(0.01..=1_048_576.0).contains(&mib) {
+        return Err("must be between 0.01 and 1048576 MiB".into());
+    }
+    Ok((mib * 1024.0 * 1024.0) as u64)
+}
+
 fn parse_interval_secs(s: &str) -> Result<Duration, String> {
     let secs: f64 = s
         .parse()
@@ -381,7 +392,7 @@ fn main() -> ExitCode {
             BackendArg::Kprobe => BackendChoice::Kprobe,
         },
         write: cli.write,
-        write_max_bytes: Some(cli.write_max_mb << 20),
+        write_max_bytes: Some(cli.write_max_mb),
         pcap: cli.pcap,
         continuous: nattrace::continuous::ContinuousOptions {
             all_services: cli.all_services,

@@ -28,6 +28,8 @@ const APT_PACKAGES: &[&str] = &[
     "tshark",
     "iperf3",
     "kmod",
+    // promtool, which checks the metrics exposition (tests/tests/watch.rs)
+    "prometheus",
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";

@@ -16,7 +16,39 @@ const MAX_HEAD: usize = 8 * 1024;
 /// long is dropped (a scrape of a few KiB takes milliseconds).
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
 
-const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// The Prometheus text format (0.0.4) of an OpenMetrics exposition, for
+/// clients that do not ask for OpenMetrics (`curl`, `promtool check
+/// metrics`, older scrapers): a counter's family is named with its
+/// `_total` suffix there, and there is no `# EOF`. prometheus-client only
+/// writes OpenMetrics.
+fn prometheus_text(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|prefix| {
+            let rest = line.strip_prefix(prefix)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{prefix}{name}_total {tail}"))
+        });
+        match renamed {
+            Some(l) => out.push_str(&l),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
 
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
     loop {
@@ -47,9 +79,29 @@ fn request_line(head: &[u8]) -> Option<(&str, &str)> {
     Some((method, target.split('?').next().unwrap_or(target)))
 }
 
-fn response(method: &str, path: &str, metrics: &Metrics) -> (&'static str, &'static str, String) {
+/// Whether the request's Accept header asks for OpenMetrics (Prometheus
+/// itself does).
+fn wants_openmetrics(head: &[u8]) -> bool {
+    String::from_utf8_lossy(head).lines().any(|l| {
+        l.split_once(':').is_some_and(|(k, v)| {
+            k.trim().eq_ignore_ascii_case("accept") && v.contains("application/openmetrics-text")
+        })
+    })
+}
+
+fn response(
+    method: &str,
+    path: &str,
+    openmetrics: bool,
+    metrics: &Metrics,
+) -> (&'static str, &'static str, String) {
     match (method, path) {
-        ("GET" | "HEAD", "/metrics") => ("200 OK", CONTENT_TYPE, metrics.encode()),
+        ("GET" | "HEAD", "/metrics") if openmetrics => ("200 OK", OPENMETRICS, metrics.encode()),
+        ("GET" | "HEAD", "/metrics") => (
+            "200 OK",
+            PROMETHEUS_TEXT,
+            prometheus_text(&metrics.encode()),
+        ),
         ("GET" | "HEAD", "/") => (
             "200 OK",
             "text/plain; charset=utf-8",
@@ -91,7 +143,7 @@ async fn answer(mut sock: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
         .await?;
         return Ok(());
     };
-    let (status, content_type, body) = response(method, path, metrics);
+    let (status, content_type, body) = response(method, path, wants_openmetrics(&head), metrics);
     let mut out = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
@@ -115,9 +167,27 @@ mod tests {
             request_line(b"GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n"),
             Some(("GET", "/metrics"))
         );
-        assert_eq!(response("GET", "/metrics", &m).0, "200 OK");
-        assert_eq!(response("GET", "/nope", &m).0, "404 Not Found");
-        assert_eq!(response("POST", "/metrics", &m).0, "405 Method Not Allowed");
+        assert_eq!(response("GET", "/metrics", false, &m).0, "200 OK");
+        assert_eq!(response("GET", "/nope", false, &m).0, "404 Not Found");
+        assert_eq!(
+            response("POST", "/metrics", false, &m).0,
+            "405 Method Not Allowed"
+        );
+        assert!(wants_openmetrics(
+            b"GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;version=1.0.0,text/plain;q=0.5\r\n\r\n"
+        ));
+        assert!(!wants_openmetrics(
+            b"GET /metrics HTTP/1.1\r\nAccept: */*\r\n\r\n"
+        ));
+    }
+
+    #[test]
+    fn counters_are_named_with_total_in_the_prometheus_text_format() {
+        let om = "# HELP x_flows Flows.\n# TYPE x_flows counter\nx_flows_total{a=\"b\"} 1\n# HELP x_live Live.\n# TYPE x_live gauge\nx_live 2\n# EOF\n";
+        assert_eq!(
+            prometheus_text(om),
+            "# HELP x_flows_total Flows.\n# TYPE x_flows_total counter\nx_flows_total{a=\"b\"} 1\n# HELP x_live Live.\n# TYPE x_live gauge\nx_live 2\n"
+        );
         assert_eq!(request_line(b"\xff\xfe\r\n\r\n"), None);
     }
 }

@@ -13,6 +13,7 @@ use prometheus_client::{
 use crate::{
     collector::{FlowReport, Summary},
     probes::{KernelStats, TcState},
+    ruleset::KubeProxyRules,
 };
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -202,11 +203,16 @@ impl Metrics {
         out
     }
 
-    pub fn flows(&self, reports: &[FlowReport]) {
+    /// `rules` name Services that have no endpoints (no KUBE-SVC chain).
+    pub fn flows(&self, reports: &[FlowReport], rules: &KubeProxyRules) {
         for r in reports {
             let service = match &r.kube {
                 Some(k) if !k.service.is_empty() => k.service.clone(),
-                _ => r.service.to_string(),
+                _ => rules
+                    .no_endpoints_for(r.service, r.proto.as_str())
+                    .map(|n| n.port_name.clone())
+                    .filter(|n| !n.is_empty())
+                    .unwrap_or_else(|| r.service.to_string()),
             };
             let labels = FlowLabels {
                 service,

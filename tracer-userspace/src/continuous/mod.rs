@@ -64,6 +64,8 @@ pub struct Continuous {
     /// When the "filter full" warning was last given.
     warned_full: Option<Instant>,
     reads_seen: (u64, u64),
+    /// The rules now, to name flows of Services without endpoints.
+    rules: KubeProxyRules,
 }
 
 impl Continuous {
@@ -89,6 +91,7 @@ impl Continuous {
             untraced: 0,
             warned_full: None,
             reads_seen: (0, 0),
+            rules: KubeProxyRules::default(),
         })
     }
 
@@ -102,6 +105,7 @@ impl Continuous {
         header: &Header,
     ) -> Vec<String> {
         let mut said = Vec::new();
+        self.rules = header.kube_proxy.clone();
         if let Some(listener) = self.listener.take() {
             let metrics = Arc::new(Metrics::new(tracer.backend()));
             match tokio::net::TcpListener::from_std(listener) {
@@ -185,6 +189,7 @@ impl Continuous {
         if let Some(rec) = recorder {
             rec.rules(&rules);
         }
+        self.rules = rules.clone();
         collector.update_rules(rules);
         said
     }
@@ -192,7 +197,7 @@ impl Continuous {
     /// Decided flows, before they go to the outputs.
     pub fn flows(&self, reports: &[FlowReport]) {
         if let Some(m) = &self.metrics {
-            m.flows(reports);
+            m.flows(reports, &self.rules);
         }
     }
 
