@@ -447,25 +447,18 @@ impl Lab {
     }
 
     fn reinstall_kube_proxy(&self) -> Result<()> {
-        let restore = self.spec.kube_proxy.iptables.restore();
-        for (index, node) in self.spec.nodes.iter().enumerate() {
-            let ns = Some(self.netns(&node.name)?);
-            let rules = self.node_rules(&node.name)?;
-            netns::run_checked(ns, &[restore, "-w", "5"], Some(rules.as_bytes()))?;
-            if self.spec.kube_proxy.mode == ProxyMode::Nftables {
-                let table = format!(
-                    "delete table ip kube-proxy\n{}",
-                    self.kube_proxy_nft_rules(index)
-                );
-                netns::run_checked(ns, &["nft", "-f", "-"], Some(table.as_bytes()))?;
-            }
-        }
-        Ok(())
+        self.write_kube_proxy(true)
     }
 
     /// kube-proxy's rules (iptables or nftables mode), kubelet's chains and
     /// the CNI's, on every node.
     fn install_kube_proxy(&self) -> Result<()> {
+        self.write_kube_proxy(false)
+    }
+
+    /// `replace`: kube-proxy's nftables table exists and is replaced whole
+    /// (`iptables-restore` replaces the tables it writes anyway).
+    fn write_kube_proxy(&self, replace: bool) -> Result<()> {
         let restore = self.spec.kube_proxy.iptables.restore();
         for (index, node) in self.spec.nodes.iter().enumerate() {
             let ns = Some(self.netns(&node.name)?);
@@ -473,11 +466,12 @@ impl Lab {
             // -w: legacy iptables takes a host-wide lock; parallel labs queue on it.
             netns::run_checked(ns, &[restore, "-w", "5"], Some(rules.as_bytes()))?;
             if self.spec.kube_proxy.mode == ProxyMode::Nftables {
-                netns::run_checked(
-                    ns,
-                    &["nft", "-f", "-"],
-                    Some(self.kube_proxy_nft_rules(index).as_bytes()),
-                )?;
+                let mut table = self.kube_proxy_nft_rules(index);
+                if replace {
+                    // One `nft -f` is one transaction: no moment without it.
+                    table.insert_str(0, "delete table ip kube-proxy\n");
+                }
+                netns::run_checked(ns, &["nft", "-f", "-"], Some(table.as_bytes()))?;
             }
         }
         Ok(())

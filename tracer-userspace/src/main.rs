@@ -15,6 +15,7 @@ use nattrace::{
     version,
     subcommand_negates_reqs = true,
     args_conflicts_with_subcommands = true,
+    group = clap::ArgGroup::new("traced").required(true).multiple(true).args(["services", "all_services"]),
     about = "Follow connections to a Kubernetes Service through this node's kernel (tc, netfilter NAT, bridge) and say, per flow, whether the reply came back correctly, un-reverse-NATed, not at all, or was dropped — and why."
 )]
 struct Cli {
@@ -22,7 +23,7 @@ struct Cli {
     command: Option<Command>,
 
     /// Service cluster IP to trace, optionally with a port (repeatable). No port = all ports, TCP and UDP.
-    #[arg(long = "svc", value_name = "IP[:PORT]", required_unless_present = "all_services", value_parser = parse_service)]
+    #[arg(long = "svc", value_name = "IP[:PORT]", value_parser = parse_service)]
     services: Vec<Service>,
 
     /// Trace every Service in kube-proxy's rules (iptables or nftables mode), following Services added and removed while running.
