@@ -270,13 +270,17 @@ impl Metrics {
         self.services_untraced.set(untraced as i64);
     }
 
-    pub fn rules_read(&self, ok: bool) {
+    /// `n` more re-reads of kube-proxy's rules with this result.
+    pub fn rules_reads(&self, ok: bool, n: u64) {
+        if n == 0 {
+            return;
+        }
         let result = if ok { "ok" } else { "failed" };
         self.rules_reads
             .get_or_create(&ResultLabels {
                 result: result.to_owned(),
             })
-            .inc();
+            .inc_by(n);
     }
 }
 

@@ -123,12 +123,22 @@ impl Continuous {
         }
         if self.opts.all_services {
             said.extend(self.sync(tracer, &header.kube_proxy));
-            said.push(format!(
-                "tracing all {} Service ports in kube-proxy's rules ({} mode), re-read every {:?}",
-                tracer.traced_services(),
-                header.kube_proxy.mode.as_str(),
-                self.opts.rules_interval
-            ));
+            let from_rules = traced_ports(&[], Some(&header.kube_proxy)).len();
+            said.push(if from_rules == 0 {
+                // IPVS mode has no per-Service chains to read; no rules at
+                // all is a node without kube-proxy (or not yet synced).
+                format!(
+                    "warning: no Service ports in kube-proxy's rules ({} mode): nothing from them is traced until they appear (re-read every {:?}); IPVS and eBPF data planes need --svc",
+                    header.kube_proxy.mode.as_str(),
+                    self.opts.rules_interval
+                )
+            } else {
+                format!(
+                    "tracing all {from_rules} Service ports in kube-proxy's rules ({} mode), re-read every {:?}",
+                    header.kube_proxy.mode.as_str(),
+                    self.opts.rules_interval
+                )
+            });
             self.watch = Some(RulesWatch::spawn(
                 netns.map(str::to_owned),
                 self.opts.rules_interval,
@@ -174,12 +184,8 @@ impl Continuous {
         };
         if let Some(m) = &self.metrics {
             let (ok, failed) = watch.reads();
-            for _ in self.reads_seen.0..ok {
-                m.rules_read(true);
-            }
-            for _ in self.reads_seen.1..failed {
-                m.rules_read(false);
-            }
+            m.rules_reads(true, ok.saturating_sub(self.reads_seen.0));
+            m.rules_reads(false, failed.saturating_sub(self.reads_seen.1));
             self.reads_seen = (ok, failed);
         }
         let Some(rules) = watch.take() else {
