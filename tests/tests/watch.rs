@@ -171,7 +171,7 @@ fn continuous(mode: ProxyMode) {
         "--write",
         rec.to_str().expect("utf-8 path"),
         "--write-max-mb",
-        "0.02",
+        "0.01",
         "--write-keep",
         &keep.to_string(),
     ]
@@ -301,6 +301,14 @@ fn continuous(mode: ProxyMode) {
                 .last()
                 .is_some_and(|l| l.contains("\"summary\"")),
             "{stdout}"
+        );
+        // Older files end where the next one begins, and say so.
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            i > 0,
+            stderr.contains("rotated at"),
+            "{}: {stderr}",
+            file.display()
         );
     }
     assert!(!rotated(&rec, keep).exists(), "more than {keep} files kept");
