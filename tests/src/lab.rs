@@ -423,9 +423,42 @@ impl Lab {
             })
     }
 
+    /// Creates a Service while the lab runs, as kube-proxy's next sync
+    /// would: every node's rules are rewritten with it (one
+    /// `iptables-restore`, and in nftables mode one `nft -f` transaction
+    /// that replaces kube-proxy's table).
+    pub fn add_service(&mut self, service: crate::ServiceSpec) -> Result<()> {
+        self.spec.services.push(service);
+        self.reinstall_kube_proxy()
+    }
+
+    /// Deletes the Service port with this cluster IP and port, the same way.
+    pub fn remove_service(&mut self, cluster_ip: std::net::Ipv4Addr, port: u16) -> Result<()> {
+        let before = self.spec.services.len();
+        self.spec
+            .services
+            .retain(|s| !(s.cluster_ip == cluster_ip && s.port == port));
+        if self.spec.services.len() == before {
+            return Err(LabError::Spec(format!(
+                "no Service {cluster_ip}:{port} in this lab"
+            )));
+        }
+        self.reinstall_kube_proxy()
+    }
+
+    fn reinstall_kube_proxy(&self) -> Result<()> {
+        self.write_kube_proxy(true)
+    }
+
     /// kube-proxy's rules (iptables or nftables mode), kubelet's chains and
     /// the CNI's, on every node.
     fn install_kube_proxy(&self) -> Result<()> {
+        self.write_kube_proxy(false)
+    }
+
+    /// `replace`: kube-proxy's nftables table exists and is replaced whole
+    /// (`iptables-restore` replaces the tables it writes anyway).
+    fn write_kube_proxy(&self, replace: bool) -> Result<()> {
         let restore = self.spec.kube_proxy.iptables.restore();
         for (index, node) in self.spec.nodes.iter().enumerate() {
             let ns = Some(self.netns(&node.name)?);
@@ -433,11 +466,12 @@ impl Lab {
             // -w: legacy iptables takes a host-wide lock; parallel labs queue on it.
             netns::run_checked(ns, &[restore, "-w", "5"], Some(rules.as_bytes()))?;
             if self.spec.kube_proxy.mode == ProxyMode::Nftables {
-                netns::run_checked(
-                    ns,
-                    &["nft", "-f", "-"],
-                    Some(self.kube_proxy_nft_rules(index).as_bytes()),
-                )?;
+                let mut table = self.kube_proxy_nft_rules(index);
+                if replace {
+                    // One `nft -f` is one transaction: no moment without it.
+                    table.insert_str(0, "delete table ip kube-proxy\n");
+                }
+                netns::run_checked(ns, &["nft", "-f", "-"], Some(table.as_bytes()))?;
             }
         }
         Ok(())

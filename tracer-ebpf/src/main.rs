@@ -17,8 +17,10 @@ use aya_ebpf::{
 };
 use tracer_common::{Config, EndpointKey, EndpointState, InflightPacket, ServiceKey, stat};
 
-/// Services to trace, written once by userspace; value = index in its service list.
-/// 256 is far more than anyone passes with `--svc`.
+/// Services to trace; value = index in the `--svc` list (255: from
+/// kube-proxy's rules). 256 is far more than anyone passes with `--svc`;
+/// userspace resizes it at load for `--all-services` and keeps it in step
+/// with kube-proxy's rules (tracer-userspace/src/probes/services.rs).
 #[map]
 static SERVICES: HashMap<ServiceKey, u8> = HashMap::with_max_entries(256, 0);
 

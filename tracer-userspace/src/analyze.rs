@@ -134,6 +134,7 @@ pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
     let mut last_ts = 0u64;
     let mut end = None;
     let mut capped = None;
+    let mut rotated = None;
     // The kernel's loss count as recorded, and lines skipped as unreadable:
     // both are events missing from the flows around them.
     let mut lost = 0u64;
@@ -162,6 +163,8 @@ pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
                 }
             }
             Record::Capped { bytes } => capped = Some(bytes),
+            Record::Rotated { bytes } => rotated = Some(bytes),
+            Record::Rules(rules) => collector.update_rules(*rules),
             Record::End(s) => end = Some(s),
         }
     }
@@ -203,10 +206,16 @@ pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
                 summary.incomplete_flows += 1;
             }
         }
-        let why = match (capped, reader.problem()) {
-            (Some(bytes), _) => format!("it stopped at the --write-max-mb limit ({bytes} bytes)"),
-            (None, Some(p)) => format!("line {}: {}", p.line, p.why),
-            (None, None) => "no end record".to_owned(),
+        let why = match (capped, rotated, reader.problem()) {
+            (Some(bytes), _, _) => {
+                format!("it stopped at the --write-max-mb limit ({bytes} bytes)")
+            }
+            (None, Some(bytes), _) => format!(
+                "rotated at {bytes} bytes: the run goes on in the next file, {}",
+                newer_file(&opts.path)
+            ),
+            (None, None, Some(p)) => format!("line {}: {}", p.line, p.why),
+            (None, None, None) => "no end record".to_owned(),
         };
         eprintln!(
             "nattrace: warning: recording {} is truncated ({why}); read {} lines, flows still open at the cut are marked incomplete",
@@ -227,6 +236,20 @@ pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
         eprintln!("nattrace: warning: {w}");
     }
     Ok(std::mem::take(&mut outputs.outcome))
+}
+
+/// The file a rotated recording continues in: FILE.(i-1), or FILE for FILE.1.
+fn newer_file(path: &std::path::Path) -> String {
+    let name = path.to_string_lossy();
+    match name.rsplit_once('.') {
+        Some((base, i)) if i.parse::<usize>().is_ok_and(|i| i >= 1) => {
+            let i: usize = i.parse().unwrap_or(1);
+            crate::recording::rotate::rotated_name(std::path::Path::new(base), i - 1)
+                .display()
+                .to_string()
+        }
+        _ => format!("{name} (renamed {name}.1 when it was rotated)"),
+    }
 }
 
 fn mark_unfinished(r: &mut FlowReport) -> bool {

@@ -15,6 +15,7 @@ use nattrace::{
     version,
     subcommand_negates_reqs = true,
     args_conflicts_with_subcommands = true,
+    group = clap::ArgGroup::new("traced").required(true).multiple(true).args(["services", "all_services"]),
     about = "Follow connections to a Kubernetes Service through this node's kernel (tc, netfilter NAT, bridge) and say, per flow, whether the reply came back correctly, un-reverse-NATed, not at all, or was dropped — and why."
 )]
 struct Cli {
@@ -22,8 +23,24 @@ struct Cli {
     command: Option<Command>,
 
     /// Service cluster IP to trace, optionally with a port (repeatable). No port = all ports, TCP and UDP.
-    #[arg(long = "svc", value_name = "IP[:PORT]", required = true, value_parser = parse_service)]
+    #[arg(long = "svc", value_name = "IP[:PORT]", value_parser = parse_service)]
     services: Vec<Service>,
+
+    /// Trace every Service in kube-proxy's rules (iptables or nftables mode), following Services added and removed while running.
+    #[arg(long)]
+    all_services: bool,
+
+    /// With --all-services, re-read kube-proxy's rules this often (seconds).
+    #[arg(long, value_name = "SECS", default_value = "5", value_parser = parse_interval_secs, requires = "all_services")]
+    rules_interval: Duration,
+
+    /// Serve Prometheus metrics on ADDR:PORT at /metrics (e.g. 0.0.0.0:9464).
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics_addr: Option<std::net::SocketAddr>,
+
+    /// At most this many flows are held; past it the oldest is evicted (and counted).
+    #[arg(long, value_name = "N", default_value_t = nattrace::continuous::DEFAULT_MAX_FLOWS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=10_000_000))]
+    max_flows: usize,
 
     /// Network namespace of the node to trace: a name under /run/netns or a path (default: the current one).
     #[arg(long, value_name = "NAME|PATH", value_parser = parse_netns)]
@@ -61,9 +78,13 @@ struct Cli {
     #[arg(long, value_name = "FILE", value_parser = parse_out_path)]
     write: Option<PathBuf>,
 
-    /// Stop recording (and keep tracing) once the --write file reaches this many MiB.
-    #[arg(long, value_name = "MB", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    /// Once the --write file reaches this many MiB: stop recording (keep tracing), or rotate with --write-keep.
+    #[arg(long, value_name = "MB", default_value = "1024", value_parser = parse_mib)]
     write_max_mb: u64,
+
+    /// Rotate the --write file at --write-max-mb, keeping N files in all (FILE, FILE.1, ... FILE.(N-1)).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1000), requires = "write")]
+    write_keep: usize,
 
     /// Write every packet of each decided flow at every point it passed to FILE as pcapng (for Wireshark).
     #[arg(long, value_name = "FILE", value_parser = parse_out_path)]
@@ -229,6 +250,27 @@ fn parse_node_name(s: &str) -> Result<String, String> {
     Ok(s.to_owned())
 }
 
+/// MiB (fractions allowed: rotation tests use small files) → bytes.
+fn parse_mib(s: &str) -> Result<u64, String> {
+    let mib: f64 = s
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size in MiB (e.g. 1024)"))?;
+    if !(0.01..=1_048_576.0).contains(&mib) {
+        return Err("must be between 0.01 and 1048576 MiB".into());
+    }
+    Ok((mib * 1024.0 * 1024.0) as u64)
+}
+
+fn parse_interval_secs(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| format!("'{s}' is not a number of seconds (e.g. 5)"))?;
+    if !(0.1..=3600.0).contains(&secs) {
+        return Err("must be between 0.1 and 3600 seconds".into());
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
 fn parse_ringbuf_kib(s: &str) -> Result<u32, String> {
     let kib: u32 = s
         .parse()
@@ -371,9 +413,16 @@ fn main() -> ExitCode {
             BackendArg::Kprobe => BackendChoice::Kprobe,
         },
         write: cli.write,
-        write_max_bytes: Some(cli.write_max_mb << 20),
+        write_max_bytes: Some(cli.write_max_mb),
         pcap: cli.pcap,
         node_name: cli.node_name,
+        continuous: nattrace::continuous::ContinuousOptions {
+            all_services: cli.all_services,
+            rules_interval: cli.rules_interval,
+            metrics_addr: cli.metrics_addr,
+            max_flows: cli.max_flows,
+            write_keep: cli.write_keep,
+        },
     };
     match session::run(options) {
         Ok(outcome) => ExitCode::from(outcome.exit_status()),

@@ -60,6 +60,7 @@ fn forced_kprobe_backend_without_kprobes_is_one_line() {
         netns: None,
         ringbuf_bytes: 1 << 16,
         backend: BackendChoice::Kprobe,
+        all_services: false,
     };
     match Tracer::start(&opts) {
         Err(e @ TraceError::Unsupported(_)) => assert_eq!(

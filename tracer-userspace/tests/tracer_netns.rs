@@ -182,6 +182,7 @@ fn events_carry_correct_kernel_fields() {
         netns: Some(lab.node.clone()),
         ringbuf_bytes: 1 << 20,
         backend: Default::default(),
+        all_services: false,
     };
     let mut tracer = Tracer::start(&opts).expect("start tracer");
     for s in tracer.skipped() {

@@ -35,6 +35,8 @@ const APT_PACKAGES: &[&str] = &[
     "shellcheck",
     "yamllint",
     "python3-venv",
+    // promtool, which checks the metrics exposition (tests/tests/watch.rs)
+    "prometheus",
 ];
 
 /// Where the PyPI tools live: a venv of Debian's python3 (its pip refuses
@@ -175,7 +177,6 @@ fn rustup_targets(targets: &[&str]) -> anyhow::Result<()> {
     }
     Ok(())
 }
-
 
 fn bpf_linker() -> anyhow::Result<()> {
     if output_of("bpf-linker", &["--version"]).is_some_and(|v| v.contains(BPF_LINKER_VERSION)) {

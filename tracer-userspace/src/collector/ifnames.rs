@@ -9,6 +9,9 @@ use std::collections::HashMap;
 use super::types::Name;
 use crate::facts::NodeFacts;
 
+/// Names held at most; a node runs a few hundred pods at a time.
+const MAX_NAMES: usize = 65536;
+
 #[derive(Clone, Debug, Default)]
 pub(crate) struct IfNames {
     node_inode: u32,
@@ -39,6 +42,11 @@ impl IfNames {
         let key = self.key(netns, ifindex);
         if self.names.get(&key).is_some_and(|n| n.as_str() == name) {
             return;
+        }
+        if self.names.len() >= MAX_NAMES {
+            // Pods come and go for days: forget theirs, keep the node's.
+            let node = self.node_inode;
+            self.names.retain(|&(ns, _), _| ns == node);
         }
         self.names.insert(key, Name(name.into()));
     }

@@ -33,6 +33,8 @@ mod tests_scenarios;
 pub(crate) mod tests_stale;
 #[cfg(test)]
 mod tests_tracepoints;
+#[cfg(test)]
+mod tests_watch;
 
 use std::{
     cmp::Reverse,
@@ -55,7 +57,18 @@ pub use self::{
     summary::{Summary, VerdictCounts},
     types::{Dir, Endpoint, Name, Proto, packet_kind},
 };
-use crate::{facts::NodeFacts, ruleset::KubeProxyRules, service::Service};
+use crate::{
+    facts::NodeFacts,
+    ruleset::KubeProxyRules,
+    service::{Service, ServiceSet, traced_ports},
+};
+
+fn traced_set(cfg: &CollectorConfig) -> ServiceSet {
+    ServiceSet::new(traced_ports(
+        &cfg.services,
+        cfg.all_services.then_some(&cfg.kube_proxy),
+    ))
+}
 
 const MS: u64 = 1_000_000;
 
@@ -83,6 +96,9 @@ pub struct CollectorConfig {
     pub max_events_per_flow: usize,
     /// kube-proxy's nat rules of the node, to name each flow's Service and chains.
     pub kube_proxy: KubeProxyRules,
+    /// `--all-services`: every Service port in `kube_proxy` is traced too
+    /// (and follows [`Collector::update_rules`]).
+    pub all_services: bool,
 }
 
 impl Default for CollectorConfig {
@@ -100,6 +116,7 @@ impl Default for CollectorConfig {
             max_packets_per_flow: 32,
             max_events_per_flow: 256,
             kube_proxy: KubeProxyRules::default(),
+            all_services: false,
         }
     }
 }
@@ -130,6 +147,8 @@ const MAX_LOSS_WINDOWS: usize = 256;
 
 pub struct Collector {
     cfg: CollectorConfig,
+    /// `cfg.services`, plus kube-proxy's with `all_services`.
+    services: ServiceSet,
     ifnames: IfNames,
     known: KnownReasons,
     /// Events not yet processed, sorted by timestamp (ties in arrival order).
@@ -166,6 +185,7 @@ impl Collector {
         let ifnames = IfNames::new(&cfg.facts);
         let known = cfg.drop_reasons.known();
         Self {
+            services: traced_set(&cfg),
             cfg,
             ifnames,
             known,
@@ -279,6 +299,22 @@ impl Collector {
         std::mem::take(&mut self.mute)
     }
 
+    /// kube-proxy's rules changed (the session re-reads them): flows
+    /// decided from now on are named after these, and with `all_services`
+    /// new connections to exactly their Service ports open flows. Flows
+    /// already open keep going.
+    pub fn update_rules(&mut self, rules: KubeProxyRules) {
+        self.cfg.kube_proxy = rules;
+        if self.cfg.all_services {
+            self.services = traced_set(&self.cfg);
+        }
+    }
+
+    /// How many Service ports (IP:port, or IP for every port) open flows.
+    pub fn traced_services(&self) -> usize {
+        self.services.len()
+    }
+
     pub fn summary(&self) -> &Summary {
         &self.summary
     }
@@ -385,11 +421,7 @@ impl Collector {
     }
 
     fn is_service(&self, ev: &PacketEvent) -> bool {
-        let dst: std::net::Ipv4Addr = ev.daddr.into();
-        self.cfg
-            .services
-            .iter()
-            .any(|s| s.addr == dst && s.port.is_none_or(|p| p == ev.dport))
+        self.services.contains(ev.daddr.into(), ev.dport)
     }
 
     fn process(&mut self, ev: &PacketEvent) {

@@ -67,7 +67,10 @@ pub fn decide_node(
                 muted = s.muted_packets;
                 ended = true;
             }
-            Record::Capped { .. } => {}
+            Record::Rules(rules) => c.update_rules(*rules),
+            // A rotated file ends without `end`: its open flows are marked
+            // incomplete below, as `analyze` of one file does.
+            Record::Capped { .. } | Record::Rotated { .. } => {}
         }
     }
     let (mut rest, mut summary) = c.finish(last);

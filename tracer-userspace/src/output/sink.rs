@@ -274,7 +274,7 @@ impl Outputs {
                 writeln!(
                     stdout,
                     "nattrace: tracing {} in netns {} (inode {}) with the {} backend ({}) on {} interfaces; bridge-nf-call-iptables={}{priorities}",
-                    h.services.join(", "),
+                    traced_text(h),
                     facts.netns_name,
                     facts.netns_inode,
                     h.backend,
@@ -293,6 +293,7 @@ impl Outputs {
                 serde_json::json!({
                     "kind": "start",
                     "services": h.services,
+                    "all_services": h.all_services,
                     "netns": facts.netns_name,
                     "netns_inode": facts.netns_inode,
                     "backend": h.backend,
@@ -308,5 +309,17 @@ impl Outputs {
             ),
         }?;
         stdout.flush()
+    }
+}
+
+/// What the start line says is traced.
+fn traced_text(h: &Header) -> String {
+    match (h.all_services, h.services.is_empty()) {
+        (false, _) => h.services.join(", "),
+        (true, true) => "every Service in kube-proxy's rules".to_owned(),
+        (true, false) => format!(
+            "every Service in kube-proxy's rules and {}",
+            h.services.join(", ")
+        ),
     }
 }

@@ -185,6 +185,12 @@ impl<W: io::Write> TextOutput<W> {
                 s.foreign_flows
             ));
         }
+        if s.evicted_flows > 0 && !self.verbose {
+            line.push_str(&format!(
+                "; {} flows evicted (flow table full, --max-flows)",
+                s.evicted_flows
+            ));
+        }
         if self.verbose {
             line.push_str(&format!(
                 "; events {}, duplicates {}, late {}, unmatched {}, evicted flows {}, muted packets {}",

@@ -23,6 +23,8 @@ const SCAN_EVERY: Duration = Duration::from_secs(1);
 /// Where `ip netns` and container runtimes (CNI's `cni-<uuid>`) keep
 /// namespace files; processes' `/proc/<pid>/ns/net` cover the rest.
 const NETNS_DIRS: &[&str] = &["/run/netns", "/var/run/netns"];
+/// Interfaces remembered at most (see [`IfNameResolver::learn`]).
+const MAX_STATES: usize = 65536;
 
 enum State {
     Known,
@@ -63,6 +65,12 @@ impl IfNameResolver {
             Some(State::Known) => return Vec::new(),
             Some(State::Missing(at)) if at.elapsed() < RETRY => return Vec::new(),
             _ => {}
+        }
+        if self.state.len() >= MAX_STATES {
+            // A long run sees thousands of pods come and go: forget
+            // theirs (a live one is looked up again), keep the node's.
+            let node = self.node.inode;
+            self.state.retain(|&(ns, _), _| ns == node);
         }
         let started = Instant::now();
         let links = self.links(inode).unwrap_or_default();

@@ -7,6 +7,7 @@ pub mod ifnames;
 mod kprobes;
 pub mod netns;
 pub mod nf_link;
+pub mod services;
 pub mod table;
 mod tc;
 
@@ -49,6 +50,9 @@ pub struct TraceOptions {
     pub ringbuf_bytes: u32,
     /// `--backend`.
     pub backend: BackendChoice,
+    /// `--all-services`: SERVICES is sized for every Service of a cluster
+    /// and `services` may be empty (see [`Tracer::sync_services`]).
+    pub all_services: bool,
 }
 
 /// A program of the table that is not running, and why (one line for the CLI).
@@ -67,6 +71,16 @@ pub struct KernelStats {
     pub muted: u64,
     pub flow_map_full: u64,
     pub read_errors: u64,
+}
+
+/// See [`Tracer::tc_state`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcState {
+    pub mode: &'static str,
+    pub attached: usize,
+    pub pending: usize,
+    pub tracepoints: usize,
+    pub skipped: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -122,6 +136,8 @@ pub struct Tracer {
     endpoints: HashMap<MapData, EndpointKey, EndpointState>,
     /// Interfaces with tc attached, for the device tracepoints (main.rs, TC_IFACES).
     tc_ifaces: HashMap<MapData, u32, u8>,
+    /// The Service filter, for `--all-services` updates.
+    services: services::ServiceMap,
     // Last: dropping it detaches the raw tracepoints and unloads programs.
     ebpf: Ebpf,
 }
@@ -173,9 +189,14 @@ impl Tracer {
 
         // No CO-RE in these programs (offsets come from `btf` above), so aya
         // need not parse the kernel's BTF a second time.
-        let mut ebpf = EbpfLoader::new()
+        let mut loader = EbpfLoader::new();
+        loader
             .btf(None)
-            .map_max_entries("EVENTS", opts.ringbuf_bytes)
+            .map_max_entries("EVENTS", opts.ringbuf_bytes);
+        if opts.all_services {
+            loader.map_max_entries("SERVICES", services::ALL_SERVICES_ENTRIES);
+        }
+        let mut ebpf = loader
             .load(OBJECT)
             .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;
         write_config(&mut ebpf, offsets, netns.inode, &opts.services)?;
@@ -209,6 +230,10 @@ impl Tracer {
             .map_err(kernel_err("ENDPOINTS"))?;
         let tc_ifaces = HashMap::try_from(take_map(&mut ebpf, "TC_IFACES")?)
             .map_err(kernel_err("TC_IFACES"))?;
+        let services = services::ServiceMap::new(
+            HashMap::try_from(take_map(&mut ebpf, "SERVICES")?).map_err(kernel_err("SERVICES"))?,
+            crate::service::traced_ports(&opts.services, None),
+        );
 
         let mut attached = Vec::new();
         let mut tc_programs = Vec::new();
@@ -272,6 +297,7 @@ impl Tracer {
             stats,
             endpoints,
             tc_ifaces,
+            services,
             ebpf,
         };
 
@@ -475,6 +501,32 @@ impl Tracer {
             .map_err(|e| TraceError::Kernel(format!("ENDPOINTS update: {e}")))
     }
 
+    /// Makes the kernel's Service filter trace exactly `wanted` (the
+    /// `--svc` ports and kube-proxy's), changing only the difference.
+    pub fn sync_services(
+        &mut self,
+        wanted: &BTreeSet<crate::service::ServicePort>,
+    ) -> services::ServicesSynced {
+        self.services.sync(wanted)
+    }
+
+    /// tc's attachment state, for metrics: (mode, attached, being attached,
+    /// watched by device tracepoints instead, programs that failed).
+    pub fn tc_state(&self) -> TcState {
+        TcState {
+            mode: self.tc.mode(),
+            attached: self.tc.interface_count(),
+            pending: self.tc.pending_count(),
+            tracepoints: self.tc.tracepoint_count(),
+            skipped: self.skipped.len(),
+        }
+    }
+
+    /// Service ports the kernel matches now.
+    pub fn traced_services(&self) -> usize {
+        self.services.len()
+    }
+
     /// Attaches tc to interfaces that appeared since the last call (a new
     /// pod's veth) and returns their names.
     pub fn poll_new_interfaces(&mut self) -> Result<Vec<String>, TraceError> {
@@ -601,9 +653,9 @@ pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
 }
 
 fn validate(opts: &TraceOptions) -> Result<(), TraceError> {
-    if opts.services.is_empty() {
+    if opts.services.is_empty() && !opts.all_services {
         return Err(TraceError::Invalid(
-            "no Service to trace: pass --svc IP[:PORT]".into(),
+            "no Service to trace: pass --svc IP[:PORT] or --all-services".into(),
         ));
     }
     if opts.services.len() > 255 {

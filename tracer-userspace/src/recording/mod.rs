@@ -12,6 +12,7 @@ mod kube;
 mod reader;
 #[cfg(test)]
 pub(crate) mod replay;
+pub mod rotate;
 #[cfg(test)]
 mod tests;
 
@@ -101,6 +102,13 @@ pub struct Header {
     /// it. Older recordings lack it; `analyze` then uses the file name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+    /// `--all-services`: every Service port of `kube_proxy` (and of later
+    /// `rules` lines) was traced, besides `services`.
+    #[serde(default)]
+    pub all_services: bool,
+    /// `--max-flows`: the collector's flow limit (evictions change verdicts).
+    #[serde(default)]
+    pub max_flows: Option<usize>,
 }
 
 impl Header {
@@ -115,7 +123,7 @@ impl Header {
                 self.reply_timeout_ms
             )));
         }
-        if self.services.is_empty() || self.services.len() > 255 {
+        if (self.services.is_empty() && !self.all_services) || self.services.len() > 255 {
             return Err(RecordingError::BadHeader(format!(
                 "{} Services (1 to 255 expected)",
                 self.services.len()
@@ -140,6 +148,11 @@ impl Header {
             facts: self.facts.clone(),
             drop_reasons,
             kube_proxy: self.kube_proxy.clone(),
+            all_services: self.all_services,
+            max_live_flows: self
+                .max_flows
+                .unwrap_or(CollectorConfig::default().max_live_flows)
+                .max(1),
             ..CollectorConfig::default()
         })
     }
@@ -195,6 +208,18 @@ pub enum Line {
     Capped {
         bytes: u64,
     },
+    /// kube-proxy's rules changed (`--all-services` re-reads them): flows
+    /// decided after this line are named after these, and with
+    /// `all_services` these are the traced Services.
+    Rules {
+        #[serde(deserialize_with = "kube::deserialize")]
+        kube_proxy: KubeProxyRules,
+    },
+    /// `--write-max-mb` was reached and the recording goes on in a new file
+    /// (`--write-keep`): this one was renamed to FILE.1.
+    Rotated {
+        bytes: u64,
+    },
     End(StatsLine),
 }
 
@@ -232,7 +257,31 @@ pub struct RecordingWriter {
     last_flush: Instant,
     warning: Option<String>,
     warned_drops: bool,
+    rotation: Rotation,
 }
+
+/// What a rotated-to file needs to stand on its own (see [`rotate`]).
+#[derive(Default)]
+struct Rotation {
+    /// Files kept in all (`--write-keep`); 1 = stop at the cap instead.
+    keep: usize,
+    /// The session's header, with the rules as they are now.
+    header: Option<Box<Header>>,
+    /// Interface names written so far, written again after a new header.
+    interfaces: std::collections::BTreeMap<(u32, u32), String>,
+    /// The kernel counters at the last rotation: each file counts from zero.
+    base: StatsLine,
+    last: StatsLine,
+    /// Writing a new file's header and names: the cap does not apply.
+    starting: bool,
+    /// Bytes of the current file's header and names: a file holding no
+    /// more than these is not rotated again (no loop on a huge line).
+    start_bytes: u64,
+    pub files: u64,
+}
+
+/// Interface names kept for rotation (pods come and go over days).
+const MAX_KEPT_NAMES: usize = 16384;
 
 impl RecordingWriter {
     pub fn create(
@@ -271,8 +320,15 @@ impl RecordingWriter {
             last_flush: Instant::now(),
             warning: None,
             warned_drops: false,
+            rotation: Rotation {
+                keep: 1,
+                header: Some(Box::new(header.clone())),
+                files: 1,
+                ..Rotation::default()
+            },
         };
         w.line(&Line::Header(Box::new(header.clone())));
+        w.rotation.start_bytes = w.written;
         // The header is what makes the file readable at all: out first.
         w.flush();
         match w.warning.take() {
@@ -285,7 +341,34 @@ impl RecordingWriter {
         self.line(&Line::Event(*ev));
     }
 
+    /// `--write-keep N`: at the cap, rotate (keeping N files in all)
+    /// instead of stopping.
+    pub fn keep_files(&mut self, keep: usize) {
+        self.rotation.keep = keep.max(1);
+    }
+
+    /// Files started so far (1 + rotations).
+    pub fn files_written(&self) -> u64 {
+        self.rotation.files
+    }
+
+    /// kube-proxy's rules changed: recorded, and the header of the next
+    /// rotated file carries them.
+    pub fn rules(&mut self, rules: &KubeProxyRules) {
+        if let Some(h) = self.rotation.header.as_mut() {
+            h.kube_proxy = rules.clone();
+        }
+        self.line(&Line::Rules {
+            kube_proxy: rules.clone(),
+        });
+    }
+
     pub fn interface(&mut self, netns: u32, ifindex: u32, name: &str) {
+        let names = &mut self.rotation.interfaces;
+        if names.len() >= MAX_KEPT_NAMES {
+            names.clear();
+        }
+        names.insert((netns, ifindex), name.to_owned());
         self.line(&Line::Interface(InterfaceName {
             netns,
             ifindex,
@@ -295,6 +378,7 @@ impl RecordingWriter {
 
     /// At every collector tick; also where the ≤ 1 s flush happens.
     pub fn stats(&mut self, line: StatsLine) {
+        self.rotation.last = line;
         let line = self.with_dropped(line);
         self.line(&Line::Stats(line));
         if self.last_flush.elapsed() >= FLUSH_EVERY {
@@ -303,6 +387,7 @@ impl RecordingWriter {
     }
 
     pub fn end(&mut self, line: StatsLine) {
+        self.rotation.last = line;
         let line = self.with_dropped(line);
         self.line(&Line::End(line));
         self.flush();
@@ -311,6 +396,11 @@ impl RecordingWriter {
     /// Lines dropped from the recording (queue full) are events missing
     /// from it: to a reader, lost events.
     fn with_dropped(&self, mut line: StatsLine) -> StatsLine {
+        let base = &self.rotation.base;
+        line.lost_events = line.lost_events.saturating_sub(base.lost_events);
+        line.kernel_events = line.kernel_events.saturating_sub(base.kernel_events);
+        line.muted_packets = line.muted_packets.saturating_sub(base.muted_packets);
+        line.flow_map_full = line.flow_map_full.saturating_sub(base.flow_map_full);
         line.lost_events += self.dropped_lines();
         line
     }
@@ -355,15 +445,29 @@ impl RecordingWriter {
         self.written
     }
     fn line(&mut self, line: &Line) {
-        let Some(out) = self.out.as_mut() else {
+        if self.out.is_none() {
             return;
-        };
+        }
         // serde_json cannot fail on these types; a Vec keeps a line atomic
         // with respect to the cap.
         let mut buf = serde_json::to_vec(line).unwrap_or_default();
         buf.push(b'\n');
         if let Some(limit) = self.limit
             && self.written + buf.len() as u64 > limit
+            && !self.rotation.starting
+            && self.written > self.rotation.start_bytes
+            && self.rotation.keep > 1
+            && self.path.is_file()
+        {
+            self.rotate();
+            return self.line(line);
+        }
+        let Some(out) = self.out.as_mut() else {
+            return;
+        };
+        if let Some(limit) = self.limit
+            && self.written + buf.len() as u64 > limit
+            && !self.rotation.starting
         {
             let capped = Line::Capped {
                 bytes: self.written,
@@ -383,6 +487,63 @@ impl RecordingWriter {
             Ok(()) => self.written += buf.len() as u64,
             Err(e) => self.fail(e),
         }
+    }
+
+    /// FILE → FILE.1 (older ones shift, the oldest goes) and a new FILE
+    /// with the header and interface names, counting from zero. A failure
+    /// stops the recording, never the trace.
+    fn rotate(&mut self) {
+        let Some(mut old) = self.out.take() else {
+            return;
+        };
+        let mut marker = serde_json::to_vec(&Line::Rotated {
+            bytes: self.written,
+        })
+        .unwrap_or_default();
+        marker.push(b'\n');
+        let _ = old.write_all(&marker).and_then(|()| old.flush());
+        // The previous retired writer finishes its file on its own thread.
+        self.retired = Some(old);
+        let started = rotate::shift(&self.path, self.rotation.keep)
+            .and_then(|()| queue::create_output(&self.path))
+            .and_then(|file| {
+                WriteQueue::spawn(
+                    "recording",
+                    Box::new(file),
+                    crate::output::sink::queue_bytes(QUEUE_BYTES),
+                    Overflow::Drop,
+                )
+            });
+        let queue = match started {
+            Ok(queue) => queue,
+            Err(e) => {
+                self.warning = Some(format!(
+                    "rotating recording {} failed ({e}): no longer recording, still tracing",
+                    self.path.display()
+                ));
+                return;
+            }
+        };
+        self.out = Some(QueueWriter::new(queue));
+        self.written = 0;
+        self.rotation.base = self.rotation.last;
+        self.rotation.files += 1;
+        self.rotation.starting = true;
+        if let Some(header) = self.rotation.header.clone() {
+            self.line(&Line::Header(header));
+        }
+        let names = std::mem::take(&mut self.rotation.interfaces);
+        for (&(netns, ifindex), name) in &names {
+            self.line(&Line::Interface(InterfaceName {
+                netns,
+                ifindex,
+                name: name.clone(),
+            }));
+        }
+        self.rotation.interfaces = names;
+        self.rotation.starting = false;
+        self.rotation.start_bytes = self.written;
+        self.flush();
     }
 
     fn flush(&mut self) {

@@ -25,7 +25,15 @@ pub enum Record {
     Event(PacketEvent),
     Interface(InterfaceName),
     Stats(StatsLine),
-    Capped { bytes: u64 },
+    Capped {
+        bytes: u64,
+    },
+    /// kube-proxy's rules changed during the run.
+    Rules(Box<crate::ruleset::KubeProxyRules>),
+    /// The recording goes on in a newer file (`--write-keep`).
+    Rotated {
+        bytes: u64,
+    },
     End(StatsLine),
 }
 
@@ -262,6 +270,11 @@ impl<R: BufRead> Reader<R> {
                     self.finished = true;
                     Some(Record::Capped { bytes })
                 }
+                Line::Rotated { bytes } => {
+                    self.finished = true;
+                    Some(Record::Rotated { bytes })
+                }
+                Line::Rules { kube_proxy } => Some(Record::Rules(Box::new(kube_proxy))),
                 Line::End(s) if s.now_ns >= MAX_TS_NS => {
                     self.skip("end time out of range");
                     continue;
@@ -285,7 +298,7 @@ impl<R: BufRead> Reader<R> {
         serde_json::from_slice::<Kind>(&self.buf).is_ok_and(|k| {
             !matches!(
                 &*k.kind,
-                "header" | "event" | "interface" | "stats" | "capped" | "end"
+                "header" | "event" | "interface" | "stats" | "capped" | "end" | "rules" | "rotated"
             )
         })
     }

@@ -42,7 +42,11 @@ pub(crate) fn replay<R: BufRead>(
                 end = s.now_ns;
                 break;
             }
-            Record::Capped { .. } => continue,
+            Record::Capped { .. } | Record::Rotated { .. } => continue,
+            Record::Rules(rules) => {
+                c.update_rules(*rules);
+                continue;
+            }
         };
         if let (Some(t0), Some(d)) = (first, stop_after)
             && now > t0 + d

@@ -30,6 +30,8 @@ fn header() -> Header {
         checks_line: None,
         nf_priorities: Vec::new(),
         node: None,
+        all_services: false,
+        max_flows: None,
     }
 }
 
@@ -334,5 +336,132 @@ fn missing_tools_survive_the_recording() {
             .unwrap()
             .missing_tools
             .is_empty()
+    );
+}
+
+#[test]
+fn rotation_keeps_n_files_each_readable_on_its_own() {
+    let path = temp("rotate");
+    let limit = 48 * 1024;
+    let mut w = RecordingWriter::create(&path, &header(), Some(limit)).unwrap();
+    w.keep_files(3);
+    w.interface(4026532300, 7, "eth0");
+    let events = fixtures::seed000_same_node(false);
+    let mut now = 0;
+    // Enough for several files: every file but the newest is rotated.
+    for round in 0..40u64 {
+        for ev in &events {
+            let mut ev = *ev;
+            ev.ts_ns += round * 10_000_000_000;
+            // A new connection each round (another client port).
+            for port in [&mut ev.sport, &mut ev.dport] {
+                if *port == fixtures::CLIENT.1 {
+                    *port += round as u16;
+                }
+            }
+            ev.skb += round * 0x1000;
+            now = now.max(ev.ts_ns);
+            w.event(&ev);
+        }
+        w.stats(StatsLine {
+            now_ns: now + 1,
+            lost_events: round,
+            ..Default::default()
+        });
+    }
+    w.end(StatsLine {
+        now_ns: now + 1,
+        lost_events: 40,
+        ..Default::default()
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    assert!(w.drain(deadline, std::time::Duration::from_secs(10)));
+    assert_eq!(w.take_warning(), None);
+    assert!(w.files_written() > 3, "{} files", w.files_written());
+    for i in 0..3 {
+        let name = rotate::rotated_name(&path, i);
+        let bytes = std::fs::read(&name).unwrap();
+        assert!(bytes.len() as u64 <= limit + 4096, "{} bytes", bytes.len());
+        let (mut reader, h) = Reader::new(BufReader::new(Cursor::new(&bytes))).unwrap();
+        assert_eq!(h, header());
+        let records: Vec<Record> = reader.by_ref().collect();
+        assert_eq!(reader.skipped_lines, 0);
+        assert!(records.contains(&Record::Interface(InterfaceName {
+            netns: 4026532300,
+            ifindex: 7,
+            name: "eth0".into()
+        })));
+        let last = records.last().unwrap();
+        if i == 0 {
+            assert!(matches!(last, Record::End(_)), "{last:?}");
+        } else {
+            assert!(matches!(last, Record::Rotated { .. }), "{last:?}");
+        }
+        // Each file counts losses from its own start.
+        let lost: Vec<u64> = records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Stats(s) => Some(s.lost_events),
+                _ => None,
+            })
+            .collect();
+        assert!(lost.first().is_some_and(|&l| l <= 1), "{lost:?}");
+        let (reports, _) = decide(&bytes);
+        let events = records
+            .iter()
+            .filter(|r| matches!(r, Record::Event(_)))
+            .count();
+        // The newest file may hold only the tail of a connection.
+        assert!(
+            i == 0 || !reports.is_empty(),
+            "file {i}: {events} events, {} bytes",
+            bytes.len()
+        );
+    }
+    assert!(!rotate::rotated_name(&path, 3).exists());
+    for i in 0..3 {
+        let _ = std::fs::remove_file(rotate::rotated_name(&path, i));
+    }
+}
+
+#[test]
+fn rules_lines_rename_and_retrace_in_analyze() {
+    use crate::ruleset::{KubeProxyRules, SvcRule};
+    let mut h = header();
+    h.services.clear();
+    h.all_services = true;
+    let path = temp("rules");
+    let mut w = RecordingWriter::create(&path, &h, None).unwrap();
+    let svc = fixtures::SVC;
+    w.rules(&KubeProxyRules {
+        services: vec![SvcRule {
+            name: "default/web:http".into(),
+            cluster_ip: svc.0.into(),
+            port: svc.1,
+            proto: "tcp".into(),
+            chain: "KUBE-SVC-WEB".into(),
+            masquerade_all: false,
+            endpoints: vec![],
+        }],
+        ..KubeProxyRules::default()
+    });
+    let events = fixtures::seed000_same_node(false);
+    for ev in &events {
+        w.event(ev);
+    }
+    w.end(StatsLine {
+        now_ns: fixtures::T0 + 10_000_000_000,
+        ..Default::default()
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    assert!(w.drain(deadline, std::time::Duration::from_secs(10)));
+    let bytes = std::fs::read(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let (reports, problem) = decide(&bytes);
+    assert_eq!(problem, None);
+    assert_eq!(reports.len(), 1);
+    assert_eq!(
+        reports[0].kube.as_ref().map(|k| k.service.as_str()),
+        Some("default/web:http")
     );
 }

@@ -17,6 +17,7 @@ use self::watch::{NetnsWatch, Notices};
 pub use crate::output::sink::{Outcome, OutputFormat};
 use crate::{
     collector::{Collector, DropReasons},
+    continuous::{Continuous, ContinuousOptions},
     output::{
         queue::{self, Overflow},
         sink::Outputs,
@@ -50,6 +51,8 @@ pub struct SessionOptions {
     pub pcap: Option<PathBuf>,
     /// `--node-name`: names this node in the recording's header.
     pub node_name: Option<String>,
+    /// `--all-services`, `--metrics-addr`, `--max-flows`, `--write-keep`.
+    pub continuous: ContinuousOptions,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -131,6 +134,8 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         })?),
         None => None,
     };
+    let mut continuous = Continuous::bind(&options.continuous, &options.services)
+        .map_err(SessionError::CreateOutput)?;
     match cleanup::remove_leftovers(options.netns.as_deref()) {
         Ok(removed) if !removed.is_empty() => notices.say(format_args!(
             "removed what a killed nattrace left behind: {}",
@@ -146,6 +151,7 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         netns: options.netns.clone(),
         ringbuf_bytes: options.ringbuf_bytes,
         backend: options.backend,
+        all_services: options.continuous.all_services,
     })?;
     let watch = NetnsWatch::new(options.netns.as_deref());
     if let Some(note) = tracer.tc_split_note() {
@@ -167,6 +173,9 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         )?),
         _ => None,
     };
+    if let Some(rec) = recorder.as_mut() {
+        rec.keep_files(options.continuous.write_keep);
+    }
     let mut outputs = Outputs::new(
         options.format,
         options.color,
@@ -181,6 +190,9 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     }
     outputs.preamble(&header).map_err(SessionError::Output)?;
     let mut collector = Collector::new(header.collector_config()?);
+    for line in continuous.start(options.netns.as_deref(), &mut tracer, &header) {
+        notices.say(line);
+    }
     // Names for the pods' interfaces and the node's new ones, as events
     // from them arrive (the node's at start are in the facts).
     let mut ifnames = match Netns::open(options.netns.as_deref()) {
@@ -229,6 +241,11 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
                 // filling: read what is there before deciding by the clock.
                 tracer.drain(&mut events);
                 push(&mut collector, recorder.as_mut(), ifnames.as_mut(), &mut events);
+                // Before the stats line: `analyze` applies a rules line
+                // where the live run did, before the tick.
+                for line in continuous.tick(&mut tracer, &mut collector, recorder.as_mut()) {
+                    notices.say(line);
+                }
                 let attached = tracer.collect_tc();
                 if attached > 0 {
                     notices.say(format_args!("tc now attached on {attached} more interfaces (their device tracepoints stood in until now)"));
@@ -249,7 +266,10 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
                     }
                 }
                 collector.note_lost(stats.ringbuf_full);
-                outputs.flows(collector.tick(now)).map_err(SessionError::Output)?;
+                let reports = collector.tick(now);
+                continuous.flows(&reports);
+                outputs.flows(reports).map_err(SessionError::Output)?;
+                continuous.gauges(&tracer, &collector, &stats, outputs.dropped_lines());
                 for w in outputs.take_warnings() {
                     notices.warn(w);
                 }
@@ -515,6 +535,8 @@ fn header(options: &SessionOptions, tracer: &Tracer) -> Header {
         checks_line: Some(checks.one_line()),
         nf_priorities: tracer.priorities().to_vec(),
         node: Some(node_name(options)),
+        all_services: options.continuous.all_services,
+        max_flows: Some(options.continuous.max_flows),
     }
 }
 

@@ -1,0 +1,313 @@
+//! `--metrics-addr`: the session's counters as Prometheus metrics
+//! (OpenMetrics text, `prometheus-client`). Names and what to alert on are
+//! documented in docs/METRICS.md; a test scrapes them in the lab, checks
+//! them with `promtool check metrics` and against the flows made.
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    registry::Registry,
+};
+
+use crate::{
+    collector::{FlowReport, Summary},
+    probes::{KernelStats, TcState},
+    ruleset::KubeProxyRules,
+};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FlowLabels {
+    /// kube-proxy's `namespace/name:port`, or `IP:PORT` when no rule names it.
+    service: String,
+    verdict: String,
+    /// The cause id, `none` for `ok` and for problems without a known cause.
+    cause: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BackendLabels {
+    backend: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TcLabels {
+    mode: String,
+    /// `attached`, `pending` (being attached), `tracepoints` (pod veths
+    /// watched by the device tracepoints instead, on big nodes).
+    state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: String,
+}
+
+/// Counters the kernel or the collector keep as running totals: the
+/// metric grows by the difference since the last look.
+#[derive(Default)]
+struct Totals {
+    lost: AtomicU64,
+    events: AtomicU64,
+    muted: AtomicU64,
+    map_full: AtomicU64,
+    evicted: AtomicU64,
+    processed: AtomicU64,
+    dropped_lines: AtomicU64,
+}
+
+fn advance(counter: &Counter, last: &AtomicU64, now: u64) {
+    let before = last.swap(now, Ordering::Relaxed);
+    if now > before {
+        counter.inc_by(now - before);
+    }
+}
+
+pub struct Metrics {
+    registry: Registry,
+    flows: Family<FlowLabels, Counter>,
+    incomplete: Counter,
+    lost: Counter,
+    events: Counter,
+    processed: Counter,
+    muted: Counter,
+    map_full: Counter,
+    evicted: Counter,
+    dropped_lines: Counter,
+    live_flows: Gauge,
+    services: Gauge,
+    services_untraced: Gauge,
+    rules_reads: Family<ResultLabels, Counter>,
+    backend: Family<BackendLabels, Gauge>,
+    tc: Family<TcLabels, Gauge>,
+    skipped: Gauge,
+    totals: Totals,
+}
+
+impl Metrics {
+    pub fn new(backend: &str) -> Self {
+        let mut m = Metrics {
+            registry: Registry::with_prefix("nattrace"),
+            flows: Family::default(),
+            incomplete: Counter::default(),
+            lost: Counter::default(),
+            events: Counter::default(),
+            processed: Counter::default(),
+            muted: Counter::default(),
+            map_full: Counter::default(),
+            evicted: Counter::default(),
+            dropped_lines: Counter::default(),
+            live_flows: Gauge::default(),
+            services: Gauge::default(),
+            services_untraced: Gauge::default(),
+            rules_reads: Family::default(),
+            backend: Family::default(),
+            tc: Family::default(),
+            skipped: Gauge::default(),
+            totals: Totals::default(),
+        };
+        m.backend
+            .get_or_create(&BackendLabels {
+                backend: backend.to_owned(),
+            })
+            .set(1);
+        let r = &mut m.registry;
+        r.register(
+            "flows",
+            "Flows decided, by Service, verdict and cause",
+            m.flows.clone(),
+        );
+        r.register(
+            "flows_incomplete",
+            "Decided flows whose evidence may be incomplete (lost events, eviction)",
+            m.incomplete.clone(),
+        );
+        r.register(
+            "lost_events",
+            "Kernel events lost because the ring buffer was full",
+            m.lost.clone(),
+        );
+        r.register(
+            "kernel_events",
+            "Events the kernel programs emitted (packets of traced flows at each observation point)",
+            m.events.clone(),
+        );
+        r.register(
+            "events_processed",
+            "Events the collector processed",
+            m.processed.clone(),
+        );
+        r.register(
+            "muted_packets",
+            "Packets of decided ok flows counted in the kernel instead of emitted",
+            m.muted.clone(),
+        );
+        r.register(
+            "flow_map_full",
+            "New flows the kernel could not track (its flow map was full)",
+            m.map_full.clone(),
+        );
+        r.register(
+            "evicted_flows",
+            "Flows evicted from the collector over --max-flows",
+            m.evicted.clone(),
+        );
+        r.register(
+            "output_dropped_lines",
+            "Output lines dropped because stdout was not read fast enough",
+            m.dropped_lines.clone(),
+        );
+        r.register(
+            "live_flows",
+            "Flows the collector holds now",
+            m.live_flows.clone(),
+        );
+        r.register(
+            "services_traced",
+            "Service ports (IP:port/protocol) the kernel filter traces now",
+            m.services.clone(),
+        );
+        r.register(
+            "services_untraced",
+            "Service ports of kube-proxy's rules not traced because the kernel filter is full",
+            m.services_untraced.clone(),
+        );
+        r.register(
+            "rules_reads",
+            "Re-reads of kube-proxy's rules (--all-services), by result",
+            m.rules_reads.clone(),
+        );
+        r.register(
+            "backend_info",
+            "How netfilter is watched: netfilter (BPF links) or kprobe; value 1",
+            m.backend.clone(),
+        );
+        r.register(
+            "tc_interfaces",
+            "Interfaces of the node by tc attachment state (mode tcx or clsact)",
+            m.tc.clone(),
+        );
+        r.register(
+            "programs_skipped",
+            "Kernel programs that could not be attached",
+            m.skipped.clone(),
+        );
+        m
+    }
+
+    /// The exposition (OpenMetrics text, ends with `# EOF`).
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    /// `rules` name Services that have no endpoints (no KUBE-SVC chain).
+    pub fn flows(&self, reports: &[FlowReport], rules: &KubeProxyRules) {
+        for r in reports {
+            let service = match &r.kube {
+                Some(k) if !k.service.is_empty() => k.service.clone(),
+                _ => rules
+                    .no_endpoints_for(r.service, r.proto.as_str())
+                    .map(|n| n.port_name.clone())
+                    .filter(|n| !n.is_empty())
+                    .unwrap_or_else(|| r.service.to_string()),
+            };
+            let labels = FlowLabels {
+                service,
+                verdict: r.verdict.as_str().to_owned(),
+                cause: r
+                    .cause
+                    .as_ref()
+                    .map_or("none", |c| c.id.as_str())
+                    .to_owned(),
+            };
+            self.flows.get_or_create(&labels).inc();
+            if r.incomplete {
+                self.incomplete.inc();
+            }
+        }
+    }
+
+    pub fn kernel(&self, stats: &KernelStats) {
+        let t = &self.totals;
+        advance(&self.lost, &t.lost, stats.ringbuf_full);
+        advance(&self.events, &t.events, stats.events);
+        advance(&self.muted, &t.muted, stats.muted);
+        advance(&self.map_full, &t.map_full, stats.flow_map_full);
+    }
+
+    pub fn collector(&self, summary: &Summary, live: usize) {
+        let t = &self.totals;
+        advance(&self.evicted, &t.evicted, summary.evicted_flows);
+        advance(&self.processed, &t.processed, summary.events);
+        self.live_flows.set(live as i64);
+    }
+
+    pub fn output_dropped(&self, lines: u64) {
+        advance(&self.dropped_lines, &self.totals.dropped_lines, lines);
+    }
+
+    pub fn tc(&self, tc: &TcState) {
+        for (state, n) in [
+            ("attached", tc.attached),
+            ("pending", tc.pending),
+            ("tracepoints", tc.tracepoints),
+        ] {
+            self.tc
+                .get_or_create(&TcLabels {
+                    mode: tc.mode.to_owned(),
+                    state: state.to_owned(),
+                })
+                .set(n as i64);
+        }
+        self.skipped.set(tc.skipped as i64);
+    }
+
+    pub fn services(&self, traced: usize, untraced: usize) {
+        self.services.set(traced as i64);
+        self.services_untraced.set(untraced as i64);
+    }
+
+    /// `n` more re-reads of kube-proxy's rules with this result.
+    pub fn rules_reads(&self, ok: bool, n: u64) {
+        if n == 0 {
+            return;
+        }
+        let result = if ok { "ok" } else { "failed" };
+        self.rules_reads
+            .get_or_create(&ResultLabels {
+                result: result.to_owned(),
+            })
+            .inc_by(n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn totals_grow_by_their_difference_and_flows_by_label() {
+        let m = Metrics::new("netfilter");
+        m.kernel(&KernelStats {
+            events: 10,
+            ringbuf_full: 2,
+            ..Default::default()
+        });
+        m.kernel(&KernelStats {
+            events: 25,
+            ringbuf_full: 2,
+            ..Default::default()
+        });
+        let text = m.encode();
+        assert!(text.contains("nattrace_kernel_events_total 25\n"), "{text}");
+        assert!(text.contains("nattrace_lost_events_total 2\n"), "{text}");
+        assert!(
+            text.contains("nattrace_backend_info{backend=\"netfilter\"} 1\n"),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"));
+    }
+}
