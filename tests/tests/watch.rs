@@ -206,6 +206,7 @@ fn continuous(mode: ProxyMode) {
     std::thread::sleep(Duration::from_secs(4));
     let text = scrape(port);
     promtool_check(&text);
+    documented_metrics_are_served(&text);
     // Prometheus asks for OpenMetrics, and gets it.
     let om = Command::new("curl")
         .args(["-sS", "--max-time", "5", "-H"])
@@ -316,3 +317,32 @@ fn continuous(mode: ProxyMode) {
 }
 
 both_modes!(continuous: root_all_services_metrics_and_rotation, root_all_services_metrics_and_rotation_nft);
+
+/// The README, docs/METRICS.md and the DaemonSet's alert rules name metrics
+/// a user will alert on: each must be one this build serves.
+fn documented_metrics_are_served(exposition: &str) {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let served: std::collections::BTreeSet<&str> = exposition
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    for doc in ["README.md", "docs/METRICS.md", "deploy/daemonset.yaml"] {
+        let text = std::fs::read_to_string(root.join(doc)).expect(doc);
+        for (at, _) in text.match_indices("nattrace_") {
+            let name: String = text[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            // `nattrace_version` is a recording field; `nattrace_` alone is a prefix.
+            if name == "nattrace_" || name == "nattrace_version" {
+                continue;
+            }
+            let family = name.strip_suffix("_total").unwrap_or(&name);
+            assert!(
+                served.contains(name.as_str()) || served.contains(family),
+                "{doc} names metric {name}, which nattrace does not serve:\n{exposition}"
+            );
+        }
+    }
+}
