@@ -16,6 +16,7 @@ mod report;
 mod rules;
 mod summary;
 mod types;
+mod verdict;
 
 #[cfg(test)]
 pub(crate) mod fixtures;
@@ -50,10 +51,11 @@ use self::{
 };
 pub use self::{
     drop_reason::{DropReasons, DropReasonsError},
-    report::{Attempt, FlowReport, Hop, PacketEvidence, Verdict},
+    report::{Attempt, FlowReport, Hop, PacketEvidence},
     rules::{Cause, CauseId, markdown_table},
     summary::{Summary, VerdictCounts},
     types::{Dir, Endpoint, Name, Proto, packet_kind},
+    verdict::Verdict,
 };
 use crate::{facts::NodeFacts, ruleset::KubeProxyRules, service::Service};
 
@@ -555,8 +557,7 @@ impl Collector {
             // A request still queued for neighbour resolution: its drop
             // (a stale endpoint) may come after the reply timeout, and would
             // change the cause (backend_rules.rs). Wait for it.
-            if let Some(until) =
-                backend_rules::hold_until(f, self.cfg.facts.netns_inode, &self.known)
+            if let Some(until) = verdict::hold_until(f, self.cfg.facts.netns_inode, &self.known)
                 && until > deadline
                 && !f.reported
             {

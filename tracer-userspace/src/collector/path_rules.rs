@@ -5,9 +5,8 @@ use tracer_common::hook;
 use crate::facts::NodeFacts;
 
 use super::{
-    report::is_hairpin,
     rules::RuleCtx,
-    types::{Dir, Obs, node_egress, node_ingress},
+    types::{Dir, Obs, in_node, node_egress, node_ingress},
 };
 
 type Found = (String, String);
@@ -25,9 +24,7 @@ fn node_obs<'a>(ctx: &'a RuleCtx<'_>, dir: Dir) -> impl Iterator<Item = &'a Obs>
     let flow = ctx.flow;
     let node = ctx.node_netns;
     flow.obs.iter().filter(move |o| {
-        flow.packets[o.packet as usize].dir == dir
-            && (o.netns == 0 || o.netns == node)
-            && o.hook != hook::DROP
+        flow.packets[o.packet as usize].dir == dir && in_node(o.netns, node) && o.hook != hook::DROP
     })
 }
 
@@ -51,7 +48,7 @@ pub(super) fn reply_bypasses_dnat_node(ctx: &RuleCtx<'_>) -> Option<Found> {
     let left = ctx
         .flow
         .packet_obs(reply.packet)
-        .filter(|o| node_egress(o.hook) && (o.netns == 0 || o.netns == ctx.node_netns))
+        .filter(|o| node_egress(o.hook) && ctx.is_node(o.netns))
         .last()?;
     let came_in = came_in
         .map(|i| format!(" by {}", ctx.ifname(i)))
@@ -70,7 +67,7 @@ pub(super) fn reply_bypasses_dnat_node(ctx: &RuleCtx<'_>) -> Option<Found> {
 }
 
 pub(super) fn hairpin_not_masqueraded(ctx: &RuleCtx<'_>) -> Option<Found> {
-    if !is_hairpin(ctx.flow) || ctx.flow.snat.is_some() {
+    if !ctx.flow.is_hairpin() || ctx.flow.snat.is_some() {
         return None;
     }
     let backend = ctx.flow.backend?;
@@ -119,7 +116,7 @@ pub(super) fn hairpin_not_masqueraded(ctx: &RuleCtx<'_>) -> Option<Found> {
 }
 
 pub(super) fn hairpin_mode_off(ctx: &RuleCtx<'_>) -> Option<Found> {
-    if !is_hairpin(ctx.flow) {
+    if !ctx.flow.is_hairpin() {
         return None;
     }
     let port = ctx.facts.interface(ctx.flow.client_ifindex)?;

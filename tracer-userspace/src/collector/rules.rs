@@ -12,8 +12,8 @@ use super::{
     flow::Flow,
     ifnames::IfNames,
     path_rules::{bridge_of, hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
-    report::Verdict,
-    types::{Dir, Obs, Proto, node_egress, node_ingress, packet_kind},
+    types::{Dir, Obs, Proto, in_node, node_egress, node_ingress},
+    verdict::{Verdict, drop_place},
 };
 use crate::{facts::NodeFacts, ruleset::KubeProxyRules};
 
@@ -228,16 +228,15 @@ pub(crate) struct RuleCtx<'a> {
 
 impl RuleCtx<'_> {
     pub(super) fn first_request_kind(&self) -> &'static str {
-        first_request_kind(self)
+        self.flow.first_request_kind()
     }
 
     pub(super) fn is_node(&self, netns: u32) -> bool {
-        netns == 0 || netns == self.node_netns
+        in_node(netns, self.node_netns)
     }
 
     pub(super) fn kind(&self, packet: u8) -> &'static str {
-        let p = &self.flow.packets[packet as usize];
-        packet_kind(p.key.proto, p.key.tcp_flags, p.dir)
+        self.flow.kind(packet)
     }
 
     pub(super) fn reason(&self, value: u32) -> String {
@@ -414,14 +413,6 @@ fn bridged_reply_sysctl_on(ctx: &RuleCtx<'_>) -> Option<Found> {
     ))
 }
 
-fn first_request_kind(ctx: &RuleCtx<'_>) -> &'static str {
-    ctx.flow
-        .packets
-        .iter()
-        .position(|p| p.dir == Dir::Request)
-        .map_or("request", |i| ctx.kind(i as u8))
-}
-
 fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
     let backend = ctx.flow.backend?;
     // An asymmetric return path needs a request that left the node; one
@@ -436,7 +427,7 @@ fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
     }
     // Decided before a neighbour failure on the way could have been
     // reported (tracing stopped): the backend may just be gone.
-    if super::backend_rules::hold_until(ctx.flow, ctx.node_netns, ctx.known)
+    if super::verdict::hold_until(ctx.flow, ctx.node_netns, ctx.known)
         .is_some_and(|t| ctx.decided_ts < t)
     {
         return None;
@@ -478,7 +469,7 @@ fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
         "DNATed here, the reply never came back through this node".to_string(),
         format!(
             "the {} was DNATed here to {backend}{at}, but no reply came back through this node within {} ms (asymmetric return path){elsewhere}",
-            first_request_kind(ctx),
+            ctx.first_request_kind(),
             ctx.reply_timeout_ns / 1_000_000
         ),
     ))
@@ -496,7 +487,7 @@ fn no_endpoints(ctx: &RuleCtx<'_>) -> Option<Found> {
     let reject = ctx
         .kube
         .no_endpoints_for(ctx.flow.service.socket_addr(), proto.as_str())?;
-    let what = first_request_kind(ctx);
+    let what = ctx.first_request_kind();
     let how = match ctx.drop {
         Some(drop) if Some(drop.drop_reason) == ctx.known.netfilter_drop => format!(
             "netfilter dropped the {what} {} and kube-proxy's REJECT answered with ICMP port unreachable (the client sees \"connection refused\")",
@@ -549,32 +540,11 @@ fn not_dnated(ctx: &RuleCtx<'_>) -> Option<Found> {
         "no DNAT rule matched".to_string(),
         format!(
             "the {} passed the nat table at {} with destination still {}: no DNAT rule matched on this node",
-            first_request_kind(ctx),
+            ctx.first_request_kind(),
             nf_hook::name(o.nf_hook),
             ctx.flow.service
         ),
     ))
-}
-
-/// Where a dropped packet was last seen before the drop, e.g. "after netfilter FORWARD".
-pub(crate) fn drop_place(flow: &Flow, drop: &Obs, ifnames: &IfNames) -> String {
-    let before = flow
-        .obs
-        .iter()
-        .filter(|o| o.packet == drop.packet && o.ts_ns <= drop.ts_ns && o.hook != hook::DROP)
-        .max_by_key(|o| o.ts_ns);
-    match before {
-        Some(o) if o.hook == hook::NETFILTER => {
-            format!("after netfilter {}", nf_hook::name(o.nf_hook))
-        }
-        Some(o) if o.ifindex == 0 => format!("after {}", hook::name(o.hook)),
-        Some(o) => format!(
-            "after {} on {}",
-            hook::name(o.hook),
-            ifnames.describe(o.netns, o.ifindex)
-        ),
-        None => "before any other observation point".to_string(),
-    }
 }
 
 fn dropped_with(ctx: &RuleCtx<'_>, reason: Option<u32>, by: &str) -> Option<Found> {

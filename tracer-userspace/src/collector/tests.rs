@@ -239,7 +239,7 @@ fn no_reply_through_node_after_timeout() {
     // Not at the reply timeout: with no reply seen anywhere, a neighbour
     // failure on the way to the backend (a stale endpoint) could still be
     // reported, and would make the routing cause wrong (issue 11).
-    let due = T0 + super::backend_rules::NEIGH_FAIL_WAIT_NS + cfg.reorder_window_ns;
+    let due = T0 + super::flow::NEIGH_FAIL_WAIT_NS + cfg.reorder_window_ns;
     assert!(
         c.tick(T0 + cfg.reply_timeout_ns + cfg.reorder_window_ns)
             .is_empty()
