@@ -41,12 +41,10 @@ use super::{
     drop_reason::KnownReasons,
     flow::Flow,
     flow::NEIGH_FAIL_WAIT_NS,
-    rules::RuleCtx,
+    rules::{Found, RuleCtx},
     types::{Dir, Endpoint, Obs, Proto, in_node},
     verdict::{packet_backend, reply_backend, vanished_since},
 };
-
-type Found = (String, String);
 
 /// A request dropped in the node at the route lookup right after DNAT: no
 /// route to the backend, e.g. a routed node (Calico) whose pod /32 route

@@ -8,6 +8,7 @@
 //! kernel. At exit: drain, `note_lost`, `finish(now)`. Offline: `push` all,
 //! `finish(last ts)`.
 mod backend_rules;
+mod causes;
 mod drop_reason;
 mod flow;
 mod ifnames;
@@ -42,20 +43,20 @@ use std::{
 
 use tracer_common::{EndpointKey, PacketEvent, proto, tcp_flags};
 
+pub use self::{
+    causes::{Cause, CauseId, markdown_table},
+    drop_reason::{DropReasons, DropReasonsError},
+    report::{Attempt, FlowReport, Hop, PacketEvidence},
+    summary::{Summary, VerdictCounts},
+    types::{Dir, Endpoint, Name, Proto, packet_kind},
+    verdict::Verdict,
+};
 use self::{
     drop_reason::KnownReasons,
     flow::{Flow, FlowCtx},
     ifnames::IfNames,
     report::{Decision, ReportCtx},
     types::{PacketKey, PairKey},
-};
-pub use self::{
-    drop_reason::{DropReasons, DropReasonsError},
-    report::{Attempt, FlowReport, Hop, PacketEvidence},
-    rules::{Cause, CauseId, markdown_table},
-    summary::{Summary, VerdictCounts},
-    types::{Dir, Endpoint, Name, Proto, packet_kind},
-    verdict::Verdict,
 };
 use crate::{facts::NodeFacts, ruleset::KubeProxyRules, service::Service};
 

@@ -2,23 +2,10 @@
 //! on a sysctl: replies that bypass the DNATing node, and hairpin flows.
 use tracer_common::hook;
 
-use crate::facts::NodeFacts;
-
 use super::{
-    rules::RuleCtx,
+    rules::{Found, RuleCtx, bridge_of},
     types::{Dir, Obs, in_node, node_egress, node_ingress},
 };
-
-type Found = (String, String);
-
-/// The bridge `ifindex` is a port of. Only a master of kind `bridge` counts:
-/// on a routed node (Calico, kindnet, AWS VPC CNI) the pods' veths have no
-/// master, and a VRF or bond master has no hairpin_mode and no
-/// bridge-nf-call-iptables, so the bridge causes must not be named there.
-pub(super) fn bridge_of(facts: &NodeFacts, ifindex: u32) -> Option<u32> {
-    let master = facts.interface(ifindex)?.master?;
-    (facts.interface(master)?.kind == "bridge").then_some(master)
-}
 
 fn node_obs<'a>(ctx: &'a RuleCtx<'_>, dir: Dir) -> impl Iterator<Item = &'a Obs> + 'a {
     let flow = ctx.flow;

@@ -6,10 +6,11 @@ use serde::Serialize;
 use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
 
 use super::{
+    causes::{self, Cause},
     drop_reason::{DropReasons, KnownReasons},
     flow::Flow,
     ifnames::IfNames,
-    rules::{self, Cause, RuleCtx},
+    rules::RuleCtx,
     types::{Dir, Name, Obs, Proto, in_node, packet_kind},
     verdict::{Verdict, drop_place, first_drop, packet_backend, reply_backend, verdict_of},
 };
@@ -153,7 +154,7 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
     let cause = if incomplete {
         None
     } else {
-        rules::infer(&rule_ctx)
+        causes::infer(&rule_ctx)
     };
     let reply_src = flow.client_reply.map(|r| flow.obs[r.obs as usize].src);
     // The backend that answered, which is not the first one DNAT picked when

@@ -209,7 +209,7 @@ fn hairpin_without_masquerade_reply_stays_in_the_pod() {
 
 #[test]
 fn every_cause_explains_a_verdict() {
-    for id in CauseId::ALL {
+    for id in CauseId::all() {
         assert!(!id.verdicts().is_empty(), "{id:?} has no rule");
         assert!(!id.incident().is_empty());
     }
