@@ -326,7 +326,7 @@ pub fn observe(
 /// A device event outside the traced node namespace (the pods' side).
 #[inline(always)]
 fn at_client(at: &Point) -> bool {
-    at.netns != 0 && crate::skb::config().is_some_and(|c| at.netns != c.node_netns)
+    at.netns != 0 && crate::config::config().is_some_and(|c| at.netns != c.node_netns)
 }
 
 #[inline(always)]
