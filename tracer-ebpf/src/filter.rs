@@ -183,6 +183,19 @@ fn endpoint(client: &EndpointKey, svc: u8) -> Option<*mut EndpointState> {
     ENDPOINTS.get_ptr_mut(client)
 }
 
+/// The map value is shared: programs on other CPUs and userspace write
+/// `muted` while this one runs, so it is read and written through the raw
+/// pointer (one aligned u32 access each) and never borrowed as `&mut`.
+#[inline(always)]
+fn muted(state: *mut EndpointState) -> bool {
+    unsafe { core::ptr::read_volatile(&raw const (*state).muted) != 0 }
+}
+
+#[inline(always)]
+fn set_muted(state: *mut EndpointState, on: bool) {
+    unsafe { core::ptr::write_volatile(&raw mut (*state).muted, u32::from(on)) }
+}
+
 /// How the filter matched a packet (rules 1-4 of DESIGN.md).
 struct Match {
     dir: u8,
@@ -256,15 +269,13 @@ pub fn observe(
     // only close it and are counted like data.
     let control = pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST);
     if let Some(state) = m.state {
-        let state = unsafe { &mut *state };
         // The bulk of a muted flow stops here, before reading anything
         // more; only a reply at a device may still have to unmute it below.
-        if state.muted != 0
+        if muted(state)
             && control == 0
             && !is_drop
             && !(m.dir == direction::REPLY && at.hook == hook::DEV_RX)
         {
-            state.packets += 1;
             stat_inc(stat::MUTED_PACKETS);
             return;
         }
@@ -274,14 +285,12 @@ pub fn observe(
     }
 
     if let Some(state) = m.state {
-        let state = unsafe { &mut *state };
-        state.packets += 1;
         let mut mute_now = false;
         if pkt.proto == proto::TCP && !is_drop {
             let syn_ack = pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK);
             if m.dir == direction::REQUEST && syn_ack == tcp_flags::SYN {
                 // A new connection from this client port: trace it afresh.
-                state.muted = 0;
+                set_muted(state, false);
             } else if m.dir == direction::REPLY && at.hook == hook::DEV_RX && at_client(at) {
                 // The reply reached the client's namespace. Reverse-NATed
                 // (source = a Service) means the collector's verdict is `ok`
@@ -291,16 +300,16 @@ pub fn observe(
                 if service_at(pkt.saddr, pkt.sport, pkt.proto).is_some() {
                     mute_now = true;
                 } else {
-                    state.muted = 0;
+                    set_muted(state, false);
                 }
             }
         }
-        if state.muted != 0 && control == 0 && !is_drop {
+        if muted(state) && control == 0 && !is_drop {
             stat_inc(stat::MUTED_PACKETS);
             return;
         }
         if mute_now {
-            state.muted = 1;
+            set_muted(state, true);
         }
     }
 

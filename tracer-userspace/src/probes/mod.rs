@@ -641,7 +641,6 @@ fn write_config(
     let config = Config {
         offsets,
         node_netns,
-        ..Default::default()
     };
     let mut array: Array<&mut MapData, Config> = Array::try_from(
         ebpf.map_mut("CONFIG")
