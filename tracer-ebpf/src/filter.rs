@@ -157,11 +157,11 @@ fn service_at(addr: [u8; 4], port: u16, proto: u8) -> Option<u8> {
         proto,
         _pad: 0,
     };
-    if let Some(svc) = unsafe { SERVICES.get(&k) } {
+    if let Some(svc) = unsafe { SERVICES.get(k) } {
         return Some(*svc);
     }
     k.port = 0;
-    unsafe { SERVICES.get(&k) }.copied()
+    unsafe { SERVICES.get(k) }.copied()
 }
 
 /// Finds (or, for a new client side, creates) the flow's endpoint state.
@@ -174,11 +174,11 @@ fn endpoint(client: &EndpointKey, svc: u8) -> Option<*mut EndpointState> {
         svc,
         ..Default::default()
     };
-    if let Err(err) = ENDPOINTS.insert(client, &fresh, BPF_NOEXIST) {
-        if err != -EEXIST {
-            stat_inc(stat::FLOW_MAP_FULL);
-            return None;
-        }
+    if let Err(err) = ENDPOINTS.insert(client, fresh, BPF_NOEXIST)
+        && err != -EEXIST
+    {
+        stat_inc(stat::FLOW_MAP_FULL);
+        return None;
     }
     ENDPOINTS.get_ptr_mut(client)
 }
@@ -216,7 +216,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             state: endpoint(&src, svc),
         });
     }
-    if let Some(state) = ENDPOINTS.get_ptr_mut(&src) {
+    if let Some(state) = ENDPOINTS.get_ptr_mut(src) {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REQUEST,
@@ -224,7 +224,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             state: Some(state),
         });
     }
-    if let Some(state) = ENDPOINTS.get_ptr_mut(&dst) {
+    if let Some(state) = ENDPOINTS.get_ptr_mut(dst) {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REPLY,
@@ -238,7 +238,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
     if at.skb == 0 || at.nat_stage != nat_stage::AFTER {
         return None;
     }
-    let seen = unsafe { INFLIGHT.get(&at.skb) }?;
+    let seen = unsafe { INFLIGHT.get(at.skb) }?;
     if seen.ip_id != pkt.ip_id || seen.seq != pkt.seq {
         return None;
     }
@@ -316,7 +316,7 @@ pub fn observe(
     if at.skb != 0 {
         if is_drop {
             // The skb is being freed and its address will be reused.
-            let _ = INFLIGHT.remove(&at.skb);
+            let _ = INFLIGHT.remove(at.skb);
         } else if at.nat_stage == nat_stage::BEFORE {
             // Only the AFTER point of the same hook looks this up (rule 4).
             let seen = InflightPacket {
@@ -325,7 +325,7 @@ pub fn observe(
                 direction: m.dir,
                 svc: m.svc,
             };
-            let _ = INFLIGHT.insert(&at.skb, &seen, 0);
+            let _ = INFLIGHT.insert(at.skb, seen, 0);
         }
     }
 

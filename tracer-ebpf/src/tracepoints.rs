@@ -61,7 +61,7 @@ fn try_device(skb: u64, dev: u64, hook: u8, l3: L3, drop_reason: u32) -> Result<
         if hook != hook::DROP
             && netns != 0
             && netns == cfg.node_netns
-            && unsafe { TC_IFACES.get(&ifindex) }.is_some()
+            && unsafe { TC_IFACES.get(ifindex) }.is_some()
         {
             return false;
         }

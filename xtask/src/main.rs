@@ -19,8 +19,10 @@ enum Task {
     Setup,
     /// Build, create the seed 000 lab node, and trace it healthy and broken.
     Demo,
-    /// Run every test: setup, fmt, clippy, unit + root lab tests, guest kernels.
+    /// Run every test: setup, fmt, clippy (userspace and eBPF), unit tests; as root also the lab tests and guest kernels.
     Test(tasks::TestArgs),
+    /// fmt --check and clippy -D warnings over userspace and the eBPF crate (no root needed).
+    Lint,
     /// Boot Debian 6.1 and 6.12 kernels under QEMU and run the lab scenarios against each backend.
     VmTest(vm::VmTestArgs),
     /// Measure what nattrace costs a node (lab, release builds) and write BENCHMARKS.md.
@@ -32,6 +34,7 @@ fn main() -> anyhow::Result<()> {
         Task::Setup => setup::run(),
         Task::Demo => tasks::demo(),
         Task::Test(args) => tasks::test(args),
+        Task::Lint => tasks::lint(),
         Task::VmTest(args) => vm::run(args),
         Task::Bench(args) => bench::run(args),
     }
