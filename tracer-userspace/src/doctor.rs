@@ -164,6 +164,22 @@ fn finding(
 /// Judges what [`gather`] read. Pure.
 pub fn assess(i: &Inputs) -> Report {
     let mut out = Vec::new();
+    bridge_findings(i, &mut out);
+    out.push(ip_forward_finding(i));
+    out.push(rp_filter_finding(i));
+    out.extend(conntrack_finding(i));
+    out.push(kube_proxy_finding(i));
+    out.extend(service_nat(i));
+    out.extend(masquerade_all_finding(i));
+    Report {
+        netns: i.netns.clone(),
+        findings: out,
+    }
+}
+
+/// br_netfilter, bridge-nf-call-iptables and hairpin_mode: the seed
+/// 000/001 and 004 facts, for the bridges of the namespace.
+fn bridge_findings(i: &Inputs, out: &mut Vec<Finding>) {
     let bridges: Vec<&Interface> = i.interfaces.iter().filter(|x| x.kind == "bridge").collect();
     let names = |v: &[&Interface]| {
         v.iter()
@@ -262,12 +278,15 @@ pub fn assess(i: &Inputs) -> Report {
             out.push(finding("hairpin_mode", sev, value, msg, FIX_HAIRPIN.hint()));
         }
     }
+}
+
+fn ip_forward_finding(i: &Inputs) -> Finding {
     let (sev, v) = match i.ip_forward {
         Some(true) => (Severity::Ok, "1"),
         Some(false) => (Severity::Error, "0"),
         None => (Severity::Warning, "unknown"),
     };
-    out.push(finding(
+    finding(
         "ip_forward",
         sev,
         format!("ip_forward={v}"),
@@ -277,7 +296,10 @@ pub fn assess(i: &Inputs) -> Report {
                 .to_string(),
         },
         FIX_FORWARD,
-    ));
+    )
+}
+
+fn rp_filter_finding(i: &Inputs) -> Finding {
     let all = i
         .rp_filter
         .iter()
@@ -289,7 +311,7 @@ pub fn assess(i: &Inputs) -> Report {
         .filter(|(n, v)| n != "all" && n != "default" && (*v).max(all) == 1)
         .map(|(n, _)| n.as_str())
         .collect();
-    out.push(if strict.is_empty() {
+    if strict.is_empty() {
         finding(
             "rp_filter",
             Severity::Ok,
@@ -308,16 +330,31 @@ pub fn assess(i: &Inputs) -> Report {
             ),
             FIX_RP_FILTER.hint(),
         )
-    });
-    if let (Some(count), Some(max)) = (i.conntrack_count, i.conntrack_max) {
-        let pct = (count * 100).checked_div(max).unwrap_or(0);
-        let sev = match pct {
-            90.. => Severity::Error,
-            75.. => Severity::Warning,
-            _ => Severity::Ok,
-        };
-        out.push(finding("conntrack", sev, format!("conntrack={count}/{max}"), format!("{count} of {max} conntrack entries in use ({pct}%); a full table drops new connections"), FIX_CONNTRACK));
     }
+}
+
+fn conntrack_finding(i: &Inputs) -> Option<Finding> {
+    let (Some(count), Some(max)) = (i.conntrack_count, i.conntrack_max) else {
+        return None;
+    };
+    let pct = (count * 100).checked_div(max).unwrap_or(0);
+    let sev = match pct {
+        90.. => Severity::Error,
+        75.. => Severity::Warning,
+        _ => Severity::Ok,
+    };
+    Some(finding(
+        "conntrack",
+        sev,
+        format!("conntrack={count}/{max}"),
+        format!(
+            "{count} of {max} conntrack entries in use ({pct}%); a full table drops new connections"
+        ),
+        FIX_CONNTRACK,
+    ))
+}
+
+fn kube_proxy_finding(i: &Inputs) -> Finding {
     let mode = i.kube_proxy.mode;
     let (sev, msg) = match mode {
         ProxyMode::None => (Severity::Warning, "no kube-proxy rules found in the nat table (not a node, kube-proxy down, or a kube-proxy replacement)".to_string()),
@@ -338,18 +375,18 @@ pub fn assess(i: &Inputs) -> Report {
             ),
         ),
     };
-    out.push(finding(
+    finding(
         "kube_proxy_mode",
         sev,
         format!("kube-proxy={}", mode.as_str()),
         msg,
         FIX_KUBE_PROXY,
-    ));
-    if let Some(f) = service_nat(i) {
-        out.push(f);
-    }
-    if let Some(all) = i.kube_proxy.masquerade_all() {
-        out.push(finding(
+    )
+}
+
+fn masquerade_all_finding(i: &Inputs) -> Option<Finding> {
+    let all = i.kube_proxy.masquerade_all()?;
+    Some(finding(
             "masquerade_all",
             Severity::Info,
             format!("masqueradeAll={all}"),
@@ -359,12 +396,7 @@ pub fn assess(i: &Inputs) -> Report {
                 (false, None) => "masqueradeAll is off: clients outside the cluster CIDR keep their address (seed 003 if their replies can bypass this node)".into(),
             },
             FIX_MASQ_ALL.hint(),
-        ));
-    }
-    Report {
-        netns: i.netns.clone(),
-        findings: out,
-    }
+        ))
 }
 
 /// Whether Services (the traced ones, or any for `doctor`) are translated by
