@@ -23,6 +23,8 @@ enum Task {
     Test(tasks::TestArgs),
     /// fmt --check and clippy -D warnings over userspace and the eBPF crate (no root needed).
     Lint,
+    /// Record the seed scenarios on this kernel as the collector's fixtures, with golden `analyze` output.
+    Fixtures,
     /// Boot Debian 6.1 and 6.12 kernels under QEMU and run the lab scenarios against each backend.
     VmTest(vm::VmTestArgs),
     /// Measure what nattrace costs a node (lab, release builds) and write BENCHMARKS.md.
@@ -35,6 +37,7 @@ fn main() -> anyhow::Result<()> {
         Task::Demo => tasks::demo(),
         Task::Test(args) => tasks::test(args),
         Task::Lint => tasks::lint(),
+        Task::Fixtures => tasks::fixtures(),
         Task::VmTest(args) => vm::run(args),
         Task::Bench(args) => bench::run(args),
     }

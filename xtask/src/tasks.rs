@@ -123,3 +123,95 @@ pub fn demo() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The seed scenarios (kube-proxy in iptables mode) whose traces are the
+/// collector's recorded fixtures: (test binary of nattrace-tests, test).
+pub const RECORDED: &[(&str, &str)] = &[
+    (
+        "tracer",
+        "root_seed000_broken_every_same_node_connection_is_not_reverse_nated",
+    ),
+    ("tracer", "root_seed000_healthy_every_connection_is_ok"),
+    (
+        "scenarios",
+        "root_dns_seed001_broken_reply_from_unexpected_source",
+    ),
+    ("scenarios", "root_dns_seed001_healthy_is_ok"),
+    (
+        "scenarios",
+        "root_seed003_on_the_dnating_node_no_reply_through_node",
+    ),
+    (
+        "scenarios",
+        "root_seed003_with_masquerade_all_is_ok_and_snated",
+    ),
+    (
+        "scenarios",
+        "root_seed003_on_the_backend_node_reply_bypasses_the_dnating_node",
+    ),
+    ("scenarios", "root_hairpin_with_masquerade_is_ok"),
+    ("scenarios", "root_hairpin_mode_off_is_named"),
+    (
+        "scenarios",
+        "root_hairpin_without_masquerade_is_dropped_as_local_source",
+    ),
+];
+
+/// Where the recordings and their golden `analyze` output live.
+pub const RECORDED_DIR: &str = "tracer-userspace/src/collector/fixtures/recorded";
+
+/// `cargo xtask fixtures`: runs the seed scenarios' root lab tests on this
+/// kernel with `--write` into [`RECORDED_DIR`] (`NAME.rec`), then writes
+/// each recording's `nattrace analyze NAME.rec --output json -v` next to it
+/// (`NAME.json`), which the collector's tests compare against.
+pub fn fixtures() -> anyhow::Result<()> {
+    if !setup::is_root() {
+        bail!("fixtures runs the root lab tests (network namespaces, eBPF): run it as root");
+    }
+    let dir = workspace_root().join(RECORDED_DIR);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let dir_arg = dir.display().to_string();
+    for binary in ["tracer", "scenarios"] {
+        let mut args = vec![
+            "test",
+            "-p",
+            "nattrace-tests",
+            "--test",
+            binary,
+            "--",
+            "--exact",
+        ];
+        args.extend(
+            RECORDED
+                .iter()
+                .filter(|(b, _)| *b == binary)
+                .map(|(_, t)| *t),
+        );
+        cargo_with_env(&args, &[("NATTRACE_RECORD_DIR", &dir_arg)])?;
+    }
+    cargo(&["build", "--bin", "nattrace"])?;
+    let nattrace = workspace_root().join("target/debug/nattrace");
+    for (_, name) in RECORDED {
+        let rec = dir.join(format!("{name}.rec"));
+        let out = Command::new(&nattrace)
+            .args(["analyze"])
+            .arg(&rec)
+            .args(["--output", "json", "-v"])
+            .output()
+            .with_context(|| format!("running nattrace analyze {}", rec.display()))?;
+        // 0: every flow ok, 1: a flow was not; 2: the recording is unusable.
+        if !matches!(out.status.code(), Some(0 | 1)) {
+            bail!(
+                "nattrace analyze {} failed ({}): {}",
+                rec.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let golden = dir.join(format!("{name}.json"));
+        std::fs::write(&golden, &out.stdout)
+            .with_context(|| format!("writing {}", golden.display()))?;
+        eprintln!("xtask: {} and its golden analyze output", rec.display());
+    }
+    Ok(())
+}

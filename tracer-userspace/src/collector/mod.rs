@@ -28,6 +28,8 @@ mod tests;
 #[cfg(test)]
 mod tests_paths;
 #[cfg(test)]
+mod tests_recorded;
+#[cfg(test)]
 mod tests_routed;
 #[cfg(test)]
 mod tests_scenarios;

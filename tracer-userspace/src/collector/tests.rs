@@ -289,8 +289,9 @@ fn reply_dropped_by_rp_filter() {
     assert_eq!(cause_id(only(&reports)), Some(CauseId::DroppedByRpFilter));
 }
 
-#[test]
-fn not_dnated_when_no_rule_matched() {
+/// A SYN that passed the nat table at PREROUTING with its destination
+/// still the Service, and left.
+fn syn_not_dnated() -> Builder {
     let mut b = Builder::default();
     let syn = tcp(tcp_flags::SYN, 1, 0, 1, 0x10, REQUEST);
     b.path(
@@ -303,6 +304,12 @@ fn not_dnated_when_no_rule_matched() {
             (tc_out(ETH0), CLIENT, SVC),
         ],
     );
+    b
+}
+
+#[test]
+fn not_dnated_when_no_rule_matched() {
+    let b = syn_not_dnated();
     let (reports, _) = run(&b.events, Some(true));
     let r = only(&reports);
     assert_eq!(r.verdict, Verdict::NoReply);
@@ -314,18 +321,7 @@ fn not_dnated_when_no_rule_matched() {
 /// NAT-based cause, the flow says what translates it instead.
 #[test]
 fn service_translated_outside_netfilter_gets_no_nat_cause() {
-    let mut b = Builder::default();
-    let syn = tcp(tcp_flags::SYN, 1, 0, 1, 0x10, REQUEST);
-    b.path(
-        syn,
-        T0,
-        &[
-            (tc_in(VETH_CLIENT), CLIENT, SVC),
-            (nf(PRE_ROUTING, BEFORE), CLIENT, SVC),
-            (nf(PRE_ROUTING, AFTER), CLIENT, SVC),
-            (tc_out(ETH0), CLIENT, SVC),
-        ],
-    );
+    let b = syn_not_dnated();
     let mut cfg = config(Some(true));
     cfg.kube_proxy.outside_netfilter = vec![crate::ruleset::OutsideNetfilter {
         ip: SVC.0.into(),
