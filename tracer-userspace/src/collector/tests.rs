@@ -548,3 +548,44 @@ fn flow_state_stays_small() {
     );
     assert_eq!(std::mem::size_of::<types::Obs>(), 40);
 }
+
+/// The kprobe backend's `br_forward` alone proves a reply was bridged when
+/// no tc egress saw it leave by the client's port. Hand-built: this host has
+/// no kprobes (the 6.1/6.12 guests of `cargo xtask vm-test` do), so a
+/// recording from here never carries a BR_FORWARD event.
+#[test]
+fn br_forward_alone_proves_the_bridged_reply() {
+    let seen_by_kprobe = |e: &PacketEvent| {
+        e.direction == REPLY && e.hook == tracer_common::hook::TC_EGRESS && e.ifindex == VETH_CLIENT
+    };
+    let mut events = seed000_same_node(false);
+    for e in events.iter_mut().filter(|e| seen_by_kprobe(e)) {
+        e.hook = tracer_common::hook::BR_FORWARD;
+    }
+    assert!(
+        events
+            .iter()
+            .any(|e| e.hook == tracer_common::hook::BR_FORWARD)
+    );
+    let (reports, _) = run(&events, Some(false));
+    for r in &reports {
+        assert_eq!(r.verdict, Verdict::ReplyNotReverseNated, "{r:#?}");
+        assert_eq!(
+            cause_id(r),
+            Some(CauseId::BridgeNfCallIptablesOff),
+            "{r:#?}"
+        );
+    }
+    // Without it nothing shows the reply crossed the bridge.
+    let without: Vec<PacketEvent> = seed000_same_node(false)
+        .into_iter()
+        .filter(|e| !seen_by_kprobe(e))
+        .collect();
+    let (reports, _) = run(&without, Some(false));
+    assert!(
+        reports
+            .iter()
+            .all(|r| cause_id(r) != Some(CauseId::BridgeNfCallIptablesOff)),
+        "{reports:#?}"
+    );
+}
