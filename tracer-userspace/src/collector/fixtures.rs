@@ -473,3 +473,22 @@ pub fn all() -> Vec<(&'static str, Vec<PacketEvent>)> {
         ("reply_dropped.jsonl", reply_dropped()),
     ]
 }
+
+/// A pod's SYN to its own Service, DNATed back to itself, that the bridge
+/// does not send back out of the port it came in by (hairpin_mode off, or
+/// no bridge at all).
+pub fn hairpin_syn_not_sent_back() -> Builder {
+    let mut b = Builder::default();
+    let me = CLIENT;
+    let me_backend = (CLIENT.0, 80);
+    let syn = tcp(tcp_flags::SYN, 10, 0, 1, 0x50, REQUEST);
+    b.route(
+        syn,
+        T0,
+        &[
+            &from_pod(CLIENT_NS, VETH_CLIENT, me, SVC),
+            &forwarded(me, SVC, me_backend, me)[..2],
+        ],
+    );
+    b
+}

@@ -54,6 +54,13 @@ fn assert_unreachable_because(r: &FlowReport, what: &[&str]) {
     assert!(what.iter().all(|w| text.contains(w)), "{text}");
 }
 
+/// Decided before the evidence could arrive: `no_reply` and no cause.
+fn assert_no_reply_without_cause(reports: &[FlowReport]) {
+    let r = only(reports);
+    assert_eq!(r.verdict, Verdict::NoReply, "{r:#?}");
+    assert_eq!(cause(r), None, "{r:#?}");
+}
+
 fn assert_stale(r: &FlowReport, evidence: &str) {
     assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
     assert_eq!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
@@ -114,9 +121,7 @@ fn deleted_backend_same_verdict_offline() {
 #[test]
 fn stopped_before_neighbour_failure_blames_no_route() {
     let (reports, _) = replay("cold", Some(2 * S));
-    let r = only(&reports);
-    assert_eq!(r.verdict, Verdict::NoReply, "{r:#?}");
-    assert_eq!(cause(r), None, "{r:#?}");
+    assert_no_reply_without_cause(&reports);
 }
 
 #[test]
@@ -192,9 +197,7 @@ fn deleted_backend_on_other_node_is_not_a_routing_problem() {
 #[test]
 fn deleted_backend_on_other_node_stopped_early_names_no_cause() {
     let (reports, _) = replay("other_node", Some(2 * S));
-    let r = only(&reports);
-    assert_eq!(r.verdict, Verdict::NoReply, "{r:#?}");
-    assert_eq!(cause(r), None, "{r:#?}");
+    assert_no_reply_without_cause(&reports);
 }
 
 /// The shape of a lab run where the backend's node lost its last bridge
