@@ -1,4 +1,4 @@
-//! Ready-made labs for the seed incidents (../shared/seeds). The addresses
+//! Ready-made labs for the seed incidents (docs/SEEDS.md). The addresses
 //! are the incidents' own: everything lives in lab namespaces, so they
 //! collide with nothing.
 

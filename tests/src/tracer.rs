@@ -64,6 +64,23 @@ pub fn tracing_lock() -> MutexGuard<'static, ()> {
     TRACING.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Where `cargo xtask fixtures` asks traces to be recorded.
+pub const RECORD_DIR_ENV: &str = "NATTRACE_RECORD_DIR";
+
+/// `--write DIR/NAME.rec` when [`RECORD_DIR_ENV`] is set (nothing otherwise):
+/// how the collector's recorded fixtures are made. `name` defaults to the
+/// running test's name (its thread's), without module path.
+pub fn record_args(name: Option<&str>) -> Vec<String> {
+    let Ok(dir) = std::env::var(RECORD_DIR_ENV) else {
+        return Vec::new();
+    };
+    let thread = std::thread::current();
+    let name = name
+        .or_else(|| thread.name().map(|n| n.rsplit("::").next().unwrap_or(n)))
+        .unwrap_or("trace");
+    vec!["--write".to_string(), format!("{dir}/{name}.rec")]
+}
+
 /// A running nattrace. Killed (SIGKILL) if dropped before [`Nattrace::wait`].
 pub struct Nattrace {
     child: Option<Child>,

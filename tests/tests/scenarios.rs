@@ -109,6 +109,9 @@ fn trace_for(
         args.extend(["--output".to_string(), "json".to_string(), "-v".to_string()]);
     }
     args.extend(extra.iter().map(|s| s.to_string()));
+    if !extra.contains(&"--write") {
+        args.extend(lab::tracer::record_args(None));
+    }
     let mut tracer = Nattrace::spawn(&bin, &args, &[], false).expect("starting nattrace");
     tracer
         .wait_started(ATTACH_TIMEOUT)

@@ -102,11 +102,12 @@ pub(crate) fn start(args: &[String], envs: &[(&str, &str)]) -> Nattrace {
 /// Traces `svcs` on node-a for [`TRACE_SECS`] while `traffic` runs.
 fn trace(lab: &Lab, svcs: &[String], traffic: impl FnOnce()) -> Finished {
     let duration = TRACE_SECS.to_string();
-    let args = args(
+    let mut args = args(
         lab,
         svcs,
         &["--duration", &duration, "--reply-timeout", REPLY_TIMEOUT_MS],
     );
+    args.extend(lab::tracer::record_args(None));
     let mut tracer = start(&args, &[]);
     traffic();
     tracer

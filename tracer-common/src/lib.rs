@@ -173,10 +173,10 @@ pub struct EndpointKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EndpointState {
-    /// Packets matched since the flow was first seen.
-    pub packets: u64,
-    /// Set by userspace once the flow's verdict is `ok`: further plain data
-    /// packets are counted here instead of each costing a ring-buffer event.
+    /// Set once the flow's verdict is `ok` (by the kernel on the client's
+    /// reverse-NATed reply, or by userspace): further plain data packets are
+    /// only counted in `STATS[MUTED_PACKETS]` instead of each costing a
+    /// ring-buffer event. Written by programs on any CPU and by userspace.
     pub muted: u32,
     pub svc: u8,
     pub _pad: [u8; 3],
@@ -234,9 +234,6 @@ pub struct KernelOffsets {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Config {
     pub offsets: KernelOffsets,
-    /// Data packets of a flow beyond this many are only counted once the flow is muted.
-    pub per_flow_event_budget: u32,
-    pub flags: u32,
     /// `ns.inum` of the traced node namespace, for the programs that fire in
     /// every namespace but stand in for per-namespace attachments (kprobes on
     /// netfilter functions).
@@ -298,8 +295,8 @@ mod tests {
         assert_eq!(core::mem::size_of::<PacketEvent>(), 64);
         assert_eq!(core::mem::size_of::<ServiceKey>(), 8);
         assert_eq!(core::mem::size_of::<EndpointKey>(), 8);
-        assert_eq!(core::mem::size_of::<EndpointState>(), 16);
+        assert_eq!(core::mem::size_of::<EndpointState>(), 8);
         assert_eq!(core::mem::size_of::<KernelOffsets>(), 72);
-        assert_eq!(core::mem::size_of::<Config>(), 84);
+        assert_eq!(core::mem::size_of::<Config>(), 76);
     }
 }

@@ -157,11 +157,11 @@ fn service_at(addr: [u8; 4], port: u16, proto: u8) -> Option<u8> {
         proto,
         _pad: 0,
     };
-    if let Some(svc) = unsafe { SERVICES.get(&k) } {
+    if let Some(svc) = unsafe { SERVICES.get(k) } {
         return Some(*svc);
     }
     k.port = 0;
-    unsafe { SERVICES.get(&k) }.copied()
+    unsafe { SERVICES.get(k) }.copied()
 }
 
 /// Finds (or, for a new client side, creates) the flow's endpoint state.
@@ -174,13 +174,26 @@ fn endpoint(client: &EndpointKey, svc: u8) -> Option<*mut EndpointState> {
         svc,
         ..Default::default()
     };
-    if let Err(err) = ENDPOINTS.insert(client, &fresh, BPF_NOEXIST) {
-        if err != -EEXIST {
-            stat_inc(stat::FLOW_MAP_FULL);
-            return None;
-        }
+    if let Err(err) = ENDPOINTS.insert(client, fresh, BPF_NOEXIST)
+        && err != -EEXIST
+    {
+        stat_inc(stat::FLOW_MAP_FULL);
+        return None;
     }
     ENDPOINTS.get_ptr_mut(client)
+}
+
+/// The map value is shared: programs on other CPUs and userspace write
+/// `muted` while this one runs, so it is read and written through the raw
+/// pointer (one aligned u32 access each) and never borrowed as `&mut`.
+#[inline(always)]
+fn muted(state: *mut EndpointState) -> bool {
+    unsafe { core::ptr::read_volatile(&raw const (*state).muted) != 0 }
+}
+
+#[inline(always)]
+fn set_muted(state: *mut EndpointState, on: bool) {
+    unsafe { core::ptr::write_volatile(&raw mut (*state).muted, u32::from(on)) }
 }
 
 /// How the filter matched a packet (rules 1-4 of DESIGN.md).
@@ -203,7 +216,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             state: endpoint(&src, svc),
         });
     }
-    if let Some(state) = ENDPOINTS.get_ptr_mut(&src) {
+    if let Some(state) = ENDPOINTS.get_ptr_mut(src) {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REQUEST,
@@ -211,7 +224,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             state: Some(state),
         });
     }
-    if let Some(state) = ENDPOINTS.get_ptr_mut(&dst) {
+    if let Some(state) = ENDPOINTS.get_ptr_mut(dst) {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REPLY,
@@ -225,7 +238,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
     if at.skb == 0 || at.nat_stage != nat_stage::AFTER {
         return None;
     }
-    let seen = unsafe { INFLIGHT.get(&at.skb) }?;
+    let seen = unsafe { INFLIGHT.get(at.skb) }?;
     if seen.ip_id != pkt.ip_id || seen.seq != pkt.seq {
         return None;
     }
@@ -256,15 +269,13 @@ pub fn observe(
     // only close it and are counted like data.
     let control = pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST);
     if let Some(state) = m.state {
-        let state = unsafe { &mut *state };
         // The bulk of a muted flow stops here, before reading anything
         // more; only a reply at a device may still have to unmute it below.
-        if state.muted != 0
+        if muted(state)
             && control == 0
             && !is_drop
             && !(m.dir == direction::REPLY && at.hook == hook::DEV_RX)
         {
-            state.packets += 1;
             stat_inc(stat::MUTED_PACKETS);
             return;
         }
@@ -274,14 +285,12 @@ pub fn observe(
     }
 
     if let Some(state) = m.state {
-        let state = unsafe { &mut *state };
-        state.packets += 1;
         let mut mute_now = false;
         if pkt.proto == proto::TCP && !is_drop {
             let syn_ack = pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK);
             if m.dir == direction::REQUEST && syn_ack == tcp_flags::SYN {
                 // A new connection from this client port: trace it afresh.
-                state.muted = 0;
+                set_muted(state, false);
             } else if m.dir == direction::REPLY && at.hook == hook::DEV_RX && at_client(at) {
                 // The reply reached the client's namespace. Reverse-NATed
                 // (source = a Service) means the collector's verdict is `ok`
@@ -291,23 +300,23 @@ pub fn observe(
                 if service_at(pkt.saddr, pkt.sport, pkt.proto).is_some() {
                     mute_now = true;
                 } else {
-                    state.muted = 0;
+                    set_muted(state, false);
                 }
             }
         }
-        if state.muted != 0 && control == 0 && !is_drop {
+        if muted(state) && control == 0 && !is_drop {
             stat_inc(stat::MUTED_PACKETS);
             return;
         }
         if mute_now {
-            state.muted = 1;
+            set_muted(state, true);
         }
     }
 
     if at.skb != 0 {
         if is_drop {
             // The skb is being freed and its address will be reused.
-            let _ = INFLIGHT.remove(&at.skb);
+            let _ = INFLIGHT.remove(at.skb);
         } else if at.nat_stage == nat_stage::BEFORE {
             // Only the AFTER point of the same hook looks this up (rule 4).
             let seen = InflightPacket {
@@ -316,7 +325,7 @@ pub fn observe(
                 direction: m.dir,
                 svc: m.svc,
             };
-            let _ = INFLIGHT.insert(&at.skb, &seen, 0);
+            let _ = INFLIGHT.insert(at.skb, seen, 0);
         }
     }
 
@@ -326,7 +335,7 @@ pub fn observe(
 /// A device event outside the traced node namespace (the pods' side).
 #[inline(always)]
 fn at_client(at: &Point) -> bool {
-    at.netns != 0 && crate::skb::config().is_some_and(|c| at.netns != c.node_netns)
+    at.netns != 0 && crate::config::config().is_some_and(|c| at.netns != c.node_netns)
 }
 
 #[inline(always)]

@@ -14,6 +14,7 @@ use aya_ebpf::{
 use tracer_common::{Config, hook, nat_stage, nf_hook, stat};
 
 use crate::{
+    config,
     filter::{Packet, Point, observe, stat_inc},
     skb::{self, L3, read},
 };
@@ -87,7 +88,7 @@ fn arg(ctx: &ProbeContext, n: usize) -> Result<u64, ()> {
 fn try_nf_hook_slow(ctx: &ProbeContext) -> Result<(), ()> {
     let skb = arg(ctx, 0)?;
     let state = arg(ctx, 1)?;
-    let cfg = skb::config().ok_or(())?;
+    let cfg = config::config().ok_or(())?;
     let off = &cfg.offsets;
     let slot = NF_CURRENT.get_ptr_mut(0).ok_or(())?;
     // Forget the previous hook first, so an early return below can never
@@ -139,7 +140,7 @@ fn try_nf_nat_packet(ctx: &ProbeContext) -> Result<(), ()> {
     let skb = arg(ctx, 3)?;
     // Also the namespace filter: only set for traced IPv4 hooks.
     let nf_hook = current_hook(skb).ok_or(())?;
-    let off = skb::offsets().ok_or(())?;
+    let off = config::offsets().ok_or(())?;
     // The decision nf_nat_packet makes before calling nf_nat_manip_pkt
     // (HOOK2MANIP, CTINFO2DIR, the status bit test).
     let h = hooknum as u8;
@@ -173,7 +174,7 @@ fn try_nf_nat_packet(ctx: &ProbeContext) -> Result<(), ()> {
 /// `dir` is the inverse of the other direction's tuple.
 #[inline(always)]
 fn nat_events(skb: u64, ct: u64, mtype: u64, dir: u64, nf_hook: u8) -> Result<(), ()> {
-    let cfg = skb::config().ok_or(())?;
+    let cfg = config::config().ok_or(())?;
     let off = &cfg.offsets;
     if off.nf_conn_tuplehash == 0 {
         // nf_conntrack's BTF was not available at start.
@@ -230,7 +231,7 @@ fn emit_netfilter(mut pkt: Packet, payload: u64, skb: u64, nf_hook: u8, stage: u
 fn try_br_forward(ctx: &ProbeContext) -> Result<(), ()> {
     let to = arg(ctx, 0)?;
     let skb = arg(ctx, 1)?;
-    let off = skb::offsets().ok_or(())?;
+    let off = config::offsets().ok_or(())?;
     // The bridge pulled the Ethernet header: data is at the IP header.
     let (mut pkt, payload) = skb::parse(skb, off, L3::Data)?;
     let mut at = Point::new(hook::BR_FORWARD);

@@ -4,6 +4,7 @@
 #![no_std]
 #![no_main]
 
+mod config;
 mod filter;
 mod kprobes;
 mod netfilter;

@@ -15,6 +15,7 @@ use aya_ebpf::helpers::bpf_probe_read_kernel;
 use tracer_common::{hook, nat_stage, nf_hook};
 
 use crate::{
+    config,
     filter::{Point, observe},
     skb::{self, L3},
 };
@@ -26,7 +27,7 @@ fn try_netfilter(ctx: *mut c_void, nf_hook: u8, stage: u8) -> Result<(), ()> {
     let skb: u64 =
         unsafe { bpf_probe_read_kernel((ctx as *const u8).wrapping_add(8) as *const u64) }
             .map_err(|_| ())?;
-    let off = skb::offsets().ok_or(())?;
+    let off = config::offsets().ok_or(())?;
     let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
     let mut at = Point::new(hook::NETFILTER);
     at.nf_hook = nf_hook;

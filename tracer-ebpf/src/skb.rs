@@ -3,12 +3,9 @@
 //! the running kernel's BTF: Rust eBPF has no CO-RE, and the layouts differ
 //! between kernels (sk_buff.head: 192 bytes on 6.18, 200 on 6.1/6.12).
 use aya_ebpf::helpers::bpf_probe_read_kernel;
-use tracer_common::{Config, KernelOffsets, proto, stat};
+use tracer_common::{KernelOffsets, proto, stat};
 
-use crate::{
-    CONFIG,
-    filter::{IpHdr, Packet, TcpHdr, UDP_HDR_LEN, stat_inc},
-};
+use crate::filter::{IpHdr, Packet, TcpHdr, UDP_HDR_LEN, stat_inc};
 
 /// Where the IPv4 header of this skb is at this observation point.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -26,16 +23,6 @@ const UNSET_HEADER: u16 = 0xffff;
 pub fn read<T>(addr: u64) -> Result<T, ()> {
     // bpf_probe_read_kernel tolerates any address: a bad one is an error, not a fault.
     unsafe { bpf_probe_read_kernel(addr as *const T) }.map_err(|_| ())
-}
-
-#[inline(always)]
-pub fn config() -> Option<&'static Config> {
-    CONFIG.get(0)
-}
-
-#[inline(always)]
-pub fn offsets() -> Option<&'static KernelOffsets> {
-    config().map(|c| &c.offsets)
 }
 
 /// `dev->ifindex` and the inode of `dev_net(dev)`; zeros when `dev` is NULL.

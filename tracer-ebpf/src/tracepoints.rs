@@ -5,7 +5,7 @@ use aya_ebpf::{macros::raw_tracepoint, programs::RawTracePointContext};
 use tracer_common::hook;
 
 use crate::{
-    TC_IFACES,
+    TC_IFACES, config,
     filter::{Point, observe},
     skb::{self, L3},
 };
@@ -41,7 +41,7 @@ pub fn kfree_skb(ctx: RawTracePointContext) -> i32 {
 /// `dev` 0 = take it from `skb->dev`.
 #[inline(always)]
 fn try_device(skb: u64, dev: u64, hook: u8, l3: L3, drop_reason: u32) -> Result<(), ()> {
-    let cfg = skb::config().ok_or(())?;
+    let cfg = config::config().ok_or(())?;
     let off = &cfg.offsets;
     let (mut pkt, payload) = skb::parse(skb, off, l3)?;
     let mut at = Point::new(hook);
@@ -61,7 +61,7 @@ fn try_device(skb: u64, dev: u64, hook: u8, l3: L3, drop_reason: u32) -> Result<
         if hook != hook::DROP
             && netns != 0
             && netns == cfg.node_netns
-            && unsafe { TC_IFACES.get(&ifindex) }.is_some()
+            && unsafe { TC_IFACES.get(ifindex) }.is_some()
         {
             return false;
         }

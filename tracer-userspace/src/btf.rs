@@ -236,9 +236,17 @@ fn offset_in(btf: View<'_>, ty: &str, path: &str) -> Result<u32, BtfError> {
 mod tests {
     use super::*;
 
+    /// The running kernel's BTF. Without it nattrace cannot start at all,
+    /// so what is left to test is that loading says so.
     fn kernel() -> Option<KernelBtf> {
         if !Path::new(VMLINUX_BTF).exists() {
-            eprintln!("skipped: no {VMLINUX_BTF}");
+            let err = KernelBtf::load()
+                .err()
+                .expect("no vmlinux BTF, yet it loaded");
+            assert!(matches!(err, BtfError::NoBtf(_)), "{err}");
+            eprintln!(
+                "skipped: this kernel has no {VMLINUX_BTF} (CONFIG_DEBUG_INFO_BTF); only its error was checked"
+            );
             return None;
         }
         Some(KernelBtf::load().expect("parse vmlinux BTF"))
@@ -267,10 +275,15 @@ mod tests {
                 "{o:?}"
             );
         }
-        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-        if release.starts_with("6.18") {
-            // Measured on the build VMs (../shared/docs/machine.md: bit 1536).
-            assert_eq!(o.sk_buff_head, 192);
+        // Measured: sk_buff.head is at bit 1536 on this project's 6.18 build
+        // machines and at 200 bytes on Debian's 6.1/6.12 (docs/MACHINE.md).
+        let version = crate::probes::table::KernelFeatures::probe().version;
+        match (version.0, version.1) {
+            (6, 18) => assert_eq!(o.sk_buff_head, 192, "{o:?}"),
+            (6, 1) | (6, 12) => assert_eq!(o.sk_buff_head, 200, "{o:?}"),
+            _ => eprintln!(
+                "not checked: sk_buff.head's measured offset (kernel {version:?} was never measured)"
+            ),
         }
     }
 
@@ -290,16 +303,6 @@ mod tests {
             k.offset("sk_buff", "pkt_type"),
             Err(BtfError::Bitfield { .. })
         ));
-    }
-
-    #[test]
-    #[ignore]
-    fn time_load_and_offsets() {
-        let t = std::time::Instant::now();
-        let mut k = KernelBtf::load().expect("load");
-        let loaded = t.elapsed();
-        let o = k.kernel_offsets().expect("offsets");
-        eprintln!("load {loaded:?}, total {:?}: {o:?}", t.elapsed());
     }
 
     #[test]

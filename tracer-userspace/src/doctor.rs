@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use crate::{
+    collector::CauseId,
     facts::Interface,
     probes::netns::{self, Netns, NetnsError},
     ruleset::{self, KubeProxyRules, OutsideNetfilter, ProxyMode, dataplane::Dataplane},
@@ -112,17 +113,16 @@ impl Report {
     }
 }
 
-const FIX_BR_NETFILTER: &str =
-    "modprobe br_netfilter (and list it in /etc/modules-load.d) before kubelet starts";
-const FIX_BRIDGE_NF: &str = "sysctl -w net.bridge.bridge-nf-call-iptables=1 in the namespace that owns the bridge (persist it in /etc/sysctl.d)";
-const FIX_HAIRPIN: &str = "kubelet --hairpin-mode=hairpin-veth or the CNI bridge plugin's \"hairpinMode\": true; now: ip link set <port> type bridge_slave hairpin on";
+// Where a finding is the static side of a cause the collector names, its
+// fix is that cause's (one wording, in `collector/causes.rs`).
+const FIX_BR_NETFILTER: CauseId = CauseId::BridgeNfCallIptablesOff;
+const FIX_HAIRPIN: CauseId = CauseId::HairpinModeOff;
 const FIX_FORWARD: &str = "sysctl -w net.ipv4.ip_forward=1";
-const FIX_RP_FILTER: &str =
-    "sysctl -w net.ipv4.conf.all.rp_filter=2 (loose) and the same for the interface";
+const FIX_RP_FILTER: CauseId = CauseId::DroppedByRpFilter;
 const FIX_CONNTRACK: &str = "raise net.netfilter.nf_conntrack_max (kube-proxy --conntrack-max-per-core) or find what fills the table (conntrack -S)";
 const FIX_KUBE_PROXY: &str = "check that kube-proxy runs on this node and syncs its rules (its logs, iptables-save | grep KUBE-SERVICES)";
-const FIX_DATAPLANE: &str = "follow these Services with the data plane's own tools (ipvsadm -Ln --stats, cilium-dbg service list / bpftool map dump): nattrace's verdicts cover netfilter NAT only";
-const FIX_MASQ_ALL: &str = "if clients outside the cluster reach ClusterIPs through one node, set kube-proxy masqueradeAll: true so replies return through it";
+const FIX_DATAPLANE: CauseId = CauseId::ServiceNotNetfilter;
+const FIX_MASQ_ALL: CauseId = CauseId::NoReplyThroughNode;
 
 /// Interface names for a one-line summary: the first few and a count, so
 /// the line stays readable on a node with hundreds of pods (the finding's
@@ -164,6 +164,22 @@ fn finding(
 /// Judges what [`gather`] read. Pure.
 pub fn assess(i: &Inputs) -> Report {
     let mut out = Vec::new();
+    bridge_findings(i, &mut out);
+    out.push(ip_forward_finding(i));
+    out.push(rp_filter_finding(i));
+    out.extend(conntrack_finding(i));
+    out.push(kube_proxy_finding(i));
+    out.extend(service_nat(i));
+    out.extend(masquerade_all_finding(i));
+    Report {
+        netns: i.netns.clone(),
+        findings: out,
+    }
+}
+
+/// br_netfilter, bridge-nf-call-iptables and hairpin_mode: the seed
+/// 000/001 and 004 facts, for the bridges of the namespace.
+fn bridge_findings(i: &Inputs, out: &mut Vec<Finding>) {
     let bridges: Vec<&Interface> = i.interfaces.iter().filter(|x| x.kind == "bridge").collect();
     let names = |v: &[&Interface]| {
         v.iter()
@@ -197,7 +213,7 @@ pub fn assess(i: &Inputs) -> Report {
             }
         ),
         msg,
-        FIX_BR_NETFILTER,
+        FIX_BR_NETFILTER.hint(),
     ));
     if !bridges.is_empty() {
         let (sev, v, msg) = match i.bridge_nf_call_iptables {
@@ -229,7 +245,7 @@ pub fn assess(i: &Inputs) -> Report {
                 few(&bridges.iter().map(|x| x.name.as_str()).collect::<Vec<_>>())
             ),
             msg,
-            FIX_BRIDGE_NF,
+            FIX_BR_NETFILTER.hint(),
         ));
         let ports: Vec<&Interface> = i.interfaces.iter().filter(|x| x.master.is_some()).collect();
         let off: Vec<&Interface> = ports
@@ -259,15 +275,18 @@ pub fn assess(i: &Inputs) -> Report {
                     ),
                 )
             };
-            out.push(finding("hairpin_mode", sev, value, msg, FIX_HAIRPIN));
+            out.push(finding("hairpin_mode", sev, value, msg, FIX_HAIRPIN.hint()));
         }
     }
+}
+
+fn ip_forward_finding(i: &Inputs) -> Finding {
     let (sev, v) = match i.ip_forward {
         Some(true) => (Severity::Ok, "1"),
         Some(false) => (Severity::Error, "0"),
         None => (Severity::Warning, "unknown"),
     };
-    out.push(finding(
+    finding(
         "ip_forward",
         sev,
         format!("ip_forward={v}"),
@@ -277,7 +296,10 @@ pub fn assess(i: &Inputs) -> Report {
                 .to_string(),
         },
         FIX_FORWARD,
-    ));
+    )
+}
+
+fn rp_filter_finding(i: &Inputs) -> Finding {
     let all = i
         .rp_filter
         .iter()
@@ -289,13 +311,13 @@ pub fn assess(i: &Inputs) -> Report {
         .filter(|(n, v)| n != "all" && n != "default" && (*v).max(all) == 1)
         .map(|(n, _)| n.as_str())
         .collect();
-    out.push(if strict.is_empty() {
+    if strict.is_empty() {
         finding(
             "rp_filter",
             Severity::Ok,
             "rp_filter=loose/off".into(),
             "no interface has strict reverse-path filtering".into(),
-            FIX_RP_FILTER,
+            FIX_RP_FILTER.hint(),
         )
     } else {
         finding(
@@ -306,18 +328,33 @@ pub fn assess(i: &Inputs) -> Report {
                 "strict reverse-path filtering on {}: packets of asymmetric paths are dropped",
                 strict.join(", ")
             ),
-            FIX_RP_FILTER,
+            FIX_RP_FILTER.hint(),
         )
-    });
-    if let (Some(count), Some(max)) = (i.conntrack_count, i.conntrack_max) {
-        let pct = (count * 100).checked_div(max).unwrap_or(0);
-        let sev = match pct {
-            90.. => Severity::Error,
-            75.. => Severity::Warning,
-            _ => Severity::Ok,
-        };
-        out.push(finding("conntrack", sev, format!("conntrack={count}/{max}"), format!("{count} of {max} conntrack entries in use ({pct}%); a full table drops new connections"), FIX_CONNTRACK));
     }
+}
+
+fn conntrack_finding(i: &Inputs) -> Option<Finding> {
+    let (Some(count), Some(max)) = (i.conntrack_count, i.conntrack_max) else {
+        return None;
+    };
+    let pct = (count * 100).checked_div(max).unwrap_or(0);
+    let sev = match pct {
+        90.. => Severity::Error,
+        75.. => Severity::Warning,
+        _ => Severity::Ok,
+    };
+    Some(finding(
+        "conntrack",
+        sev,
+        format!("conntrack={count}/{max}"),
+        format!(
+            "{count} of {max} conntrack entries in use ({pct}%); a full table drops new connections"
+        ),
+        FIX_CONNTRACK,
+    ))
+}
+
+fn kube_proxy_finding(i: &Inputs) -> Finding {
     let mode = i.kube_proxy.mode;
     let (sev, msg) = match mode {
         ProxyMode::None if !i.kube_proxy.missing_tools.is_empty() => (
@@ -351,7 +388,7 @@ pub fn assess(i: &Inputs) -> Report {
         ),
     };
     let unread = mode == ProxyMode::None && !i.kube_proxy.missing_tools.is_empty();
-    out.push(finding(
+    finding(
         "kube_proxy_mode",
         sev,
         format!(
@@ -360,12 +397,12 @@ pub fn assess(i: &Inputs) -> Report {
         ),
         msg,
         FIX_KUBE_PROXY,
-    ));
-    if let Some(f) = service_nat(i) {
-        out.push(f);
-    }
-    if let Some(all) = i.kube_proxy.masquerade_all() {
-        out.push(finding(
+    )
+}
+
+fn masquerade_all_finding(i: &Inputs) -> Option<Finding> {
+    let all = i.kube_proxy.masquerade_all()?;
+    Some(finding(
             "masquerade_all",
             Severity::Info,
             format!("masqueradeAll={all}"),
@@ -374,13 +411,8 @@ pub fn assess(i: &Inputs) -> Report {
                 (false, Some(cidr)) => format!("masqueradeAll is off: Service traffic from outside the cluster CIDR {cidr} is masqueraded (kube-proxy --cluster-cidr), pods keep their address"),
                 (false, None) => "masqueradeAll is off: clients outside the cluster CIDR keep their address (seed 003 if their replies can bypass this node)".into(),
             },
-            FIX_MASQ_ALL,
-        ));
-    }
-    Report {
-        netns: i.netns.clone(),
-        findings: out,
-    }
+            FIX_MASQ_ALL.hint(),
+        ))
 }
 
 /// Whether Services (the traced ones, or any for `doctor`) are translated by
@@ -405,7 +437,7 @@ fn service_nat(i: &Inputs) -> Option<Finding> {
         format!(
             "{what}, not by netfilter NAT: nattrace sees these packets, but its NAT verdicts and causes do not apply to them"
         ),
-        FIX_DATAPLANE,
+        FIX_DATAPLANE.hint(),
     ))
 }
 

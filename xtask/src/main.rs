@@ -20,8 +20,12 @@ enum Task {
     Setup,
     /// Build, create the seed 000 lab node, and trace it healthy and broken.
     Demo,
-    /// Run every test: setup, fmt, clippy, unit + root lab tests, guest kernels.
+    /// Run every test: setup, fmt, clippy (userspace and eBPF), unit tests; as root also the lab tests and guest kernels.
     Test(tasks::TestArgs),
+    /// fmt --check and clippy -D warnings over userspace and the eBPF crate (no root needed).
+    Lint,
+    /// Record the seed scenarios on this kernel as the collector's fixtures, with golden `analyze` output.
+    Fixtures,
     /// Boot Debian 6.1 and 6.12 kernels under QEMU and run the lab scenarios against each backend.
     VmTest(vm::VmTestArgs),
     /// Build the OCI image (static nattrace + the iptables/nft it runs) with buildah.
@@ -37,6 +41,8 @@ fn main() -> anyhow::Result<()> {
         Task::Setup => setup::run(),
         Task::Demo => tasks::demo(),
         Task::Test(args) => tasks::test(args),
+        Task::Lint => tasks::lint(),
+        Task::Fixtures => tasks::fixtures(),
         Task::VmTest(args) => vm::run(args),
         Task::Bench(args) => bench::run(args),
         Task::Image(args) => image::run(args),

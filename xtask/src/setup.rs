@@ -56,13 +56,24 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 const NIGHTLY: &str = "nightly";
 
 pub fn run() -> anyhow::Result<()> {
-    if !nix_is_root() {
-        bail!("setup installs Debian packages and needs root: run it with sudo");
-    }
     let mut packages: Vec<&str> = APT_PACKAGES.to_vec();
     packages.extend_from_slice(vm::deps::APT_PACKAGES);
-    apt_install(&packages)?;
-    apt_lists_know_guest_kernels()?;
+    if is_root() {
+        apt_install(&packages)?;
+        apt_lists_know_guest_kernels()?;
+    } else {
+        // Only the Debian packages need root; the Rust toolchain pieces
+        // below install into the user's rustup and cargo homes.
+        let missing = missing_packages(&packages);
+        if missing.is_empty() {
+            eprintln!("setup: {} Debian packages present", packages.len());
+        } else {
+            eprintln!(
+                "setup: not root, skipping the apt step; missing Debian packages: {} (run `sudo cargo xtask setup` once)",
+                missing.join(" ")
+            );
+        }
+    }
     nightly_with_rust_src()?;
     rustup_targets(vm::deps::RUSTUP_TARGETS)?;
     bpf_linker()?;
@@ -71,7 +82,7 @@ pub fn run() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn nix_is_root() -> bool {
+pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
 }
@@ -93,15 +104,19 @@ fn run_checked(cmd: &mut Command, what: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn apt_install(packages: &[&str]) -> anyhow::Result<()> {
-    let missing: Vec<&str> = packages
+fn missing_packages<'a>(packages: &[&'a str]) -> Vec<&'a str> {
+    packages
         .iter()
         .copied()
         .filter(|p| {
             output_of("dpkg-query", &["-W", "-f=${Status}", p])
                 .is_none_or(|s| !s.contains("install ok installed"))
         })
-        .collect();
+        .collect()
+}
+
+fn apt_install(packages: &[&str]) -> anyhow::Result<()> {
+    let missing = missing_packages(packages);
     if missing.is_empty() {
         eprintln!("setup: {} Debian packages present", packages.len());
         return Ok(());

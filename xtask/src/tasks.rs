@@ -38,12 +38,22 @@ pub struct TestArgs {
     pub no_vm: bool,
 }
 
-/// Everything CI runs: setup, formatting and lints, the container image,
-/// unit and root integration tests on this kernel, then the guest kernels.
+/// Everything CI runs: setup, formatting and lints, unit tests, then (as
+/// root) the container image, the root integration tests on this kernel and
+/// the guest kernels. What needs no root comes first, so a developer
+/// without it still gets fmt, clippy and the unit tests.
 pub fn test(args: TestArgs) -> anyhow::Result<()> {
     setup::run()?;
-    cargo(&["fmt", "--all", "--check"])?;
-    cargo(&["clippy", "--all-targets", "--", "-D", "warnings"])?;
+    lint()?;
+    // Unit tests of every default member (the eBPF crate has none and
+    // builds only for bpfel-unknown-none).
+    cargo(&["test", "--lib", "--bins", "--no-fail-fast"])?;
+    if !setup::is_root() {
+        eprintln!(
+            "xtask: not root: skipping the image, the root integration tests (network namespaces, eBPF) and the guest kernels; run `sudo cargo xtask test` for them"
+        );
+        return Ok(());
+    }
     // The image first: its musl build is the one vm-test needs too (same
     // cargo call), and tests/tests/image.rs runs it instead of building one.
     image::run(image::ImageArgs::default())?;
@@ -53,6 +63,45 @@ pub fn test(args: TestArgs) -> anyhow::Result<()> {
     )?;
     if !args.no_vm {
         vm::run(vm::VmTestArgs::default())?;
+    }
+    Ok(())
+}
+
+/// `cargo fmt --check` and clippy `-D warnings` over userspace and over the
+/// eBPF crate, which only compiles for bpfel-unknown-none with nightly's
+/// build-std (the toolchain aya-build uses in tracer-userspace/build.rs).
+pub fn lint() -> anyhow::Result<()> {
+    cargo(&["fmt", "--all", "--check"])?;
+    cargo(&["clippy", "--all-targets", "--", "-D", "warnings"])?;
+    let args = [
+        "run",
+        "nightly",
+        "cargo",
+        "clippy",
+        "-p",
+        "tracer-ebpf",
+        "--target",
+        "bpfel-unknown-none",
+        "-Z",
+        "build-std=core",
+        "--",
+        "-D",
+        "warnings",
+    ];
+    eprintln!("xtask: rustup {}", args.join(" "));
+    // The outer cargo's RUSTC points at the stable compiler; nightly's
+    // cargo must pick its own.
+    let status = Command::new("rustup")
+        .args(args)
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WRAPPER")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .current_dir(workspace_root())
+        .status()
+        .context("could not run rustup (the eBPF crate needs rustup's nightly)")?;
+    if !status.success() {
+        bail!("clippy on tracer-ebpf failed ({status})");
     }
     Ok(())
 }
@@ -77,6 +126,98 @@ pub fn demo() -> anyhow::Result<()> {
         .context("could not run nattrace-demo")?;
     if !status.success() {
         bail!("demo failed ({status})");
+    }
+    Ok(())
+}
+
+/// The seed scenarios (kube-proxy in iptables mode) whose traces are the
+/// collector's recorded fixtures: (test binary of nattrace-tests, test).
+pub const RECORDED: &[(&str, &str)] = &[
+    (
+        "tracer",
+        "root_seed000_broken_every_same_node_connection_is_not_reverse_nated",
+    ),
+    ("tracer", "root_seed000_healthy_every_connection_is_ok"),
+    (
+        "scenarios",
+        "root_dns_seed001_broken_reply_from_unexpected_source",
+    ),
+    ("scenarios", "root_dns_seed001_healthy_is_ok"),
+    (
+        "scenarios",
+        "root_seed003_on_the_dnating_node_no_reply_through_node",
+    ),
+    (
+        "scenarios",
+        "root_seed003_with_masquerade_all_is_ok_and_snated",
+    ),
+    (
+        "scenarios",
+        "root_seed003_on_the_backend_node_reply_bypasses_the_dnating_node",
+    ),
+    ("scenarios", "root_hairpin_with_masquerade_is_ok"),
+    ("scenarios", "root_hairpin_mode_off_is_named"),
+    (
+        "scenarios",
+        "root_hairpin_without_masquerade_is_dropped_as_local_source",
+    ),
+];
+
+/// Where the recordings and their golden `analyze` output live.
+pub const RECORDED_DIR: &str = "tracer-userspace/src/collector/fixtures/recorded";
+
+/// `cargo xtask fixtures`: runs the seed scenarios' root lab tests on this
+/// kernel with `--write` into [`RECORDED_DIR`] (`NAME.rec`), then writes
+/// each recording's `nattrace analyze NAME.rec --output json -v` next to it
+/// (`NAME.json`), which the collector's tests compare against.
+pub fn fixtures() -> anyhow::Result<()> {
+    if !setup::is_root() {
+        bail!("fixtures runs the root lab tests (network namespaces, eBPF): run it as root");
+    }
+    let dir = workspace_root().join(RECORDED_DIR);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let dir_arg = dir.display().to_string();
+    for binary in ["tracer", "scenarios"] {
+        let mut args = vec![
+            "test",
+            "-p",
+            "nattrace-tests",
+            "--test",
+            binary,
+            "--",
+            "--exact",
+        ];
+        args.extend(
+            RECORDED
+                .iter()
+                .filter(|(b, _)| *b == binary)
+                .map(|(_, t)| *t),
+        );
+        cargo_with_env(&args, &[("NATTRACE_RECORD_DIR", &dir_arg)])?;
+    }
+    cargo(&["build", "--bin", "nattrace"])?;
+    let nattrace = workspace_root().join("target/debug/nattrace");
+    for (_, name) in RECORDED {
+        let rec = dir.join(format!("{name}.rec"));
+        let out = Command::new(&nattrace)
+            .args(["analyze"])
+            .arg(&rec)
+            .args(["--output", "json", "-v"])
+            .output()
+            .with_context(|| format!("running nattrace analyze {}", rec.display()))?;
+        // 0: every flow ok, 1: a flow was not; 2: the recording is unusable.
+        if !matches!(out.status.code(), Some(0 | 1)) {
+            bail!(
+                "nattrace analyze {} failed ({}): {}",
+                rec.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let golden = dir.join(format!("{name}.json"));
+        std::fs::write(&golden, &out.stdout)
+            .with_context(|| format!("writing {}", golden.display()))?;
+        eprintln!("xtask: {} and its golden analyze output", rec.display());
     }
     Ok(())
 }

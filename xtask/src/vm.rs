@@ -1,6 +1,6 @@
 //! `cargo xtask vm-test`: boot Debian guest kernels under QEMU (TCG) and run a
 //! payload in each — the only way to exercise kprobes from this build machine
-//! (see ../shared/docs/machine.md, "Guest kernels under QEMU").
+//! (see docs/MACHINE.md, "Guest kernels under QEMU").
 //!
 //! Per kernel: newest Debian package → cached unpack → ELF vmlinux + modules →
 //! initramfs (busybox, iproute2, iptables, conntrack, musl payload binaries) →

@@ -18,16 +18,10 @@ const BACKEND_2_IP: Ipv4Addr = Ipv4Addr::new(100, 96, 54, 248);
 const STALE_TRACE_SECS: &str = "8";
 const CURL_MAX: Duration = Duration::from_secs(5);
 
-fn record_args(name: &str) -> Vec<String> {
-    std::env::var("NATTRACE_RECORD_DIR")
-        .map(|d| vec!["--write".to_string(), format!("{d}/{name}.rec")])
-        .unwrap_or_default()
-}
-
 /// Traces the web Service on node-a while the client curls it once (at most
 /// [`CURL_MAX`]); returns the trace and whether curl succeeded.
 fn trace_curl(lab: &Lab, record: &str) -> (Finished, bool) {
-    let extra = record_args(record);
+    let extra = lab::tracer::record_args(Some(record));
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let mut worked = false;
     let done = trace_for(
@@ -378,7 +372,7 @@ fn root_deleted_dns_backend_neighbour_fails() {
     }));
     lab.delete_pod(presets::DNS_POD).expect("deleting the pod");
     let svc = format!("{}:53", presets::DNS_SERVICE_IP);
-    let extra = record_args("stale_dns");
+    let extra = lab::tracer::record_args(Some("stale_dns"));
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let mut answered = true;
     let done = trace_for(

@@ -40,92 +40,11 @@ use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
 use super::{
     drop_reason::KnownReasons,
     flow::Flow,
-    rules::RuleCtx,
-    types::{Dir, Endpoint, Obs, Proto, node_egress},
+    flow::NEIGH_FAIL_WAIT_NS,
+    rules::{Found, RuleCtx},
+    types::{Dir, Endpoint, Obs, Proto, in_node},
+    verdict::{packet_backend, reply_backend, vanished_since},
 };
-
-type Found = (String, String);
-
-/// How long after a request vanished inside the node (queued for neighbour
-/// resolution) its NEIGH_FAILED drop can still arrive: 3 probes × 1 s
-/// (arp_tbl defaults, net/ipv4/arp.c) plus timer slack.
-pub(crate) const NEIGH_FAIL_WAIT_NS: u64 = 3_500_000_000;
-
-/// Where DNAT sent this request packet: its destination after the node's
-/// NAT, when that differs from the Service.
-pub(crate) fn packet_backend(flow: &Flow, packet: u8) -> Option<Endpoint> {
-    flow.packet_obs(packet)
-        .find(|o| o.dst != flow.service && o.dst != flow.client)
-        .map(|o| o.dst)
-}
-
-/// The backend a reply packet came from, as seen before reverse NAT.
-pub(crate) fn reply_backend(flow: &Flow, packet: u8) -> Option<Endpoint> {
-    flow.packet_obs(packet)
-        .find(|o| o.src != flow.service)
-        .map(|o| o.src)
-}
-
-/// The first time a request of the flow was DNATed in the node and then
-/// vanished: no hook after NAT saw it leave, deliver it, or drop it. That is
-/// a packet held on a neighbour entry's queue (see the module comment), whose
-/// fate the kernel reports only when resolution fails.
-pub(crate) fn vanished_since(flow: &Flow, node_netns: u32) -> Option<u64> {
-    let node = |ns: u32| ns == 0 || ns == node_netns;
-    flow.packets
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.dir == Dir::Request && p.in_node)
-        .filter_map(|(i, p)| {
-            let mut dnated = false;
-            for o in flow.packet_obs(i as u8) {
-                // Left, dropped, or delivered to a local socket (a host-network
-                // backend): not waiting for a neighbour.
-                if o.hook == hook::DROP
-                    || (node(o.netns) && node_egress(o.hook))
-                    || (o.hook == hook::NETFILTER && o.nf_hook == nf_hook::LOCAL_IN)
-                {
-                    return None;
-                }
-                if o.hook == hook::NETFILTER
-                    && o.nat_stage == nat_stage::AFTER
-                    && o.dst != flow.service
-                {
-                    dnated = true;
-                }
-            }
-            dnated.then_some(p.first_ts)
-        })
-        .min()
-}
-
-/// Until when a `no_reply` decision should wait: a request DNATed here with
-/// no reply seen anywhere may still be reported dropped by neighbour
-/// resolution — here (it vanished after DNAT) or on the backend's node — and
-/// that would make a routing cause (no_reply_through_node) wrong advice.
-pub(crate) fn hold_until(flow: &Flow, node_netns: u32, known: &KnownReasons) -> Option<u64> {
-    if flow.backend.is_none() || flow.packets.iter().any(|p| p.dir == Dir::Reply) {
-        return None;
-    }
-    // Already dropped on the way (a rule, the bridge, no route): that is
-    // the evidence, nothing more to wait for.
-    if flow.obs.iter().any(|o| {
-        o.hook == hook::DROP
-            && known.is_drop(o.drop_reason)
-            && flow.packets[o.packet as usize].in_node
-    }) {
-        return None;
-    }
-    let first = flow
-        .packets
-        .iter()
-        .enumerate()
-        .filter(|(i, p)| p.dir == Dir::Request && packet_backend(flow, *i as u8).is_some())
-        .map(|(_, p)| p.first_ts)
-        .min();
-    let vanished = vanished_since(flow, node_netns);
-    first.or(vanished).map(|t| t + NEIGH_FAIL_WAIT_NS)
-}
 
 /// A request dropped in the node at the route lookup right after DNAT: no
 /// route to the backend, e.g. a routed node (Calico) whose pod /32 route
@@ -133,8 +52,10 @@ pub(crate) fn hold_until(flow: &Flow, node_netns: u32, known: &KnownReasons) -> 
 /// blackhole route. Measured with such a route in the lab: NOT_SPECIFIED
 /// (ip_error keeps its default reason for a blackhole).
 fn is_no_route_drop(flow: &Flow, known: &KnownReasons, o: &Obs, node_netns: u32) -> bool {
-    let node = |ns: u32| ns == 0 || ns == node_netns;
-    if o.hook != hook::DROP || !node(o.netns) || !known.no_route.contains(&Some(o.drop_reason)) {
+    if o.hook != hook::DROP
+        || !in_node(o.netns, node_netns)
+        || !known.no_route.contains(&Some(o.drop_reason))
+    {
         return false;
     }
     // The packet's previous point: the DNAT itself (PREROUTING or, for a
@@ -160,7 +81,7 @@ fn is_stale_drop(known: &KnownReasons, o: &Obs, node_netns: u32) -> bool {
         || Some(r) == known.queue_purge
         || Some(r) == known.no_tx_target
         // Flooded by the bridge to pods that are not the backend.
-        || (Some(r) == known.otherhost && o.netns != 0 && o.netns != node_netns)
+        || (Some(r) == known.otherhost && !in_node(o.netns, node_netns))
 }
 
 fn sep_of(ctx: &RuleCtx<'_>, backend: Endpoint) -> String {

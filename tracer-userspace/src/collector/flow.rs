@@ -4,14 +4,18 @@
 use tracer_common::{PacketEvent, hook, nat_stage, nf_hook, proto, tcp_flags};
 
 use super::{
-    backend_rules::NEIGH_FAIL_WAIT_NS,
     drop_reason::KnownReasons,
-    types::{Dir, Endpoint, Obs, PacketKey, PairKey, node_egress, node_ingress},
+    types::{Dir, Endpoint, Obs, PacketKey, PairKey, in_node, node_egress, node_ingress},
 };
 
 /// Tuples a flow can be seen with: client→Service, client→backend,
 /// masqueraded→backend, plus one spare (e.g. a second SNAT).
 pub(crate) const MAX_PAIRS: usize = 4;
+
+/// How long after a request vanished inside the node (queued for neighbour
+/// resolution) its NEIGH_FAILED drop can still arrive: 3 probes × 1 s
+/// (arp_tbl defaults, net/ipv4/arp.c) plus timer slack.
+pub(crate) const NEIGH_FAIL_WAIT_NS: u64 = 3_500_000_000;
 
 /// How far back in a flow's packets to look for the packet an event belongs
 /// to: events of one packet are microseconds apart, so the newest few suffice.
@@ -28,9 +32,8 @@ pub(crate) struct FlowCtx<'a> {
 }
 
 impl FlowCtx<'_> {
-    /// tc and netfilter events carry netns 0; tracepoints carry the real inode.
     pub fn is_node(&self, netns: u32) -> bool {
-        netns == 0 || netns == self.node_netns
+        in_node(netns, self.node_netns)
     }
 }
 

@@ -8,6 +8,7 @@
 //! kernel. At exit: drain, `note_lost`, `finish(now)`. Offline: `push` all,
 //! `finish(last ts)`.
 mod backend_rules;
+mod causes;
 mod drop_reason;
 mod flow;
 mod ifnames;
@@ -16,6 +17,7 @@ mod report;
 mod rules;
 mod summary;
 mod types;
+mod verdict;
 
 #[cfg(test)]
 pub(crate) mod fixtures;
@@ -25,6 +27,8 @@ pub mod testing;
 mod tests;
 #[cfg(test)]
 mod tests_paths;
+#[cfg(test)]
+mod tests_recorded;
 #[cfg(test)]
 mod tests_routed;
 #[cfg(test)]
@@ -43,19 +47,20 @@ use std::{
 
 use tracer_common::{EndpointKey, PacketEvent, proto, tcp_flags};
 
+pub use self::{
+    causes::{Cause, CauseId, markdown_table},
+    drop_reason::{DropReasons, DropReasonsError},
+    report::{Attempt, FlowReport, Hop, PacketEvidence},
+    summary::{Summary, VerdictCounts},
+    types::{Dir, Endpoint, Name, Proto, packet_kind},
+    verdict::Verdict,
+};
 use self::{
     drop_reason::KnownReasons,
     flow::{Flow, FlowCtx},
     ifnames::IfNames,
     report::{Decision, ReportCtx},
     types::{PacketKey, PairKey},
-};
-pub use self::{
-    drop_reason::{DropReasons, DropReasonsError},
-    report::{Attempt, FlowReport, Hop, PacketEvidence, Verdict},
-    rules::{Cause, CauseId, markdown_table},
-    summary::{Summary, VerdictCounts},
-    types::{Dir, Endpoint, Name, Proto, packet_kind},
 };
 use crate::{
     facts::NodeFacts,
@@ -587,8 +592,7 @@ impl Collector {
             // A request still queued for neighbour resolution: its drop
             // (a stale endpoint) may come after the reply timeout, and would
             // change the cause (backend_rules.rs). Wait for it.
-            if let Some(until) =
-                backend_rules::hold_until(f, self.cfg.facts.netns_inode, &self.known)
+            if let Some(until) = verdict::hold_until(f, self.cfg.facts.netns_inode, &self.known)
                 && until > deadline
                 && !f.reported
             {

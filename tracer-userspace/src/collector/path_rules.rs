@@ -2,32 +2,16 @@
 //! on a sysctl: replies that bypass the DNATing node, and hairpin flows.
 use tracer_common::hook;
 
-use crate::facts::NodeFacts;
-
 use super::{
-    report::is_hairpin,
-    rules::RuleCtx,
-    types::{Dir, Obs, node_egress, node_ingress},
+    rules::{Found, RuleCtx, bridge_of},
+    types::{Dir, Obs, in_node, node_egress, node_ingress},
 };
-
-type Found = (String, String);
-
-/// The bridge `ifindex` is a port of. Only a master of kind `bridge` counts:
-/// on a routed node (Calico, kindnet, AWS VPC CNI) the pods' veths have no
-/// master, and a VRF or bond master has no hairpin_mode and no
-/// bridge-nf-call-iptables, so the bridge causes must not be named there.
-pub(super) fn bridge_of(facts: &NodeFacts, ifindex: u32) -> Option<u32> {
-    let master = facts.interface(ifindex)?.master?;
-    (facts.interface(master)?.kind == "bridge").then_some(master)
-}
 
 fn node_obs<'a>(ctx: &'a RuleCtx<'_>, dir: Dir) -> impl Iterator<Item = &'a Obs> + 'a {
     let flow = ctx.flow;
     let node = ctx.node_netns;
     flow.obs.iter().filter(move |o| {
-        flow.packets[o.packet as usize].dir == dir
-            && (o.netns == 0 || o.netns == node)
-            && o.hook != hook::DROP
+        flow.packets[o.packet as usize].dir == dir && in_node(o.netns, node) && o.hook != hook::DROP
     })
 }
 
@@ -51,7 +35,7 @@ pub(super) fn reply_bypasses_dnat_node(ctx: &RuleCtx<'_>) -> Option<Found> {
     let left = ctx
         .flow
         .packet_obs(reply.packet)
-        .filter(|o| node_egress(o.hook) && (o.netns == 0 || o.netns == ctx.node_netns))
+        .filter(|o| node_egress(o.hook) && ctx.is_node(o.netns))
         .last()?;
     let came_in = came_in
         .map(|i| format!(" by {}", ctx.ifname(i)))
@@ -70,7 +54,7 @@ pub(super) fn reply_bypasses_dnat_node(ctx: &RuleCtx<'_>) -> Option<Found> {
 }
 
 pub(super) fn hairpin_not_masqueraded(ctx: &RuleCtx<'_>) -> Option<Found> {
-    if !is_hairpin(ctx.flow) || ctx.flow.snat.is_some() {
+    if !ctx.flow.is_hairpin() || ctx.flow.snat.is_some() {
         return None;
     }
     let backend = ctx.flow.backend?;
@@ -119,7 +103,7 @@ pub(super) fn hairpin_not_masqueraded(ctx: &RuleCtx<'_>) -> Option<Found> {
 }
 
 pub(super) fn hairpin_mode_off(ctx: &RuleCtx<'_>) -> Option<Found> {
-    if !is_hairpin(ctx.flow) {
+    if !ctx.flow.is_hairpin() {
         return None;
     }
     let port = ctx.facts.interface(ctx.flow.client_ifindex)?;

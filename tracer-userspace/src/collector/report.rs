@@ -6,53 +6,18 @@ use serde::Serialize;
 use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
 
 use super::{
-    backend_rules::{packet_backend, reply_backend},
+    causes::{self, Cause},
     drop_reason::{DropReasons, KnownReasons},
     flow::Flow,
     ifnames::IfNames,
-    rules::{self, Cause, RuleCtx},
-    types::{Dir, Name, Obs, Proto, packet_kind},
+    rules::RuleCtx,
+    types::{Dir, Name, Obs, Proto, in_node, packet_kind},
+    verdict::{Verdict, drop_place, first_drop, packet_backend, reply_backend, verdict_of},
 };
 use crate::{
     facts::NodeFacts,
     ruleset::{KubeMatch, KubeProxyRules},
 };
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
-#[serde(rename_all = "snake_case")]
-pub enum Verdict {
-    /// The reply reached the client reverse-NATed (source = Service ip:port).
-    Ok,
-    /// The reply reached the client side with another source (the backend's).
-    ReplyNotReverseNated,
-    /// No reply reached the client within the reply timeout.
-    NoReply,
-    /// No reply reached the client, and a packet of the flow was dropped.
-    Dropped,
-    /// The first reply reached the client reverse-NATed, but it was a RST:
-    /// the backend refused the connection.
-    Refused,
-}
-
-impl Verdict {
-    pub const ALL: [Verdict; 5] = [
-        Verdict::Ok,
-        Verdict::ReplyNotReverseNated,
-        Verdict::NoReply,
-        Verdict::Dropped,
-        Verdict::Refused,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Verdict::Ok => "ok",
-            Verdict::ReplyNotReverseNated => "reply_not_reverse_nated",
-            Verdict::NoReply => "no_reply",
-            Verdict::Dropped => "dropped",
-            Verdict::Refused => "refused",
-        }
-    }
-}
 
 /// One event of a packet, as reported.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -152,7 +117,7 @@ pub(crate) struct ReportCtx<'a> {
 
 impl ReportCtx<'_> {
     fn is_node(&self, netns: u32) -> bool {
-        netns == 0 || netns == self.facts.netns_inode
+        in_node(netns, self.facts.netns_inode)
     }
 
     fn reason_name(&self, value: u32) -> Name {
@@ -169,32 +134,6 @@ pub(crate) struct Decision {
     pub decided_ts: u64,
     /// Decided before the reply timeout ran out (tracing stopped).
     pub cut_short: bool,
-}
-
-pub(crate) fn verdict_of(flow: &Flow, known: &KnownReasons) -> Verdict {
-    match flow.client_reply {
-        Some(r)
-            if r.reverse_nated
-                && flow.proto == proto::TCP
-                && flow.packets[r.packet as usize].key.tcp_flags & tcp_flags::RST != 0 =>
-        {
-            Verdict::Refused
-        }
-        Some(r) if r.reverse_nated => Verdict::Ok,
-        Some(_) => Verdict::ReplyNotReverseNated,
-        None if first_drop(flow, known).is_some() => Verdict::Dropped,
-        None => Verdict::NoReply,
-    }
-}
-
-/// Only drops of packets this node handled: another node's drop of a reply
-/// that bypassed this one is that node's story.
-fn first_drop<'f>(flow: &'f Flow, known: &KnownReasons) -> Option<&'f Obs> {
-    flow.obs.iter().find(|o| {
-        o.hook == hook::DROP
-            && known.is_drop(o.drop_reason)
-            && flow.packets[o.packet as usize].in_node
-    })
 }
 
 pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport {
@@ -219,7 +158,7 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
     let cause = if incomplete {
         None
     } else {
-        rules::infer(&rule_ctx)
+        causes::infer(&rule_ctx)
     };
     let reply_src = flow.client_reply.map(|r| flow.obs[r.obs as usize].src);
     // The backend that answered, which is not the first one DNAT picked when
@@ -246,7 +185,7 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         service: flow.service.socket_addr(),
         backend: backend.map(|b| b.socket_addr()),
         snat: flow.snat.map(|s| s.socket_addr()),
-        hairpin: is_hairpin(flow),
+        hairpin: flow.is_hairpin(),
         kube,
         cause,
         detail,
@@ -327,15 +266,6 @@ fn attempts(
     out.into_iter().map(|(a, _)| a).collect()
 }
 
-pub(crate) fn is_hairpin(flow: &Flow) -> bool {
-    flow.backend.is_some_and(|b| b.addr == flow.client.addr)
-}
-
-fn kind(flow: &Flow, packet: u8) -> &'static str {
-    let p = &flow.packets[packet as usize];
-    packet_kind(p.key.proto, p.key.tcp_flags, p.dir)
-}
-
 /// "no socket" from NO_SOCKET: drop reasons read better in a sentence in lower case.
 fn reason_words(name: &Name) -> String {
     name.as_str().to_ascii_lowercase().replace('_', " ")
@@ -356,14 +286,14 @@ fn detail(
                 // No claim about a reverse NAT that netfilter never did.
                 return format!(
                     "{} reached the client from {}; {ip} is translated by {}, not netfilter NAT, which nattrace cannot judge",
-                    kind(flow, r.packet),
+                    flow.kind(r.packet),
                     flow.service,
                     o.by
                 );
             }
             let mut s = format!(
                 "{} reached the client from {} (reverse-NATed",
-                kind(flow, r.packet),
+                flow.kind(r.packet),
                 flow.service
             );
             if let Some(at) = reverse_nat_point(flow, r.packet) {
@@ -371,7 +301,7 @@ fn detail(
                 s.push_str(at);
             }
             s.push(')');
-            if is_hairpin(flow) {
+            if flow.is_hairpin() {
                 s.push_str("; hairpin: the pod reached itself through the Service");
             }
             if let Some(snat) = flow.snat {
@@ -383,7 +313,7 @@ fn detail(
             let seen = &flow.obs[r.obs as usize];
             let mut s = format!(
                 "{} reached the client with source {} instead of {}",
-                kind(flow, r.packet),
+                flow.kind(r.packet),
                 seen.src,
                 flow.service
             );
@@ -415,32 +345,29 @@ fn detail(
                 .unwrap_or_default();
             format!(
                 "{}{from} reached the client (reverse-NATed to {}): the connection was refused",
-                kind(flow, r.packet),
+                flow.kind(r.packet),
                 flow.service
             )
         }
         (Verdict::Dropped, _) => {
             let o = drop.expect("dropped verdict has a drop");
             let place = if ctx.is_node(o.netns) {
-                format!(
-                    "in the node namespace {}",
-                    rules::drop_place(flow, o, ctx.ifnames)
-                )
+                format!("in the node namespace {}", drop_place(flow, o, ctx.ifnames))
             } else if o.netns == flow.client_netns {
                 format!(
                     "in the client's namespace {}",
-                    rules::drop_place(flow, o, ctx.ifnames)
+                    drop_place(flow, o, ctx.ifnames)
                 )
             } else {
                 format!(
                     "in namespace {} {}",
                     o.netns,
-                    rules::drop_place(flow, o, ctx.ifnames)
+                    drop_place(flow, o, ctx.ifnames)
                 )
             };
             format!(
                 "the {} was dropped {place}, reason {}; no reply reached the client",
-                kind(flow, o.packet),
+                flow.kind(o.packet),
                 ctx.reason_name(o.drop_reason)
             )
         }
@@ -473,11 +400,7 @@ pub(crate) fn mark_incomplete(r: &mut FlowReport) {
 }
 
 fn no_reply_detail(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> String {
-    let first = flow
-        .packets
-        .iter()
-        .position(|p| p.dir == Dir::Request)
-        .map_or("request", |i| kind(flow, i as u8));
+    let first = flow.first_request_kind();
     let mut s = match flow.backend {
         Some(b) => format!("{first} DNATed to {b}"),
         None => format!("{first} sent"),

@@ -1,231 +1,18 @@
-//! Causes: why a flow got its verdict, as a table of rules. Each rule looks
-//! at one decided flow (its evidence plus the node facts) and either names a
-//! cause or passes; the first rule that matches wins, so more specific rules
-//! come first. New incidents (issue 4: hairpin_mode off, missing masquerade,
-//! ...) add a `CauseId` variant with its hint and one `Rule` entry.
-use serde::Serialize;
+//! The checks behind the causes in `causes.rs`: each looks at one decided
+//! flow (its evidence plus the node facts) and either names the cause, as a
+//! short clause and a full sentence, or passes. This file has the context
+//! they share and the checks about sysctls, rules and drops; path and
+//! backend checks live in `path_rules.rs` and `backend_rules.rs`.
 use tracer_common::{hook, nat_stage, nf_hook};
 
 use super::{
-    backend_rules::{backend_port_closed, backend_unreachable},
     drop_reason::{DropReasons, KnownReasons},
     flow::Flow,
     ifnames::IfNames,
-    path_rules::{bridge_of, hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
-    report::Verdict,
-    types::{Dir, Obs, Proto, node_egress, node_ingress, packet_kind},
+    types::{Dir, Obs, Proto, in_node, node_egress, node_ingress},
+    verdict::{Verdict, drop_place},
 };
 use crate::{facts::NodeFacts, ruleset::KubeProxyRules};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CauseId {
-    /// The Service is load-balanced by IPVS or an eBPF data plane on this
-    /// node, not by netfilter NAT: no NAT-based cause applies.
-    ServiceNotNetfilter,
-    /// Seed 003 seen from the backend's node: the request came in already
-    /// DNATed by another node, the reply left here straight to the client.
-    ReplyBypassesDnatNode,
-    /// Seed 004 case 3 without kube-proxy's `-s <podIP> -j KUBE-MARK-MASQ`.
-    HairpinNotMasqueraded,
-    /// Seed 004 case 3 with `hairpin_mode` off on the pod's bridge port.
-    HairpinModeOff,
-    /// Seed 000/001: the reply was bridged between two pods without netfilter.
-    BridgeNfCallIptablesOff,
-    /// Same evidence, but the sysctl read 1 at start: it changed, or another
-    /// namespace owns the bridge.
-    ReplyBridgedWithoutNetfilter,
-    /// Seed 003: DNATed here, the reply went back another way.
-    NoReplyThroughNode,
-    /// kube-proxy REJECTs the Service port: it has no endpoints.
-    NoEndpoints,
-    /// The request reached the nat table but no DNAT rule matched.
-    NotDnated,
-    DroppedByNetfilter,
-    DroppedByRpFilter,
-    /// Issue 11: DNATed to a backend that is gone (stale endpoint) or unreachable.
-    BackendUnreachable,
-    /// Issue 11: the backend answered the SYN with RST (pod alive, port closed).
-    BackendPortClosed,
-    /// Seed 003 told from both nodes (issue 14): one node DNATed the
-    /// request, the backend's node sent the reply straight to the client.
-    /// Named only by the cross-node merge (`crate::merge`).
-    AsymmetricReturnPath,
-}
-
-impl CauseId {
-    pub const ALL: &'static [CauseId] = &[
-        CauseId::ReplyBypassesDnatNode,
-        CauseId::HairpinNotMasqueraded,
-        CauseId::HairpinModeOff,
-        CauseId::BridgeNfCallIptablesOff,
-        CauseId::ReplyBridgedWithoutNetfilter,
-        CauseId::NoReplyThroughNode,
-        CauseId::NoEndpoints,
-        CauseId::NotDnated,
-        CauseId::DroppedByNetfilter,
-        CauseId::DroppedByRpFilter,
-        CauseId::ServiceNotNetfilter,
-        CauseId::BackendUnreachable,
-        CauseId::BackendPortClosed,
-        CauseId::AsymmetricReturnPath,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CauseId::ServiceNotNetfilter => "service_not_netfilter",
-            CauseId::ReplyBypassesDnatNode => "reply_bypasses_dnat_node",
-            CauseId::HairpinNotMasqueraded => "hairpin_not_masqueraded",
-            CauseId::HairpinModeOff => "hairpin_mode_off",
-            CauseId::BridgeNfCallIptablesOff => "bridge_nf_call_iptables_off",
-            CauseId::ReplyBridgedWithoutNetfilter => "reply_bridged_without_netfilter",
-            CauseId::NoReplyThroughNode => "no_reply_through_node",
-            CauseId::NoEndpoints => "no_endpoints",
-            CauseId::NotDnated => "not_dnated",
-            CauseId::DroppedByNetfilter => "dropped_by_netfilter",
-            CauseId::DroppedByRpFilter => "dropped_by_rp_filter",
-            CauseId::BackendUnreachable => "backend_unreachable",
-            CauseId::BackendPortClosed => "backend_port_closed",
-            CauseId::AsymmetricReturnPath => "asymmetric_return_path",
-        }
-    }
-
-    pub fn hint(self) -> &'static str {
-        match self {
-            CauseId::ServiceNotNetfilter => {
-                "follow the Service with the data plane's own tools (ipvsadm -Ln --stats; cilium-dbg service list, bpftool map dump): nattrace judges netfilter NAT only"
-            }
-            CauseId::ReplyBypassesDnatNode => {
-                "make replies return through the node that DNATed the request: kube-proxy masqueradeAll: true on the nodes the traffic enters by (or externalTrafficPolicy: Cluster), or route the Service CIDR so requests enter where the backend runs"
-            }
-            CauseId::HairpinNotMasqueraded => {
-                "restore kube-proxy's KUBE-SEP rule `-s <podIP>/32 -j KUBE-MARK-MASQ` (let kube-proxy resync its rules), or set masqueradeAll: true"
-            }
-            CauseId::HairpinModeOff => {
-                "turn hairpin mode on for pod bridge ports: kubelet --hairpin-mode=hairpin-veth (or promiscuous-bridge), or the CNI bridge plugin's \"hairpinMode\": true; now: ip link set <port> type bridge_slave hairpin on"
-            }
-            CauseId::BridgeNfCallIptablesOff => {
-                "load br_netfilter and set net.bridge.bridge-nf-call-iptables=1 in the node namespace (before kubelet starts)"
-            }
-            CauseId::ReplyBridgedWithoutNetfilter => {
-                "check net.bridge.bridge-nf-call-iptables in the namespace that owns the bridge (it must be 1) and that br_netfilter is loaded"
-            }
-            CauseId::NoReplyThroughNode => {
-                "make replies return through the DNATing node: SNAT here (kube-proxy masqueradeAll: true, or externalTrafficPolicy: Cluster), or route the Service CIDR to the backend's node"
-            }
-            CauseId::NoEndpoints => {
-                "the Service has no ready endpoints: check its EndpointSlices (kubectl get endpointslices -n <namespace> -l kubernetes.io/service-name=<name>), that its selector matches running pods and that they pass their readiness probes"
-            }
-            CauseId::NotDnated => {
-                "check that the Service has ready endpoints (kubectl get endpointslices) and that kube-proxy programmed its rules (iptables-save | grep the Service IP)"
-            }
-            CauseId::DroppedByNetfilter => {
-                "find the DROP/REJECT rule on that hook: iptables-save / nft list ruleset (NetworkPolicy, KUBE-FIREWALL, KUBE-FORWARD chains)"
-            }
-            CauseId::DroppedByRpFilter => {
-                "reverse-path filtering dropped it: fix the return route, or set net.ipv4.conf.<interface>.rp_filter=2 (loose)"
-            }
-            CauseId::BackendUnreachable => {
-                "the endpoint is stale: check `kubectl get endpointslices` for the Service (is the backend's address still listed?), and the backend pod's readiness and termination (kubectl get pod -o wide, describe: deleted, evicted, node gone?); kube-proxy drops the KUBE-SEP rule once the endpoint is removed"
-            }
-            CauseId::BackendPortClosed => {
-                "the backend pod runs but nothing listens on the port: check the Service's targetPort against the container's port, the container's logs and its readiness probe (a pod should not be ready before it listens)"
-            }
-            // The same fix as each node's half of the story.
-            CauseId::AsymmetricReturnPath => CauseId::NoReplyThroughNode.hint(),
-        }
-    }
-}
-
-impl CauseId {
-    /// The incident behind the cause, for the README's table.
-    pub fn incident(self) -> &'static str {
-        match self {
-            CauseId::ServiceNotNetfilter => {
-                "Service load-balanced by IPVS (kube-ipvs0) or an eBPF data plane (Cilium, Calico), not netfilter"
-            }
-            CauseId::ReplyBypassesDnatNode => {
-                "seed 003 seen from the backend's node: request arrives already DNATed, reply leaves with the pod's address"
-            }
-            CauseId::HairpinNotMasqueraded => {
-                "seed 004 case 3: pod → own Service → itself, KUBE-SEP's masquerade rule missing"
-            }
-            CauseId::HairpinModeOff => {
-                "seed 004 case 3: pod → own Service → itself, bridge port hairpin_mode off"
-            }
-            CauseId::BridgeNfCallIptablesOff => {
-                "seed 000/001: same-node reply bridged past netfilter (br_netfilter off), TCP or DNS"
-            }
-            CauseId::ReplyBridgedWithoutNetfilter => {
-                "seed 000 evidence although bridge-nf-call-iptables read 1 (changed, or another namespace owns the bridge)"
-            }
-            CauseId::NoReplyThroughNode => {
-                "seed 003 seen from the DNATing node: asymmetric return path"
-            }
-            CauseId::NoEndpoints => {
-                "Service without endpoints: kube-proxy's REJECT answers ICMP port unreachable (curl: connection refused)"
-            }
-            CauseId::NotDnated => "Service without endpoints / rules not programmed",
-            CauseId::DroppedByNetfilter => "a DROP/REJECT rule (NetworkPolicy, firewall)",
-            CauseId::DroppedByRpFilter => "reverse-path filter drops an asymmetric packet",
-            CauseId::BackendUnreachable => {
-                "stale endpoint: backend pod deleted or unreachable, its KUBE-SEP rule still in place (neighbour resolution fails, the bridge has no port for its MAC, or no route to it)"
-            }
-            CauseId::BackendPortClosed => {
-                "backend pod alive but nothing listens on the target port: it answers with RST"
-            }
-            CauseId::AsymmetricReturnPath => {
-                "seed 003 from both nodes' recordings (`nattrace analyze b.rec a.rec`): one node DNATs, the backend's node replies straight to the client"
-            }
-        }
-    }
-
-    /// The verdicts this cause explains.
-    pub fn verdicts(self) -> &'static [Verdict] {
-        RULES
-            .iter()
-            .find(|r| r.id == self)
-            .map(|r| r.verdicts)
-            .or_else(|| {
-                CROSS_NODE
-                    .iter()
-                    .find(|(id, _)| *id == self)
-                    .map(|(_, v)| *v)
-            })
-            .unwrap_or(&[])
-    }
-}
-
-/// The README's "What nattrace recognises" table, one row per cause.
-pub fn markdown_table() -> String {
-    let mut out = String::from("| incident | verdict | cause | fix |\n|---|---|---|---|\n");
-    for id in CauseId::ALL {
-        let verdicts: Vec<String> = id
-            .verdicts()
-            .iter()
-            .map(|v| format!("`{}`", v.as_str()))
-            .collect();
-        out.push_str(&format!(
-            "| {} | {} | `{}` | {} |\n",
-            id.incident(),
-            verdicts.join(" / "),
-            id.as_str(),
-            id.hint().replace('|', "\\|")
-        ));
-    }
-    out
-}
-
-/// A cause as reported: `text` is the full sentence, `clause` the short
-/// form that goes into the flow's one-line detail.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct Cause {
-    pub id: CauseId,
-    pub text: String,
-    #[serde(skip)]
-    pub clause: String,
-    pub hint: &'static str,
-}
 
 pub(crate) struct RuleCtx<'a> {
     pub flow: &'a Flow,
@@ -246,16 +33,15 @@ pub(crate) struct RuleCtx<'a> {
 
 impl RuleCtx<'_> {
     pub(super) fn first_request_kind(&self) -> &'static str {
-        first_request_kind(self)
+        self.flow.first_request_kind()
     }
 
     pub(super) fn is_node(&self, netns: u32) -> bool {
-        netns == 0 || netns == self.node_netns
+        in_node(netns, self.node_netns)
     }
 
     pub(super) fn kind(&self, packet: u8) -> &'static str {
-        let p = &self.flow.packets[packet as usize];
-        packet_kind(p.key.proto, p.key.tcp_flags, p.dir)
+        self.flow.kind(packet)
     }
 
     pub(super) fn reason(&self, value: u32) -> String {
@@ -271,109 +57,15 @@ impl RuleCtx<'_> {
 }
 
 /// (short clause, full text)
-type Found = (String, String);
+pub(super) type Found = (String, String);
 
-/// Causes that one node's events cannot show, named only when recordings
-/// of several nodes are merged (`crate::merge`), with their verdicts.
-const CROSS_NODE: &[(CauseId, &[Verdict])] = &[(
-    CauseId::AsymmetricReturnPath,
-    &[Verdict::ReplyNotReverseNated, Verdict::NoReply],
-)];
-
-struct Rule {
-    id: CauseId,
-    verdicts: &'static [Verdict],
-    check: fn(&RuleCtx<'_>) -> Option<Found>,
-}
-
-const RULES: &[Rule] = &[
-    // First: every NAT-based cause below would mislead for such a Service.
-    Rule {
-        id: CauseId::ServiceNotNetfilter,
-        verdicts: &[
-            Verdict::ReplyNotReverseNated,
-            Verdict::NoReply,
-            Verdict::Dropped,
-            Verdict::Refused,
-        ],
-        check: service_not_netfilter,
-    },
-    Rule {
-        id: CauseId::ReplyBypassesDnatNode,
-        verdicts: &[Verdict::ReplyNotReverseNated],
-        check: reply_bypasses_dnat_node,
-    },
-    Rule {
-        id: CauseId::HairpinNotMasqueraded,
-        verdicts: &[Verdict::ReplyNotReverseNated, Verdict::Dropped],
-        check: hairpin_not_masqueraded,
-    },
-    Rule {
-        id: CauseId::HairpinModeOff,
-        verdicts: &[Verdict::NoReply, Verdict::Dropped],
-        check: hairpin_mode_off,
-    },
-    Rule {
-        id: CauseId::BridgeNfCallIptablesOff,
-        verdicts: &[Verdict::ReplyNotReverseNated],
-        check: bridged_reply_sysctl_off,
-    },
-    Rule {
-        id: CauseId::ReplyBridgedWithoutNetfilter,
-        verdicts: &[Verdict::ReplyNotReverseNated],
-        check: bridged_reply_sysctl_on,
-    },
-    // Before the path causes below: a request that never left the node, or
-    // was flooded because its backend's MAC is gone, is no routing problem.
-    Rule {
-        id: CauseId::BackendUnreachable,
-        verdicts: &[Verdict::NoReply, Verdict::Dropped],
-        check: backend_unreachable,
-    },
-    Rule {
-        id: CauseId::BackendPortClosed,
-        verdicts: &[Verdict::Refused],
-        check: backend_port_closed,
-    },
-    Rule {
-        id: CauseId::NoReplyThroughNode,
-        verdicts: &[Verdict::NoReply],
-        check: no_reply_through_node,
-    },
-    Rule {
-        id: CauseId::NoEndpoints,
-        verdicts: &[Verdict::Dropped, Verdict::NoReply],
-        check: no_endpoints,
-    },
-    Rule {
-        id: CauseId::NotDnated,
-        verdicts: &[Verdict::NoReply],
-        check: not_dnated,
-    },
-    Rule {
-        id: CauseId::DroppedByNetfilter,
-        verdicts: &[Verdict::Dropped],
-        check: dropped_by_netfilter,
-    },
-    Rule {
-        id: CauseId::DroppedByRpFilter,
-        verdicts: &[Verdict::Dropped],
-        check: dropped_by_rp_filter,
-    },
-];
-
-pub(crate) fn infer(ctx: &RuleCtx<'_>) -> Option<Cause> {
-    RULES
-        .iter()
-        .filter(|r| r.verdicts.contains(&ctx.verdict))
-        .find_map(|r| {
-            (r.check)(ctx).map(|(clause, text)| Cause {
-                id: r.id,
-                text,
-                clause,
-                hint: r.id.hint(),
-            })
-        })
+/// The bridge `ifindex` is a port of. Only a master of kind `bridge` counts:
+/// on a routed node (Calico, kindnet, AWS VPC CNI) the pods' veths have no
+/// master, and a VRF or bond master has no hairpin_mode and no
+/// bridge-nf-call-iptables, so the bridge causes must not be named there.
+pub(super) fn bridge_of(facts: &NodeFacts, ifindex: u32) -> Option<u32> {
+    let master = facts.interface(ifindex)?.master?;
+    (facts.interface(master)?.kind == "bridge").then_some(master)
 }
 
 /// The reply that reached the client entered a bridge port and left by
@@ -413,7 +105,7 @@ fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
     Some((clause, text))
 }
 
-fn bridged_reply_sysctl_off(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(super) fn bridged_reply_sysctl_off(ctx: &RuleCtx<'_>) -> Option<Found> {
     if ctx.facts.bridge_passes_netfilter() {
         return None;
     }
@@ -428,7 +120,7 @@ fn bridged_reply_sysctl_off(ctx: &RuleCtx<'_>) -> Option<Found> {
     ))
 }
 
-fn bridged_reply_sysctl_on(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(super) fn bridged_reply_sysctl_on(ctx: &RuleCtx<'_>) -> Option<Found> {
     let (clause, text) = bridged_reply(ctx)?;
     Some((
         clause,
@@ -439,15 +131,7 @@ fn bridged_reply_sysctl_on(ctx: &RuleCtx<'_>) -> Option<Found> {
     ))
 }
 
-fn first_request_kind(ctx: &RuleCtx<'_>) -> &'static str {
-    ctx.flow
-        .packets
-        .iter()
-        .position(|p| p.dir == Dir::Request)
-        .map_or("request", |i| ctx.kind(i as u8))
-}
-
-fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(super) fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
     let backend = ctx.flow.backend?;
     // An asymmetric return path needs a request that left the node; one
     // that never did (held for neighbour resolution) is no routing problem.
@@ -461,7 +145,7 @@ fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
     }
     // Decided before a neighbour failure on the way could have been
     // reported (tracing stopped): the backend may just be gone.
-    if super::backend_rules::hold_until(ctx.flow, ctx.node_netns, ctx.known)
+    if super::verdict::hold_until(ctx.flow, ctx.node_netns, ctx.known)
         .is_some_and(|t| ctx.decided_ts < t)
     {
         return None;
@@ -503,7 +187,7 @@ fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
         "DNATed here, the reply never came back through this node".to_string(),
         format!(
             "the {} was DNATed here to {backend}{at}, but no reply came back through this node within {} ms (asymmetric return path){elsewhere}",
-            first_request_kind(ctx),
+            ctx.first_request_kind(),
             ctx.reply_timeout_ns / 1_000_000
         ),
     ))
@@ -513,7 +197,7 @@ fn no_reply_through_node(ctx: &RuleCtx<'_>) -> Option<Found> {
 /// having no endpoints. REJECT answers with ICMP port unreachable and
 /// returns NF_DROP, so the kernel frees the request with reason
 /// NETFILTER_DROP (net/netfilter/core.c, nf_hook_slow).
-fn no_endpoints(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(super) fn no_endpoints(ctx: &RuleCtx<'_>) -> Option<Found> {
     if ctx.flow.backend.is_some() {
         return None;
     }
@@ -521,7 +205,7 @@ fn no_endpoints(ctx: &RuleCtx<'_>) -> Option<Found> {
     let reject = ctx
         .kube
         .no_endpoints_for(ctx.flow.service.socket_addr(), proto.as_str())?;
-    let what = first_request_kind(ctx);
+    let what = ctx.first_request_kind();
     let how = match ctx.drop {
         Some(drop) if Some(drop.drop_reason) == ctx.known.netfilter_drop => format!(
             "netfilter dropped the {what} {} and kube-proxy's REJECT answered with ICMP port unreachable (the client sees \"connection refused\")",
@@ -544,7 +228,7 @@ fn no_endpoints(ctx: &RuleCtx<'_>) -> Option<Found> {
     ))
 }
 
-fn service_not_netfilter(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(super) fn service_not_netfilter(ctx: &RuleCtx<'_>) -> Option<Found> {
     let ip = std::net::Ipv4Addr::from(ctx.flow.service.addr);
     let by = ctx
         .kube
@@ -560,7 +244,7 @@ fn service_not_netfilter(ctx: &RuleCtx<'_>) -> Option<Found> {
     ))
 }
 
-fn not_dnated(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(super) fn not_dnated(ctx: &RuleCtx<'_>) -> Option<Found> {
     if ctx.flow.backend.is_some() {
         return None;
     }
@@ -574,32 +258,11 @@ fn not_dnated(ctx: &RuleCtx<'_>) -> Option<Found> {
         "no DNAT rule matched".to_string(),
         format!(
             "the {} passed the nat table at {} with destination still {}: no DNAT rule matched on this node",
-            first_request_kind(ctx),
+            ctx.first_request_kind(),
             nf_hook::name(o.nf_hook),
             ctx.flow.service
         ),
     ))
-}
-
-/// Where a dropped packet was last seen before the drop, e.g. "after netfilter FORWARD".
-pub(crate) fn drop_place(flow: &Flow, drop: &Obs, ifnames: &IfNames) -> String {
-    let before = flow
-        .obs
-        .iter()
-        .filter(|o| o.packet == drop.packet && o.ts_ns <= drop.ts_ns && o.hook != hook::DROP)
-        .max_by_key(|o| o.ts_ns);
-    match before {
-        Some(o) if o.hook == hook::NETFILTER => {
-            format!("after netfilter {}", nf_hook::name(o.nf_hook))
-        }
-        Some(o) if o.ifindex == 0 => format!("after {}", hook::name(o.hook)),
-        Some(o) => format!(
-            "after {} on {}",
-            hook::name(o.hook),
-            ifnames.describe(o.netns, o.ifindex)
-        ),
-        None => "before any other observation point".to_string(),
-    }
 }
 
 fn dropped_with(ctx: &RuleCtx<'_>, reason: Option<u32>, by: &str) -> Option<Found> {
@@ -624,10 +287,10 @@ fn dropped_with(ctx: &RuleCtx<'_>, reason: Option<u32>, by: &str) -> Option<Foun
     ))
 }
 
-fn dropped_by_netfilter(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(super) fn dropped_by_netfilter(ctx: &RuleCtx<'_>) -> Option<Found> {
     dropped_with(ctx, ctx.known.netfilter_drop, "a netfilter rule")
 }
 
-fn dropped_by_rp_filter(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(super) fn dropped_by_rp_filter(ctx: &RuleCtx<'_>) -> Option<Found> {
     dropped_with(ctx, ctx.known.rp_filter, "reverse-path filtering")
 }

@@ -1,7 +1,7 @@
 //! Counts over a whole session, for the last output line.
 use serde::Serialize;
 
-use super::report::Verdict;
+use super::verdict::Verdict;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct VerdictCounts {

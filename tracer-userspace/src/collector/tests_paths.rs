@@ -1,5 +1,5 @@
-//! Other paths through the node (node-local client, hairpin) and the
-//! throughput check.
+//! Other paths through the node (node-local client, hairpin). Collector
+//! throughput and memory: `cargo bench -p tracer-userspace --bench collector`.
 use tracer_common::{
     direction::{REPLY, REQUEST},
     nat_stage::{AFTER, BEFORE},
@@ -9,7 +9,7 @@ use tracer_common::{
 
 use super::{
     fixtures::*,
-    tests::{fixture, only, run},
+    tests::{only, run},
     *,
 };
 
@@ -85,59 +85,4 @@ fn hairpin_with_masquerade_is_ok_and_shows_snat() {
     assert_eq!(r.snat.unwrap().to_string(), "100.96.54.1:61000");
     assert!(r.detail.contains("client masqueraded to 100.96.54.1:61000"));
     assert_eq!(c.take_mute_candidates().len(), 2);
-}
-
-/// Rough throughput and memory check (the benchmark wants ≥ 2M events/s on
-/// one core): `cargo test --release -p tracer-userspace --lib -- --ignored throughput --nocapture`.
-#[test]
-#[ignore]
-fn throughput() {
-    let template = fixture("seed000_healthy.jsonl");
-    let flows = 100_000u32;
-    let mut events = Vec::with_capacity(template.len() * flows as usize);
-    for i in 0..flows {
-        let port = 1024 + (i % 60_000) as u16;
-        let host = (i / 60_000) as u8;
-        for e in &template {
-            let mut e = *e;
-            e.ts_ns += u64::from(i) * 10_000;
-            e.skb += u64::from(i) << 16;
-            for (addr, p) in [(&mut e.saddr, &mut e.sport), (&mut e.daddr, &mut e.dport)] {
-                if *addr == CLIENT.0 && *p == CLIENT.1 {
-                    *p = port;
-                    addr[2] = host;
-                }
-            }
-            events.push(e);
-        }
-    }
-    // What the ring buffer delivers: sorted but for a little cross-CPU skew.
-    events.sort_by_key(|e| e.ts_ns);
-    let events = reorder(events, 10_000);
-    let cfg = CollectorConfig {
-        idle_timeout_ns: u64::MAX / 4,
-        ..config(Some(true))
-    };
-    let mut c = Collector::new(cfg);
-    let start = std::time::Instant::now();
-    let mut decided = 0;
-    for (i, ev) in events.iter().enumerate() {
-        c.push(*ev);
-        if i % 4096 == 0 {
-            decided += c.tick(ev.ts_ns).len();
-            c.take_mute_candidates();
-        }
-    }
-    let elapsed = start.elapsed();
-    eprintln!(
-        "collector memory ≈ {:.1} MiB, flow state {} bytes",
-        c.approx_memory_bytes() as f64 / (1 << 20) as f64,
-        std::mem::size_of::<flow::Flow>()
-    );
-    eprintln!(
-        "{} events, {} flows live, {decided} decided: {:.2} M events/s",
-        events.len(),
-        c.live_flows(),
-        events.len() as f64 / elapsed.as_secs_f64() / 1e6
-    );
 }

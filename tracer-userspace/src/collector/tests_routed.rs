@@ -2,8 +2,6 @@
 //! no bridge, so the causes that speak of a bridge must never be named, even
 //! when the evidence looks like seed 000's (a reply that passed no netfilter
 //! hook) or seed 004's (a hairpin SYN that never came back).
-use tracer_common::{direction::REQUEST, tcp_flags};
-
 use super::{
     fixtures::*,
     tests::{fixture, only, run_with},
@@ -78,18 +76,7 @@ fn unreversed_reply_without_a_bridge_names_no_bridge_cause() {
 
 #[test]
 fn hairpin_without_a_bridge_is_not_hairpin_mode_off() {
-    let mut b = Builder::default();
-    let me = CLIENT;
-    let me_backend = (CLIENT.0, 80);
-    let syn = tcp(tcp_flags::SYN, 10, 0, 1, 0x50, REQUEST);
-    b.route(
-        syn,
-        T0,
-        &[
-            &from_pod(CLIENT_NS, VETH_CLIENT, me, SVC),
-            &forwarded(me, SVC, me_backend, me)[..2],
-        ],
-    );
+    let b = hairpin_syn_not_sent_back();
     for vrf in [false, true] {
         let reports = run_routed(&b.events, Some(true), vrf);
         let r = only(&reports);

@@ -155,19 +155,7 @@ fn seed003_on_the_backend_node_reply_bypasses_the_dnating_node() {
 
 #[test]
 fn hairpin_mode_off_names_the_bridge_port() {
-    let mut b = Builder::default();
-    let me = CLIENT;
-    let me_backend = (CLIENT.0, 80);
-    let syn = tcp(tcp_flags::SYN, 10, 0, 1, 0x50, REQUEST);
-    b.route(
-        syn,
-        T0,
-        &[
-            &from_pod(CLIENT_NS, VETH_CLIENT, me, SVC),
-            // The bridge does not send it back out of the port it came in by.
-            &forwarded(me, SVC, me_backend, me)[..2],
-        ],
-    );
+    let b = hairpin_syn_not_sent_back();
     let (reports, _) = run(&b.events, Some(true));
     let r = only(&reports);
     assert_eq!(r.verdict, Verdict::NoReply);
@@ -209,7 +197,7 @@ fn hairpin_without_masquerade_reply_stays_in_the_pod() {
 
 #[test]
 fn every_cause_explains_a_verdict() {
-    for id in CauseId::ALL {
+    for id in CauseId::all() {
         assert!(!id.verdicts().is_empty(), "{id:?} has no rule");
         assert!(!id.incident().is_empty());
     }

@@ -46,6 +46,21 @@ fn cause(r: &FlowReport) -> Option<CauseId> {
     r.cause.as_ref().map(|c| c.id)
 }
 
+/// Dropped, the backend unreachable, and the cause text says all of `what`.
+fn assert_unreachable_because(r: &FlowReport, what: &[&str]) {
+    assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
+    assert_eq!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
+    let text = &r.cause.as_ref().unwrap().text;
+    assert!(what.iter().all(|w| text.contains(w)), "{text}");
+}
+
+/// Decided before the evidence could arrive: `no_reply` and no cause.
+fn assert_no_reply_without_cause(reports: &[FlowReport]) {
+    let r = only(reports);
+    assert_eq!(r.verdict, Verdict::NoReply, "{r:#?}");
+    assert_eq!(cause(r), None, "{r:#?}");
+}
+
 fn assert_stale(r: &FlowReport, evidence: &str) {
     assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
     assert_eq!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
@@ -106,9 +121,7 @@ fn deleted_backend_same_verdict_offline() {
 #[test]
 fn stopped_before_neighbour_failure_blames_no_route() {
     let (reports, _) = replay("cold", Some(2 * S));
-    let r = only(&reports);
-    assert_eq!(r.verdict, Verdict::NoReply, "{r:#?}");
-    assert_eq!(cause(r), None, "{r:#?}");
+    assert_no_reply_without_cause(&reports);
 }
 
 #[test]
@@ -172,16 +185,10 @@ fn retransmit_to_another_backend_names_the_one_that_answered() {
 fn deleted_backend_on_other_node_is_not_a_routing_problem() {
     let (reports, _) = replay("other_node", None);
     let r = only(&reports);
-    assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
-    assert_eq!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
+    assert_unreachable_because(r, &["the backend's node?", "NEIGH_FAILED"]);
     assert_eq!(
         r.backend.map(|b| b.to_string()).as_deref(),
         Some("100.96.55.21:80")
-    );
-    let text = &r.cause.as_ref().unwrap().text;
-    assert!(
-        text.contains("the backend's node?") && text.contains("NEIGH_FAILED"),
-        "{text}"
     );
 }
 
@@ -190,9 +197,7 @@ fn deleted_backend_on_other_node_is_not_a_routing_problem() {
 #[test]
 fn deleted_backend_on_other_node_stopped_early_names_no_cause() {
     let (reports, _) = replay("other_node", Some(2 * S));
-    let r = only(&reports);
-    assert_eq!(r.verdict, Verdict::NoReply, "{r:#?}");
-    assert_eq!(cause(r), None, "{r:#?}");
+    assert_no_reply_without_cause(&reports);
 }
 
 /// The shape of a lab run where the backend's node lost its last bridge
@@ -225,13 +230,7 @@ fn queued_request_flushed_on_the_backends_node() {
     );
     let (reports, _) = super::tests::run_with(cfg, &b.events, T0 + 10 * S);
     let r = only(&reports);
-    assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
-    assert_eq!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
-    let text = &r.cause.as_ref().unwrap().text;
-    assert!(
-        text.contains("QUEUE_PURGE") && text.contains("100.96.12.5"),
-        "{text}"
-    );
+    assert_unreachable_because(r, &["QUEUE_PURGE", "100.96.12.5"]);
 }
 
 /// A blackhole route for the deleted pod's address (a routed node's state):

@@ -213,6 +213,13 @@ pub fn packet_kind(proto: u8, tcp_flags: u8, dir: Dir) -> &'static str {
 /// A packet entering a device of the node namespace: tc ingress, or the
 /// receive tracepoint of the same device where tc is not attached (yet: the
 /// kernel reports one of the two, see tracer-ebpf/src/tracepoints.rs).
+/// Whether an event with this `netns` happened in the traced node
+/// namespace: tc and netfilter events carry netns 0 (they run only there);
+/// tracepoints carry the real inode.
+pub(crate) fn in_node(netns: u32, node_netns: u32) -> bool {
+    netns == 0 || netns == node_netns
+}
+
 pub(crate) fn node_ingress(hook: u8) -> bool {
     hook == tracer_common::hook::TC_INGRESS || hook == tracer_common::hook::DEV_RX
 }

@@ -67,7 +67,7 @@ fn bridge_nf_off_breaks_services_with_a_fix() {
     assert_eq!(severity(&r, "bridge_nf_call_iptables"), Severity::Error);
     assert!(
         r.text()
-            .contains("fix: sysctl -w net.bridge.bridge-nf-call-iptables=1")
+            .contains("fix: load br_netfilter and set net.bridge.bridge-nf-call-iptables=1")
     );
     assert!(
         r.one_line()

@@ -2,6 +2,7 @@
 //! kernel supports (see [`table`]) in the traced network namespace, and hands
 //! out the events, counters and node facts. Dropping the [`Tracer`] detaches
 //! everything it attached and removes what it created, nothing else.
+mod attach;
 pub mod cleanup;
 pub mod ifnames;
 mod kprobes;
@@ -16,17 +17,16 @@ use std::{collections::BTreeSet, io, os::fd::OwnedFd};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
-    programs::{KProbe, RawTracePoint},
 };
 use tokio::io::{Interest, unix::AsyncFd};
 use tracer_common::{
     Config, EndpointKey, EndpointState, PacketEvent, ServiceKey, hook, proto, stat,
 };
 
+pub use self::attach::check_load;
 use self::{
     netns::{Netns, NetnsError},
-    nf_link::NfPrograms,
-    table::{Attach, Backend, BackendChoice, ChosenPriority, KernelFeatures},
+    table::{Backend, BackendChoice, ChosenPriority, KernelFeatures},
     tc::{Synced, TcAttachments},
 };
 use crate::{
@@ -208,19 +208,7 @@ impl Tracer {
         }
 
         // Netfilter programs share aya's maps, so load them before taking any.
-        let nf_names: Vec<&str> = plan
-            .iter()
-            .filter(|p| matches!(p.attach, Attach::Netfilter { .. }))
-            .map(|p| p.name)
-            .collect();
-        let nf_programs = if nf_names.is_empty() {
-            None
-        } else {
-            Some(NfPrograms::load(OBJECT, &ebpf, &nf_names).map_err(|e| {
-                log::error!("{e}");
-                TraceError::Kernel(e.to_string().lines().next().unwrap_or_default().to_owned())
-            })?)
-        };
+        let nf_programs = attach::load_netfilter_programs(&ebpf, &plan)?;
 
         let ring =
             RingBuf::try_from(take_map(&mut ebpf, "EVENTS")?).map_err(kernel_err("EVENTS"))?;
@@ -235,44 +223,7 @@ impl Tracer {
             crate::service::traced_ports(&opts.services, None),
         );
 
-        let mut attached = Vec::new();
-        let mut tc_programs = Vec::new();
-        for spec in &plan {
-            match spec.attach {
-                Attach::RawTracepoint(tp) => {
-                    let prog: &mut RawTracePoint = ebpf
-                        .program_mut(spec.name)
-                        .expect("planned programs exist")
-                        .try_into()
-                        .map_err(|e| TraceError::Kernel(format!("{}: {e}", spec.name)))?;
-                    prog.load().map_err(|e| load_error(spec.name, e))?;
-                    prog.attach(tp).map_err(|e| load_error(spec.name, e))?;
-                    attached.push(spec.label.to_owned());
-                }
-                Attach::Tc(attach_type) => {
-                    let prog: &mut aya::programs::SchedClassifier = ebpf
-                        .program_mut(spec.name)
-                        .expect("planned programs exist")
-                        .try_into()
-                        .map_err(|e| TraceError::Kernel(format!("{}: {e}", spec.name)))?;
-                    prog.load().map_err(|e| load_error(spec.name, e))?;
-                    tc_programs.push((spec.name, attach_type));
-                }
-                Attach::Kprobe { symbol, .. } => {
-                    // Global, like the raw tracepoints: no namespace switch.
-                    let prog: &mut KProbe = ebpf
-                        .program_mut(spec.name)
-                        .expect("planned programs exist")
-                        .try_into()
-                        .map_err(|e| TraceError::Kernel(format!("{}: {e}", spec.name)))?;
-                    prog.load().map_err(|e| load_error(spec.name, e))?;
-                    prog.attach(symbol, 0)
-                        .map_err(|e| load_error(spec.name, e))?;
-                    attached.push(spec.label.to_owned());
-                }
-                Attach::Netfilter { .. } => {}
-            }
-        }
+        let (attached, tc_programs) = attach::load_global_and_tc(&mut ebpf, &plan)?;
 
         let mut tracer = Tracer {
             backend,
@@ -317,26 +268,7 @@ impl Tracer {
             // Netfilter first: a full priority window ends the attempt (or
             // switches `auto` to kprobes) before tc touched any interface.
             if let Some(nf) = &nf_programs {
-                for spec in plan.iter() {
-                    if let Attach::Netfilter { hook, window } = spec.attach {
-                        let (fd, priority) =
-                            nf_link::attach_in_window(nf, spec.name, spec.label, hook, window)
-                                .map_err(|e| match e {
-                                    nf_link::NfLinkError::WindowFull { .. } => {
-                                        TraceError::NfAttach(e.to_string())
-                                    }
-                                    other => {
-                                        TraceError::NfAttach(format!("kernel refused: {other}"))
-                                    }
-                                })?;
-                        nf_links.push(fd);
-                        priorities.push(ChosenPriority {
-                            point: spec.label.to_owned(),
-                            priority,
-                            default: window.preferred,
-                        });
-                    }
-                }
+                attach::attach_netfilter(nf, &plan, nf_links, priorities)?;
             }
             Ok(tc.sync(ebpf, &facts.interfaces, &pod_veths))
         })?;
@@ -606,52 +538,6 @@ impl Drop for Tracer {
     }
 }
 
-/// Loads every program of `backend` into the kernel (so the verifier checks
-/// it against this kernel) without attaching anything, and returns their
-/// names. This is how a kernel without kprobes still proves the kprobe
-/// programs load.
-pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
-    preflight()?;
-    let offsets = KernelBtf::load()?.kernel_offsets()?;
-    let mut ebpf = EbpfLoader::new()
-        .load(OBJECT)
-        .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;
-    write_config(&mut ebpf, offsets, 0, &[])?;
-    let mut loaded = Vec::new();
-    let mut nf_names = Vec::new();
-    for spec in table::PROGRAMS
-        .iter()
-        .filter(|p| p.backends.contains(&backend))
-    {
-        let prog = ebpf.program_mut(spec.name).ok_or_else(|| {
-            TraceError::Kernel(format!("{} is not in the eBPF object", spec.name))
-        })?;
-        let loaded_one = match spec.attach {
-            Attach::Netfilter { .. } => {
-                nf_names.push(spec.name);
-                continue;
-            }
-            Attach::Tc(_) => <&mut aya::programs::SchedClassifier>::try_from(prog)
-                .map_err(|e| load_error(spec.name, e))?
-                .load(),
-            Attach::RawTracepoint(_) => <&mut RawTracePoint>::try_from(prog)
-                .map_err(|e| load_error(spec.name, e))?
-                .load(),
-            Attach::Kprobe { .. } => <&mut KProbe>::try_from(prog)
-                .map_err(|e| load_error(spec.name, e))?
-                .load(),
-        };
-        loaded_one.map_err(|e| load_error(spec.name, e))?;
-        loaded.push(spec.name);
-    }
-    if !nf_names.is_empty() {
-        NfPrograms::load(OBJECT, &ebpf, &nf_names)
-            .map_err(|e| TraceError::Kernel(e.to_string()))?;
-        loaded.extend(nf_names);
-    }
-    Ok(loaded)
-}
-
 fn validate(opts: &TraceOptions) -> Result<(), TraceError> {
     if opts.services.is_empty() && !opts.all_services {
         return Err(TraceError::Invalid(
@@ -693,7 +579,6 @@ fn write_config(
     let config = Config {
         offsets,
         node_netns,
-        ..Default::default()
     };
     let mut array: Array<&mut MapData, Config> = Array::try_from(
         ebpf.map_mut("CONFIG")

@@ -431,7 +431,12 @@ pub fn plan(
             if in_object(spec.name) {
                 Ok(())
             } else {
-                Err("not built into this nattrace (not implemented yet)".to_owned())
+                // Every row has its program (tests/kprobe_load.rs loads them
+                // all); a miss means the embedded object is from another build.
+                Err(
+                    "missing from the embedded eBPF object (a mismatched build of tracer-ebpf)"
+                        .to_owned(),
+                )
             }
         });
         match verdict {

@@ -1,6 +1,7 @@
 //! One live tracing session: load the probes, feed their events to the
 //! collector, print each flow as its verdict is decided, stop on Ctrl-C,
 //! SIGTERM or `--duration`, then detach and summarise.
+mod steps;
 mod watch;
 
 use std::{
@@ -13,19 +14,20 @@ use log::warn;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tracer_common::PacketEvent;
 
-use self::watch::{NetnsWatch, Notices};
+use self::{
+    steps::{
+        detach, drain_outputs, interface_names, on_tick, open_output_files, open_outputs,
+        release_deleted_netns, remove_leftovers, say_start_notes, until,
+    },
+    watch::{NetnsWatch, Notices},
+};
 pub use crate::output::sink::{Outcome, OutputFormat};
 use crate::{
     collector::{Collector, DropReasons},
     continuous::{Continuous, ContinuousOptions},
-    output::{
-        queue::{self, Overflow},
-        sink::Outputs,
-    },
+    output::sink::Outputs,
     probes::{
-        self, KernelStats, TraceError, TraceOptions, Tracer, cleanup,
-        ifnames::IfNameResolver,
-        netns::{Netns, NetnsError},
+        self, KernelStats, TraceError, TraceOptions, Tracer, ifnames::IfNameResolver,
         table::BackendChoice,
     },
     recording::{Clock, FORMAT, Header, RecordingError, RecordingWriter, StatsLine, VERSION},
@@ -114,38 +116,10 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     let mut sigint = signal(SignalKind::interrupt()).map_err(SessionError::Runtime)?;
     let mut sigterm = signal(SignalKind::terminate()).map_err(SessionError::Runtime)?;
     let mut notices = Notices::new();
-    // Output files are opened before anything is attached: a bad path (or a
-    // FIFO nobody reads) fails without touching the node.
-    let record_file = match &options.write {
-        Some(path) => Some(
-            queue::create_output(path).map_err(|error| RecordingError::Create {
-                path: path.clone(),
-                error,
-            })?,
-        ),
-        None => None,
-    };
-    let pcap_file = match &options.pcap {
-        Some(path) => Some(queue::create_output(path).map_err(|e| {
-            SessionError::CreateOutput(io::Error::new(
-                e.kind(),
-                format!("cannot create {}: {e}", path.display()),
-            ))
-        })?),
-        None => None,
-    };
+    let (record_file, pcap_file) = open_output_files(&options)?;
     let mut continuous = Continuous::bind(&options.continuous, &options.services)
         .map_err(SessionError::CreateOutput)?;
-    match cleanup::remove_leftovers(options.netns.as_deref()) {
-        Ok(removed) if !removed.is_empty() => notices.say(format_args!(
-            "removed what a killed nattrace left behind: {}",
-            summarize_removed(&removed)
-        )),
-        Ok(_) => {}
-        // Tracer::start reports a missing namespace in its one line.
-        Err(NetnsError::NotFound { .. } | NetnsError::Open { .. }) => {}
-        Err(err) => warn!("looking for leftovers of a killed nattrace failed: {err}"),
-    }
+    remove_leftovers(options.netns.as_deref(), &mut notices);
     let mut tracer = Tracer::start(&TraceOptions {
         services: options.services.clone(),
         netns: options.netns.clone(),
@@ -154,63 +128,17 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         all_services: options.continuous.all_services,
     })?;
     let watch = NetnsWatch::new(options.netns.as_deref());
-    if let Some(note) = tracer.tc_split_note() {
-        notices.say(note);
-    }
-    for skipped in tracer.skipped() {
-        notices.say(format_args!(
-            "skipped {}: {}",
-            skipped.program, skipped.reason
-        ));
-    }
+    say_start_notes(&tracer, &mut notices);
     let header = header(&options, &tracer);
-    let mut recorder = match (record_file, &options.write) {
-        (Some(file), Some(path)) => Some(RecordingWriter::from_file(
-            file,
-            path,
-            &header,
-            options.write_max_bytes,
-        )?),
-        _ => None,
-    };
-    if let Some(rec) = recorder.as_mut() {
-        rec.keep_files(options.continuous.write_keep);
-    }
-    let mut outputs = Outputs::new(
-        options.format,
-        options.color,
-        options.verbose,
-        Overflow::Drop,
-    )
-    .map_err(SessionError::Output)?;
-    if let (Some(file), Some(path)) = (pcap_file, &options.pcap) {
-        outputs
-            .pcap_file(file, path, &header)
-            .map_err(SessionError::Output)?;
-    }
-    outputs.preamble(&header).map_err(SessionError::Output)?;
+    let (mut recorder, mut outputs) = open_outputs(&options, &header, record_file, pcap_file)?;
     let mut collector = Collector::new(header.collector_config()?);
     for line in continuous.start(options.netns.as_deref(), &mut tracer, &header) {
         notices.say(line);
     }
-    // Names for the pods' interfaces and the node's new ones, as events
-    // from them arrive (the node's at start are in the facts).
-    let mut ifnames = match Netns::open(options.netns.as_deref()) {
-        Ok(node) => Some(IfNameResolver::new(node, &tracer.facts().interfaces)),
-        Err(err) => {
-            warn!("interface names of other namespaces will be missing: {err}");
-            None
-        }
-    };
+    let mut ifnames = interface_names(&options, &tracer);
 
     let mut events: Vec<PacketEvent> = Vec::with_capacity(4096);
-    let deadline = options.duration.map(|d| tokio::time::Instant::now() + d);
-    let until_deadline = async {
-        match deadline {
-            Some(at) => tokio::time::sleep_until(at).await,
-            None => std::future::pending().await,
-        }
-    };
+    let until_deadline = until(options.duration);
     tokio::pin!(until_deadline);
     let mut ticker = tokio::time::interval(Duration::from_millis(200));
     let mut last_lost = 0u64;
@@ -241,50 +169,16 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
                 // filling: read what is there before deciding by the clock.
                 tracer.drain(&mut events);
                 push(&mut collector, recorder.as_mut(), ifnames.as_mut(), &mut events);
-                // Before the stats line: `analyze` applies a rules line
-                // where the live run did, before the tick.
-                for line in continuous.tick(&mut tracer, &mut collector, recorder.as_mut()) {
-                    notices.say(line);
-                }
-                let attached = tracer.collect_tc();
-                if attached > 0 {
-                    notices.say(format_args!("tc now attached on {attached} more interfaces (their device tracepoints stood in until now)"));
-                }
-                let stats = tracer.stats();
-                if stats.ringbuf_full > last_lost {
-                    notices.warn(format_args!(
-                        "{} events lost so far (ring buffer full); affected flows are marked incomplete",
-                        stats.ringbuf_full
-                    ));
-                    last_lost = stats.ringbuf_full;
-                }
-                let now = monotonic_ns();
-                if let Some(rec) = recorder.as_mut() {
-                    rec.stats(StatsLine::new(now, &stats));
-                    if let Some(w) = rec.take_warning() {
-                        notices.warn(w);
-                    }
-                }
-                collector.note_lost(stats.ringbuf_full);
-                let reports = collector.tick(now);
-                continuous.flows(&reports);
-                outputs.flows(reports).map_err(SessionError::Output)?;
-                continuous.gauges(&tracer, &collector, &stats, outputs.dropped_lines());
-                for w in outputs.take_warnings() {
-                    notices.warn(w);
-                }
-                for client in collector.take_mute_candidates() {
-                    if let Err(err) = tracer.mute(client) {
-                        warn!("could not mute a decided flow: {err}");
-                    }
-                }
-                if ticks.is_multiple_of(5) {
-                    match tracer.poll_new_interfaces() {
-                        Ok(names) if !names.is_empty() => notices.say(format_args!("now also tracing {}", names.join(", "))),
-                        Ok(_) => {}
-                        Err(err) => warn!("watching for new interfaces failed: {err}"),
-                    }
-                }
+                on_tick(
+                    &mut tracer,
+                    &mut collector,
+                    &mut continuous,
+                    recorder.as_mut(),
+                    &mut outputs,
+                    &mut notices,
+                    &mut last_lost,
+                    ticks.is_multiple_of(5),
+                )?;
             }
             _ = sigint.recv() => break Stop::Signal,
             _ = sigterm.recv() => break Stop::Signal,
@@ -306,17 +200,7 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     let stats = tracer.stats();
     let mut tracer = Some(tracer);
     if stop == Stop::NetnsGone {
-        // Let go first: our descriptors are what keeps the deleted node alive.
-        let netns_name = tracer.as_ref().map(|t| t.facts().netns_name.clone());
-        drop(tracer.take());
-        // The interface-name resolver holds the namespace open too.
-        drop(ifnames.take());
-        let path = watch.as_ref().map(|w| w.path().display().to_string());
-        notices.say(format_args!(
-            "network namespace {} was deleted ({} no longer names it): stopped tracing and released it",
-            netns_name.unwrap_or_default(),
-            path.unwrap_or_default()
-        ));
+        release_deleted_netns(&mut tracer, &mut ifnames, watch.as_ref(), &mut notices);
     }
 
     let finishing = finish(
@@ -338,45 +222,15 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
         notices.say("interrupted again: exiting now without the summary");
     }
     // Detaches everything, also after a second Ctrl-C.
-    if let Some(t) = &tracer
-        && t.tc_interface_count() > SLOW_DETACH_INTERFACES
-    {
-        notices.say(format_args!(
-            "detaching from {} interfaces: the kernel takes a few milliseconds per tc link, so this takes a few seconds",
-            t.tc_interface_count()
-        ));
-    }
-    drop(tracer);
+    detach(tracer, &mut notices);
 
-    // Let the output reach its readers: within the exit budget after a
-    // signal (but a reader that keeps up gets what was just queued), else
-    // as long as they keep reading.
-    let drain_until = match stop {
-        Stop::Signal => (stopped_at + EXIT_BUDGET).max(Instant::now() + Duration::from_millis(100)),
-        Stop::Duration | Stop::NetnsGone if interrupted => Instant::now(),
-        Stop::Duration | Stop::NetnsGone => Instant::now() + Duration::from_secs(24 * 3600),
-    };
-    if let Some(rec) = recorder.as_mut()
-        && !rec.drain(drain_until, OUTPUT_STALL)
-    {
-        notices.warn("the --write target is not being read: the recording is incomplete");
-    }
-    for w in outputs
-        .take_warnings()
-        .into_iter()
-        .chain(outputs.drain(drain_until, OUTPUT_STALL))
-    {
-        notices.warn(w);
-    }
-    let dropped = outputs.dropped_lines();
-    if dropped > 0 {
-        notices.warn(format_args!(
-            "{dropped} output lines were dropped because stdout was not read fast enough"
-        ));
-    }
-    notices.drain(
-        drain_until.max(Instant::now() + Duration::from_millis(50)),
-        Duration::from_millis(100),
+    drain_outputs(
+        stop,
+        stopped_at,
+        interrupted,
+        recorder.as_mut(),
+        &mut outputs,
+        &mut notices,
     );
     let mut outcome = std::mem::take(&mut outputs.outcome);
     outcome.aborted = stop == Stop::NetnsGone;

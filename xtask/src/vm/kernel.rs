@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
 
-/// Modules the lab needs, in a load order that works (../shared/docs/machine.md).
+/// Modules the lab needs, in a load order that works (docs/MACHINE.md).
 /// Dependencies read from each module's modinfo are loaded first regardless.
 pub const MODULES: &[&str] = &[
     "llc",

@@ -1,0 +1,188 @@
+//! A flow's verdict and the questions every rule and the report ask of a
+//! flow's evidence, each answered once: is this event in the node, what
+//! kind of packet is this, where did DNAT send it, where was it dropped,
+//! and how long may a decision still wait for evidence.
+use serde::Serialize;
+use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
+
+use super::{
+    drop_reason::KnownReasons,
+    flow::{Flow, NEIGH_FAIL_WAIT_NS},
+    ifnames::IfNames,
+    types::{Dir, Endpoint, Obs, in_node, node_egress, packet_kind},
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// The reply reached the client reverse-NATed (source = Service ip:port).
+    Ok,
+    /// The reply reached the client side with another source (the backend's).
+    ReplyNotReverseNated,
+    /// No reply reached the client within the reply timeout.
+    NoReply,
+    /// No reply reached the client, and a packet of the flow was dropped.
+    Dropped,
+    /// The first reply reached the client reverse-NATed, but it was a RST:
+    /// the backend refused the connection.
+    Refused,
+}
+
+impl Verdict {
+    pub const ALL: [Verdict; 5] = [
+        Verdict::Ok,
+        Verdict::ReplyNotReverseNated,
+        Verdict::NoReply,
+        Verdict::Dropped,
+        Verdict::Refused,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Ok => "ok",
+            Verdict::ReplyNotReverseNated => "reply_not_reverse_nated",
+            Verdict::NoReply => "no_reply",
+            Verdict::Dropped => "dropped",
+            Verdict::Refused => "refused",
+        }
+    }
+}
+
+pub(crate) fn verdict_of(flow: &Flow, known: &KnownReasons) -> Verdict {
+    match flow.client_reply {
+        Some(r)
+            if r.reverse_nated
+                && flow.proto == proto::TCP
+                && flow.packets[r.packet as usize].key.tcp_flags & tcp_flags::RST != 0 =>
+        {
+            Verdict::Refused
+        }
+        Some(r) if r.reverse_nated => Verdict::Ok,
+        Some(_) => Verdict::ReplyNotReverseNated,
+        None if first_drop(flow, known).is_some() => Verdict::Dropped,
+        None => Verdict::NoReply,
+    }
+}
+
+/// Only drops of packets this node handled: another node's drop of a reply
+/// that bypassed this one is that node's story.
+pub(crate) fn first_drop<'f>(flow: &'f Flow, known: &KnownReasons) -> Option<&'f Obs> {
+    flow.obs.iter().find(|o| {
+        o.hook == hook::DROP
+            && known.is_drop(o.drop_reason)
+            && flow.packets[o.packet as usize].in_node
+    })
+}
+
+impl Flow {
+    /// "SYN", "SYN-ACK", "request", ... for one of the flow's packets.
+    pub(crate) fn kind(&self, packet: u8) -> &'static str {
+        let p = &self.packets[packet as usize];
+        packet_kind(p.key.proto, p.key.tcp_flags, p.dir)
+    }
+
+    /// The kind of the flow's first request packet ("SYN", "request").
+    pub(crate) fn first_request_kind(&self) -> &'static str {
+        self.packets
+            .iter()
+            .position(|p| p.dir == Dir::Request)
+            .map_or("request", |i| self.kind(i as u8))
+    }
+
+    /// The client reached itself through the Service.
+    pub(crate) fn is_hairpin(&self) -> bool {
+        self.backend.is_some_and(|b| b.addr == self.client.addr)
+    }
+}
+
+/// Where a dropped packet was last seen before the drop, e.g. "after netfilter FORWARD".
+pub(crate) fn drop_place(flow: &Flow, drop: &Obs, ifnames: &IfNames) -> String {
+    let before = flow
+        .obs
+        .iter()
+        .filter(|o| o.packet == drop.packet && o.ts_ns <= drop.ts_ns && o.hook != hook::DROP)
+        .max_by_key(|o| o.ts_ns);
+    match before {
+        Some(o) if o.hook == hook::NETFILTER => {
+            format!("after netfilter {}", nf_hook::name(o.nf_hook))
+        }
+        Some(o) if o.ifindex == 0 => format!("after {}", hook::name(o.hook)),
+        Some(o) => format!(
+            "after {} on {}",
+            hook::name(o.hook),
+            ifnames.describe(o.netns, o.ifindex)
+        ),
+        None => "before any other observation point".to_string(),
+    }
+}
+
+/// Where DNAT sent this request packet: its destination after the node's
+/// NAT, when that differs from the Service.
+pub(crate) fn packet_backend(flow: &Flow, packet: u8) -> Option<Endpoint> {
+    flow.packet_obs(packet)
+        .find(|o| o.dst != flow.service && o.dst != flow.client)
+        .map(|o| o.dst)
+}
+
+/// The backend a reply packet came from, as seen before reverse NAT.
+pub(crate) fn reply_backend(flow: &Flow, packet: u8) -> Option<Endpoint> {
+    flow.packet_obs(packet)
+        .find(|o| o.src != flow.service)
+        .map(|o| o.src)
+}
+
+/// The first time a request of the flow was DNATed in the node and then
+/// vanished: no hook after NAT saw it leave, deliver it, or drop it. That is
+/// a packet held on a neighbour entry's queue (see backend_rules.rs), whose
+/// fate the kernel reports only when resolution fails.
+pub(crate) fn vanished_since(flow: &Flow, node_netns: u32) -> Option<u64> {
+    flow.packets
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.dir == Dir::Request && p.in_node)
+        .filter_map(|(i, p)| {
+            let mut dnated = false;
+            for o in flow.packet_obs(i as u8) {
+                // Left, dropped, or delivered to a local socket (a host-network
+                // backend): not waiting for a neighbour.
+                if o.hook == hook::DROP
+                    || (in_node(o.netns, node_netns) && node_egress(o.hook))
+                    || (o.hook == hook::NETFILTER && o.nf_hook == nf_hook::LOCAL_IN)
+                {
+                    return None;
+                }
+                if o.hook == hook::NETFILTER
+                    && o.nat_stage == nat_stage::AFTER
+                    && o.dst != flow.service
+                {
+                    dnated = true;
+                }
+            }
+            dnated.then_some(p.first_ts)
+        })
+        .min()
+}
+
+/// Until when a `no_reply` decision should wait: a request DNATed here with
+/// no reply seen anywhere may still be reported dropped by neighbour
+/// resolution — here (it vanished after DNAT) or on the backend's node — and
+/// that would make a routing cause (no_reply_through_node) wrong advice.
+pub(crate) fn hold_until(flow: &Flow, node_netns: u32, known: &KnownReasons) -> Option<u64> {
+    if flow.backend.is_none() || flow.packets.iter().any(|p| p.dir == Dir::Reply) {
+        return None;
+    }
+    // Already dropped on the way (a rule, the bridge, no route): that is
+    // the evidence, nothing more to wait for.
+    if first_drop(flow, known).is_some() {
+        return None;
+    }
+    let first = flow
+        .packets
+        .iter()
+        .enumerate()
+        .filter(|(i, p)| p.dir == Dir::Request && packet_backend(flow, *i as u8).is_some())
+        .map(|(_, p)| p.first_ts)
+        .min();
+    let vanished = vanished_since(flow, node_netns);
+    first.or(vanished).map(|t| t + NEIGH_FAIL_WAIT_NS)
+}

@@ -1,0 +1,162 @@
+//! The loading and attaching steps of `Tracer::start`, one function each,
+//! and `check_load`, which loads a backend's programs without attaching.
+use std::os::fd::OwnedFd;
+
+use aya::{
+    Ebpf, EbpfLoader,
+    programs::{KProbe, RawTracePoint, TcAttachType},
+};
+
+use super::{
+    OBJECT, TraceError, load_error,
+    nf_link::{self, NfPrograms},
+    preflight,
+    table::{self, Attach, Backend, ChosenPriority, ProgramSpec},
+    write_config,
+};
+use crate::btf::KernelBtf;
+
+/// A loaded tc program, attached per interface by `TcAttachments`.
+pub(super) type TcProgram = (&'static str, TcAttachType);
+
+/// Loads the plan's netfilter programs (None when it has none). They share
+/// aya's maps, so this runs before the maps are taken out of `ebpf`.
+pub(super) fn load_netfilter_programs(
+    ebpf: &Ebpf,
+    plan: &[&'static ProgramSpec],
+) -> Result<Option<NfPrograms>, TraceError> {
+    let nf_names: Vec<&str> = plan
+        .iter()
+        .filter(|p| matches!(p.attach, Attach::Netfilter { .. }))
+        .map(|p| p.name)
+        .collect();
+    if nf_names.is_empty() {
+        return Ok(None);
+    }
+    NfPrograms::load(OBJECT, ebpf, &nf_names)
+        .map(Some)
+        .map_err(|e| {
+            log::error!("{e}");
+            TraceError::Kernel(e.to_string().lines().next().unwrap_or_default().to_owned())
+        })
+}
+
+/// Loads and attaches the global programs (raw tracepoints, kprobes: no
+/// namespace switch) and loads the tc programs, which are attached per
+/// interface later. Returns the attached labels and the tc programs.
+pub(super) fn load_global_and_tc(
+    ebpf: &mut Ebpf,
+    plan: &[&'static ProgramSpec],
+) -> Result<(Vec<String>, Vec<TcProgram>), TraceError> {
+    let mut attached = Vec::new();
+    let mut tc_programs = Vec::new();
+    for spec in plan {
+        match spec.attach {
+            Attach::RawTracepoint(tp) => {
+                let prog: &mut RawTracePoint = ebpf
+                    .program_mut(spec.name)
+                    .expect("planned programs exist")
+                    .try_into()
+                    .map_err(|e| TraceError::Kernel(format!("{}: {e}", spec.name)))?;
+                prog.load().map_err(|e| load_error(spec.name, e))?;
+                prog.attach(tp).map_err(|e| load_error(spec.name, e))?;
+                attached.push(spec.label.to_owned());
+            }
+            Attach::Tc(attach_type) => {
+                let prog: &mut aya::programs::SchedClassifier = ebpf
+                    .program_mut(spec.name)
+                    .expect("planned programs exist")
+                    .try_into()
+                    .map_err(|e| TraceError::Kernel(format!("{}: {e}", spec.name)))?;
+                prog.load().map_err(|e| load_error(spec.name, e))?;
+                tc_programs.push((spec.name, attach_type));
+            }
+            Attach::Kprobe { symbol, .. } => {
+                // Global, like the raw tracepoints: no namespace switch.
+                let prog: &mut KProbe = ebpf
+                    .program_mut(spec.name)
+                    .expect("planned programs exist")
+                    .try_into()
+                    .map_err(|e| TraceError::Kernel(format!("{}: {e}", spec.name)))?;
+                prog.load().map_err(|e| load_error(spec.name, e))?;
+                prog.attach(symbol, 0)
+                    .map_err(|e| load_error(spec.name, e))?;
+                attached.push(spec.label.to_owned());
+            }
+            Attach::Netfilter { .. } => {}
+        }
+    }
+    Ok((attached, tc_programs))
+}
+
+/// Attaches the plan's netfilter programs, each at a free priority in its
+/// window. Runs inside the traced namespace.
+pub(super) fn attach_netfilter(
+    nf: &NfPrograms,
+    plan: &[&'static ProgramSpec],
+    nf_links: &mut Vec<OwnedFd>,
+    priorities: &mut Vec<ChosenPriority>,
+) -> Result<(), TraceError> {
+    for spec in plan.iter() {
+        if let Attach::Netfilter { hook, window } = spec.attach {
+            let (fd, priority) = nf_link::attach_in_window(nf, spec.name, spec.label, hook, window)
+                .map_err(|e| match e {
+                    nf_link::NfLinkError::WindowFull { .. } => TraceError::NfAttach(e.to_string()),
+                    other => TraceError::NfAttach(format!("kernel refused: {other}")),
+                })?;
+            nf_links.push(fd);
+            priorities.push(ChosenPriority {
+                point: spec.label.to_owned(),
+                priority,
+                default: window.preferred,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Loads every program of `backend` into the kernel (so the verifier checks
+/// it against this kernel) without attaching anything, and returns their
+/// names. This is how a kernel without kprobes still proves the kprobe
+/// programs load.
+pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
+    preflight()?;
+    let offsets = KernelBtf::load()?.kernel_offsets()?;
+    let mut ebpf = EbpfLoader::new()
+        .load(OBJECT)
+        .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;
+    write_config(&mut ebpf, offsets, 0, &[])?;
+    let mut loaded = Vec::new();
+    let mut nf_names = Vec::new();
+    for spec in table::PROGRAMS
+        .iter()
+        .filter(|p| p.backends.contains(&backend))
+    {
+        let prog = ebpf.program_mut(spec.name).ok_or_else(|| {
+            TraceError::Kernel(format!("{} is not in the eBPF object", spec.name))
+        })?;
+        let loaded_one = match spec.attach {
+            Attach::Netfilter { .. } => {
+                nf_names.push(spec.name);
+                continue;
+            }
+            Attach::Tc(_) => <&mut aya::programs::SchedClassifier>::try_from(prog)
+                .map_err(|e| load_error(spec.name, e))?
+                .load(),
+            Attach::RawTracepoint(_) => <&mut RawTracePoint>::try_from(prog)
+                .map_err(|e| load_error(spec.name, e))?
+                .load(),
+            Attach::Kprobe { .. } => <&mut KProbe>::try_from(prog)
+                .map_err(|e| load_error(spec.name, e))?
+                .load(),
+        };
+        loaded_one.map_err(|e| load_error(spec.name, e))?;
+        loaded.push(spec.name);
+    }
+    if !nf_names.is_empty() {
+        NfPrograms::load(OBJECT, &ebpf, &nf_names)
+            .map_err(|e| TraceError::Kernel(e.to_string()))?;
+        loaded.extend(nf_names);
+    }
+    Ok(loaded)
+}

@@ -1,0 +1,276 @@
+//! The steps `run_async` is made of: opening outputs, start notices, the
+//! periodic tick, releasing a deleted namespace, detaching, draining.
+use std::{
+    io,
+    time::{Duration, Instant},
+};
+
+use log::warn;
+
+use super::{
+    EXIT_BUDGET, OUTPUT_STALL, SLOW_DETACH_INTERFACES, SessionError, SessionOptions, Stop,
+    monotonic_ns, summarize_removed,
+    watch::{NetnsWatch, Notices},
+};
+use crate::{
+    collector::Collector,
+    continuous::Continuous,
+    output::{
+        queue::{self, Overflow},
+        sink::Outputs,
+    },
+    probes::{
+        Tracer, cleanup,
+        ifnames::IfNameResolver,
+        netns::{Netns, NetnsError},
+    },
+    recording::{Header, RecordingError, RecordingWriter, StatsLine},
+};
+pub(super) fn say_start_notes(tracer: &Tracer, notices: &mut Notices) {
+    if let Some(note) = tracer.tc_split_note() {
+        notices.say(note);
+    }
+    for skipped in tracer.skipped() {
+        notices.say(format_args!(
+            "skipped {}: {}",
+            skipped.program, skipped.reason
+        ));
+    }
+}
+
+/// The recording writer (`--write`) and the outputs (stdout, `--pcap`),
+/// on the files opened before attaching; the preamble goes out here.
+pub(super) fn open_outputs(
+    options: &SessionOptions,
+    header: &Header,
+    record_file: Option<std::fs::File>,
+    pcap_file: Option<std::fs::File>,
+) -> Result<(Option<RecordingWriter>, Outputs), SessionError> {
+    let mut recorder = match (record_file, &options.write) {
+        (Some(file), Some(path)) => Some(RecordingWriter::from_file(
+            file,
+            path,
+            header,
+            options.write_max_bytes,
+        )?),
+        _ => None,
+    };
+    if let Some(rec) = recorder.as_mut() {
+        rec.keep_files(options.continuous.write_keep);
+    }
+    let mut outputs = Outputs::new(
+        options.format,
+        options.color,
+        options.verbose,
+        Overflow::Drop,
+    )
+    .map_err(SessionError::Output)?;
+    if let (Some(file), Some(path)) = (pcap_file, &options.pcap) {
+        outputs
+            .pcap_file(file, path, header)
+            .map_err(SessionError::Output)?;
+    }
+    outputs.preamble(header).map_err(SessionError::Output)?;
+    Ok((recorder, outputs))
+}
+
+/// Names for the pods' interfaces and the node's new ones, as events from
+/// them arrive (the node's at start are in the facts).
+pub(super) fn interface_names(options: &SessionOptions, tracer: &Tracer) -> Option<IfNameResolver> {
+    match Netns::open(options.netns.as_deref()) {
+        Ok(node) => Some(IfNameResolver::new(node, &tracer.facts().interfaces)),
+        Err(err) => {
+            warn!("interface names of other namespaces will be missing: {err}");
+            None
+        }
+    }
+}
+
+/// Output files are opened before anything is attached: a bad path (or a
+/// FIFO nobody reads) fails without touching the node.
+pub(super) fn open_output_files(
+    options: &SessionOptions,
+) -> Result<(Option<std::fs::File>, Option<std::fs::File>), SessionError> {
+    let record_file = match &options.write {
+        Some(path) => Some(
+            queue::create_output(path).map_err(|error| RecordingError::Create {
+                path: path.clone(),
+                error,
+            })?,
+        ),
+        None => None,
+    };
+    let pcap_file = match &options.pcap {
+        Some(path) => Some(queue::create_output(path).map_err(|e| {
+            SessionError::CreateOutput(io::Error::new(
+                e.kind(),
+                format!("cannot create {}: {e}", path.display()),
+            ))
+        })?),
+        None => None,
+    };
+    Ok((record_file, pcap_file))
+}
+
+pub(super) fn remove_leftovers(netns: Option<&str>, notices: &mut Notices) {
+    match cleanup::remove_leftovers(netns) {
+        Ok(removed) if !removed.is_empty() => notices.say(format_args!(
+            "removed what a killed nattrace left behind: {}",
+            summarize_removed(&removed)
+        )),
+        Ok(_) => {}
+        // Tracer::start reports a missing namespace in its one line.
+        Err(NetnsError::NotFound { .. } | NetnsError::Open { .. }) => {}
+        Err(err) => warn!("looking for leftovers of a killed nattrace failed: {err}"),
+    }
+}
+
+/// The periodic work of the event loop after the ring buffer was drained:
+/// late tc attachments, loss warnings, the recording's stats line, decided
+/// flows out, their endpoints muted, and (every `poll_interfaces`) new
+/// interfaces picked up.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn on_tick(
+    tracer: &mut Tracer,
+    collector: &mut Collector,
+    continuous: &mut Continuous,
+    mut recorder: Option<&mut RecordingWriter>,
+    outputs: &mut Outputs,
+    notices: &mut Notices,
+    last_lost: &mut u64,
+    poll_interfaces: bool,
+) -> Result<(), SessionError> {
+    // Before the stats line: `analyze` applies a rules line where the live
+    // run did, before the tick.
+    for line in continuous.tick(tracer, collector, recorder.as_deref_mut()) {
+        notices.say(line);
+    }
+    let attached = tracer.collect_tc();
+    if attached > 0 {
+        notices.say(format_args!("tc now attached on {attached} more interfaces (their device tracepoints stood in until now)"));
+    }
+    let stats = tracer.stats();
+    if stats.ringbuf_full > *last_lost {
+        notices.warn(format_args!(
+            "{} events lost so far (ring buffer full); affected flows are marked incomplete",
+            stats.ringbuf_full
+        ));
+        *last_lost = stats.ringbuf_full;
+    }
+    let now = monotonic_ns();
+    if let Some(rec) = recorder {
+        rec.stats(StatsLine::new(now, &stats));
+        if let Some(w) = rec.take_warning() {
+            notices.warn(w);
+        }
+    }
+    collector.note_lost(stats.ringbuf_full);
+    let reports = collector.tick(now);
+    continuous.flows(&reports);
+    outputs.flows(reports).map_err(SessionError::Output)?;
+    continuous.gauges(tracer, collector, &stats, outputs.dropped_lines());
+    for w in outputs.take_warnings() {
+        notices.warn(w);
+    }
+    for client in collector.take_mute_candidates() {
+        if let Err(err) = tracer.mute(client) {
+            warn!("could not mute a decided flow: {err}");
+        }
+    }
+    if poll_interfaces {
+        match tracer.poll_new_interfaces() {
+            Ok(names) if !names.is_empty() => {
+                notices.say(format_args!("now also tracing {}", names.join(", ")))
+            }
+            Ok(_) => {}
+            Err(err) => warn!("watching for new interfaces failed: {err}"),
+        }
+    }
+    Ok(())
+}
+
+/// The traced namespace was deleted: let go of it first, since our
+/// descriptors are what keeps the deleted node alive.
+pub(super) fn release_deleted_netns(
+    tracer: &mut Option<Tracer>,
+    ifnames: &mut Option<IfNameResolver>,
+    watch: Option<&NetnsWatch>,
+    notices: &mut Notices,
+) {
+    // Let go first: our descriptors are what keeps the deleted node alive.
+    let netns_name = tracer.as_ref().map(|t| t.facts().netns_name.clone());
+    drop(tracer.take());
+    // The interface-name resolver holds the namespace open too.
+    drop(ifnames.take());
+    let path = watch.as_ref().map(|w| w.path().display().to_string());
+    notices.say(format_args!(
+        "network namespace {} was deleted ({} no longer names it): stopped tracing and released it",
+        netns_name.unwrap_or_default(),
+        path.unwrap_or_default()
+    ));
+}
+
+/// Lets the output reach its readers: within the exit budget after a
+/// signal (but a reader that keeps up gets what was just queued), else as
+/// long as they keep reading.
+pub(super) fn drain_outputs(
+    stop: Stop,
+    stopped_at: Instant,
+    interrupted: bool,
+    recorder: Option<&mut RecordingWriter>,
+    outputs: &mut Outputs,
+    notices: &mut Notices,
+) {
+    let drain_until = match stop {
+        Stop::Signal => (stopped_at + EXIT_BUDGET).max(Instant::now() + Duration::from_millis(100)),
+        Stop::Duration | Stop::NetnsGone if interrupted => Instant::now(),
+        Stop::Duration | Stop::NetnsGone => Instant::now() + Duration::from_secs(24 * 3600),
+    };
+    if let Some(rec) = recorder
+        && !rec.drain(drain_until, OUTPUT_STALL)
+    {
+        notices.warn("the --write target is not being read: the recording is incomplete");
+    }
+    for w in outputs
+        .take_warnings()
+        .into_iter()
+        .chain(outputs.drain(drain_until, OUTPUT_STALL))
+    {
+        notices.warn(w);
+    }
+    let dropped = outputs.dropped_lines();
+    if dropped > 0 {
+        notices.warn(format_args!(
+            "{dropped} output lines were dropped because stdout was not read fast enough"
+        ));
+    }
+    notices.drain(
+        drain_until.max(Instant::now() + Duration::from_millis(50)),
+        Duration::from_millis(100),
+    );
+}
+
+/// Detaches everything (dropping the tracer), saying so first when that
+/// takes seconds.
+pub(super) fn detach(tracer: Option<Tracer>, notices: &mut Notices) {
+    if let Some(t) = &tracer
+        && t.tc_interface_count() > SLOW_DETACH_INTERFACES
+    {
+        notices.say(format_args!(
+            "detaching from {} interfaces: the kernel takes a few milliseconds per tc link, so this takes a few seconds",
+            t.tc_interface_count()
+        ));
+    }
+    drop(tracer);
+}
+
+/// Completes after `duration` from now, or never.
+pub(super) fn until(duration: Option<Duration>) -> impl std::future::Future<Output = ()> {
+    let deadline = duration.map(|d| tokio::time::Instant::now() + d);
+    async move {
+        match deadline {
+            Some(at) => tokio::time::sleep_until(at).await,
+            None => std::future::pending().await,
+        }
+    }
+}
