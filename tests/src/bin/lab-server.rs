@@ -10,7 +10,7 @@
 //! pod can be reached before a test sends traffic.
 
 use std::io::{self, Read, Write};
-use std::net::{Ipv4Addr, TcpListener, TcpStream, UdpSocket};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::process::ExitCode;
 use std::thread;
 use std::time::Duration;
@@ -55,7 +55,10 @@ fn ready() -> Result<(), String> {
 
 fn http(port: u16, name: &str) -> Result<(), String> {
     // std sets SO_REUSEADDR, so a restarted server rebinds despite TIME_WAIT.
-    let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))
+    // `[::]` serves IPv4 too (net.ipv6.bindv6only is 0 in a new namespace);
+    // a kernel without IPv6 gets the IPv4 socket.
+    let listener = TcpListener::bind((Ipv6Addr::UNSPECIFIED, port))
+        .or_else(|_| TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)))
         .map_err(|e| format!("binding tcp port {port}: {e}"))?;
     ready()?;
     for stream in listener.incoming() {
@@ -82,7 +85,12 @@ fn serve_http(mut stream: TcpStream, name: &str) -> io::Result<()> {
         request.extend_from_slice(&buf[..n]);
     }
     let (local, peer) = (stream.local_addr()?, stream.peer_addr()?);
-    let body = format!("pod={name} ip={} client={peer}\n", local.ip());
+    // An IPv4 client of the dual-stack socket is `::ffff:a.b.c.d`: print a.b.c.d.
+    let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
+    let body = format!(
+        "pod={name} ip={} client={peer}\n",
+        local.ip().to_canonical()
+    );
     let (status, body) = if request.starts_with(b"GET ") || request.starts_with(b"HEAD ") {
         ("200 OK", body)
     } else {
@@ -101,7 +109,8 @@ fn serve_http(mut stream: TcpStream, name: &str) -> io::Result<()> {
 }
 
 fn dns(port: u16, name: &str, answer: Ipv4Addr) -> Result<(), String> {
-    let sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port))
+    let sock = UdpSocket::bind((Ipv6Addr::UNSPECIFIED, port))
+        .or_else(|_| UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port)))
         .map_err(|e| format!("binding udp port {port}: {e}"))?;
     ready()?;
     let name = name.trim_end_matches('.').to_ascii_lowercase();

@@ -1,0 +1,1 @@
+//! Tracing IPv6 flows (filled in once the core branch lands).
