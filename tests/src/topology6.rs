@@ -58,6 +58,9 @@ pub(crate) fn forwarding() -> (String, String) {
 
 /// A node's underlay address, default route, and its pod gateway on `cni0`.
 pub(crate) fn node(index: usize, node: &NodeSpec, cmds: &mut String) {
+    if node.pod_cidr6.is_none() {
+        return;
+    }
     let _ = write!(
         cmds,
         "addr add {}/{} dev eth0 nodad\nroute add ::/0 via {}\n",

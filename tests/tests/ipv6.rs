@@ -25,6 +25,8 @@ macro_rules! require_root {
     };
 }
 
+#[path = "ipv6/doctor.rs"]
+mod doctor;
 #[path = "ipv6/fixtures.rs"]
 mod fixtures;
 #[path = "ipv6/tracing.rs"]
