@@ -5,7 +5,7 @@
 //! namespace, and only those that change nothing there (see [`read`]).
 use std::{
     collections::HashMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
     process::Command,
 };
 
@@ -111,14 +111,20 @@ pub struct KubeMatch {
 impl KubeProxyRules {
     pub fn lookup(
         &self,
-        service: SocketAddrV4,
+        service: SocketAddr,
         proto: &str,
-        backend: Option<SocketAddrV4>,
+        backend: Option<SocketAddr>,
     ) -> Option<KubeMatch> {
+        // The rules read are IPv4 ones (iptables, `table ip`); an IPv6
+        // Service finds nothing here yet.
         let svc = self.services.iter().find(|s| {
-            s.cluster_ip == *service.ip() && s.port == service.port() && s.proto == proto
+            IpAddr::V4(s.cluster_ip) == service.ip() && s.port == service.port() && s.proto == proto
         })?;
-        let sep = backend.and_then(|b| svc.endpoints.iter().find(|e| e.endpoint == b));
+        let sep = backend.and_then(|b| {
+            svc.endpoints
+                .iter()
+                .find(|e| SocketAddr::V4(e.endpoint) == b)
+        });
         Some(KubeMatch {
             service: svc.name.clone(),
             svc_chain: svc.chain.clone(),
@@ -128,10 +134,10 @@ impl KubeProxyRules {
     }
 
     /// kube-proxy's no-endpoints REJECT for this Service IP:port, if any.
-    pub fn no_endpoints_for(&self, service: SocketAddrV4, proto: &str) -> Option<&RejectRule> {
-        self.no_endpoints
-            .iter()
-            .find(|r| r.ip == *service.ip() && r.port == service.port() && r.protocol == proto)
+    pub fn no_endpoints_for(&self, service: SocketAddr, proto: &str) -> Option<&RejectRule> {
+        self.no_endpoints.iter().find(|r| {
+            IpAddr::V4(r.ip) == service.ip() && r.port == service.port() && r.protocol == proto
+        })
     }
 
     /// Whether every Service's chain masquerades all traffic (`masqueradeAll: true`).

@@ -276,7 +276,7 @@ mod tests {
     /// `NATTRACE_WRITE_FIXTURE=1 cargo test -p nattrace-tests --test scenarios root_nft_reader_fixture_is_the_labs_nft_json`.
     const LAB_NFT: &str = include_str!("fixtures/lab_nft.json");
 
-    fn ep(s: &str) -> SocketAddrV4 {
+    fn ep(s: &str) -> std::net::SocketAddr {
         s.parse().unwrap()
     }
 

@@ -4,7 +4,7 @@ use super::*;
 /// the scenarios test `ruleset_fixture_matches_the_lab_renderer` keeps it in sync.
 const LAB_NAT: &str = include_str!("fixtures/lab_nat.txt");
 
-fn ep(s: &str) -> SocketAddrV4 {
+fn ep(s: &str) -> std::net::SocketAddr {
     s.parse().unwrap()
 }
 
