@@ -24,6 +24,8 @@ pub mod testing;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_ipv6;
+#[cfg(test)]
 mod tests_paths;
 #[cfg(test)]
 mod tests_routed;

@@ -76,6 +76,10 @@ impl<W: io::Write> PcapngOutput<W> {
         })
     }
 
+    pub fn into_inner(self) -> W {
+        self.writer.into_inner()
+    }
+
     pub fn flow(&mut self, r: &FlowReport) -> Result<(), PcapError> {
         let verdict = match (&r.cause, r.incomplete) {
             (Some(c), _) => format!("{} (cause {})", r.verdict.as_str(), c.id.as_str()),
