@@ -24,6 +24,8 @@ pub mod testing;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_ipv6;
+#[cfg(test)]
 mod tests_paths;
 #[cfg(test)]
 mod tests_routed;
@@ -385,7 +387,7 @@ impl Collector {
     }
 
     fn is_service(&self, ev: &PacketEvent) -> bool {
-        let dst: std::net::Ipv4Addr = ev.daddr.into();
+        let dst = crate::service::ip_of(ev.daddr);
         self.cfg
             .services
             .iter()
@@ -607,7 +609,7 @@ impl Collector {
             let proto = flow.proto;
             for ep in std::iter::once(flow.client).chain(flow.snat) {
                 self.mute.push(EndpointKey {
-                    addr: ep.addr,
+                    addr: crate::service::kernel_addr(ep.addr),
                     port: ep.port,
                     proto,
                     _pad: 0,

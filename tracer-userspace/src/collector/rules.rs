@@ -520,7 +520,7 @@ fn no_endpoints(ctx: &RuleCtx<'_>) -> Option<Found> {
 }
 
 fn service_not_netfilter(ctx: &RuleCtx<'_>) -> Option<Found> {
-    let ip = std::net::Ipv4Addr::from(ctx.flow.service.addr);
+    let ip = ctx.flow.service.addr;
     let by = ctx
         .kube
         .outside_netfilter

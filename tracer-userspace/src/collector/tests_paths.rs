@@ -103,9 +103,11 @@ fn throughput() {
             e.ts_ns += u64::from(i) * 10_000;
             e.skb += u64::from(i) << 16;
             for (addr, p) in [(&mut e.saddr, &mut e.sport), (&mut e.daddr, &mut e.dport)] {
-                if *addr == CLIENT.0 && *p == CLIENT.1 {
+                if *addr == tracer_common::v4_mapped(CLIENT.0) && *p == CLIENT.1 {
                     *p = port;
-                    addr[2] = host;
+                    let mut client = CLIENT.0;
+                    client[2] = host;
+                    *addr = tracer_common::v4_mapped(client);
                 }
             }
             events.push(e);

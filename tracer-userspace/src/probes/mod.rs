@@ -291,10 +291,17 @@ impl Tracer {
             // Netfilter first: a full priority window ends the attempt (or
             // switches `auto` to kprobes) before tc touched any interface.
             if let Some(nf) = &nf_programs {
-                for spec in plan.iter() {
+                for (pf, spec) in nf_families(&opts.services)
+                    .into_iter()
+                    .flat_map(|pf| plan.iter().map(move |spec| (pf, spec)))
+                {
                     if let Attach::Netfilter { hook, window } = spec.attach {
+                        let label = match pf {
+                            nf_link::NFPROTO_IPV6 => format!("IPv6 {}", spec.label),
+                            _ => spec.label.to_owned(),
+                        };
                         let (fd, priority) =
-                            nf_link::attach_in_window(nf, spec.name, spec.label, hook, window)
+                            nf_link::attach_in_window(nf, spec.name, &label, pf, hook, window)
                                 .map_err(|e| match e {
                                     nf_link::NfLinkError::WindowFull { .. } => {
                                         TraceError::NfAttach(e.to_string())
@@ -305,7 +312,7 @@ impl Tracer {
                                 })?;
                         nf_links.push(fd);
                         priorities.push(ChosenPriority {
-                            point: spec.label.to_owned(),
+                            point: label,
                             priority,
                             default: window.preferred,
                         });
@@ -557,6 +564,17 @@ impl Drop for Tracer {
 /// Loads every program of `backend` into the kernel (so the verifier checks
 /// it against this kernel) without attaching anything, and returns their
 /// names. This is how a kernel without kprobes still proves the kprobe
+/// The netfilter families to attach links for: IPv4 always (the existing
+/// behaviour), IPv6 only when an IPv6 Service is traced, so an IPv4-only
+/// trace adds nothing to the node's IPv6 hooks.
+fn nf_families(services: &[Service]) -> Vec<u32> {
+    let mut pfs = vec![nf_link::NFPROTO_IPV4];
+    if services.iter().any(|s| s.addr.is_ipv6()) {
+        pfs.push(nf_link::NFPROTO_IPV6);
+    }
+    pfs
+}
+
 /// programs load.
 pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
     preflight()?;
@@ -658,7 +676,7 @@ fn write_config(
     for (index, svc) in services.iter().enumerate() {
         for proto in [proto::TCP, proto::UDP] {
             let key = ServiceKey {
-                addr: svc.addr.octets(),
+                addr: svc.kernel_addr(),
                 port: svc.port.unwrap_or(0),
                 proto,
                 _pad: 0,
