@@ -11,6 +11,7 @@ mod backend_rules;
 mod drop_reason;
 mod flow;
 mod ifnames;
+mod ip6_rules;
 mod path_rules;
 mod report;
 mod rules;

@@ -32,6 +32,8 @@ pub enum CauseId {
     HairpinModeOff,
     /// Seed 000/001: the reply was bridged between two pods without netfilter.
     BridgeNfCallIptablesOff,
+    /// Seed 000/001 over IPv6: bridged past ip6tables (`ip6_rules`).
+    BridgeNfCallIp6tablesOff,
     /// Same evidence, but the sysctl read 1 at start: it changed, or another
     /// namespace owns the bridge.
     ReplyBridgedWithoutNetfilter,
@@ -55,6 +57,7 @@ impl CauseId {
         CauseId::HairpinNotMasqueraded,
         CauseId::HairpinModeOff,
         CauseId::BridgeNfCallIptablesOff,
+        CauseId::BridgeNfCallIp6tablesOff,
         CauseId::ReplyBridgedWithoutNetfilter,
         CauseId::NoReplyThroughNode,
         CauseId::NoEndpoints,
@@ -73,6 +76,7 @@ impl CauseId {
             CauseId::HairpinNotMasqueraded => "hairpin_not_masqueraded",
             CauseId::HairpinModeOff => "hairpin_mode_off",
             CauseId::BridgeNfCallIptablesOff => "bridge_nf_call_iptables_off",
+            CauseId::BridgeNfCallIp6tablesOff => "bridge_nf_call_ip6tables_off",
             CauseId::ReplyBridgedWithoutNetfilter => "reply_bridged_without_netfilter",
             CauseId::NoReplyThroughNode => "no_reply_through_node",
             CauseId::NoEndpoints => "no_endpoints",
@@ -101,8 +105,11 @@ impl CauseId {
             CauseId::BridgeNfCallIptablesOff => {
                 "load br_netfilter and set net.bridge.bridge-nf-call-iptables=1 in the node namespace (before kubelet starts)"
             }
+            CauseId::BridgeNfCallIp6tablesOff => {
+                "load br_netfilter and set net.bridge.bridge-nf-call-ip6tables=1 in the node namespace (before kubelet starts)"
+            }
             CauseId::ReplyBridgedWithoutNetfilter => {
-                "check net.bridge.bridge-nf-call-iptables in the namespace that owns the bridge (it must be 1) and that br_netfilter is loaded"
+                "check net.bridge.bridge-nf-call-iptables (ip6tables for IPv6) in the namespace that owns the bridge (it must be 1) and that br_netfilter is loaded"
             }
             CauseId::NoReplyThroughNode => {
                 "make replies return through the DNATing node: SNAT here (kube-proxy masqueradeAll: true, or externalTrafficPolicy: Cluster), or route the Service CIDR to the backend's node"
@@ -147,6 +154,9 @@ impl CauseId {
             }
             CauseId::BridgeNfCallIptablesOff => {
                 "seed 000/001: same-node reply bridged past netfilter (br_netfilter off), TCP or DNS"
+            }
+            CauseId::BridgeNfCallIp6tablesOff => {
+                "seed 000/001 over IPv6: same-node reply bridged past ip6tables (bridge-nf-call-ip6tables=0), TCP or DNS"
             }
             CauseId::ReplyBridgedWithoutNetfilter => {
                 "seed 000 evidence although bridge-nf-call-iptables read 1 (changed, or another namespace owns the bridge)"
@@ -294,6 +304,11 @@ const RULES: &[Rule] = &[
         check: bridged_reply_sysctl_off,
     },
     Rule {
+        id: CauseId::BridgeNfCallIp6tablesOff,
+        verdicts: &[Verdict::ReplyNotReverseNated],
+        check: super::ip6_rules::bridged_reply6_sysctl_off,
+    },
+    Rule {
         id: CauseId::ReplyBridgedWithoutNetfilter,
         verdicts: &[Verdict::ReplyNotReverseNated],
         check: bridged_reply_sysctl_on,
@@ -353,7 +368,7 @@ pub(crate) fn infer(ctx: &RuleCtx<'_>) -> Option<Cause> {
 
 /// The reply that reached the client entered a bridge port and left by
 /// another port of the same bridge, and no netfilter hook saw it.
-fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(super) fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
     let reply = ctx.flow.client_reply?;
     let obs: Vec<&Obs> = ctx.flow.packet_obs(reply.packet).collect();
     if obs.iter().any(|o| o.hook == hook::NETFILTER) {
@@ -389,7 +404,8 @@ fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
 }
 
 fn bridged_reply_sysctl_off(ctx: &RuleCtx<'_>) -> Option<Found> {
-    if ctx.facts.bridge_passes_netfilter() {
+    // IPv6 frames obey bridge-nf-call-ip6tables instead (ip6_rules).
+    if ctx.facts.bridge_passes_netfilter() || ctx.flow.service.addr.is_ipv6() {
         return None;
     }
     let (clause, text) = bridged_reply(ctx)?;
@@ -405,10 +421,15 @@ fn bridged_reply_sysctl_off(ctx: &RuleCtx<'_>) -> Option<Found> {
 
 fn bridged_reply_sysctl_on(ctx: &RuleCtx<'_>) -> Option<Found> {
     let (clause, text) = bridged_reply(ctx)?;
+    let knob = if ctx.flow.service.addr.is_ipv6() {
+        "bridge-nf-call-ip6tables"
+    } else {
+        "bridge-nf-call-iptables"
+    };
     Some((
         clause,
         format!(
-            "{text}, although net.bridge.bridge-nf-call-iptables was 1 in namespace {} at start (changed since, or another namespace owns the bridge?)",
+            "{text}, although net.bridge.{knob} was 1 in namespace {} at start (changed since, or another namespace owns the bridge?)",
             ctx.facts.netns_name
         ),
     ))

@@ -62,7 +62,12 @@ fn outcome(reports: &[FlowReport]) -> Vec<(Verdict, Option<CauseId>, Option<Stri
                 }
                 IpAddr::V4(_) => b.to_string(),
             });
-            (r.verdict, r.cause.as_ref().map(|c| c.id), backend)
+            // The same incident, named by the family's own sysctl.
+            let cause = r.cause.as_ref().map(|c| match c.id {
+                CauseId::BridgeNfCallIp6tablesOff => CauseId::BridgeNfCallIptablesOff,
+                id => id,
+            });
+            (r.verdict, cause, backend)
         })
         .collect()
 }

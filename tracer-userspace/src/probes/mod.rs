@@ -696,6 +696,8 @@ fn read_facts(facts: &mut NodeFacts) -> Result<BTreeSet<u32>, TraceError> {
     facts.bridge_nf_call_iptables =
         netns::read_sysctl_bool("/proc/sys/net/bridge/bridge-nf-call-iptables");
     facts.ip_forward = netns::read_sysctl_bool("/proc/sys/net/ipv4/ip_forward");
+    facts.bridge_nf_call_ip6tables =
+        netns::read_sysctl_bool("/proc/sys/net/bridge/bridge-nf-call-ip6tables");
     Ok(links.pod_veths)
 }
 
