@@ -67,6 +67,9 @@ pub struct KernelStats {
     pub muted: u64,
     pub flow_map_full: u64,
     pub read_errors: u64,
+    /// IPv6 packets whose TCP/UDP header the programs could not reach
+    /// (non-first fragments, ESP/AH, more extension headers than walked).
+    pub ipv6_unfollowed: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -460,6 +463,7 @@ impl Tracer {
             muted: sum(stat::MUTED_PACKETS),
             flow_map_full: sum(stat::FLOW_MAP_FULL),
             read_errors: sum(stat::READ_ERRORS),
+            ipv6_unfollowed: sum(stat::IPV6_UNFOLLOWED),
         }
     }
 
