@@ -672,6 +672,17 @@ fn write_config(
     .map_err(kernel_err("CONFIG"))?;
     array.set(0, config, 0).map_err(kernel_err("CONFIG"))?;
 
+    // aya's HashMap also opens LRU hash maps.
+    let mut addrs: HashMap<&mut MapData, tracer_common::Addr, u8> = HashMap::try_from(
+        ebpf.map_mut("ADDRS")
+            .ok_or_else(|| TraceError::Kernel("map ADDRS missing".into()))?,
+    )
+    .map_err(kernel_err("ADDRS"))?;
+    for svc in services {
+        addrs
+            .insert(svc.kernel_addr(), 1, 0)
+            .map_err(kernel_err("ADDRS"))?;
+    }
     let mut map: HashMap<&mut MapData, ServiceKey, u8> = HashMap::try_from(
         ebpf.map_mut("SERVICES")
             .ok_or_else(|| TraceError::Kernel("map SERVICES missing".into()))?,
