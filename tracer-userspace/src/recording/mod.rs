@@ -156,6 +156,10 @@ pub struct StatsLine {
     pub muted_packets: u64,
     #[serde(default)]
     pub flow_map_full: u64,
+    /// IPv6 packets (any, before filtering) whose TCP/UDP header could not
+    /// be reached: non-first fragments, ESP/AH, too many extension headers.
+    #[serde(default)]
+    pub ipv6_unfollowed: u64,
 }
 
 impl StatsLine {
@@ -166,6 +170,7 @@ impl StatsLine {
             kernel_events: s.events,
             muted_packets: s.muted,
             flow_map_full: s.flow_map_full,
+            ipv6_unfollowed: s.ipv6_unfollowed,
         }
     }
 }
