@@ -11,7 +11,7 @@ use tracer_common::{
     direction, hook, nat_stage, proto, stat, tcp_flags, v4_mapped,
 };
 
-use crate::{ENDPOINTS, EVENTS, INFLIGHT, SERVICES, STATS};
+use crate::{ADDRS, ENDPOINTS, EVENTS, INFLIGHT, SERVICES, STATS};
 
 /// BPF_NOEXIST: a concurrent first packet of the same flow on another CPU must
 /// not reset the other's counters.
@@ -249,6 +249,8 @@ fn endpoint(client: &EndpointKey, svc: u8) -> Option<*mut EndpointState> {
             return None;
         }
     }
+    // The pre-filter must know the new client side before its next packet.
+    let _ = ADDRS.insert(&client.addr, &1, 0);
     ENDPOINTS.get_ptr_mut(client)
 }
 
@@ -263,15 +265,19 @@ struct Match {
 /// ports: this is the path every packet of the node takes.
 #[inline(always)]
 fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
+    // Pre-filter (ADDRS): rules 1 and 3 need a known destination address,
+    // rule 2 a known source address.
+    let dst_known = unsafe { ADDRS.get(&pkt.daddr) }.is_some();
+    let src_known = unsafe { ADDRS.get(&pkt.saddr) }.is_some();
     let src = key(pkt.saddr, pkt.sport, pkt.proto);
-    if let Some(svc) = service_at(pkt.daddr, pkt.dport, pkt.proto) {
+    if dst_known && let Some(svc) = service_at(pkt.daddr, pkt.dport, pkt.proto) {
         return Some(Match {
             dir: direction::REQUEST,
             svc,
             state: endpoint(&src, svc),
         });
     }
-    if let Some(state) = ENDPOINTS.get_ptr_mut(&src) {
+    if src_known && let Some(state) = ENDPOINTS.get_ptr_mut(&src) {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REQUEST,
@@ -280,7 +286,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
         });
     }
     let dst = key(pkt.daddr, pkt.dport, pkt.proto);
-    if let Some(state) = ENDPOINTS.get_ptr_mut(&dst) {
+    if dst_known && let Some(state) = ENDPOINTS.get_ptr_mut(&dst) {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REPLY,

@@ -67,6 +67,9 @@ pub struct KernelStats {
     pub muted: u64,
     pub flow_map_full: u64,
     pub read_errors: u64,
+    /// IPv6 packets whose TCP/UDP header the programs could not reach
+    /// (non-first fragments, ESP/AH, more extension headers than walked).
+    pub ipv6_unfollowed: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -460,6 +463,7 @@ impl Tracer {
             muted: sum(stat::MUTED_PACKETS),
             flow_map_full: sum(stat::FLOW_MAP_FULL),
             read_errors: sum(stat::READ_ERRORS),
+            ipv6_unfollowed: sum(stat::IPV6_UNFOLLOWED),
         }
     }
 
@@ -668,6 +672,17 @@ fn write_config(
     .map_err(kernel_err("CONFIG"))?;
     array.set(0, config, 0).map_err(kernel_err("CONFIG"))?;
 
+    // aya's HashMap also opens LRU hash maps.
+    let mut addrs: HashMap<&mut MapData, tracer_common::Addr, u8> = HashMap::try_from(
+        ebpf.map_mut("ADDRS")
+            .ok_or_else(|| TraceError::Kernel("map ADDRS missing".into()))?,
+    )
+    .map_err(kernel_err("ADDRS"))?;
+    for svc in services {
+        addrs
+            .insert(svc.kernel_addr(), 1, 0)
+            .map_err(kernel_err("ADDRS"))?;
+    }
     let mut map: HashMap<&mut MapData, ServiceKey, u8> = HashMap::try_from(
         ebpf.map_mut("SERVICES")
             .ok_or_else(|| TraceError::Kernel("map SERVICES missing".into()))?,
