@@ -294,3 +294,38 @@ fn root_ipv6_hairpin_and_no_endpoints_routed() {
     require_root!();
     hairpin_and_no_endpoints(ProxyMode::Iptables, Datapath::Routed);
 }
+
+/// kube-proxy writing through iptables-legacy: nattrace reads the IPv6 half
+/// with `ip6tables-legacy-save` (only because legacy IPv6 tables exist in
+/// that namespace) and names the IPv6 flow's Service and chains.
+#[test]
+fn root_ipv6_iptables_legacy_names_service_and_chains() {
+    require_root!();
+    let _lock = tracing_lock();
+    let mut spec = presets::seed000(presets::Seed000::default());
+    spec.kube_proxy.iptables = lab::IptablesBackend::Legacy;
+    let lab = build(ProxyMode::Iptables, Datapath::Bridge, spec);
+    let web6_svc = sock(web6(), presets::WEB_PORT);
+    let backend6 = sock(
+        lab.pod_ip6(presets::BACKEND_POD).unwrap(),
+        presets::WEB_PORT,
+    );
+    let done = trace(
+        &lab,
+        presets::NODE_A,
+        std::slice::from_ref(&web6_svc),
+        || {
+            assert!(curl(&lab, presets::CLIENT_POD, web6()).is_some());
+        },
+    );
+    let f = flow_to(&done, &web6_svc);
+    assert_verdict_and_cause(&f, "ok", None, &done);
+    assert_eq!(f["backend"], backend6, "{f}");
+    assert_chains(
+        &f,
+        ProxyMode::Iptables,
+        "default/web:http",
+        Protocol::Tcp,
+        &backend6,
+    );
+}
