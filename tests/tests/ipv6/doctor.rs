@@ -3,6 +3,7 @@
 //! on a forwarding interface, and a Service whose pods have no IPv6
 //! address.
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use super::*;
@@ -136,4 +137,63 @@ fn root_ipv6_doctor_checks() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// What a dual-stack node could have changed by doctor or a trace on the
+/// IPv6 side: both families' legacy tables (x_tables instantiates a table
+/// when asked for it), the nf_tables ruleset, modules, IPv6 sysctls and
+/// routes (stateless: counters move with traffic).
+const SNAPSHOT6: &str = r##"
+echo '# nft'; nft -s list ruleset
+for f in ip_tables_names ip6_tables_names; do echo "# $f"; cat /proc/net/$f 2>/dev/null; done
+if grep -q . /proc/net/ip6_tables_names 2>/dev/null; then
+  echo '# legacy6'; ip6tables-legacy-save | grep -v '^#' | sed 's/\[[0-9]*:[0-9]*\]//'
+fi
+echo '# modules'; if [ -e /proc/modules ]; then cut -d' ' -f1 /proc/modules | sort; else echo none; fi
+echo '# sysctls'
+for f in /proc/sys/net/bridge/bridge-nf-call-ip6tables /proc/sys/net/ipv6/conf/*/forwarding \
+         /proc/sys/net/ipv6/conf/*/accept_ra; do
+  [ -e "$f" ] && echo "$f=$(cat "$f")"
+done
+# (a bridge's carrier, and so `linkdown`, settles on its own after the build)
+echo '# routes'; ip -6 route show table all | grep -v expires | sed 's/ linkdown//'
+"##;
+
+#[test]
+fn root_ipv6_doctor_and_trace_change_nothing_on_a_dual_stack_legacy_node() {
+    require_root!();
+    let _lock = lab::tracer::tracing_lock();
+    let mut spec = presets::seed000(presets::Seed000::default());
+    spec.kube_proxy.iptables = lab::IptablesBackend::Legacy;
+    let lab = build(ProxyMode::Iptables, Datapath::Bridge, spec);
+    let snapshot = || lab.run(presets::NODE_A, &["sh", "-c", SNAPSHOT6]).unwrap();
+    let before = snapshot();
+    assert!(
+        before.contains("# legacy6") && before.contains("KUBE-SVC-"),
+        "{before}"
+    );
+    let (status, report) = doctor(&lab, presets::NODE_A);
+    assert_eq!(status, Some(0), "{report}");
+    assert_eq!(snapshot(), before, "nattrace doctor changed the node");
+    let svc = SocketAddr::new(web6(), presets::WEB_PORT).to_string();
+    let ns = lab.node_netns(presets::NODE_A).unwrap().path();
+    let args: Vec<String> = [
+        "--svc",
+        &svc,
+        "--netns",
+        &ns.display().to_string(),
+        "--duration",
+        "3",
+        "--output",
+        "json",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut tracer = lab::tracer::Nattrace::spawn(&lab::tracer::nattrace(), &args, &[], false)
+        .expect("starting nattrace");
+    tracer.wait_started(Duration::from_secs(30)).unwrap();
+    assert!(curl(&lab, presets::CLIENT_POD, web6()).is_some());
+    let done = tracer.wait(Duration::from_secs(33)).unwrap();
+    assert_eq!(done.status.code(), Some(0), "{}", done.describe());
+    assert_eq!(snapshot(), before, "a trace changed the node");
 }
