@@ -1,8 +1,8 @@
-//! A minimal IPv4 prefix type; the lab only needs parsing, printing,
+//! Minimal IPv4 and IPv6 prefix types; the lab only needs parsing, printing,
 //! membership and "n-th host", which does not justify another dependency.
 
 use std::fmt;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 
 /// An IPv4 prefix such as `100.96.54.0/24`. The address may have host bits
@@ -89,6 +89,66 @@ impl FromStr for Ipv4Cidr {
     }
 }
 
+/// An IPv6 prefix such as `fd00:10:244:36::/64` (host bits may be set,
+/// as on an interface address).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Ipv6Cidr {
+    addr: Ipv6Addr,
+    prefix: u8,
+}
+
+impl Ipv6Cidr {
+    /// `prefix` must be at most 128.
+    pub const fn new(addr: Ipv6Addr, prefix: u8) -> Self {
+        assert!(prefix <= 128, "IPv6 prefix length is at most 128");
+        Ipv6Cidr { addr, prefix }
+    }
+
+    /// The address as given (host bits kept).
+    pub fn addr(&self) -> Ipv6Addr {
+        self.addr
+    }
+
+    /// The prefix length.
+    pub fn prefix(&self) -> u8 {
+        self.prefix
+    }
+
+    fn mask(&self) -> u128 {
+        if self.prefix == 0 {
+            0
+        } else {
+            u128::MAX << (128 - self.prefix)
+        }
+    }
+
+    /// The network address (host bits cleared).
+    pub fn network(&self) -> Ipv6Addr {
+        Ipv6Addr::from(u128::from(self.addr) & self.mask())
+    }
+
+    /// The network prefix itself.
+    pub fn trunc(&self) -> Ipv6Cidr {
+        Ipv6Cidr::new(self.network(), self.prefix)
+    }
+
+    /// The `n`-th address of the prefix (0 is the subnet-router anycast address).
+    pub fn host(&self, n: u128) -> Ipv6Addr {
+        Ipv6Addr::from(u128::from(self.network()).wrapping_add(n))
+    }
+
+    /// Whether `ip` lies inside this prefix.
+    pub fn contains(&self, ip: Ipv6Addr) -> bool {
+        u128::from(ip) & self.mask() == u128::from(self.network())
+    }
+}
+
+impl fmt::Display for Ipv6Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
 /// Shorthand for tests and presets: panics on a malformed literal.
 pub fn cidr(s: &str) -> Ipv4Cidr {
     s.parse().unwrap_or_else(|e| panic!("{e}"))
@@ -112,5 +172,10 @@ mod tests {
         assert!("1.2.3.4/33".parse::<Ipv4Cidr>().is_err());
         assert!("1.2.3.4".parse::<Ipv4Cidr>().is_err());
         assert_eq!(cidr("0.0.0.0/0").network(), Ipv4Addr::UNSPECIFIED);
+        let v6 = Ipv6Cidr::new("fd00:10:244:36::f0".parse().unwrap(), 64);
+        assert_eq!(v6.trunc().to_string(), "fd00:10:244:36::/64");
+        assert_eq!(v6.host(1).to_string(), "fd00:10:244:36::1");
+        assert!(v6.contains("fd00:10:244:36::1:2".parse().unwrap()));
+        assert!(!v6.contains("fd00:10:244:37::1".parse().unwrap()));
     }
 }

@@ -7,10 +7,10 @@
 mod cni;
 mod node;
 
-pub use node::{NodeNet, render_node};
+pub use node::{NodeNet, NodeNet6, render_node, render_node6};
 
 use std::fmt::Write as _;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, SocketAddr};
 
 use sha2::{Digest, Sha256};
 
@@ -24,14 +24,14 @@ pub const MASQ_MARK: &str = "0x4000/0x4000";
 pub struct ResolvedService {
     /// `ns/name:port`.
     pub port_name: String,
-    /// ClusterIP.
-    pub cluster_ip: Ipv4Addr,
+    /// ClusterIP (an IPv6 one for the IPv6 proxier's rules).
+    pub cluster_ip: IpAddr,
     /// Service port.
     pub port: u16,
     /// TCP or UDP.
     pub protocol: Protocol,
-    /// `(ip, target port)` in kube-proxy's order.
-    pub endpoints: Vec<(Ipv4Addr, u16)>,
+    /// `(ip, target port)` in kube-proxy's order, of the ClusterIP's family.
+    pub endpoints: Vec<(IpAddr, u16)>,
     /// See [`crate::ServiceSpec::pinned`].
     pub pinned: Option<usize>,
     /// See [`crate::ServiceSpec::node_port`].
@@ -165,8 +165,31 @@ impl Table {
     }
 }
 
+/// `ip/32` or `ip/128`, as iptables-save prints a host address.
+pub(crate) fn host_cidr(ip: IpAddr) -> String {
+    format!("{ip}/{}", if ip.is_ipv6() { 128 } else { 32 })
+}
+
+/// kube-proxy's endpoint string (Go's `net.JoinHostPort`): `ip:port`,
+/// `[ip6]:port`. It names `KUBE-SEP-` chains and `--to-destination`.
+pub(crate) fn endpoint_string(ip: IpAddr, port: u16) -> String {
+    SocketAddr::new(ip, port).to_string()
+}
+
 /// kube-proxy's nat chains and rules (without the node's other writers).
 pub(crate) fn nat_table(config: &KubeProxyConfig, services: &[ResolvedService]) -> Table {
+    let cidr = config.cluster_cidr.map(|c| c.trunc().to_string());
+    nat_table_for(config, services, cidr, false)
+}
+
+/// [`nat_table`] for one family's proxier: `cluster_cidr` is that family's
+/// `--cluster-cidr`; `v6` selects the IPv6 proxier's differences.
+pub(crate) fn nat_table_for(
+    config: &KubeProxyConfig,
+    services: &[ResolvedService],
+    cluster_cidr: Option<String>,
+    v6: bool,
+) -> Table {
     let mut t = Table::new("nat");
     for chain in [
         "KUBE-MARK-MASQ",
@@ -212,8 +235,9 @@ pub(crate) fn nat_table(config: &KubeProxyConfig, services: &[ResolvedService]) 
         let svc_chain = svc_chain(name, svc.protocol);
         t.chain(&svc_chain);
         let cluster_ip_match = format!(
-            r#"-d {}/32 -p {proto} -m comment --comment "{name} cluster IP" -m {proto} --dport {}"#,
-            svc.cluster_ip, svc.port
+            r#"-d {} -p {proto} -m comment --comment "{name} cluster IP" -m {proto} --dport {}"#,
+            host_cidr(svc.cluster_ip),
+            svc.port
         );
         t.rule(
             "KUBE-SERVICES",
@@ -222,10 +246,10 @@ pub(crate) fn nat_table(config: &KubeProxyConfig, services: &[ResolvedService]) 
 
         if config.masquerade_all {
             t.rule(&svc_chain, &format!("{cluster_ip_match} -j KUBE-MARK-MASQ"));
-        } else if let Some(cidr) = config.cluster_cidr {
+        } else if let Some(cidr) = &cluster_cidr {
             t.rule(
                 &svc_chain,
-                &format!("! -s {} {cluster_ip_match} -j KUBE-MARK-MASQ", cidr.trunc()),
+                &format!("! -s {cidr} {cluster_ip_match} -j KUBE-MARK-MASQ"),
             );
         }
 
@@ -251,7 +275,7 @@ pub(crate) fn nat_table(config: &KubeProxyConfig, services: &[ResolvedService]) 
 
         let n = svc.endpoints.len();
         for (i, (ip, port)) in svc.endpoints.iter().enumerate() {
-            let endpoint = format!("{ip}:{port}");
+            let endpoint = endpoint_string(*ip, *port);
             let sep = sep_chain(name, svc.protocol, &endpoint);
             t.chain(&sep);
             let comment = format!(r#"-m comment --comment "{name} -> {endpoint}""#);
@@ -271,7 +295,10 @@ pub(crate) fn nat_table(config: &KubeProxyConfig, services: &[ResolvedService]) 
             if !config.omit_hairpin_masquerade {
                 t.rule(
                     &sep,
-                    &format!(r#"-s {ip}/32 -m comment --comment "{name}" -j KUBE-MARK-MASQ"#),
+                    &format!(
+                        r#"-s {} -m comment --comment "{name}" -j KUBE-MARK-MASQ"#,
+                        host_cidr(*ip)
+                    ),
                 );
             }
             t.rule(
@@ -282,8 +309,11 @@ pub(crate) fn nat_table(config: &KubeProxyConfig, services: &[ResolvedService]) 
             );
         }
     }
-    // kube-proxy always ends KUBE-SERVICES with the NodePort jump.
-    t.rule("KUBE-SERVICES", r#"-m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"#);
+    // kube-proxy always ends KUBE-SERVICES with the NodePort jump; the IPv6
+    // proxier excludes ::1, where NodePorts never work (proxier.go:
+    // `if isIPv6 { destinations = append(destinations, "!", "-d", "::1/128") }`).
+    let not_loopback = if v6 { "! -d ::1/128 " } else { "" };
+    t.rule("KUBE-SERVICES", &format!(r#"{not_loopback}-m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"#));
     t
 }
 
@@ -397,5 +427,45 @@ mod tests {
         assert!(!nat.contains("! -s"));
         let svc = svc_chain("default/web:http", Protocol::Tcp);
         assert!(nat.contains(&format!("-A {svc} -d 100.67.30.133/32 -p tcp")));
+    }
+
+    #[test]
+    fn ipv6_node_rules_read_like_ip6tables_save() {
+        let v6 = ResolvedService {
+            cluster_ip: "fd00:10:96::1e85".parse().unwrap(),
+            endpoints: vec![("fd00:10:244:36::f7".parse().unwrap(), 80)],
+            ..web(None)
+        };
+        let empty = ResolvedService {
+            port_name: "default/web-empty:http".into(),
+            cluster_ip: "fd00:10:96::1e8c".parse().unwrap(),
+            endpoints: vec![],
+            ..web(None)
+        };
+        let config = KubeProxyConfig {
+            cluster_cidr: Some(cidr("100.96.0.0/11")),
+            ..Default::default()
+        };
+        let net = NodeNet6 {
+            pod_cidr: crate::Ipv6Cidr::new("fd00:10:244:36::".parse().unwrap(), 64),
+            cluster_network: crate::dual_stack::POD_NETWORK6,
+        };
+        let out = render_node6(&config, &[v6, empty], net);
+        let sep = sep_chain("default/web:http", Protocol::Tcp, "[fd00:10:244:36::f7]:80");
+        for want in [
+            format!("-A {sep} -s fd00:10:244:36::f7/128 -m comment --comment \"default/web:http\" -j KUBE-MARK-MASQ"),
+            format!("-A {sep} -p tcp -m comment --comment \"default/web:http\" -m tcp -j DNAT --to-destination [fd00:10:244:36::f7]:80"),
+            "-A KUBE-SERVICES ! -d ::1/128 -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS".into(),
+            "-A KUBE-SERVICES -d fd00:10:96::1e8c/128 -p tcp -m comment --comment \"default/web-empty:http has no endpoints\" -m tcp --dport 80 -j REJECT --reject-with icmp6-port-unreachable".into(),
+            "-A FLANNEL-POSTRTG -s fd00:10:244::/56 ! -d ff00::/8 -m comment --comment \"flanneld masq\" -j MASQUERADE --random-fully".into(),
+        ] {
+            assert!(out.lines().any(|l| l == want), "missing {want}\n{out}");
+        }
+        assert!(
+            out.contains("! -s fd00:10:244::/56 -d fd00:10:96::1e85/128"),
+            "{out}"
+        );
+        // kubelet and kube-proxy write KUBE-FIREWALL for IPv4 only.
+        assert!(!out.contains("KUBE-FIREWALL"), "{out}");
     }
 }

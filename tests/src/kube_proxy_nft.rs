@@ -5,11 +5,11 @@
 //! base-chain priorities, maps and chain names of a real node.
 
 use std::fmt::Write as _;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use sha2::{Digest, Sha256};
 
-use crate::kube_proxy::{ResolvedService, base32_std};
+use crate::kube_proxy::{ResolvedService, base32_std, endpoint_string};
 use crate::spec::{KubeProxyConfig, Protocol};
 
 /// kube-proxy's table (`ip` family: one table per IP family).
@@ -35,9 +35,15 @@ pub fn service_chain(port_name: &str, protocol: Protocol) -> String {
     format!("service-{}", hash_and_prefix(&base(port_name, protocol)))
 }
 
-/// `endpoint-HASH-ns/name/proto/port__ip/port` (`endpoint` is `ip:port`).
+/// `endpoint-HASH-ns/name/proto/port__ip/port` (`endpoint` is `ip:port` or
+/// `[ip6]:port`; an IPv6 address's colons become dots, as chain names allow
+/// no colons: `servicePortEndpointChainNameBase`).
 pub fn endpoint_chain(port_name: &str, protocol: Protocol, endpoint: &str) -> String {
     let (ip, port) = endpoint.rsplit_once(':').unwrap_or((endpoint, ""));
+    let ip = ip
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .replace(':', ".");
     format!(
         "endpoint-{}",
         hash_and_prefix(&format!("{}__{ip}/{port}", base(port_name, protocol)))
@@ -47,25 +53,55 @@ pub fn endpoint_chain(port_name: &str, protocol: Protocol, endpoint: &str) -> St
 /// The whole `table ip kube-proxy` for one node. `node_ip` fills
 /// `nodeport-ips` (kube-proxy's default `--nodeport-addresses=primary`).
 pub fn render(config: &KubeProxyConfig, services: &[ResolvedService], node_ip: Ipv4Addr) -> String {
+    let cidr = config.cluster_cidr.map(|c| c.trunc().to_string());
+    render_family(config, services, node_ip.into(), cidr)
+}
+
+/// `table ip6 kube-proxy`: the IPv6 proxier's table on a dual-stack node
+/// (kube-proxy runs one proxier, and so one table, per family; the rules
+/// differ only in `ip6`/`ipv6_addr`). `cluster_cidr` is the IPv6
+/// `--cluster-cidr`.
+pub fn render6(
+    config: &KubeProxyConfig,
+    services: &[ResolvedService],
+    node_ip: Ipv6Addr,
+    cluster_cidr: Option<String>,
+) -> String {
+    render_family(config, services, node_ip.into(), cluster_cidr)
+}
+
+fn render_family(
+    config: &KubeProxyConfig,
+    services: &[ResolvedService],
+    node_ip: IpAddr,
+    cluster_cidr: Option<String>,
+) -> String {
+    // proxier.go: `ipX := "ip"; ipvX_addr := "ipv4_addr"` (ip6 / ipv6_addr for IPv6).
+    let (ipx, addr_type) = if node_ip.is_ipv6() {
+        ("ip6", "ipv6_addr")
+    } else {
+        ("ip", "ipv4_addr")
+    };
     let mut out = String::new();
     // `writeln!` to a String cannot fail.
     let mut line = |l: String| {
         let _ = writeln!(out, "{l}");
     };
-    let t = format!("ip {TABLE}");
+    let t = format!("{ipx} {TABLE}");
     line(format!(
         r#"add table {t} {{ comment "rules for kube-proxy" ; }}"#
     ));
     line(format!(
-        r#"add set {t} cluster-ips {{ type ipv4_addr ; comment "Active ClusterIPs" ; }}"#
+        r#"add set {t} cluster-ips {{ type {addr_type} ; comment "Active ClusterIPs" ; }}"#
     ));
     line(format!(
-        r#"add set {t} nodeport-ips {{ type ipv4_addr ; comment "IPs that accept NodePort traffic" ; }}"#
+        r#"add set {t} nodeport-ips {{ type {addr_type} ; comment "IPs that accept NodePort traffic" ; }}"#
     ));
+    let addr_key = format!("{addr_type} . inet_proto . inet_service");
     for (map, key, comment) in [
         (
             "firewall-ips",
-            "ipv4_addr . inet_proto . inet_service",
+            addr_key.as_str(),
             "destinations that are subject to LoadBalancerSourceRanges",
         ),
         (
@@ -75,12 +111,12 @@ pub fn render(config: &KubeProxyConfig, services: &[ResolvedService], node_ip: I
         ),
         (
             "no-endpoint-services",
-            "ipv4_addr . inet_proto . inet_service",
+            addr_key.as_str(),
             "vmap to drop or reject packets to services with no endpoints",
         ),
         (
             "service-ips",
-            "ipv4_addr . inet_proto . inet_service",
+            addr_key.as_str(),
             "ClusterIP, ExternalIP and LoadBalancer IP traffic",
         ),
         (
@@ -115,7 +151,7 @@ pub fn render(config: &KubeProxyConfig, services: &[ResolvedService], node_ip: I
     ] {
         line(format!("add chain {t} {chain}"));
     }
-    for rule in [
+    let rules = [
         r#"cluster-ips-check ip daddr @cluster-ips reject comment "Reject traffic to invalid ports of ClusterIPs""#,
         "filter-prerouting-pre-dnat ct state new jump firewall-check",
         "filter-forward ct state new jump service-endpoints-check",
@@ -126,8 +162,9 @@ pub fn render(config: &KubeProxyConfig, services: &[ResolvedService], node_ip: I
         "filter-output-pre-dnat ct state new jump firewall-check",
         "filter-output ct state new jump cluster-ips-check",
         "firewall-check ip daddr . meta l4proto . th dport vmap @firewall-ips",
-    ] {
-        line(format!("add rule {t} {rule}"));
+    ];
+    for rule in rules {
+        line(format!("add rule {t} {}", family(rule, ipx)));
     }
     line(format!(
         "add rule {t} mark-for-masquerade mark set mark or {MASQ_MARK}"
@@ -140,7 +177,7 @@ pub fn render(config: &KubeProxyConfig, services: &[ResolvedService], node_ip: I
     line(format!(
         "add rule {t} masquerading mark set mark xor {MASQ_MARK}"
     ));
-    for rule in [
+    let rules = [
         "masquerading masquerade fully-random",
         "nat-output jump services",
         "nat-postrouting jump masquerading",
@@ -149,12 +186,13 @@ pub fn render(config: &KubeProxyConfig, services: &[ResolvedService], node_ip: I
         "reject-chain reject",
         "services ip daddr . meta l4proto . th dport vmap @service-ips",
         "services ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports",
-    ] {
-        line(format!("add rule {t} {rule}"));
+    ];
+    for rule in rules {
+        line(format!("add rule {t} {}", family(rule, ipx)));
     }
     line(format!("add element {t} nodeport-ips {{ {node_ip} }}"));
     line(format!(
-        "add rule {t} service-endpoints-check ip daddr . meta l4proto . th dport vmap @no-endpoint-services"
+        "add rule {t} service-endpoints-check {ipx} daddr . meta l4proto . th dport vmap @no-endpoint-services"
     ));
 
     for svc in services {
@@ -174,12 +212,12 @@ pub fn render(config: &KubeProxyConfig, services: &[ResolvedService], node_ip: I
             continue;
         }
         let chain = service_chain(name, svc.protocol);
-        let endpoints: Vec<(String, Ipv4Addr, u16)> = svc
+        let endpoints: Vec<(String, IpAddr, u16)> = svc
             .endpoints
             .iter()
             .map(|(ip, port)| {
                 (
-                    endpoint_chain(name, svc.protocol, &format!("{ip}:{port}")),
+                    endpoint_chain(name, svc.protocol, &endpoint_string(*ip, *port)),
                     *ip,
                     *port,
                 )
@@ -193,14 +231,13 @@ pub fn render(config: &KubeProxyConfig, services: &[ResolvedService], node_ip: I
         line(format!("add chain {t} {chain}"));
         if config.masquerade_all {
             line(format!(
-                "add rule {t} {chain} ip daddr {} jump mark-for-masquerade",
+                "add rule {t} {chain} {ipx} daddr {} jump mark-for-masquerade",
                 svc.cluster_ip
             ));
-        } else if let Some(cidr) = config.cluster_cidr {
+        } else if let Some(cidr) = &cluster_cidr {
             line(format!(
-                "add rule {t} {chain} ip daddr {} ip saddr != {} jump mark-for-masquerade",
+                "add rule {t} {chain} {ipx} daddr {} {ipx} saddr != {cidr} jump mark-for-masquerade",
                 svc.cluster_ip,
-                cidr.trunc()
             ));
         }
         // Pinned: every slot of the random vmap goes to the pinned endpoint,
@@ -221,11 +258,12 @@ pub fn render(config: &KubeProxyConfig, services: &[ResolvedService], node_ip: I
             // SNATed, or its reply would never come back through the node.
             if !config.omit_hairpin_masquerade {
                 line(format!(
-                    "add rule {t} {ep_chain} ip saddr {ip} jump mark-for-masquerade"
+                    "add rule {t} {ep_chain} {ipx} saddr {ip} jump mark-for-masquerade"
                 ));
             }
             line(format!(
-                "add rule {t} {ep_chain} meta l4proto {proto} dnat to {ip}:{port}"
+                "add rule {t} {ep_chain} meta l4proto {proto} dnat to {}",
+                endpoint_string(*ip, *port)
             ));
         }
         line(format!(
@@ -237,6 +275,11 @@ pub fn render(config: &KubeProxyConfig, services: &[ResolvedService], node_ip: I
         ));
     }
     out
+}
+
+/// A rule written for the `ip` family, in `ipx`'s words.
+fn family(rule: &str, ipx: &str) -> String {
+    rule.replace("ip daddr", &format!("{ipx} daddr"))
 }
 
 #[cfg(test)]
@@ -261,7 +304,7 @@ mod tests {
         );
     }
 
-    fn svc(endpoints: Vec<(Ipv4Addr, u16)>, pinned: Option<usize>) -> ResolvedService {
+    fn svc(endpoints: Vec<(IpAddr, u16)>, pinned: Option<usize>) -> ResolvedService {
         ResolvedService {
             port_name: "ns1/svc1:p80".into(),
             cluster_ip: "172.30.0.41".parse().unwrap(),
@@ -322,5 +365,38 @@ mod tests {
         )));
         assert!(out.contains("ip daddr 172.30.0.41 jump mark-for-masquerade"));
         assert!(!out.contains("ip saddr 10.180.0.1 jump"));
+    }
+
+    #[test]
+    fn ipv6_table_uses_ip6_words_and_dotted_endpoint_chains() {
+        let config = KubeProxyConfig::default();
+        let v6 = ResolvedService {
+            cluster_ip: "fd00:10:96::1e85".parse().unwrap(),
+            endpoints: vec![("fd00:10:244:36::f7".parse().unwrap(), 80)],
+            ..svc(vec![], None)
+        };
+        let out = render6(
+            &config,
+            &[v6],
+            "fd00:172:20::10".parse().unwrap(),
+            Some("fd00:10:244::/56".into()),
+        );
+        let ep = "endpoint-AAAAAAAA-ns1/svc1/tcp/p80__fd00.10.244.36..f7/80";
+        let chain = endpoint_chain("ns1/svc1:p80", Protocol::Tcp, "[fd00:10:244:36::f7]:80");
+        assert_eq!(chain[..9], ep[..9]);
+        assert!(
+            chain.ends_with("-ns1/svc1/tcp/p80__fd00.10.244.36..f7/80"),
+            "{chain}"
+        );
+        for want in [
+            r#"add set ip6 kube-proxy cluster-ips { type ipv6_addr ; comment "Active ClusterIPs" ; }"#.to_string(),
+            "add rule ip6 kube-proxy services ip6 daddr . meta l4proto . th dport vmap @service-ips".into(),
+            format!("add rule ip6 kube-proxy {chain} meta l4proto tcp dnat to [fd00:10:244:36::f7]:80"),
+            format!("add rule ip6 kube-proxy {chain} ip6 saddr fd00:10:244:36::f7 jump mark-for-masquerade"),
+            "add rule ip6 kube-proxy service-ULMVA6XW-ns1/svc1/tcp/p80 ip6 daddr fd00:10:96::1e85 ip6 saddr != fd00:10:244::/56 jump mark-for-masquerade".into(),
+        ] {
+            assert!(out.lines().any(|l| l == want), "missing {want}\n{out}");
+        }
+        assert!(!out.contains(" ip daddr"), "{out}");
     }
 }

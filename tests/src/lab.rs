@@ -2,14 +2,15 @@
 //! and removes everything it created when dropped (also while unwinding from
 //! a panic in the test that owns it).
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::process::{Child, Output, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::cidr::Ipv4Cidr;
+use crate::dual_stack::POD_NETWORK6;
 use crate::error::{LabError, Result};
-use crate::kube_proxy::{self, NodeNet, ResolvedService};
+use crate::kube_proxy::{self, NodeNet, NodeNet6, ResolvedService};
 use crate::kube_proxy_nft;
 use crate::netns::{self, Netns};
 use crate::servers;
@@ -131,6 +132,16 @@ impl Lab {
             .map(|p| p.ip)
     }
 
+    /// A pod's IPv6 address (dual-stack labs).
+    pub fn pod_ip6(&self, pod: &str) -> Option<Ipv6Addr> {
+        self.spec
+            .nodes
+            .iter()
+            .flat_map(|n| &n.pods)
+            .find(|p| p.name == pod)
+            .and_then(|p| p.ip6)
+    }
+
     /// Pids of the background processes the lab started and still owns.
     pub fn pids(&self) -> Vec<u32> {
         self.processes
@@ -163,15 +174,21 @@ impl Lab {
     pub fn deny_forward_to(
         &self,
         node: &str,
-        dst: Ipv4Addr,
+        dst: impl Into<IpAddr>,
         port: u16,
         comment: &str,
     ) -> Result<String> {
-        let (dst, port) = (format!("{dst}/32"), port.to_string());
+        let dst = dst.into();
+        let tool = if dst.is_ipv6() {
+            "ip6tables"
+        } else {
+            "iptables"
+        };
+        let (dst, port) = (kube_proxy::host_cidr(dst), port.to_string());
         self.run(
             node,
             &[
-                "iptables",
+                tool,
                 "-w",
                 "5",
                 "-I",
@@ -224,11 +241,11 @@ impl Lab {
     pub fn http_get(
         &self,
         target: &str,
-        ip: Ipv4Addr,
+        ip: impl Into<IpAddr>,
         port: u16,
         max_time: Duration,
     ) -> Result<Output> {
-        let url = format!("http://{ip}:{port}/");
+        let url = format!("http://{}/", std::net::SocketAddr::new(ip.into(), port));
         let secs = format!("{:.1}", max_time.as_secs_f64());
         self.exec_timeout(
             target,
@@ -241,11 +258,11 @@ impl Lab {
     pub fn dig(
         &self,
         target: &str,
-        server: Ipv4Addr,
+        server: impl Into<IpAddr>,
         name: &str,
         time: Duration,
     ) -> Result<Output> {
-        let at = format!("@{server}");
+        let at = format!("@{}", server.into());
         let t = format!("+time={}", time.as_secs().max(1));
         self.exec_timeout(
             target,
@@ -264,6 +281,13 @@ impl Lab {
     /// lab wrote its rules with.
     pub fn iptables_save(&self, node: &str) -> Result<String> {
         self.iptables_save_table(node, "nat")
+    }
+
+    /// `ip6tables-save -t <table>` in a node's namespace (the lab's backend).
+    pub fn ip6tables_save_table(&self, node: &str, table: &str) -> Result<String> {
+        self.node_netns(node)?;
+        let save = self.spec.kube_proxy.iptables.save6();
+        self.run(node, &[save, "-t", table])
     }
 
     /// `iptables-save -t <table>` in a node's namespace (the lab's backend).
@@ -288,18 +312,79 @@ impl Lab {
             .iter()
             .map(|svc| ResolvedService {
                 port_name: svc.port_name_string(),
-                cluster_ip: svc.cluster_ip,
+                cluster_ip: svc.cluster_ip.into(),
                 port: svc.port,
                 protocol: svc.protocol,
                 endpoints: svc
                     .endpoints
                     .iter()
-                    .map(|ep| (self.pod_ip(&ep.pod).expect("validated"), ep.port))
+                    .map(|ep| (self.pod_ip(&ep.pod).expect("validated").into(), ep.port))
                     .collect(),
                 pinned: svc.pinned,
                 node_port: svc.node_port,
             })
             .collect()
+    }
+
+    /// The IPv6 halves of the dual-stack Services, with their pods' IPv6
+    /// addresses (what kube-proxy's IPv6 proxier sees).
+    fn resolved_services6(&self) -> Vec<ResolvedService> {
+        self.spec
+            .services
+            .iter()
+            .filter_map(|svc| {
+                Some(ResolvedService {
+                    port_name: svc.port_name_string(),
+                    cluster_ip: svc.cluster_ip6?.into(),
+                    port: svc.port,
+                    protocol: svc.protocol,
+                    endpoints: svc
+                        .endpoints
+                        .iter()
+                        .filter_map(|ep| Some((self.pod_ip6(&ep.pod)?.into(), ep.port)))
+                        .collect(),
+                    pinned: svc.pinned,
+                    node_port: svc.node_port,
+                })
+            })
+            .collect()
+    }
+
+    /// The `nft -f` input of kube-proxy's `table ip6 kube-proxy` for node `index`.
+    pub fn kube_proxy_nft_rules6(&self, index: usize) -> String {
+        kube_proxy_nft::render6(
+            &self.spec.kube_proxy,
+            &self.resolved_services6(),
+            crate::dual_stack::node_underlay_ip6(index),
+            self.spec
+                .kube_proxy
+                .cluster_cidr
+                .map(|_| POD_NETWORK6.to_string()),
+        )
+    }
+
+    /// The `ip6tables-restore` input of a dual-stack node (see
+    /// [`Lab::node_rules`]); None for an IPv4-only node.
+    pub fn node_rules6(&self, node: &str) -> Result<Option<String>> {
+        let spec = self
+            .spec
+            .nodes
+            .iter()
+            .find(|n| n.name == node)
+            .ok_or_else(|| LabError::UnknownTarget {
+                name: node.to_string(),
+                known: self.targets().join(", "),
+            })?;
+        Ok(spec.pod_cidr6.map(|pod_cidr| {
+            kube_proxy::render_node6(
+                &self.spec.kube_proxy,
+                &self.resolved_services6(),
+                NodeNet6 {
+                    pod_cidr,
+                    cluster_network: POD_NETWORK6,
+                },
+            )
+        }))
     }
 
     /// kube-proxy's own nat table (the same on every node of this lab).
@@ -465,10 +550,21 @@ impl Lab {
             let rules = self.node_rules(&node.name)?;
             // -w: legacy iptables takes a host-wide lock; parallel labs queue on it.
             netns::run_checked(ns, &[restore, "-w", "5"], Some(rules.as_bytes()))?;
+            let rules6 = self.node_rules6(&node.name)?;
+            if let Some(rules6) = &rules6 {
+                let restore6 = self.spec.kube_proxy.iptables.restore6();
+                netns::run_checked(ns, &[restore6, "-w", "5"], Some(rules6.as_bytes()))?;
+            }
             if self.spec.kube_proxy.mode == ProxyMode::Nftables {
                 let mut table = self.kube_proxy_nft_rules(index);
+                if rules6.is_some() {
+                    table.push_str(&self.kube_proxy_nft_rules6(index));
+                }
                 if replace {
                     // One `nft -f` is one transaction: no moment without it.
+                    if rules6.is_some() {
+                        table.insert_str(0, "delete table ip6 kube-proxy\n");
+                    }
                     table.insert_str(0, "delete table ip kube-proxy\n");
                 }
                 netns::run_checked(ns, &["nft", "-f", "-"], Some(table.as_bytes()))?;

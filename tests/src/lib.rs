@@ -23,6 +23,7 @@
 //! during a panic) kills its processes and deletes its namespaces.
 
 mod cidr;
+pub mod dual_stack;
 mod error;
 pub mod kube_proxy;
 pub mod kube_proxy_nft;
@@ -32,9 +33,10 @@ pub mod presets;
 mod servers;
 mod spec;
 mod topology;
+mod topology6;
 pub mod tracer;
 
-pub use cidr::{Ipv4Cidr, cidr};
+pub use cidr::{Ipv4Cidr, Ipv6Cidr, cidr};
 pub use error::{LabError, Result};
 pub use lab::{EXEC_TIMEOUT, Lab};
 pub use netns::{NAME_PREFIX, NETNS_DIR, Netns, cleanup_stale};

@@ -2,9 +2,9 @@
 //! kube-proxy configuration, the overlay between nodes and an optional
 //! client outside the cluster.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
-use crate::cidr::Ipv4Cidr;
+use crate::cidr::{Ipv4Cidr, Ipv6Cidr};
 
 /// A whole lab. Build it with [`crate::Lab::build`].
 #[derive(Clone, Debug)]
@@ -67,6 +67,11 @@ pub struct NodeSpec {
     /// `net.bridge.bridge-nf-call-iptables` in this node's namespace: whether
     /// bridged IPv4 traffic on `cni0` passes through iptables (seed 000).
     pub bridge_nf_call_iptables: bool,
+    /// The node's IPv6 pod CIDR on a dual-stack lab (see [`LabSpec::dual_stack`]).
+    pub pod_cidr6: Option<Ipv6Cidr>,
+    /// `net.bridge.bridge-nf-call-ip6tables`: whether bridged IPv6 traffic
+    /// on `cni0` passes through ip6tables (seed 000 over IPv6).
+    pub bridge_nf_call_ip6tables: bool,
     /// `rp_filter` for `all`, `default` and every interface of the node.
     /// 0 by default: the lab's asymmetric paths (seed 003) must not be cut
     /// by reverse-path filtering unless a scenario asks for it.
@@ -105,7 +110,9 @@ impl NodeSpec {
         NodeSpec {
             name: name.to_string(),
             pod_cidr,
+            pod_cidr6: None,
             bridge_nf_call_iptables: true,
+            bridge_nf_call_ip6tables: true,
             rp_filter: 0,
             sysctls: Vec::new(),
             pods: Vec::new(),
@@ -131,10 +138,21 @@ impl NodeSpec {
         self
     }
 
+    /// Sets `net.bridge.bridge-nf-call-ip6tables`.
+    pub fn bridge_nf_call_ip6tables(mut self, on: bool) -> Self {
+        self.bridge_nf_call_ip6tables = on;
+        self
+    }
+
     /// Adds a sysctl for the node namespace.
     pub fn sysctl(mut self, key: &str, value: &str) -> Self {
         self.sysctls.push((key.to_string(), value.to_string()));
         self
+    }
+
+    /// The IPv6 gateway on `cni0` (first host of the IPv6 pod CIDR).
+    pub fn gateway6(&self) -> Option<Ipv6Addr> {
+        self.pod_cidr6.map(|c| c.host(1))
     }
 
     /// The gateway address on `cni0` (first host of the pod CIDR; kept free
@@ -157,6 +175,8 @@ pub struct PodSpec {
     pub name: String,
     /// Inside the node's pod CIDR.
     pub ip: Ipv4Addr,
+    /// Inside the node's IPv6 pod CIDR (dual-stack labs).
+    pub ip6: Option<Ipv6Addr>,
     /// `hairpin_mode` on the pod's bridge port (needed for a pod reaching
     /// itself through a Service, seed 004 case 3). Bridge nodes only: a
     /// routed node has no bridge port to set it on.
@@ -173,6 +193,7 @@ impl PodSpec {
         PodSpec {
             name: name.to_string(),
             ip,
+            ip6: None,
             hairpin: false,
             servers: Vec::new(),
             sysctls: Vec::new(),
@@ -257,6 +278,10 @@ pub struct ServiceSpec {
     pub port_name: String,
     /// The ClusterIP.
     pub cluster_ip: Ipv4Addr,
+    /// The IPv6 ClusterIP of a dual-stack Service (`ipFamilyPolicy:
+    /// PreferDualStack`); kube-proxy's IPv6 proxier renders it into ip6tables
+    /// / `table ip6 kube-proxy` with the same Service port name.
+    pub cluster_ip6: Option<Ipv6Addr>,
     /// The Service port.
     pub port: u16,
     /// TCP or UDP.
@@ -289,6 +314,7 @@ impl ServiceSpec {
             name: name.to_string(),
             port_name: port_name.to_string(),
             cluster_ip,
+            cluster_ip6: None,
             port,
             protocol,
             endpoints: Vec::new(),
@@ -372,6 +398,22 @@ impl IptablesBackend {
         match self {
             IptablesBackend::Nft => "iptables-nft-restore",
             IptablesBackend::Legacy => "iptables-legacy-restore",
+        }
+    }
+
+    /// The `ip6tables-*-restore` binary for this backend.
+    pub fn restore6(self) -> &'static str {
+        match self {
+            IptablesBackend::Nft => "ip6tables-nft-restore",
+            IptablesBackend::Legacy => "ip6tables-legacy-restore",
+        }
+    }
+
+    /// The `ip6tables-*-save` binary for this backend.
+    pub fn save6(self) -> &'static str {
+        match self {
+            IptablesBackend::Nft => "ip6tables-nft-save",
+            IptablesBackend::Legacy => "ip6tables-legacy-save",
         }
     }
 

@@ -23,6 +23,7 @@ use crate::error::{LabError, Result};
 use crate::lab::Lab;
 use crate::netns::{self, Netns};
 use crate::spec::{Datapath, LabSpec, NodeSpec, Overlay, ROUTED_GATEWAY};
+use crate::topology6;
 
 /// Name of the router namespace (always present: it is the nodes' underlay
 /// and default gateway, so node-local clients have a route to Service IPs).
@@ -211,7 +212,11 @@ fn check_value(value: &str) -> Result<()> {
 /// Writes sysctls inside `ns` with one shell. The shell runs *in* the
 /// namespace (setns), and /proc/sys/net resolves per namespace, so this can
 /// never reach the root namespace's values.
-fn set_sysctls(ns: &Netns, pairs: &[(String, String)], rp_filter_all: Option<u8>) -> Result<()> {
+pub(crate) fn set_sysctls(
+    ns: &Netns,
+    pairs: &[(String, String)],
+    rp_filter_all: Option<u8>,
+) -> Result<()> {
     let mut script = String::from("set -e\n");
     for (key, value) in pairs {
         check_value(value)?;
@@ -274,6 +279,10 @@ pub(crate) fn create(lab: &mut Lab) -> Result<()> {
     if spec.outside.is_some() {
         lab.add_netns(OUTSIDE)?;
     }
+    let dual = spec.is_dual_stack();
+    if dual {
+        topology6::prepare(lab)?;
+    }
 
     let router = lab.netns(ROUTER)?;
     let mut cmds = format!(
@@ -281,6 +290,9 @@ pub(crate) fn create(lab: &mut Lab) -> Result<()> {
         router_underlay_ip(),
         UNDERLAY.prefix()
     );
+    if dual {
+        topology6::router(&mut cmds);
+    }
     for (i, node) in spec.nodes.iter().enumerate() {
         let _ = write!(
             cmds,
@@ -289,26 +301,31 @@ pub(crate) fn create(lab: &mut Lab) -> Result<()> {
         );
     }
     batch("ip", router, &cmds)?;
-    set_sysctls(router, &[kv("net.ipv4.ip_forward", "1")], Some(0))?;
+    let mut forward = vec![kv("net.ipv4.ip_forward", "1")];
+    if dual {
+        forward.push(topology6::forwarding());
+    }
+    set_sysctls(router, &forward, Some(0))?;
 
     for (i, node) in spec.nodes.iter().enumerate() {
         let ns = lab.netns(&node.name)?;
         // Before any pod link exists, so new interfaces inherit `default`.
-        set_sysctls(
-            ns,
-            &[
-                kv("net.ipv4.ip_forward", "1"),
-                kv(
-                    "net.bridge.bridge-nf-call-iptables",
-                    if node.bridge_nf_call_iptables {
-                        "1"
-                    } else {
-                        "0"
-                    },
-                ),
-            ],
-            Some(node.rp_filter),
-        )?;
+        let flag = |on: bool| if on { "1" } else { "0" };
+        let mut sysctls = vec![
+            kv("net.ipv4.ip_forward", "1"),
+            kv(
+                "net.bridge.bridge-nf-call-iptables",
+                flag(node.bridge_nf_call_iptables),
+            ),
+            kv(
+                "net.bridge.bridge-nf-call-ip6tables",
+                flag(node.bridge_nf_call_ip6tables),
+            ),
+        ];
+        if dual {
+            sysctls.push(topology6::forwarding());
+        }
+        set_sysctls(ns, &sysctls, Some(node.rp_filter))?;
         let mut cmds = format!(
             "link set lo up\naddr add {}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n",
             node_underlay_ip(i),
@@ -319,10 +336,12 @@ pub(crate) fn create(lab: &mut Lab) -> Result<()> {
             Datapath::Bridge => bridge_pods(lab, node, mtu, &mut cmds)?,
             Datapath::Routed => routed_pods(lab, node, mtu, &mut cmds)?,
         }
+        topology6::node(i, node, &mut cmds);
+        topology6::routed_host(node, &mut cmds);
         batch("ip", ns, &cmds)?;
 
         for pod in &node.pods {
-            let cmds = match node.datapath {
+            let mut cmds = match node.datapath {
                 Datapath::Bridge => format!(
                     "link set lo up\naddr add {}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n",
                     pod.ip,
@@ -337,6 +356,7 @@ pub(crate) fn create(lab: &mut Lab) -> Result<()> {
                     pod.ip,
                 ),
             };
+            topology6::pod(node, pod, &mut cmds);
             batch("ip", lab.netns(&pod.name)?, &cmds)?;
         }
     }
@@ -353,6 +373,7 @@ pub(crate) fn create(lab: &mut Lab) -> Result<()> {
             node_underlay_ip(i)
         );
     }
+    topology6::vpc_routes(&spec, &mut cmds);
     if let Some(outside) = &spec.outside {
         let (i, _) = spec
             .nodes
@@ -385,6 +406,7 @@ pub(crate) fn create(lab: &mut Lab) -> Result<()> {
         // Again now that all links exist (a moved veth does not always take
         // the namespace's `default`), then the scenario's own sysctls.
         let mut sysctls = routed_sysctls(node);
+        sysctls.extend(topology6::routed_sysctls(node));
         sysctls.extend(node.sysctls.iter().cloned());
         set_sysctls(lab.netns(&node.name)?, &sysctls, Some(node.rp_filter))?;
         for pod in node.pods.iter().filter(|p| !p.sysctls.is_empty()) {
@@ -452,7 +474,7 @@ fn routed_sysctls(node: &NodeSpec) -> Vec<(String, String)> {
         .collect()
 }
 
-fn kv(k: &str, v: &str) -> (String, String) {
+pub(crate) fn kv(k: &str, v: &str) -> (String, String) {
     (k.to_string(), v.to_string())
 }
 
@@ -495,6 +517,7 @@ fn create_overlay(lab: &Lab, spec: &LabSpec) -> Result<()> {
                 }
             }
         }
+        topology6::overlay(spec, i, &mut cmds, &mut fdb);
         if !cmds.is_empty() {
             batch("ip", ns, &cmds)?;
         }

@@ -101,10 +101,52 @@ pub mod tcp_flags {
     pub const ACK: u8 = 0x10;
 }
 
+/// An address as the kernel filter and the events carry it: the 16 bytes of
+/// an IPv6 address in wire order, IPv4 as IPv4-mapped (`::ffff:a.b.c.d`,
+/// RFC 4291 2.5.5.2). One representation for both families keeps one map
+/// per concept and one event layout; the family is the address's own (a
+/// mapped address is IPv4). An IPv6 packet that really carries `::ffff:`
+/// addresses (never routed on the wire, RFC 4038) would be reported as IPv4.
+///
+/// Stored as four `u32` words whose memory is the wire bytes (so the
+/// numeric values are host-endian views): the BPF side then copies and
+/// compares addresses as words. As `[u8; 16]`, LLVM split them into bytes
+/// and spilled each to its own stack slot, which passed the 512-byte BPF
+/// stack limit.
+pub type Addr = [u32; 4];
+
+/// The `::ffff` word of an IPv4-mapped address (bytes 8-11: 0, 0, ff, ff).
+const MAPPED_WORD: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+
+/// `a.b.c.d` as `::ffff:a.b.c.d`.
+#[inline(always)]
+pub const fn v4_mapped(a: [u8; 4]) -> Addr {
+    [0, 0, MAPPED_WORD, u32::from_ne_bytes(a)]
+}
+
+/// The IPv4 address of an IPv4-mapped [`Addr`], None for IPv6.
+#[inline(always)]
+pub fn as_v4(a: &Addr) -> Option<[u8; 4]> {
+    (a[0] == 0 && a[1] == 0 && a[2] == MAPPED_WORD).then(|| a[3].to_ne_bytes())
+}
+
+/// An [`Addr`] from its 16 wire bytes.
+#[inline(always)]
+pub fn addr_from_bytes(b: [u8; 16]) -> Addr {
+    // SAFETY: same size, every bit pattern valid.
+    unsafe { core::mem::transmute(b) }
+}
+
+/// The 16 wire bytes of an [`Addr`].
+#[inline(always)]
+pub fn addr_bytes(a: Addr) -> [u8; 16] {
+    // SAFETY: same size, every bit pattern valid.
+    unsafe { core::mem::transmute(a) }
+}
+
 /// One packet seen at one observation point.
 ///
-/// Addresses are kept as the four bytes of the wire (`[a, b, c, d]` for
-/// `a.b.c.d`), ports in host order. The packet's identity across hooks and
+/// Addresses are [`Addr`]s (IPv4-mapped for IPv4), ports in host order. The packet's identity across hooks and
 /// across NAT is (`skb`, `ip_id`, `seq`, `ack`, `tcp_flags`, `payload_head`):
 /// NAT rewrites addresses and ports but none of these.
 #[repr(C)]
@@ -120,10 +162,10 @@ pub struct PacketEvent {
     /// (tc and netfilter programs are attached only there; userspace fills it in).
     pub netns: u32,
     pub ifindex: u32,
-    #[cfg_attr(feature = "user", serde(with = "dotted_quad"))]
-    pub saddr: [u8; 4],
-    #[cfg_attr(feature = "user", serde(with = "dotted_quad"))]
-    pub daddr: [u8; 4],
+    #[cfg_attr(feature = "user", serde(with = "ip_text"))]
+    pub saddr: Addr,
+    #[cfg_attr(feature = "user", serde(with = "ip_text"))]
+    pub daddr: Addr,
     pub sport: u16,
     pub dport: u16,
     pub seq: u32,
@@ -132,8 +174,9 @@ pub struct PacketEvent {
     pub drop_reason: u32,
     /// First four bytes of the L4 payload (the DNS id and flags for DNS over UDP).
     pub payload_head: u32,
-    /// IP total length.
+    /// IP total length (IPv6: payload length + the 40-byte fixed header).
     pub ip_len: u16,
+    /// IPv4 identification; IPv6 has none (0).
     pub ip_id: u16,
     pub hook: u8,
     pub nf_hook: u8,
@@ -151,7 +194,7 @@ pub struct PacketEvent {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ServiceKey {
-    pub addr: [u8; 4],
+    pub addr: Addr,
     pub port: u16,
     pub proto: u8,
     pub _pad: u8,
@@ -163,7 +206,7 @@ pub struct ServiceKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct EndpointKey {
-    pub addr: [u8; 4],
+    pub addr: Addr,
     pub port: u16,
     pub proto: u8,
     pub _pad: u8,
@@ -252,22 +295,34 @@ pub mod stat {
     pub const FLOW_MAP_FULL: u32 = 3;
     /// Packets that matched but whose headers could not be read.
     pub const READ_ERRORS: u32 = 4;
+    /// IPv6 packets whose TCP/UDP header was not reached: non-first
+    /// fragments, or extension headers not followed (ESP, AH, more than the
+    /// programs walk). Counted before any filtering: they cannot be matched.
+    pub const IPV6_UNFOLLOWED: u32 = 5;
     pub const COUNT: u32 = 8;
 }
 
-/// Addresses in recordings and fixtures read as `100.96.54.240`, not as byte arrays.
+/// Addresses in recordings and fixtures read as `100.96.54.240` or
+/// `fd00:10:96::a`, not as byte arrays. IPv4 is written dotted (as before
+/// addresses were 128-bit), so recordings of IPv4 flows read the same in
+/// every version.
 #[cfg(feature = "user")]
-mod dotted_quad {
-    use core::net::Ipv4Addr;
+mod ip_text {
+    use core::net::{IpAddr, Ipv6Addr};
 
     use serde::{Deserialize, Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(addr: &[u8; 4], s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(&Ipv4Addr::from(*addr))
+    use super::{Addr, addr_bytes, addr_from_bytes, v4_mapped};
+
+    pub fn serialize<S: Serializer>(addr: &Addr, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&Ipv6Addr::from(addr_bytes(*addr)).to_canonical())
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<[u8; 4], D::Error> {
-        Ipv4Addr::deserialize(d).map(|addr| addr.octets())
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Addr, D::Error> {
+        Ok(match IpAddr::deserialize(d)? {
+            IpAddr::V4(v4) => v4_mapped(v4.octets()),
+            IpAddr::V6(v6) => addr_from_bytes(v6.octets()),
+        })
     }
 }
 
@@ -292,11 +347,25 @@ mod tests {
     fn layouts_have_no_implicit_padding() {
         // The kernel writes these with a fixed layout; a size change means the
         // two sides disagree.
-        assert_eq!(core::mem::size_of::<PacketEvent>(), 64);
-        assert_eq!(core::mem::size_of::<ServiceKey>(), 8);
-        assert_eq!(core::mem::size_of::<EndpointKey>(), 8);
+        assert_eq!(core::mem::size_of::<PacketEvent>(), 88);
+        assert_eq!(core::mem::size_of::<ServiceKey>(), 20);
+        assert_eq!(core::mem::size_of::<EndpointKey>(), 20);
         assert_eq!(core::mem::size_of::<EndpointState>(), 8);
         assert_eq!(core::mem::size_of::<KernelOffsets>(), 72);
         assert_eq!(core::mem::size_of::<Config>(), 76);
+    }
+
+    #[test]
+    fn ipv4_is_mapped_and_back() {
+        let m = v4_mapped([100, 67, 30, 133]);
+        assert_eq!(as_v4(&m), Some([100, 67, 30, 133]));
+        assert_eq!(
+            addr_bytes(m),
+            [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 100, 67, 30, 133]
+        );
+        let mut v6 = [0u8; 16];
+        v6[0] = 0xfd;
+        assert_eq!(as_v4(&addr_from_bytes(v6)), None);
+        assert_eq!(addr_bytes(addr_from_bytes(v6)), v6);
     }
 }

@@ -1,55 +1,31 @@
 //! The Service filter shared by every program (docs/DESIGN.md, "Kernel filter")
 //! and event emission.
 use aya_ebpf::helpers::bpf_ktime_get_ns;
+use network_types::{
+    ip::{IpProto, Ipv4Hdr, Ipv6Hdr},
+    tcp::TcpHdr,
+    udp::UdpHdr,
+};
 use tracer_common::{
-    EndpointKey, EndpointState, InflightPacket, PacketEvent, ServiceKey, direction, hook,
-    nat_stage, proto, stat, tcp_flags,
+    Addr, EndpointKey, EndpointState, InflightPacket, PacketEvent, ServiceKey, addr_from_bytes,
+    direction, hook, nat_stage, proto, stat, tcp_flags, v4_mapped,
 };
 
-use crate::{ENDPOINTS, EVENTS, INFLIGHT, SERVICES, STATS};
+use crate::{ADDRS, ENDPOINTS, EVENTS, INFLIGHT, SERVICES, STATS};
 
 /// BPF_NOEXIST: a concurrent first packet of the same flow on another CPU must
 /// not reset the other's counters.
 const BPF_NOEXIST: u64 = 1;
 const EEXIST: i32 = 17;
 
-/// IPv4 header as on the wire; byte arrays keep it alignment-free so it can be
-/// overlaid on packet memory at any offset.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct IpHdr {
-    pub vihl: u8,
-    pub tos: u8,
-    pub tot_len: [u8; 2],
-    pub id: [u8; 2],
-    pub frag: [u8; 2],
-    pub ttl: u8,
-    pub proto: u8,
-    pub csum: [u8; 2],
-    pub saddr: [u8; 4],
-    pub daddr: [u8; 4],
-}
-
-/// The first 20 bytes of a TCP header; UDP uses only the first 8 (ports).
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct TcpHdr {
-    pub sport: [u8; 2],
-    pub dport: [u8; 2],
-    pub seq: [u8; 4],
-    pub ack: [u8; 4],
-    pub doff: u8,
-    pub flags: u8,
-    pub rest: [u8; 6],
-}
-
-pub const UDP_HDR_LEN: usize = 8;
+/// UDP header length (ports, length, checksum).
+pub const UDP_HDR_LEN: usize = UdpHdr::LEN;
 
 /// What every observation point extracts from a packet.
 #[derive(Clone, Copy, Default)]
 pub struct Packet {
-    pub saddr: [u8; 4],
-    pub daddr: [u8; 4],
+    pub saddr: Addr,
+    pub daddr: Addr,
     pub sport: u16,
     pub dport: u16,
     pub seq: u32,
@@ -65,27 +41,41 @@ impl Packet {
     /// L3 fields of an IPv4 TCP/UDP first fragment, and the header length in
     /// bytes; None for anything we do not trace.
     #[inline(always)]
-    pub fn from_ip(ip: &IpHdr) -> Option<(Packet, usize)> {
+    pub fn from_ipv4(ip: &Ipv4Hdr) -> Option<(Packet, usize)> {
         let ihl = ((ip.vihl & 0x0f) as usize) * 4;
-        if ip.vihl >> 4 != 4 || ihl < 20 {
+        if ip.vihl >> 4 != 4 || ihl < Ipv4Hdr::LEN {
             return None;
         }
         // Non-first fragments carry no L4 header.
-        if (u16::from_be_bytes(ip.frag) & 0x1fff) != 0 {
+        if (u16::from_be_bytes(ip.frags) & 0x1fff) != 0 {
             return None;
         }
         if ip.proto != proto::TCP && ip.proto != proto::UDP {
             return None;
         }
         let pkt = Packet {
-            saddr: ip.saddr,
-            daddr: ip.daddr,
+            saddr: v4_mapped(ip.src_addr),
+            daddr: v4_mapped(ip.dst_addr),
             ip_len: u16::from_be_bytes(ip.tot_len),
             ip_id: u16::from_be_bytes(ip.id),
             proto: ip.proto,
             ..Default::default()
         };
         Some((pkt, ihl))
+    }
+
+    /// L3 fields of an IPv6 packet whose TCP/UDP header is `l4` (see
+    /// [`ipv6_l4`]). `ip_len` is the IPv4-style total length (the fixed
+    /// header plus its payload length), so both families read alike.
+    #[inline(always)]
+    pub fn from_ipv6(ip: &Ipv6Hdr, l4: u8) -> Packet {
+        Packet {
+            saddr: addr_from_bytes(ip.src_addr),
+            daddr: addr_from_bytes(ip.dst_addr),
+            ip_len: u16::from_be_bytes(ip.payload_len).saturating_add(Ipv6Hdr::LEN as u16),
+            proto: l4,
+            ..Default::default()
+        }
     }
 
     #[inline(always)]
@@ -97,12 +87,91 @@ impl Packet {
     /// Returns the TCP header length (where the payload starts).
     #[inline(always)]
     pub fn set_tcp(&mut self, tcp: &TcpHdr) -> usize {
-        self.set_ports(tcp.sport, tcp.dport);
+        self.set_ports(tcp.source, tcp.dest);
         self.seq = u32::from_be_bytes(tcp.seq);
-        self.ack = u32::from_be_bytes(tcp.ack);
-        self.tcp_flags = tcp.flags;
-        ((tcp.doff >> 4) as usize) * 4
+        self.ack = u32::from_be_bytes(tcp.ack_seq);
+        // network-types exposes the data offset and flags as a bindgen
+        // bitfield with one accessor per flag; the two bytes as on the wire
+        // (data offset << 4, then the flags byte) are cheaper to take whole.
+        // SAFETY: BitfieldU16 is #[repr(C)] around a single [u8; 2].
+        let raw: [u8; 2] = unsafe { core::mem::transmute(tcp._bitfield_1) };
+        self.tcp_flags = raw[1];
+        ((raw[0] >> 4) as usize) * 4
     }
+}
+
+/// Extension headers walked before giving up (RFC 8200 4.1 lists at most
+/// six in the recommended order; the bound keeps the verifier's loop finite).
+pub const MAX_IPV6_EXT: usize = 6;
+
+/// What an IPv6 header chain step found.
+pub enum Ipv6Next {
+    /// TCP or UDP (the protocol) starts here.
+    L4(u8),
+    /// Another extension header to step over: its length in bytes and its
+    /// Next Header value.
+    Skip(usize, u8),
+    /// Nothing we trace (ICMPv6, no next header, another protocol).
+    Untraced,
+    /// Cannot be followed: a non-first fragment, ESP/AH or another
+    /// extension header we do not walk. Counted in STATS[IPV6_UNFOLLOWED].
+    Unfollowed,
+}
+
+/// One step of the IPv6 header chain: `next` is the current Next Header
+/// value, `ext` the first 8 bytes of the header it names (only read when
+/// it is an extension header).
+#[inline(always)]
+pub fn ipv6_step(next: u8, ext: impl FnOnce() -> Result<[u8; 8], ()>) -> Ipv6Next {
+    const HOPOPT: u8 = IpProto::HopOpt as u8;
+    const ROUTING: u8 = IpProto::Ipv6Route as u8;
+    const FRAGMENT: u8 = IpProto::Ipv6Frag as u8;
+    const DSTOPTS: u8 = IpProto::Ipv6Opts as u8;
+    const ESP: u8 = IpProto::Esp as u8;
+    const AH: u8 = IpProto::Ah as u8;
+    const MOBILITY: u8 = IpProto::MobilityHeader as u8;
+    const HIP: u8 = IpProto::Hip as u8;
+    const SHIM6: u8 = IpProto::Shim6 as u8;
+    match next {
+        proto::TCP | proto::UDP => Ipv6Next::L4(next),
+        HOPOPT | ROUTING | DSTOPTS => match ext() {
+            // Hdr Ext Len counts 8-octet units past the first (RFC 8200 4.3-4.6).
+            Ok(h) => Ipv6Next::Skip((h[1] as usize + 1) * 8, h[0]),
+            Err(()) => Ipv6Next::Unfollowed,
+        },
+        FRAGMENT => match ext() {
+            // Fragment Offset is the top 13 bits of bytes 2-3 (RFC 8200 4.5):
+            // only the first fragment carries the TCP/UDP header.
+            Ok(h) if u16::from_be_bytes([h[2], h[3]]) & 0xfff8 == 0 => Ipv6Next::Skip(8, h[0]),
+            _ => Ipv6Next::Unfollowed,
+        },
+        ESP | AH | MOBILITY | HIP | SHIM6 | 253 | 254 => Ipv6Next::Unfollowed,
+        _ => Ipv6Next::Untraced,
+    }
+}
+
+/// Walks the extension headers after an IPv6 fixed header whose Next Header
+/// is `next`; `read8(offset)` reads 8 bytes at `offset` from the start of
+/// the IPv6 header. Returns the L4 protocol and its offset.
+#[inline(always)]
+pub fn ipv6_l4(mut next: u8, read8: impl Fn(usize) -> Result<[u8; 8], ()>) -> Option<(u8, usize)> {
+    let mut off = Ipv6Hdr::LEN;
+    for _ in 0..MAX_IPV6_EXT {
+        match ipv6_step(next, || read8(off)) {
+            Ipv6Next::L4(p) => return Some((p, off)),
+            Ipv6Next::Skip(len, hdr) => {
+                next = hdr;
+                off += len;
+            }
+            Ipv6Next::Untraced => return None,
+            Ipv6Next::Unfollowed => {
+                stat_inc(stat::IPV6_UNFOLLOWED);
+                return None;
+            }
+        }
+    }
+    stat_inc(stat::IPV6_UNFOLLOWED);
+    None
 }
 
 /// Where a packet was seen.
@@ -138,7 +207,7 @@ pub fn stat_inc(index: u32) {
 }
 
 #[inline(always)]
-fn key(addr: [u8; 4], port: u16, proto: u8) -> EndpointKey {
+fn key(addr: Addr, port: u16, proto: u8) -> EndpointKey {
     EndpointKey {
         addr,
         port,
@@ -150,7 +219,7 @@ fn key(addr: [u8; 4], port: u16, proto: u8) -> EndpointKey {
 /// The Service index of (addr, port, proto): an exact port entry, else the
 /// Service's any-port entry (port 0).
 #[inline(always)]
-fn service_at(addr: [u8; 4], port: u16, proto: u8) -> Option<u8> {
+fn service_at(addr: Addr, port: u16, proto: u8) -> Option<u8> {
     let mut k = ServiceKey {
         addr,
         port,
@@ -180,6 +249,8 @@ fn endpoint(client: &EndpointKey, svc: u8) -> Option<*mut EndpointState> {
         stat_inc(stat::FLOW_MAP_FULL);
         return None;
     }
+    // The pre-filter must know the new client side before its next packet.
+    let _ = ADDRS.insert(&client.addr, &1, 0);
     ENDPOINTS.get_ptr_mut(client)
 }
 
@@ -207,16 +278,19 @@ struct Match {
 /// ports: this is the path every packet of the node takes.
 #[inline(always)]
 fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
+    // Pre-filter (ADDRS): rules 1 and 3 need a known destination address,
+    // rule 2 a known source address.
+    let dst_known = unsafe { ADDRS.get(&pkt.daddr) }.is_some();
+    let src_known = unsafe { ADDRS.get(&pkt.saddr) }.is_some();
     let src = key(pkt.saddr, pkt.sport, pkt.proto);
-    let dst = key(pkt.daddr, pkt.dport, pkt.proto);
-    if let Some(svc) = service_at(pkt.daddr, pkt.dport, pkt.proto) {
+    if dst_known && let Some(svc) = service_at(pkt.daddr, pkt.dport, pkt.proto) {
         return Some(Match {
             dir: direction::REQUEST,
             svc,
             state: endpoint(&src, svc),
         });
     }
-    if let Some(state) = ENDPOINTS.get_ptr_mut(src) {
+    if src_known && let Some(state) = ENDPOINTS.get_ptr_mut(&src) {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REQUEST,
@@ -224,7 +298,8 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             state: Some(state),
         });
     }
-    if let Some(state) = ENDPOINTS.get_ptr_mut(dst) {
+    let dst = key(pkt.daddr, pkt.dport, pkt.proto);
+    if dst_known && let Some(state) = ENDPOINTS.get_ptr_mut(&dst) {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REPLY,
@@ -338,36 +413,44 @@ fn at_client(at: &Point) -> bool {
     at.netns != 0 && crate::config::config().is_some_and(|c| at.netns != c.node_netns)
 }
 
+/// Written in place in the ring buffer: a 128-bit-address event on the
+/// stack next to the packet and the map keys would pass the 512-byte BPF
+/// stack limit.
 #[inline(always)]
 fn emit(pkt: &Packet, at: &Point, dir: u8, svc: u8) {
-    let ev = PacketEvent {
-        ts_ns: unsafe { bpf_ktime_get_ns() },
-        skb: at.skb,
-        netns: at.netns,
-        ifindex: at.ifindex,
-        saddr: pkt.saddr,
-        daddr: pkt.daddr,
-        sport: pkt.sport,
-        dport: pkt.dport,
-        seq: pkt.seq,
-        ack: pkt.ack,
-        drop_reason: at.drop_reason,
-        payload_head: pkt.payload_head,
-        ip_len: pkt.ip_len,
-        ip_id: pkt.ip_id,
-        hook: at.hook,
-        nf_hook: at.nf_hook,
-        nat_stage: at.nat_stage,
-        proto: pkt.proto,
-        tcp_flags: pkt.tcp_flags,
-        direction: dir,
-        svc,
-        _pad: 0,
+    let Some(mut entry) = EVENTS.reserve::<PacketEvent>(0) else {
+        stat_inc(stat::RINGBUF_FULL);
+        return;
     };
-    match EVENTS.output::<PacketEvent>(&ev, wakeup_flag()) {
-        Ok(()) => stat_inc(stat::EVENTS),
-        Err(_) => stat_inc(stat::RINGBUF_FULL),
+    let ev = entry.as_mut_ptr();
+    // SAFETY: the reservation is sizeof(PacketEvent) bytes, ours until submit;
+    // every field is written (no uninitialised bytes reach userspace).
+    unsafe {
+        (*ev).ts_ns = bpf_ktime_get_ns();
+        (*ev).skb = at.skb;
+        (*ev).netns = at.netns;
+        (*ev).ifindex = at.ifindex;
+        (*ev).saddr = pkt.saddr;
+        (*ev).daddr = pkt.daddr;
+        (*ev).sport = pkt.sport;
+        (*ev).dport = pkt.dport;
+        (*ev).seq = pkt.seq;
+        (*ev).ack = pkt.ack;
+        (*ev).drop_reason = at.drop_reason;
+        (*ev).payload_head = pkt.payload_head;
+        (*ev).ip_len = pkt.ip_len;
+        (*ev).ip_id = pkt.ip_id;
+        (*ev).hook = at.hook;
+        (*ev).nf_hook = at.nf_hook;
+        (*ev).nat_stage = at.nat_stage;
+        (*ev).proto = pkt.proto;
+        (*ev).tcp_flags = pkt.tcp_flags;
+        (*ev).direction = dir;
+        (*ev).svc = svc;
+        (*ev)._pad = 0;
     }
+    entry.submit(wakeup_flag());
+    stat_inc(stat::EVENTS);
 }
 
 const BPF_RB_NO_WAKEUP: u64 = 1;

@@ -11,7 +11,7 @@ use aya_ebpf::{
     maps::PerCpuArray,
     programs::ProbeContext,
 };
-use tracer_common::{Config, hook, nat_stage, nf_hook, stat};
+use tracer_common::{Addr, as_v4, hook, nat_stage, nf_hook, stat, v4_mapped};
 
 use crate::{
     config,
@@ -20,6 +20,7 @@ use crate::{
 };
 
 const NFPROTO_IPV4: u8 = 2;
+const NFPROTO_IPV6: u8 = 10;
 /// `enum nf_nat_manip_type`.
 const NF_NAT_MANIP_SRC: u64 = 0;
 /// `enum ip_conntrack_dir`.
@@ -36,7 +37,7 @@ const IPS_NAT_MASK: u64 = IPS_SRC_NAT | IPS_DST_NAT;
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct CurrentHook {
-    /// 0 = no traced IPv4 hook: NAT outside one (another namespace, the
+    /// 0 = no traced IPv4/IPv6 hook: NAT outside one (another namespace, the
     /// bridge family, openvswitch, tc act_ct) is not reported.
     pub skb: u64,
     pub hook: u8,
@@ -98,7 +99,7 @@ fn try_nf_hook_slow(ctx: &ProbeContext) -> Result<(), ()> {
     // too (pf NFPROTO_BRIDGE) even when bridge-nf-call-iptables=0: they are
     // not "the packet passed netfilter" in the collector's sense.
     let pf = read::<u8>(state + off.nf_hook_state_pf as u64)?;
-    if pf != NFPROTO_IPV4 {
+    if pf != NFPROTO_IPV4 && pf != NFPROTO_IPV6 {
         return Ok(());
     }
     let net = read::<u64>(state + off.nf_hook_state_net as u64)?;
@@ -111,7 +112,7 @@ fn try_nf_hook_slow(ctx: &ProbeContext) -> Result<(), ()> {
         (*slot).skb = skb;
     }
     let (pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
-    emit_netfilter(pkt, payload, skb, nf_hook, nat_stage::NONE, cfg);
+    emit_netfilter(pkt, payload, skb, nf_hook, nat_stage::NONE);
     Ok(())
 }
 
@@ -185,14 +186,25 @@ fn nat_events(skb: u64, ct: u64, mtype: u64, dir: u64, nf_hook: u8) -> Result<()
     let other =
         ct + off.nf_conn_tuplehash as u64 + other_dir * off.nf_conntrack_tuple_hash_size as u64;
     let mut after = before;
-    // u3 is union nf_inet_addr (IPv4 in its first bytes); u starts with the
-    // port in network order for TCP and UDP.
+    // u3 is union nf_inet_addr (IPv4 in its first 4 bytes, IPv6 in all 16);
+    // u starts with the port in network order for TCP and UDP. The same
+    // probe covers IPv6: nf_nat_manip_pkt computes the target tuple the
+    // same way and only then dispatches on target.src.l3num to
+    // nf_nat_ipv4_manip_pkt or nf_nat_ipv6_manip_pkt
+    // (net/netfilter/nf_nat_proto.c), and a conntrack entry's family is its
+    // packets' family.
     let (addr_off, port_off) = if mtype == NF_NAT_MANIP_SRC {
         (off.tuple_dst_u3, off.tuple_dst_u)
     } else {
         (off.tuple_src_u3, off.tuple_src_u)
     };
-    let addr = read::<[u8; 4]>(other + addr_off as u64).map_err(count_error)?;
+    let at = other + addr_off as u64;
+    let addr = if as_v4(&before.daddr).is_some() {
+        v4_mapped(read::<[u8; 4]>(at).map_err(count_error)?)
+    } else {
+        // Addr is the 16 wire bytes, as nf_inet_addr holds them.
+        read::<Addr>(at).map_err(count_error)?
+    };
     let port = u16::from_be_bytes(read::<[u8; 2]>(other + port_off as u64).map_err(count_error)?);
     if mtype == NF_NAT_MANIP_SRC {
         after.saddr = addr;
@@ -201,8 +213,8 @@ fn nat_events(skb: u64, ct: u64, mtype: u64, dir: u64, nf_hook: u8) -> Result<()
         after.daddr = addr;
         after.dport = port;
     }
-    emit_netfilter(before, payload, skb, nf_hook, nat_stage::BEFORE, cfg);
-    emit_netfilter(after, payload, skb, nf_hook, nat_stage::AFTER, cfg);
+    emit_netfilter(before, payload, skb, nf_hook, nat_stage::BEFORE);
+    emit_netfilter(after, payload, skb, nf_hook, nat_stage::AFTER);
     Ok(())
 }
 
@@ -211,8 +223,14 @@ fn count_error(_: ()) {
     stat_inc(stat::READ_ERRORS);
 }
 
-#[inline(always)]
-fn emit_netfilter(mut pkt: Packet, payload: u64, skb: u64, nf_hook: u8, stage: u8, cfg: &Config) {
+/// Not inlined: nat_events calls it twice, and two inlined copies of the
+/// filter with 128-bit keys pass the 512-byte stack limit.
+#[inline(never)]
+fn emit_netfilter(mut pkt: Packet, payload: u64, skb: u64, nf_hook: u8, stage: u8) {
+    // At most five arguments in a BPF-to-BPF call: the config is looked up here.
+    let Some(cfg) = config::config() else {
+        return;
+    };
     let off = &cfg.offsets;
     let mut at = Point::new(hook::NETFILTER);
     at.nf_hook = nf_hook;

@@ -3,11 +3,15 @@
 //! the running kernel's BTF: Rust eBPF has no CO-RE, and the layouts differ
 //! between kernels (sk_buff.head: 192 bytes on 6.18, 200 on 6.1/6.12).
 use aya_ebpf::helpers::bpf_probe_read_kernel;
+use network_types::{
+    ip::{Ipv4Hdr, Ipv6Hdr},
+    tcp::TcpHdr,
+};
 use tracer_common::{KernelOffsets, proto, stat};
 
-use crate::filter::{IpHdr, Packet, TcpHdr, UDP_HDR_LEN, stat_inc};
+use crate::filter::{Packet, UDP_HDR_LEN, ipv6_l4, stat_inc};
 
-/// Where the IPv4 header of this skb is at this observation point.
+/// Where the IP header of this skb is at this observation point.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum L3 {
     /// `skb->data` (receive path before the network header is reset).
@@ -56,7 +60,7 @@ pub fn skb_dev(skb: u64, off: &KernelOffsets) -> u64 {
     read::<u64>(skb + off.sk_buff_dev as u64).unwrap_or(0)
 }
 
-/// Parses the IPv4 + TCP/UDP headers of `skb`: what the filter decides on.
+/// Parses the IPv4/IPv6 + TCP/UDP headers of `skb`: what the filter decides on.
 /// Also returns where the payload starts (0 = no payload), for
 /// [`payload_head`] once the packet matched. Err(()) = not a packet we trace
 /// (or unreadable, which is counted in STATS[READ_ERRORS]).
@@ -80,13 +84,28 @@ pub fn parse(skb: u64, off: &KernelOffsets, l3: L3) -> Result<(Packet, u64), ()>
 }
 
 /// IPv4 header without options followed by a TCP header: one read covers
-/// both for nearly every packet.
+/// both for nearly every IPv4 packet.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct Headers {
-    ip: IpHdr,
+    ip: Ipv4Hdr,
     l4: TcpHdr,
 }
+
+/// The first 40 bytes at the network header: the IPv4 view above, or the
+/// whole IPv6 fixed header (also 40 bytes). The version nibble (the first
+/// byte's high half in both) says which, so the IPv4 path keeps its single
+/// read and IPv6 costs no extra one for the fixed header. Aligned so LLVM
+/// loads the headers' byte-array fields as words: BPF has no unaligned
+/// loads, so an align-1 `[u8; 4]` becomes four byte loads and spills.
+#[repr(C, align(8))]
+#[derive(Clone, Copy)]
+union Head {
+    v4: Headers,
+    v6: Ipv6Hdr,
+}
+
+const _: () = assert!(size_of::<Headers>() == size_of::<Ipv6Hdr>());
 
 #[inline(always)]
 fn read_error(_: ()) {
@@ -98,30 +117,62 @@ fn parse_ip(ip_addr: u64) -> Result<(Packet, u64), ()> {
     // The linear data is followed by skb_shared_info, so reading 40 bytes
     // of a shorter (UDP) packet stays inside the buffer; only the bytes the
     // headers say are there are used.
-    let (ip, first_l4) = match read::<Headers>(ip_addr) {
-        Ok(h) => (h.ip, Some(h.l4)),
-        Err(()) => (read::<IpHdr>(ip_addr).map_err(read_error)?, None),
+    let (ip, first_l4) = match read::<Head>(ip_addr) {
+        // SAFETY: both union views are plain bytes.
+        Ok(h) if unsafe { h.v4.ip.vihl } >> 4 == 6 => {
+            let mut pkt = Packet::default();
+            let payload = parse_ipv6(ip_addr, unsafe { &h.v6 }, &mut pkt)?;
+            return Ok((pkt, payload));
+        }
+        Ok(h) => (unsafe { h.v4.ip }, Some(unsafe { h.v4.l4 })),
+        Err(()) => (read::<Ipv4Hdr>(ip_addr).map_err(read_error)?, None),
     };
-    let (mut pkt, ihl) = Packet::from_ip(&ip).ok_or(())?;
+    let (mut pkt, ihl) = Packet::from_ipv4(&ip).ok_or(())?;
     let l4 = ip_addr + ihl as u64;
     let hdr = match first_l4 {
-        Some(h) if ihl == size_of::<IpHdr>() => h,
+        Some(h) if ihl == Ipv4Hdr::LEN => h,
         _ => read::<TcpHdr>(l4).map_err(read_error)?,
     };
-    let l4_len = if pkt.proto == proto::TCP {
-        pkt.set_tcp(&hdr)
+    let l4_len = l4_header(&mut pkt, &hdr);
+    Ok((pkt, payload_at(&pkt, ihl, l4, l4_len)))
+}
+
+/// Fills ports (and TCP's fields) from the L4 header; returns its length.
+#[inline(always)]
+fn l4_header(pkt: &mut Packet, hdr: &TcpHdr) -> usize {
+    if pkt.proto == proto::TCP {
+        pkt.set_tcp(hdr)
     } else {
-        pkt.set_ports(hdr.sport, hdr.dport);
+        // UDP's ports sit where TCP's do.
+        pkt.set_ports(hdr.source, hdr.dest);
         UDP_HDR_LEN
-    };
-    // Only when the IP length says there is a payload: otherwise these bytes
-    // are whatever follows the packet in memory.
-    let payload = if (pkt.ip_len as usize) >= ihl + l4_len + 4 {
+    }
+}
+
+/// Only when the IP length says there is a payload: otherwise the bytes
+/// there are whatever follows the packet in memory.
+#[inline(always)]
+fn payload_at(pkt: &Packet, l3_len: usize, l4: u64, l4_len: usize) -> u64 {
+    if (pkt.ip_len as usize) >= l3_len + l4_len + 4 {
         l4 + l4_len as u64
     } else {
         0
-    };
-    Ok((pkt, payload))
+    }
+}
+
+/// IPv6: TCP/UDP right after the fixed header, or after the extension
+/// headers [`ipv6_l4`] steps over. A BPF-to-BPF call that fills `pkt` in
+/// the caller's frame: inlined, LLVM duplicated the whole filter and event
+/// path per family, doubling code and passing the 512-byte stack limit.
+#[inline(never)]
+fn parse_ipv6(ip_addr: u64, ip: &Ipv6Hdr, pkt: &mut Packet) -> Result<u64, ()> {
+    let (l4_proto, l3_len) =
+        ipv6_l4(ip.next_hdr, |at| read::<[u8; 8]>(ip_addr + at as u64)).ok_or(())?;
+    *pkt = Packet::from_ipv6(ip, l4_proto);
+    let l4 = ip_addr + l3_len as u64;
+    let hdr = read::<TcpHdr>(l4).map_err(read_error)?;
+    let l4_len = l4_header(pkt, &hdr);
+    Ok(payload_at(pkt, l3_len, l4, l4_len))
 }
 
 /// First four payload bytes; `payload` as returned by [`parse`].

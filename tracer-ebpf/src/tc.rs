@@ -2,12 +2,14 @@
 //! clsact filters on kernels < 6.6). They read the frame with direct packet
 //! access and never change traffic.
 use aya_ebpf::{bindings::TC_ACT_UNSPEC, macros::classifier, programs::TcContext};
+use network_types::{
+    eth::{EthHdr, EtherType},
+    ip::{Ipv4Hdr, Ipv6Hdr},
+    tcp::TcpHdr,
+};
 use tracer_common::{hook, proto};
 
-use crate::filter::{IpHdr, Packet, Point, TcpHdr, UDP_HDR_LEN, observe};
-
-const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
+use crate::filter::{Packet, Point, UDP_HDR_LEN, ipv6_l4, observe};
 
 // TC_ACT_UNSPEC (-1) is also TCX_NEXT: "continue with the next program".
 // TC_ACT_PIPE / TC_ACT_OK would end a tcx chain and skip the programs
@@ -28,19 +30,37 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
 fn try_tc(ctx: &TcContext, hook: u8) -> Result<(), ()> {
     let data = ctx.data();
     let end = ctx.data_end();
-    if data + ETH_HLEN + core::mem::size_of::<IpHdr>() > end {
+    if data + EthHdr::LEN + Ipv4Hdr::LEN > end {
         return Err(());
     }
-    let eth_type = unsafe { *((data + 12) as *const [u8; 2]) };
-    if u16::from_be_bytes(eth_type) != ETH_P_IP {
+    let eth = unsafe { &*(data as *const EthHdr) };
+    // EtherType's discriminants are already in network order.
+    let mut pkt = if eth.ether_type == EtherType::Ipv4 as u16 {
+        ipv4(data, end)?
+    } else if eth.ether_type == EtherType::Ipv6 as u16 {
+        let mut pkt = Packet::default();
+        ipv6(ctx, &mut pkt)?;
+        pkt
+    } else {
         return Err(());
-    }
-    let ip = unsafe { &*((data + ETH_HLEN) as *const IpHdr) };
-    let (mut pkt, ihl) = Packet::from_ip(ip).ok_or(())?;
-    // Masking keeps the offset provably bounded (<= 60) for the verifier.
-    let l4 = data + ETH_HLEN + (ihl & 0x3c);
+    };
+    let mut at = Point::new(hook);
+    // In tc the context pointer is the kernel's sk_buff (the __sk_buff view
+    // is a rewrite of field accesses), so this is the same identity the
+    // tracepoints and netfilter programs report. Storing it needs
+    // allow_ptr_leaks, i.e. a privileged loader, which we are.
+    at.skb = ctx.skb.skb as u64;
+    at.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    observe(&mut pkt, &mut at, |_, _| true);
+    Ok(())
+}
+
+/// Reads ports (and TCP's fields) and the payload's first 4 bytes from the
+/// L4 header at `l4`, if the packet data holds it.
+#[inline(always)]
+fn l4_fields(pkt: &mut Packet, l4: usize, end: usize) -> Result<(), ()> {
     let l4_len = if pkt.proto == proto::TCP {
-        if l4 + core::mem::size_of::<TcpHdr>() > end {
+        if l4 + TcpHdr::LEN > end {
             return Err(());
         }
         let tcp = unsafe { &*(l4 as *const TcpHdr) };
@@ -57,14 +77,46 @@ fn try_tc(ctx: &TcContext, hook: u8) -> Result<(), ()> {
     if payload + 4 <= end {
         pkt.payload_head = u32::from_be_bytes(unsafe { *(payload as *const [u8; 4]) });
     }
-
-    let mut at = Point::new(hook);
-    // In tc the context pointer is the kernel's sk_buff (the __sk_buff view
-    // is a rewrite of field accesses), so this is the same identity the
-    // tracepoints and netfilter programs report. Storing it needs
-    // allow_ptr_leaks, i.e. a privileged loader, which we are.
-    at.skb = ctx.skb.skb as u64;
-    at.ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    observe(&mut pkt, &mut at, |_, _| true);
     Ok(())
+}
+
+#[inline(always)]
+fn ipv4(data: usize, end: usize) -> Result<Packet, ()> {
+    let ip = unsafe { &*((data + EthHdr::LEN) as *const Ipv4Hdr) };
+    let (mut pkt, ihl) = Packet::from_ipv4(ip).ok_or(())?;
+    // Masking keeps the offset provably bounded (<= 60) for the verifier.
+    let l4 = data + EthHdr::LEN + (ihl & 0x3c);
+    l4_fields(&mut pkt, l4, end)?;
+    Ok(pkt)
+}
+
+/// IPv6 with TCP/UDP right after the fixed header (nearly all traffic) is
+/// read in place; extension headers are walked with bpf_skb_load_bytes,
+/// whose bounds the helper checks, since their lengths would have to be
+/// proven to the verifier one by one. Not inlined, and filling the caller's
+/// `pkt`: inlined, LLVM duplicated the filter and event path per family.
+#[inline(never)]
+fn ipv6(ctx: &TcContext, pkt: &mut Packet) -> Result<(), ()> {
+    let data = ctx.data();
+    let end = ctx.data_end();
+    let l3 = data + EthHdr::LEN;
+    if l3 + Ipv6Hdr::LEN > end {
+        return Err(());
+    }
+    let ip = unsafe { &*(l3 as *const Ipv6Hdr) };
+    if ip.vcf[0] >> 4 != 6 {
+        return Err(());
+    }
+    let (l4_proto, l3_len) = ipv6_l4(ip.next_hdr, |at| {
+        ctx.load::<[u8; 8]>(EthHdr::LEN + at).map_err(|_| ())
+    })
+    .ok_or(())?;
+    *pkt = Packet::from_ipv6(ip, l4_proto);
+    // After extension headers the L4 header is at a data-dependent offset:
+    // bounded (and masked, so the verifier sees the bound) for direct access.
+    if l3_len > 0x7ff {
+        return Err(());
+    }
+    let l4 = l3 + (l3_len & 0x7ff);
+    l4_fields(pkt, l4, end)
 }

@@ -53,7 +53,10 @@ fn instance(template: &[PacketEvent], i: u32, out: &mut Vec<PacketEvent>) {
         for (addr, p) in [(&mut e.saddr, &mut e.sport), (&mut e.daddr, &mut e.dport)] {
             if (*addr, *p) == client {
                 *p = port;
-                addr[2] = host;
+                // The third IPv4 byte of the IPv4-mapped address (tracer_common::Addr).
+                let mut v4 = addr[3].to_ne_bytes();
+                v4[2] = host;
+                addr[3] = u32::from_ne_bytes(v4);
             }
         }
         out.push(e);

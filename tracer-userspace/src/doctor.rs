@@ -61,6 +61,8 @@ pub struct Inputs {
     pub dataplane: Dataplane,
     /// The Service IPs a trace follows (empty for `doctor`).
     pub traced: Vec<std::net::Ipv4Addr>,
+    /// IPv6 sysctls, addresses and RA-learned routes ([`ipv6`]).
+    pub ipv6: ipv6::Ipv6Facts,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -171,6 +173,7 @@ pub fn assess(i: &Inputs) -> Report {
     out.push(kube_proxy_finding(i));
     out.extend(service_nat(i));
     out.extend(masquerade_all_finding(i));
+    out.extend(ipv6::findings(i));
     Report {
         netns: i.netns.clone(),
         findings: out,
@@ -490,6 +493,7 @@ pub fn gather_with(
             conntrack_max: read_u64("/proc/sys/net/netfilter/nf_conntrack_max"),
             interfaces,
             rp_filter,
+            ipv6: ipv6::gather(),
             ..Inputs::default()
         })
     })??;
@@ -529,5 +533,6 @@ pub fn run(netns: Option<&str>, json: bool) -> u8 {
     u8::from(report.breaks_services())
 }
 
+pub mod ipv6;
 #[cfg(test)]
 mod tests;

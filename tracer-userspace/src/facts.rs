@@ -28,6 +28,11 @@ pub struct NodeFacts {
     /// has the same effect as 0.
     pub bridge_nf_call_iptables: Option<bool>,
     pub ip_forward: Option<bool>,
+    /// `/proc/sys/net/bridge/bridge-nf-call-ip6tables`: the same switch for
+    /// bridged IPv6 frames (br_netfilter_hooks.c, br_nf_pre_routing checks
+    /// `call_ip6tables` for ETH_P_IPV6). Absent from older recordings.
+    #[serde(default)]
+    pub bridge_nf_call_ip6tables: Option<bool>,
 }
 
 impl NodeFacts {

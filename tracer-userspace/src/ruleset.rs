@@ -1,11 +1,14 @@
 //! kube-proxy's rules, read-only: which Service, `KUBE-SVC-…` and
 //! `KUBE-SEP-…` chain sent a flow to its backend (nat), and which Service
-//! ports kube-proxy REJECTs for having no endpoints (filter). Parsing is
-//! pure; the only I/O is [`read`], which runs `*-save` commands in the traced
-//! namespace, and only those that change nothing there (see [`read`]).
+//! ports kube-proxy REJECTs for having no endpoints (filter), for both
+//! families: kube-proxy runs one proxier per IP family, writing the IPv6
+//! half with `ip6tables` or into `table ip6 kube-proxy` under the same
+//! Service port names. Parsing is pure; the only I/O is [`read`], which runs
+//! `*-save` commands in the traced namespace, and only those that change
+//! nothing there (see [`read`]).
 use std::{
     collections::HashMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     process::Command,
 };
 
@@ -40,7 +43,7 @@ impl ProxyMode {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct SepRule {
     pub chain: String,
-    pub endpoint: SocketAddrV4,
+    pub endpoint: SocketAddr,
     /// `-s <endpoint ip> -j KUBE-MARK-MASQ`: a pod reaching itself is masqueraded.
     pub hairpin_masq: bool,
 }
@@ -50,7 +53,7 @@ pub struct SepRule {
 pub struct SvcRule {
     /// kube-proxy's comment, `namespace/name:port`.
     pub name: String,
-    pub cluster_ip: Ipv4Addr,
+    pub cluster_ip: IpAddr,
     pub port: u16,
     /// "tcp" / "udp".
     pub proto: String,
@@ -64,7 +67,7 @@ pub struct SvcRule {
 /// unreachable: the client's connect fails at once).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct RejectRule {
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     pub port: u16,
     /// "tcp" / "udp".
     pub protocol: String,
@@ -128,15 +131,19 @@ pub struct KubeMatch {
 }
 
 impl KubeProxyRules {
-    pub fn lookup(
+    /// The Service port (either family) a flow to `service` belongs to,
+    /// and the endpoint chain that DNATs to `backend`.
+    pub fn lookup<A: Into<SocketAddr>>(
         &self,
-        service: SocketAddrV4,
+        service: A,
         proto: &str,
-        backend: Option<SocketAddrV4>,
+        backend: Option<A>,
     ) -> Option<KubeMatch> {
+        let service = service.into();
         let svc = self.services.iter().find(|s| {
-            s.cluster_ip == *service.ip() && s.port == service.port() && s.proto == proto
+            s.cluster_ip == service.ip() && s.port == service.port() && s.proto == proto
         })?;
+        let backend = backend.map(Into::into);
         let sep = backend.and_then(|b| svc.endpoints.iter().find(|e| e.endpoint == b));
         Some(KubeMatch {
             service: svc.name.clone(),
@@ -147,10 +154,31 @@ impl KubeProxyRules {
     }
 
     /// kube-proxy's no-endpoints REJECT for this Service IP:port, if any.
-    pub fn no_endpoints_for(&self, service: SocketAddrV4, proto: &str) -> Option<&RejectRule> {
+    pub fn no_endpoints_for(
+        &self,
+        service: impl Into<SocketAddr>,
+        proto: &str,
+    ) -> Option<&RejectRule> {
+        let service = service.into();
         self.no_endpoints
             .iter()
-            .find(|r| r.ip == *service.ip() && r.port == service.port() && r.protocol == proto)
+            .find(|r| r.ip == service.ip() && r.port == service.port() && r.protocol == proto)
+    }
+
+    /// Adds the other family's half (the IPv6 proxier's rules beside the
+    /// IPv4 ones): Services and rejects are joined; mode, source and
+    /// cluster CIDR stay this half's unless it has none.
+    pub fn merge(&mut self, other: KubeProxyRules) {
+        if self.mode == ProxyMode::None {
+            self.mode = other.mode;
+            self.source = other.source;
+        }
+        if self.cluster_cidr.is_none() {
+            self.cluster_cidr = other.cluster_cidr;
+        }
+        self.services.extend(other.services);
+        self.no_endpoints.extend(other.no_endpoints);
+        self.outside_netfilter.extend(other.outside_netfilter);
     }
 
     /// Whether every Service's chain masquerades all traffic (`masqueradeAll: true`).
@@ -244,8 +272,16 @@ fn parse_rule(line: &str) -> Option<Rule> {
     Some(r)
 }
 
-fn host(cidr: &str) -> Option<Ipv4Addr> {
-    cidr.strip_suffix("/32").unwrap_or(cidr).parse().ok()
+/// A host address as iptables-save prints it: `a.b.c.d/32`, `x::y/128`.
+fn host(cidr: &str) -> Option<IpAddr> {
+    let ip: IpAddr = cidr
+        .strip_suffix("/32")
+        .or_else(|| cidr.strip_suffix("/128"))
+        .unwrap_or(cidr)
+        .parse()
+        .ok()?;
+    // A /32 suffix on an IPv6 address is a prefix, not a host.
+    (!(ip.is_ipv6() && cidr.ends_with("/32"))).then_some(ip)
 }
 
 /// Parses `iptables-save -t nat` output (either backend's: the text format is the same).
@@ -307,11 +343,12 @@ pub fn parse_nat(text: &str) -> KubeProxyRules {
 
 fn endpoint(chain: &str, rules: &[&Rule]) -> Option<SepRule> {
     let to = rules.iter().find_map(|r| r.to_destination.as_deref())?;
-    let endpoint: SocketAddrV4 = to.parse().ok()?;
+    // `ip:port`, or `[ip6]:port` in ip6tables-save.
+    let endpoint: SocketAddr = to.parse().ok()?;
     let hairpin_masq = rules.iter().any(|r| {
         r.jump.as_deref() == Some("KUBE-MARK-MASQ")
             && !r.src_negated
-            && r.src.as_deref().and_then(host) == Some(*endpoint.ip())
+            && r.src.as_deref().and_then(host) == Some(endpoint.ip())
     });
     Some(SepRule {
         chain: chain.to_string(),
@@ -373,17 +410,40 @@ impl Missing {
     }
 }
 
-/// Whether x_tables (legacy) tables exist in the namespace. Read through
+/// Whether x_tables (legacy) tables of a family exist in the namespace
+/// (`names`: `ip_tables_names` or `ip6_tables_names`). Read through
 /// `thread-self`: `/proc/net` follows `/proc/self`, the thread-group
 /// leader, whose namespace is not the one this thread entered
 /// (fs/proc/proc_net.c, get_proc_task_net).
-fn legacy_tables_exist(netns: &Netns) -> bool {
+fn legacy_tables_exist(netns: &Netns, names: &str) -> bool {
     netns
-        .run(|| std::fs::read_to_string("/proc/thread-self/net/ip_tables_names"))
+        .run(|| std::fs::read_to_string(format!("/proc/thread-self/net/{names}")))
         .ok()
         .and_then(Result::ok)
         .is_some_and(|names| !names.trim().is_empty())
 }
+
+/// The save commands and legacy table list of one IP family.
+struct Family {
+    nft: &'static str,
+    legacy: &'static str,
+    /// The unsuffixed name some distributions ship one backend as.
+    plain: &'static str,
+    legacy_names: &'static str,
+}
+
+const IPV4: Family = Family {
+    nft: "iptables-nft-save",
+    legacy: "iptables-legacy-save",
+    plain: "iptables-save",
+    legacy_names: "ip_tables_names",
+};
+const IPV6: Family = Family {
+    nft: "ip6tables-nft-save",
+    legacy: "ip6tables-legacy-save",
+    plain: "ip6tables-save",
+    legacy_names: "ip6_tables_names",
+};
 
 /// Whether nf_tables is there without loading anything: asking nfnetlink
 /// for nf_tables otherwise loads the module (nfnetlink autoloads missing
@@ -417,19 +477,42 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
         return KubeProxyRules::default();
     };
     let nf_tables = nf_tables_loaded();
+    let mut missing = Missing::new();
+    let mut best = read_family(&ns, nf_tables, &IPV4, &mut missing);
+    best.merge(read_family(&ns, nf_tables, &IPV6, &mut missing));
+    if best.mode == ProxyMode::None
+        && nf_tables
+        && let Some(rules) = missing
+            .note("nft", run_in(&ns, "nft", &["-j", "list", "ruleset"]))
+            .and_then(|j| nft::parse(&j))
+    {
+        best = rules;
+    }
+    if best.mode == ProxyMode::None {
+        best.missing_tools = missing.tools;
+    }
+    best
+}
+
+/// [`read`] for one family's iptables: the backend holding the most rules.
+fn read_family(
+    ns: &Netns,
+    nf_tables: bool,
+    family: &Family,
+    missing: &mut Missing,
+) -> KubeProxyRules {
     let mut sources: Vec<(&str, &'static str)> = Vec::new();
     if nf_tables {
-        sources.push(("iptables-nft-save", "nft"));
+        sources.push((family.nft, "nft"));
     }
-    if legacy_tables_exist(&ns) {
-        sources.push(("iptables-legacy-save", "legacy"));
+    if legacy_tables_exist(ns, family.legacy_names) {
+        sources.push((family.legacy, "legacy"));
     }
     let mut best = KubeProxyRules::default();
-    let mut missing = Missing::new();
     for (program, source) in sources {
         // Distributions without the -nft/-legacy names ship one of them as
         // plain `iptables-save`; its --version says which.
-        let named = run_in(&ns, program, &[]);
+        let named = run_in(ns, program, &[]);
         let text = match named {
             Err(RunError::Missing) => {
                 let backend = if source == "nft" {
@@ -437,9 +520,9 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
                 } else {
                     "legacy"
                 };
-                let plain = run_in(&ns, "iptables-save", &["--version"]).and_then(|v| {
+                let plain = run_in(ns, family.plain, &["--version"]).and_then(|v| {
                     if v.contains(backend) {
-                        run_in(&ns, "iptables-save", &[])
+                        run_in(ns, family.plain, &[])
                     } else {
                         Err(RunError::Failed)
                     }
@@ -463,17 +546,6 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
                 ..rules
             };
         }
-    }
-    if best.mode == ProxyMode::None
-        && nf_tables
-        && let Some(rules) = missing
-            .note("nft", run_in(&ns, "nft", &["-j", "list", "ruleset"]))
-            .and_then(|j| nft::parse(&j))
-    {
-        best = rules;
-    }
-    if best.mode == ProxyMode::None {
-        best.missing_tools = missing.tools;
     }
     best
 }

@@ -63,7 +63,7 @@ fn forced_kprobe_backend_without_kprobes_is_one_line() {
     }
     let opts = TraceOptions {
         services: vec![Service {
-            addr: [198, 51, 100, 9].into(),
+            addr: std::net::Ipv4Addr::new(198, 51, 100, 9).into(),
             port: None,
         }],
         netns: None,

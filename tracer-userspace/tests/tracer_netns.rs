@@ -17,7 +17,9 @@ use nattrace::{
     },
     service::Service,
 };
-use tracer_common::{EndpointKey, PacketEvent, direction, hook, nat_stage, nf_hook, tcp_flags};
+use tracer_common::{
+    EndpointKey, PacketEvent, direction, hook, nat_stage, nf_hook, tcp_flags, v4_mapped,
+};
 
 // Documentation range (RFC 5737): only ever used inside our namespaces.
 const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
@@ -179,7 +181,7 @@ fn events_carry_correct_kernel_fields() {
 
     let opts = TraceOptions {
         services: vec![Service {
-            addr: NODE_IP,
+            addr: NODE_IP.into(),
             port: None,
         }],
         netns: Some(lab.node.clone()),
@@ -260,9 +262,9 @@ fn check_kernel_fields(
             nat_stage::name(e.nat_stage),
             e.netns,
             e.ifindex,
-            Ipv4Addr::from(e.saddr),
+            nattrace::service::ip_of(e.saddr),
             e.sport,
-            Ipv4Addr::from(e.daddr),
+            nattrace::service::ip_of(e.daddr),
             e.dport,
             e.tcp_flags,
             e.direction,
@@ -273,8 +275,8 @@ fn check_kernel_fields(
         e.tcp_flags & tcp_flags::SYN != 0 && e.tcp_flags & tcp_flags::ACK == 0 && e.dport == port
     };
     let request = |e: &PacketEvent| {
-        e.saddr == CLIENT_IP.octets()
-            && e.daddr == NODE_IP.octets()
+        e.saddr == v4_mapped(CLIENT_IP.octets())
+            && e.daddr == v4_mapped(NODE_IP.octets())
             && e.direction == direction::REQUEST
     };
     let has = |what: &str, pred: &dyn Fn(&PacketEvent) -> bool| {
@@ -331,7 +333,7 @@ fn check_kernel_fields(
             && e.nf_hook == nf_hook::LOCAL_OUT
             && e.direction == direction::REPLY
             && e.sport == port
-            && e.saddr == NODE_IP.octets()
+            && e.saddr == v4_mapped(NODE_IP.octets())
             && e.tcp_flags & tcp_flags::SYN != 0
     });
     has("SYN-ACK reply at tc egress of n0", &|e| {
@@ -379,7 +381,7 @@ fn check_muting(tracer: &mut Tracer, lab: &Lab, rt: &tokio::runtime::Runtime, po
             .any(|e| e.proto == tracer_common::proto::UDP && e.sport == udp_port)
     );
     let client = EndpointKey {
-        addr: CLIENT_IP.octets(),
+        addr: v4_mapped(CLIENT_IP.octets()),
         port: udp_port,
         proto: tracer_common::proto::UDP,
         _pad: 0,

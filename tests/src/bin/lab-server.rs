@@ -4,18 +4,19 @@
 //! ```text
 //! lab-server http PORT [--name TEXT]   answer every GET with a page naming the pod
 //! lab-server dns PORT NAME A.B.C.D     answer A queries for NAME over UDP
+//! lab-server ra IFNAME LIFETIME        send one IPv6 Router Advertisement on IFNAME
 //! ```
 //!
 //! Both print `ready` on stdout once the socket is bound, so the lab knows the
 //! pod can be reached before a test sends traffic.
 
 use std::io::{self, Read, Write};
-use std::net::{Ipv4Addr, TcpListener, TcpStream, UdpSocket};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::process::ExitCode;
 use std::thread;
 use std::time::Duration;
 
-const USAGE: &str = "usage: lab-server http PORT [--name TEXT] | lab-server dns PORT NAME A.B.C.D";
+const USAGE: &str = "usage: lab-server http PORT [--name TEXT] | lab-server dns PORT NAME A.B.C.D | lab-server ra IFNAME LIFETIME";
 
 /// A client that connects and sends nothing must not pin a thread forever.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -31,6 +32,10 @@ fn main() -> ExitCode {
                 .map_err(|_| format!("{answer:?} is not an IPv4 address"))?;
             dns(p, name, ip)
         }),
+        ["ra", ifname, lifetime] => lifetime
+            .parse()
+            .map_err(|_| format!("{lifetime:?} is not a lifetime in seconds"))
+            .and_then(|l| router_advertisement(ifname, l)),
         _ => Err(USAGE.to_string()),
     };
     match result {
@@ -55,7 +60,10 @@ fn ready() -> Result<(), String> {
 
 fn http(port: u16, name: &str) -> Result<(), String> {
     // std sets SO_REUSEADDR, so a restarted server rebinds despite TIME_WAIT.
-    let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))
+    // `[::]` serves IPv4 too (net.ipv6.bindv6only is 0 in a new namespace);
+    // a kernel without IPv6 gets the IPv4 socket.
+    let listener = TcpListener::bind((Ipv6Addr::UNSPECIFIED, port))
+        .or_else(|_| TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)))
         .map_err(|e| format!("binding tcp port {port}: {e}"))?;
     ready()?;
     for stream in listener.incoming() {
@@ -82,7 +90,12 @@ fn serve_http(mut stream: TcpStream, name: &str) -> io::Result<()> {
         request.extend_from_slice(&buf[..n]);
     }
     let (local, peer) = (stream.local_addr()?, stream.peer_addr()?);
-    let body = format!("pod={name} ip={} client={peer}\n", local.ip());
+    // An IPv4 client of the dual-stack socket is `::ffff:a.b.c.d`: print a.b.c.d.
+    let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
+    let body = format!(
+        "pod={name} ip={} client={peer}\n",
+        local.ip().to_canonical()
+    );
     let (status, body) = if request.starts_with(b"GET ") || request.starts_with(b"HEAD ") {
         ("200 OK", body)
     } else {
@@ -101,7 +114,8 @@ fn serve_http(mut stream: TcpStream, name: &str) -> io::Result<()> {
 }
 
 fn dns(port: u16, name: &str, answer: Ipv4Addr) -> Result<(), String> {
-    let sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port))
+    let sock = UdpSocket::bind((Ipv6Addr::UNSPECIFIED, port))
+        .or_else(|_| UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port)))
         .map_err(|e| format!("binding udp port {port}: {e}"))?;
     ready()?;
     let name = name.trim_end_matches('.').to_ascii_lowercase();
@@ -164,4 +178,62 @@ fn dns_reply(query: &[u8], name: &str, answer: Ipv4Addr) -> Option<Vec<u8>> {
         reply.extend_from_slice(&answer.octets());
     }
     Some(reply)
+}
+
+/// Sends one Router Advertisement (RFC 4861 4.2: default router for
+/// `lifetime` seconds, no options) to all nodes on `ifname`, as a router's
+/// radvd would. A raw ICMPv6 socket: the kernel fills in the checksum, and
+/// the hop limit must be 255 or receivers drop it (net/ipv6/ndisc.c `ndisc_rcv`).
+fn router_advertisement(ifname: &str, lifetime: u16) -> Result<(), String> {
+    let err = |what: &str| format!("{what}: {}", io::Error::last_os_error());
+    let name = std::ffi::CString::new(ifname).map_err(|_| "bad interface name".to_string())?;
+    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if ifindex == 0 {
+        return Err(err(ifname));
+    }
+    let fd = unsafe { libc::socket(libc::AF_INET6, libc::SOCK_RAW, libc::IPPROTO_ICMPV6) };
+    if fd < 0 {
+        return Err(err("raw ICMPv6 socket"));
+    }
+    let set = |opt: libc::c_int, value: libc::c_int| unsafe {
+        libc::setsockopt(
+            fd,
+            libc::IPPROTO_IPV6,
+            opt,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if set(libc::IPV6_MULTICAST_HOPS, 255) != 0 || set(libc::IPV6_MULTICAST_IF, ifindex as i32) != 0
+    {
+        unsafe { libc::close(fd) };
+        return Err(err("setsockopt"));
+    }
+    // type 134, code 0, checksum, cur hop limit 64, flags 0, router
+    // lifetime, reachable time 0, retrans timer 0.
+    let mut ra = [0u8; 16];
+    ra[0] = 134;
+    ra[4] = 64;
+    ra[6..8].copy_from_slice(&lifetime.to_be_bytes());
+    let mut to: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    to.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+    to.sin6_addr.s6_addr = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1).octets();
+    to.sin6_scope_id = ifindex;
+    let sent = unsafe {
+        libc::sendto(
+            fd,
+            ra.as_ptr().cast(),
+            ra.len(),
+            0,
+            (&to as *const libc::sockaddr_in6).cast(),
+            std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+        )
+    };
+    let result = if sent == ra.len() as isize {
+        Ok(())
+    } else {
+        Err(err("sending the RA"))
+    };
+    unsafe { libc::close(fd) };
+    result
 }

@@ -12,11 +12,14 @@
 //! probes read from kernel structs (ifindex, netns inode, addresses, conntrack
 //! tuples) are what the lab configured — a wrong BTF offset must fail here, not
 //! silently produce no events; and that all backends agree flow for flow.
+//! Then seed 000 over IPv6 on a dual-stack node (`vm-guest/ipv6.rs`).
 //! One `vm-guest: PASS|FAIL` line per check; exit 0 only if all pass.
 
 // Not tests/src/bin/facts.rs: cargo would take that for a binary of its own.
 #[path = "vm-guest/facts.rs"]
 mod facts;
+#[path = "vm-guest/ipv6.rs"]
+mod ipv6;
 
 use std::fs::File;
 use std::io::{Read as _, Write as _};
@@ -196,6 +199,8 @@ fn run() -> anyhow::Result<bool> {
             }
         }
     }
+
+    ipv6::run(&mut checks, &nattrace, &backends)?;
 
     say(&format!(
         "vm-guest: {} passed, {} failed ({}) in {:.1}s on {release}",

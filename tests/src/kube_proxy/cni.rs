@@ -1,14 +1,16 @@
 //! The CNI's own chains beside kube-proxy's.
 
-use super::node::NodeNet;
+use super::node::Net;
 use super::{MASQ_MARK, Table};
 
 /// flannel's rules (flannel `pkg/trafficmngr/iptables`: `forwardRules` and,
 /// with `--ip-masq`, `masqRules` for one cluster CIDR), appended to the
-/// built-in chains as flanneld does.
-pub(super) fn flannel(filter: &mut Table, nat: &mut Table, node: NodeNet, ip_masq: bool) {
-    let net = node.cluster_network.trunc();
-    let pod = node.pod_cidr.trunc();
+/// built-in chains as flanneld does. The IPv6 rules (`masqIP6Rules`, the
+/// same `forwardRules`) differ only in the multicast range.
+pub(super) fn flannel(filter: &mut Table, nat: &mut Table, node: &Net, ip_masq: bool) {
+    let net = &node.cluster_network;
+    let pod = &node.pod_cidr;
+    let multicast = node.multicast;
     const FWD: &str = r#"-m comment --comment "flanneld forward""#;
     filter.chain("FLANNEL-FWD");
     filter.rule("FORWARD", &format!("{FWD} -j FLANNEL-FWD"));
@@ -39,7 +41,7 @@ pub(super) fn flannel(filter: &mut Table, nat: &mut Table, node: NodeNet, ip_mas
     );
     nat.rule(
         "FLANNEL-POSTRTG",
-        &format!("-s {net} ! -d 224.0.0.0/4 {MASQ} -j MASQUERADE --random-fully"),
+        &format!("-s {net} ! -d {multicast} {MASQ} -j MASQUERADE --random-fully"),
     );
     nat.rule(
         "FLANNEL-POSTRTG",

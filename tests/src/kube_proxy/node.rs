@@ -11,8 +11,10 @@
 //! `FORWARD: KUBE-PROXY-FIREWALL, KUBE-FORWARD, KUBE-SERVICES,
 //! KUBE-EXTERNAL-SERVICES, FLANNEL-FWD`.
 
-use super::{MASQ_MARK, ResolvedService, Table, cni, nat_table};
-use crate::cidr::Ipv4Cidr;
+use std::net::IpAddr;
+
+use super::{MASQ_MARK, ResolvedService, Table, cni, host_cidr, nat_table_for};
+use crate::cidr::{Ipv4Cidr, Ipv6Cidr};
 use crate::spec::{CniChains, KubeProxyConfig, ProxyMode};
 
 /// What the renderer needs to know about the node itself.
@@ -24,14 +26,36 @@ pub struct NodeNet {
     pub cluster_network: Ipv4Cidr,
 }
 
+/// [`NodeNet`] for the IPv6 half of a dual-stack node.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeNet6 {
+    /// This node's IPv6 pod CIDR.
+    pub pod_cidr: Ipv6Cidr,
+    /// The cluster's IPv6 pod network.
+    pub cluster_network: Ipv6Cidr,
+}
+
+/// What the renderers need of a node, whatever its family.
+pub(super) struct Net {
+    pub(super) pod_cidr: String,
+    pub(super) cluster_network: String,
+    /// flannel leaves multicast alone: `224.0.0.0/4` or `ff00::/8`.
+    pub(super) multicast: &'static str,
+}
+
 const CT_NEW: &str = "-m conntrack --ctstate NEW";
 
-/// kube-proxy's filter table plus kubelet's `KUBE-FIREWALL`.
-pub(crate) fn filter_table(services: &[ResolvedService]) -> Table {
+/// kube-proxy's filter table plus kubelet's `KUBE-FIREWALL`. IPv6 has no `KUBE-FIREWALL`: kubelet
+/// and kube-proxy write the localnet guard for IPv4 only ("ipv6 doesn't have
+/// this issue", pkg/kubelet/kubelet_network_linux.go `syncIPTablesRules`;
+/// proxier.go `if !isIPv6 && proxier.localhostNodePorts`).
+fn filter_table_for(services: &[ResolvedService], v6: bool) -> Table {
     let mut t = Table::new("filter");
+    if !v6 {
+        t.chain("KUBE-FIREWALL");
+    }
     for chain in [
         "KUBE-EXTERNAL-SERVICES",
-        "KUBE-FIREWALL",
         "KUBE-FORWARD",
         "KUBE-NODEPORTS",
         "KUBE-PROXY-FIREWALL",
@@ -47,7 +71,9 @@ pub(crate) fn filter_table(services: &[ResolvedService]) -> Table {
     let external = format!(
         r#"{CT_NEW} -m comment --comment "kubernetes externally-visible service portals" -j KUBE-EXTERNAL-SERVICES"#
     );
-    t.rule("INPUT", "-j KUBE-FIREWALL");
+    if !v6 {
+        t.rule("INPUT", "-j KUBE-FIREWALL");
+    }
     t.rule("INPUT", &lb_fw);
     t.rule(
         "INPUT",
@@ -61,12 +87,16 @@ pub(crate) fn filter_table(services: &[ResolvedService]) -> Table {
     );
     t.rule("FORWARD", &portals);
     t.rule("FORWARD", &external);
-    t.rule("OUTPUT", "-j KUBE-FIREWALL");
+    if !v6 {
+        t.rule("OUTPUT", "-j KUBE-FIREWALL");
+    }
     t.rule("OUTPUT", &lb_fw);
     t.rule("OUTPUT", &portals);
 
-    // kubelet's (and kube-proxy's copy of) the route_localnet guard.
-    t.rule("KUBE-FIREWALL", LOCALNET_GUARD);
+    if !v6 {
+        // kubelet's (and kube-proxy's copy of) the route_localnet guard.
+        t.rule("KUBE-FIREWALL", LOCALNET_GUARD);
+    }
     // Left out by kube-proxy only when nf_conntrack_tcp_be_liberal is set.
     t.rule("KUBE-FORWARD", "-m conntrack --ctstate INVALID -j DROP");
     t.rule(
@@ -91,8 +121,9 @@ pub(crate) fn filter_table(services: &[ResolvedService]) -> Table {
             t.rule(
                 "KUBE-EXTERNAL-SERVICES",
                 &format!(
-                    r#"-p {proto} -m comment --comment "{} has no endpoints" -m addrtype --dst-type LOCAL -m {proto} --dport {node_port} -j REJECT --reject-with icmp-port-unreachable"#,
-                    svc.port_name
+                    r#"-p {proto} -m comment --comment "{} has no endpoints" -m addrtype --dst-type LOCAL -m {proto} --dport {node_port} -j REJECT --reject-with {}"#,
+                    svc.port_name,
+                    reject_with(svc.cluster_ip),
                 ),
             );
         }
@@ -101,9 +132,13 @@ pub(crate) fn filter_table(services: &[ResolvedService]) -> Table {
 }
 
 /// kubelet's own filter chain (`KUBE-FIREWALL`, the route_localnet guard):
-/// what the filter table holds on a node whose kube-proxy runs in nftables mode.
-fn kubelet_filter_table() -> Table {
+/// what the filter table holds on a node whose kube-proxy runs in nftables
+/// mode (nothing for IPv6, see [`filter_table_for`]).
+fn kubelet_filter_table(v6: bool) -> Table {
     let mut t = Table::new("filter");
+    if v6 {
+        return t;
+    }
     t.chain("KUBE-FIREWALL");
     t.rule("INPUT", "-j KUBE-FIREWALL");
     t.rule("OUTPUT", "-j KUBE-FIREWALL");
@@ -115,15 +150,22 @@ const LOCALNET_GUARD: &str = r#"! -s 127.0.0.0/8 -d 127.0.0.0/8 -m comment --com
 
 /// kube-proxy's REJECT for a Service port without endpoints, as
 /// `iptables-save` prints it (without the leading `-A KUBE-SERVICES`).
-pub fn no_endpoints_rule(
-    ip: std::net::Ipv4Addr,
-    port: u16,
-    proto: &str,
-    port_name: &str,
-) -> String {
+pub fn no_endpoints_rule(ip: impl Into<IpAddr>, port: u16, proto: &str, port_name: &str) -> String {
+    let ip = ip.into();
     format!(
-        r#"-d {ip}/32 -p {proto} -m comment --comment "{port_name} has no endpoints" -m {proto} --dport {port} -j REJECT --reject-with icmp-port-unreachable"#
+        r#"-d {} -p {proto} -m comment --comment "{port_name} has no endpoints" -m {proto} --dport {port} -j REJECT --reject-with {}"#,
+        host_cidr(ip),
+        reject_with(ip)
     )
+}
+
+/// REJECT's default as iptables-save / ip6tables-save print it.
+fn reject_with(ip: IpAddr) -> &'static str {
+    if ip.is_ipv6() {
+        "icmp6-port-unreachable"
+    } else {
+        "icmp-port-unreachable"
+    }
 }
 
 /// The complete `iptables-restore` input for one node: mangle, filter, nat
@@ -133,6 +175,42 @@ pub fn render_node(
     services: &[ResolvedService],
     node: NodeNet,
 ) -> String {
+    let net = Net {
+        pod_cidr: node.pod_cidr.trunc().to_string(),
+        cluster_network: node.cluster_network.trunc().to_string(),
+        multicast: "224.0.0.0/4",
+    };
+    let cidr = config.cluster_cidr.map(|c| c.trunc().to_string());
+    render_family(config, services, &net, cidr, false)
+}
+
+/// [`render_node`] for the `ip6tables-restore` of a dual-stack node: the
+/// IPv6 proxier's tables (`services` are the IPv6 ClusterIPs), kubelet's
+/// hint and canaries, and flannel's IPv6 chains. The IPv6 `--cluster-cidr`
+/// is the cluster network whenever the IPv4 one is set.
+pub fn render_node6(
+    config: &KubeProxyConfig,
+    services: &[ResolvedService],
+    node: NodeNet6,
+) -> String {
+    let net = Net {
+        pod_cidr: node.pod_cidr.trunc().to_string(),
+        cluster_network: node.cluster_network.trunc().to_string(),
+        multicast: "ff00::/8",
+    };
+    let cidr = config
+        .cluster_cidr
+        .map(|_| node.cluster_network.trunc().to_string());
+    render_family(config, services, &net, cidr, true)
+}
+
+fn render_family(
+    config: &KubeProxyConfig,
+    services: &[ResolvedService],
+    net: &Net,
+    cluster_cidr: Option<String>,
+    v6: bool,
+) -> String {
     let mut mangle = Table::new("mangle");
     // kubelet's hint chain tells other tools which backend it uses.
     mangle.chain("KUBE-IPTABLES-HINT");
@@ -140,9 +218,12 @@ pub fn render_node(
     // (crate::kube_proxy_nft); kubelet and the CNI still use iptables.
     let nftables_mode = config.mode == ProxyMode::Nftables;
     let (mut filter, mut nat) = if nftables_mode {
-        (kubelet_filter_table(), Table::new("nat"))
+        (kubelet_filter_table(v6), Table::new("nat"))
     } else {
-        (filter_table(services), nat_table(config, services))
+        (
+            filter_table_for(services, v6),
+            nat_table_for(config, services, cluster_cidr, v6),
+        )
     };
     let mut raw = Table::new("raw");
     // The canaries: kube-proxy and kubelet re-sync when theirs vanishes.
@@ -154,7 +235,7 @@ pub fn render_node(
     }
     match config.cni_chains {
         CniChains::Flannel { ip_masq } => {
-            cni::flannel(&mut filter, &mut nat, node, ip_masq);
+            cni::flannel(&mut filter, &mut nat, net, ip_masq);
         }
         CniChains::Calico => cni::calico(&mut raw, &mut mangle),
         CniChains::None => {}

@@ -144,14 +144,14 @@ fn resolve(spec: &LabSpec) -> Vec<lab::kube_proxy::ResolvedService> {
             .iter()
             .flat_map(|n| &n.pods)
             .find(|p| p.name == pod)
-            .map(|p| p.ip)
+            .map(|p| std::net::IpAddr::V4(p.ip))
             .unwrap()
     };
     spec.services
         .iter()
         .map(|s| lab::kube_proxy::ResolvedService {
             port_name: s.port_name_string(),
-            cluster_ip: s.cluster_ip,
+            cluster_ip: s.cluster_ip.into(),
             port: s.port,
             protocol: s.protocol,
             endpoints: s.endpoints.iter().map(|e| (ip(&e.pod), e.port)).collect(),

@@ -33,7 +33,6 @@
 //! was never confirmed: it dies with the packet, and the client's
 //! retransmitted SYN is load-balanced again, possibly to a live backend
 //! (see `attempts` in report.rs).
-use std::net::Ipv4Addr;
 
 use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
 
@@ -108,7 +107,7 @@ pub(super) fn backend_unreachable(ctx: &RuleCtx<'_>) -> Option<Found> {
     });
     let (backend, how) = match drop {
         Some(o) => {
-            let ip = Ipv4Addr::from(o.dst.addr);
+            let ip = o.dst.addr;
             // Tracepoints see every namespace of the kernel: in a lab or kind
             // the backend's own node may be another namespace here.
             let who = if ctx.is_node(o.netns) {
@@ -176,7 +175,7 @@ pub(super) fn backend_unreachable(ctx: &RuleCtx<'_>) -> Option<Found> {
                 format!(
                     "the {} never left the node after DNAT (held waiting for {}'s MAC address for {} ms)",
                     ctx.kind(p as u8),
-                    Ipv4Addr::from(b.addr),
+                    b.addr,
                     (ctx.decided_ts - since) / 1_000_000
                 ),
             )

@@ -31,6 +31,8 @@ pub enum CauseId {
     HairpinModeOff,
     /// Seed 000/001: the reply was bridged between two pods without netfilter.
     BridgeNfCallIptablesOff,
+    /// Seed 000/001 over IPv6: bridged past ip6tables (`ip6_rules`).
+    BridgeNfCallIp6tablesOff,
     /// Same evidence, but the sysctl read 1 at start: it changed, or another
     /// namespace owns the bridge.
     ReplyBridgedWithoutNetfilter,
@@ -110,12 +112,20 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         fix: "load br_netfilter and set net.bridge.bridge-nf-call-iptables=1 in the node namespace (before kubelet starts)",
     },
     CauseRow {
+        id: CauseId::BridgeNfCallIp6tablesOff,
+        name: "bridge_nf_call_ip6tables_off",
+        verdicts: &[Verdict::ReplyNotReverseNated],
+        check: super::ip6_rules::bridged_reply6_sysctl_off,
+        incident: "seed 000/001 over IPv6: same-node reply bridged past ip6tables (bridge-nf-call-ip6tables=0), TCP or DNS",
+        fix: "load br_netfilter and set net.bridge.bridge-nf-call-ip6tables=1 in the node namespace (before kubelet starts)",
+    },
+    CauseRow {
         id: CauseId::ReplyBridgedWithoutNetfilter,
         name: "reply_bridged_without_netfilter",
         verdicts: &[Verdict::ReplyNotReverseNated],
         check: bridged_reply_sysctl_on,
         incident: "seed 000 evidence although bridge-nf-call-iptables read 1 (changed, or another namespace owns the bridge)",
-        fix: "check net.bridge.bridge-nf-call-iptables in the namespace that owns the bridge (it must be 1) and that br_netfilter is loaded",
+        fix: "check net.bridge.bridge-nf-call-iptables (ip6tables for IPv6) in the namespace that owns the bridge (it must be 1) and that br_netfilter is loaded",
     },
     // Before the path causes below: a request that never left the node, or
     // was flooded because its backend's MAC is gone, is no routing problem.

@@ -12,6 +12,7 @@ mod causes;
 mod drop_reason;
 mod flow;
 mod ifnames;
+mod ip6_rules;
 mod path_rules;
 mod report;
 mod rules;
@@ -25,6 +26,8 @@ pub(crate) mod fixtures;
 pub mod testing;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_ipv6;
 #[cfg(test)]
 mod tests_paths;
 #[cfg(test)]
@@ -426,7 +429,8 @@ impl Collector {
     }
 
     fn is_service(&self, ev: &PacketEvent) -> bool {
-        self.services.contains(ev.daddr.into(), ev.dport)
+        self.services
+            .contains(crate::service::ip_of(ev.daddr), ev.dport)
     }
 
     fn process(&mut self, ev: &PacketEvent) {
@@ -643,7 +647,7 @@ impl Collector {
             let proto = flow.proto;
             for ep in std::iter::once(flow.client).chain(flow.snat) {
                 self.mute.push(EndpointKey {
-                    addr: ep.addr,
+                    addr: crate::service::kernel_addr(ep.addr),
                     port: ep.port,
                     proto,
                     _pad: 0,

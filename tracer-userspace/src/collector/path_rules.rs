@@ -66,7 +66,7 @@ pub(super) fn hairpin_not_masqueraded(ctx: &RuleCtx<'_>) -> Option<Found> {
         // Without accept_local the pod drops its own source address.
         (None, Some(d)) if !ctx.is_node(d.netns) => format!(
             "so it came back into the pod with the pod's own address {} as source and was dropped there",
-            std::net::Ipv4Addr::from(d.src.addr)
+            d.src.addr
         ),
         _ => return None,
     };
@@ -80,7 +80,7 @@ pub(super) fn hairpin_not_masqueraded(ctx: &RuleCtx<'_>) -> Option<Found> {
         .and_then(|m| Some((m.sep_chain?, m.hairpin_masq?)))
         .filter(|(_, masq)| !masq)
         .map(|(sep, _)| {
-            let ip = std::net::Ipv4Addr::from(backend.addr);
+            let ip = backend.addr;
             match ctx.kube.mode {
                 crate::ruleset::ProxyMode::Nftables => {
                     format!("; {sep} has no `ip saddr {ip} jump mark-for-masquerade`")

@@ -1,6 +1,6 @@
 //! What the collector hands to outputs: one `FlowReport` per decided flow,
 //! with its evidence resolved to names. Built once per flow, never per event.
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use serde::Serialize;
 use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
@@ -35,8 +35,8 @@ pub struct Hop {
     /// Inode of the namespace (the node's, for tc and netfilter events).
     pub netns: u32,
     pub node_ns: bool,
-    pub src: SocketAddrV4,
-    pub dst: SocketAddrV4,
+    pub src: SocketAddr,
+    pub dst: SocketAddr,
     pub drop_reason: Option<Name>,
     /// This is where the reply was judged.
     pub client_side: bool,
@@ -69,7 +69,7 @@ pub struct Attempt {
     /// First event of this transmission.
     pub at_ns: u64,
     /// Where DNAT sent it (None: not seen after DNAT).
-    pub backend: Option<SocketAddrV4>,
+    pub backend: Option<SocketAddr>,
     /// kube-proxy's endpoint chain for that backend.
     pub sep_chain: Option<String>,
     /// A reply came back from that backend for it.
@@ -82,11 +82,11 @@ pub struct Attempt {
 pub struct FlowReport {
     pub verdict: Verdict,
     pub proto: Proto,
-    pub client: SocketAddrV4,
-    pub service: SocketAddrV4,
-    pub backend: Option<SocketAddrV4>,
+    pub client: SocketAddr,
+    pub service: SocketAddr,
+    pub backend: Option<SocketAddr>,
     /// The client's address after SNAT/MASQUERADE, if it was rewritten.
-    pub snat: Option<SocketAddrV4>,
+    pub snat: Option<SocketAddr>,
     /// The client reached itself through the Service (backend = client's own address).
     pub hairpin: bool,
     /// Service name and kube-proxy chains that sent the flow to its backend.
@@ -281,7 +281,7 @@ fn detail(
 ) -> String {
     let mut s = match (verdict, flow.client_reply) {
         (Verdict::Ok, Some(r)) => {
-            let ip = std::net::Ipv4Addr::from(flow.service.addr);
+            let ip = flow.service.addr;
             if let Some(o) = ctx.kube.outside_netfilter.iter().find(|o| o.ip == ip) {
                 // No claim about a reverse NAT that netfilter never did.
                 return format!(

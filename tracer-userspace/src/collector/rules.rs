@@ -70,7 +70,7 @@ pub(super) fn bridge_of(facts: &NodeFacts, ifindex: u32) -> Option<u32> {
 
 /// The reply that reached the client entered a bridge port and left by
 /// another port of the same bridge, and no netfilter hook saw it.
-fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(super) fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
     let reply = ctx.flow.client_reply?;
     let obs: Vec<&Obs> = ctx.flow.packet_obs(reply.packet).collect();
     if obs.iter().any(|o| o.hook == hook::NETFILTER) {
@@ -106,7 +106,8 @@ fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
 }
 
 pub(super) fn bridged_reply_sysctl_off(ctx: &RuleCtx<'_>) -> Option<Found> {
-    if ctx.facts.bridge_passes_netfilter() {
+    // IPv6 frames obey bridge-nf-call-ip6tables instead (ip6_rules).
+    if ctx.facts.bridge_passes_netfilter() || ctx.flow.service.addr.is_ipv6() {
         return None;
     }
     let (clause, text) = bridged_reply(ctx)?;
@@ -122,10 +123,15 @@ pub(super) fn bridged_reply_sysctl_off(ctx: &RuleCtx<'_>) -> Option<Found> {
 
 pub(super) fn bridged_reply_sysctl_on(ctx: &RuleCtx<'_>) -> Option<Found> {
     let (clause, text) = bridged_reply(ctx)?;
+    let knob = if ctx.flow.service.addr.is_ipv6() {
+        "bridge-nf-call-ip6tables"
+    } else {
+        "bridge-nf-call-iptables"
+    };
     Some((
         clause,
         format!(
-            "{text}, although net.bridge.bridge-nf-call-iptables was 1 in namespace {} at start (changed since, or another namespace owns the bridge?)",
+            "{text}, although net.bridge.{knob} was 1 in namespace {} at start (changed since, or another namespace owns the bridge?)",
             ctx.facts.netns_name
         ),
     ))
@@ -229,7 +235,7 @@ pub(super) fn no_endpoints(ctx: &RuleCtx<'_>) -> Option<Found> {
 }
 
 pub(super) fn service_not_netfilter(ctx: &RuleCtx<'_>) -> Option<Found> {
-    let ip = std::net::Ipv4Addr::from(ctx.flow.service.addr);
+    let ip = ctx.flow.service.addr;
     let by = ctx
         .kube
         .outside_netfilter

@@ -274,3 +274,18 @@ fn unspecified_drop_in_a_pod_is_not_a_stale_endpoint() {
     assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
     assert_ne!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");
 }
+
+/// Recordings written before IPv6 (format version 1, 32-bit addresses, by
+/// the code of that time) are still read and decided the same way.
+#[test]
+fn version_1_recordings_are_still_analysed() {
+    let (mut reader, header) = open("port_closed");
+    assert_eq!(header.version, 1);
+    const { assert!(crate::recording::VERSION > 1) };
+    let (reports, summary) = crate::recording::replay::replay(&mut reader, &header, None);
+    assert_eq!(reader.newer_version, None);
+    assert!(summary.events > 0);
+    let r = only(&reports);
+    assert_eq!(r.verdict, Verdict::Refused);
+    assert!(r.client.is_ipv4() && r.service.is_ipv4(), "{r:?}");
+}

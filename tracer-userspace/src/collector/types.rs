@@ -1,7 +1,11 @@
 //! Small value types of the collector. Kept `Copy` and compact: they are
 //! stored per event and per flow, and the collector must hold 100k flows in
 //! a few tens of MiB.
-use std::{fmt, net::SocketAddrV4, sync::Arc};
+use std::{
+    fmt,
+    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
+    sync::Arc,
+};
 
 use serde::Serialize;
 use tracer_common::{PacketEvent, proto};
@@ -29,30 +33,50 @@ impl Serialize for Name {
     }
 }
 
-/// IPv4 address (wire byte order) and port (host order), as in [`PacketEvent`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// Address (IPv4 or IPv6; the events' IPv4-mapped form read back as IPv4)
+/// and port (host order), as in [`PacketEvent`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Endpoint {
-    pub addr: [u8; 4],
+    pub addr: IpAddr,
     pub port: u16,
+}
+
+impl Default for Endpoint {
+    fn default() -> Self {
+        Self {
+            addr: Ipv4Addr::UNSPECIFIED.into(),
+            port: 0,
+        }
+    }
 }
 
 impl Endpoint {
     pub fn src(ev: &PacketEvent) -> Self {
         Self {
-            addr: ev.saddr,
+            addr: crate::service::ip_of(ev.saddr),
             port: ev.sport,
         }
     }
 
     pub fn dst(ev: &PacketEvent) -> Self {
         Self {
-            addr: ev.daddr,
+            addr: crate::service::ip_of(ev.daddr),
             port: ev.dport,
         }
     }
 
-    pub fn socket_addr(self) -> SocketAddrV4 {
-        SocketAddrV4::new(self.addr.into(), self.port)
+    /// `a.b.c.d:port` or `[v6]:port`.
+    pub fn socket_addr(self) -> SocketAddr {
+        SocketAddr::new(self.addr, self.port)
+    }
+
+    /// The IPv4 socket address, for what knows only IPv4 (kube-proxy's
+    /// iptables rules as read today); None for IPv6.
+    pub fn socket_v4(self) -> Option<SocketAddrV4> {
+        match self.addr {
+            IpAddr::V4(a) => Some(SocketAddrV4::new(a, self.port)),
+            IpAddr::V6(_) => None,
+        }
     }
 }
 

@@ -238,3 +238,93 @@ fn a_missing_tool_is_reported_as_missing_never_as_no_rules() {
         r.one_line()
     );
 }
+
+/// A dual-stack node: the IPv4 checks plus the IPv6 ones.
+fn dual_stack() -> Inputs {
+    let mut i = healthy();
+    i.kube_proxy.merge(crate::ruleset::parse_save(include_str!(
+        "../ruleset/fixtures/lab_node6.txt"
+    )));
+    i.ipv6 = super::ipv6::Ipv6Facts {
+        global_on: vec!["cni0".into(), "eth0".into()],
+        bridge_nf_call_ip6tables: Some(true),
+        forwarding: Some(true),
+        conf: vec![super::ipv6::RaConf {
+            name: "eth0".into(),
+            forwarding: true,
+            accept_ra: 1,
+        }],
+        ra_default_via: vec![],
+    };
+    i
+}
+
+#[test]
+fn ipv6_checks_only_on_nodes_with_ipv6() {
+    let r = assess(&healthy());
+    assert!(
+        !r.findings
+            .iter()
+            .any(|f| f.check.contains("ip6") || f.check.contains("ipv6"))
+    );
+    let r = assess(&dual_stack());
+    assert_eq!(severity(&r, "bridge_nf_call_ip6tables"), Severity::Ok);
+    assert_eq!(severity(&r, "ipv6_forwarding"), Severity::Ok);
+    assert_eq!(severity(&r, "conntrack_ipv6"), Severity::Info);
+    assert!(!r.findings.iter().any(|f| f.check == "ipv6_accept_ra"));
+    // The lab's IPv6 half has one Service without endpoints, and its IPv4
+    // fixture no such Service name with endpoints: informational.
+    assert_eq!(severity(&r, "ipv6_no_endpoints"), Severity::Info);
+    assert!(!r.breaks_services(), "{}", r.text());
+}
+
+#[test]
+fn bridged_ipv6_past_ip6tables_and_no_ipv6_forwarding_break_services() {
+    let mut i = dual_stack();
+    i.ipv6.bridge_nf_call_ip6tables = Some(false);
+    i.ipv6.forwarding = Some(false);
+    let r = assess(&i);
+    assert_eq!(severity(&r, "bridge_nf_call_ip6tables"), Severity::Error);
+    assert_eq!(severity(&r, "ipv6_forwarding"), Severity::Error);
+    assert!(r.breaks_services());
+    let text = r.text();
+    assert!(
+        text.contains("net.bridge.bridge-nf-call-ip6tables=1"),
+        "{text}"
+    );
+    assert!(
+        r.one_line()
+            .contains("bridge-nf-call-ip6tables=0 on cni0 (error)"),
+        "{}",
+        r.one_line()
+    );
+}
+
+#[test]
+fn ra_learned_default_route_on_a_forwarding_interface() {
+    let mut i = dual_stack();
+    i.ipv6.ra_default_via = vec!["eth0".into()];
+    let r = assess(&i);
+    assert_eq!(severity(&r, "ipv6_accept_ra"), Severity::Error);
+    assert!(r.text().contains("accept_ra=2"), "{}", r.text());
+    // accept_ra=2 keeps RAs coming although the interface forwards.
+    i.ipv6.conf[0].accept_ra = 2;
+    assert_eq!(severity(&assess(&i), "ipv6_accept_ra"), Severity::Ok);
+}
+
+#[test]
+fn dual_stack_service_without_ipv6_endpoints_is_a_warning() {
+    let mut i = dual_stack();
+    // The IPv4 half of default/empty:http has an endpoint.
+    let mut svc = i.kube_proxy.services[0].clone();
+    svc.name = "default/empty:http".into();
+    i.kube_proxy.services.push(svc);
+    let r = assess(&i);
+    assert_eq!(severity(&r, "ipv6_no_endpoints"), Severity::Warning);
+    assert!(
+        r.text()
+            .contains("default/empty:http has endpoints over IPv4 but none over IPv6"),
+        "{}",
+        r.text()
+    );
+}

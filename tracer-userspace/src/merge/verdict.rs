@@ -3,7 +3,7 @@
 //! the last word on what the client got, unless the other nodes' hops tell
 //! why: seed 003's reply leaving the backend's node straight to the client
 //! while the DNATing node never sees it is one story, not two.
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use crate::collector::{Cause, CauseId, Dir, FlowReport, Hop, Name, PacketEvidence, Verdict};
 
@@ -71,7 +71,7 @@ fn asymmetric_return_path(
     packets: &[PacketEvidence],
 ) -> Option<Decided> {
     let (dnat_node, base) = parts[0];
-    let backend: SocketAddrV4 = base.backend?;
+    let backend: SocketAddr = base.backend?;
     if !matches!(
         base.verdict,
         Verdict::NoReply | Verdict::ReplyNotReverseNated

@@ -1,7 +1,7 @@
 //! JSON lines: one `{"kind":"flow",...}` object per decided flow and a last
 //! `{"kind":"summary",...}`. Field names are an interface (tests and users
 //! parse them): add fields, do not rename them.
-use std::{io, net::SocketAddrV4};
+use std::{io, net::SocketAddr};
 
 use serde::Serialize;
 
@@ -12,10 +12,10 @@ struct JsonFlow<'a> {
     kind: &'static str,
     verdict: Verdict,
     proto: Proto,
-    client: SocketAddrV4,
-    service: SocketAddrV4,
-    backend: Option<SocketAddrV4>,
-    snat: Option<SocketAddrV4>,
+    client: SocketAddr,
+    service: SocketAddr,
+    backend: Option<SocketAddr>,
+    snat: Option<SocketAddr>,
     hairpin: bool,
     /// kube-proxy's name of the Service port (`namespace/name:port`).
     k8s_service: Option<&'a str>,

@@ -4,11 +4,17 @@
 //! flow's verdict — so the SYN to the Service address and the same SYN to the
 //! backend after DNAT sit next to each other.
 //!
-//! The kernel events carry header fields, not payload: the IPv4 + TCP/UDP
+//! The kernel events carry header fields, not payload: the IPv4/IPv6 + TCP/UDP
 //! headers written here are synthesized from them (addresses and ports as
 //! seen at that point, IP id, seq/ack, flags). There is no payload, and the
 //! lengths are those of the synthesized headers.
-use std::{borrow::Cow, collections::HashMap, io, net::SocketAddrV4, time::Duration};
+use std::{
+    borrow::Cow,
+    collections::HashMap,
+    io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    time::Duration,
+};
 
 use pcap_file::{
     DataLink, Endianness, PcapError,
@@ -63,7 +69,7 @@ impl<W: io::Write> PcapngOutput<W> {
                     env!("CARGO_PKG_VERSION")
                 ))),
                 SectionHeaderOption::Comment(Cow::Owned(format!(
-                    "{description}; IPv4/TCP/UDP headers synthesized from kernel events, no payload"
+                    "{description}; IPv4/IPv6 + TCP/UDP headers synthesized from kernel events, no payload"
                 ))),
             ],
         };
@@ -78,6 +84,10 @@ impl<W: io::Write> PcapngOutput<W> {
     /// Hops labelled with a node get that node's wall clock.
     pub fn set_node_clocks(&mut self, clocks: HashMap<String, Clock>) {
         self.node_clocks = clocks;
+    }
+
+    pub fn into_inner(self) -> W {
+        self.writer.into_inner()
     }
 
     pub fn flow(&mut self, r: &FlowReport) -> Result<(), PcapError> {
@@ -203,33 +213,25 @@ fn checksum(chunks: &[&[u8]]) -> u16 {
     !(sum as u16)
 }
 
-/// IPv4 header + TCP or UDP header with valid checksums (so Wireshark does
-/// not flag them), addresses and ports as at this observation point.
-fn synthesize(
-    proto: Proto,
-    packet: &PacketEvidence,
-    src: SocketAddrV4,
-    dst: SocketAddrV4,
-) -> Vec<u8> {
+/// IPv4 or IPv6 header + TCP or UDP header with valid checksums (so
+/// Wireshark does not flag them), addresses and ports as at this
+/// observation point. LINKTYPE_RAW carries both families (the version
+/// nibble tells them apart).
+fn synthesize(proto: Proto, packet: &PacketEvidence, src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
     let l4_len: u16 = match proto {
         Proto::Tcp => 20,
         Proto::Udp => 8,
     };
-    let total = 20 + l4_len;
-    let mut ip = [0u8; 20];
-    ip[0] = 0x45;
-    ip[2..4].copy_from_slice(&total.to_be_bytes());
-    ip[4..6].copy_from_slice(&packet.ip_id.to_be_bytes());
-    ip[6] = 0x40; // DF, as Linux sets on TCP
-    ip[8] = 64;
-    ip[9] = match proto {
+    let next = match proto {
         Proto::Tcp => proto::TCP,
         Proto::Udp => proto::UDP,
     };
-    ip[12..16].copy_from_slice(&src.ip().octets());
-    ip[16..20].copy_from_slice(&dst.ip().octets());
-    let c = checksum(&[&ip]);
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let (mut out, pseudo) = match (src.ip(), dst.ip()) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => ipv4_header(packet, next, l4_len, s, d),
+        // A family mix never comes out of the kernel (one packet, one
+        // family); should it, both are written as IPv6 (mapped).
+        (s, d) => ipv6_header(next, l4_len, to_v6(s), to_v6(d)),
+    };
 
     let mut l4 = vec![0u8; l4_len as usize];
     l4[0..2].copy_from_slice(&src.port().to_be_bytes());
@@ -244,17 +246,61 @@ fn synthesize(
         }
         Proto::Udp => l4[4..6].copy_from_slice(&l4_len.to_be_bytes()),
     }
-    let mut pseudo = [0u8; 12];
-    pseudo[0..8].copy_from_slice(&ip[12..20]);
-    pseudo[9] = ip[9];
-    pseudo[10..12].copy_from_slice(&l4_len.to_be_bytes());
     let c = checksum(&[&pseudo, &l4]);
     let at = if proto == Proto::Tcp { 16 } else { 6 };
     l4[at..at + 2].copy_from_slice(&c.to_be_bytes());
-
-    let mut out = ip.to_vec();
     out.extend_from_slice(&l4);
     out
+}
+
+fn to_v6(a: IpAddr) -> Ipv6Addr {
+    match a {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+        IpAddr::V6(v6) => v6,
+    }
+}
+
+/// The IPv4 header and the TCP/UDP pseudo-header (RFC 793 3.1).
+fn ipv4_header(
+    packet: &PacketEvidence,
+    next: u8,
+    l4_len: u16,
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+) -> (Vec<u8>, Vec<u8>) {
+    let total = 20 + l4_len;
+    let mut ip = [0u8; 20];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&total.to_be_bytes());
+    ip[4..6].copy_from_slice(&packet.ip_id.to_be_bytes());
+    ip[6] = 0x40; // DF, as Linux sets on TCP
+    ip[8] = 64;
+    ip[9] = next;
+    ip[12..16].copy_from_slice(&src.octets());
+    ip[16..20].copy_from_slice(&dst.octets());
+    let c = checksum(&[&ip]);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let mut pseudo = vec![0u8; 12];
+    pseudo[0..8].copy_from_slice(&ip[12..20]);
+    pseudo[9] = next;
+    pseudo[10..12].copy_from_slice(&l4_len.to_be_bytes());
+    (ip.to_vec(), pseudo)
+}
+
+/// The IPv6 fixed header and the upper-layer pseudo-header (RFC 8200 8.1).
+fn ipv6_header(next: u8, l4_len: u16, src: Ipv6Addr, dst: Ipv6Addr) -> (Vec<u8>, Vec<u8>) {
+    let mut ip = [0u8; 40];
+    ip[0] = 0x60;
+    ip[4..6].copy_from_slice(&l4_len.to_be_bytes());
+    ip[6] = next;
+    ip[7] = 64;
+    ip[8..24].copy_from_slice(&src.octets());
+    ip[24..40].copy_from_slice(&dst.octets());
+    let mut pseudo = vec![0u8; 40];
+    pseudo[0..32].copy_from_slice(&ip[8..40]);
+    pseudo[34..36].copy_from_slice(&l4_len.to_be_bytes());
+    pseudo[39] = next;
+    (ip.to_vec(), pseudo)
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use super::{
     table::{self, Attach, Backend, ChosenPriority, ProgramSpec},
     write_config,
 };
-use crate::btf::KernelBtf;
+use crate::{btf::KernelBtf, service::Service};
 
 /// A loaded tc program, attached per interface by `TcAttachments`.
 pub(super) type TcProgram = (&'static str, TcAttachType);
@@ -94,25 +94,44 @@ pub(super) fn load_global_and_tc(
 pub(super) fn attach_netfilter(
     nf: &NfPrograms,
     plan: &[&'static ProgramSpec],
+    families: Vec<u32>,
     nf_links: &mut Vec<OwnedFd>,
     priorities: &mut Vec<ChosenPriority>,
 ) -> Result<(), TraceError> {
-    for spec in plan.iter() {
+    for (pf, spec) in families
+        .into_iter()
+        .flat_map(|pf| plan.iter().map(move |spec| (pf, spec)))
+    {
         if let Attach::Netfilter { hook, window } = spec.attach {
-            let (fd, priority) = nf_link::attach_in_window(nf, spec.name, spec.label, hook, window)
+            let label = match pf {
+                nf_link::NFPROTO_IPV6 => format!("IPv6 {}", spec.label),
+                _ => spec.label.to_owned(),
+            };
+            let (fd, priority) = nf_link::attach_in_window(nf, spec.name, &label, pf, hook, window)
                 .map_err(|e| match e {
                     nf_link::NfLinkError::WindowFull { .. } => TraceError::NfAttach(e.to_string()),
                     other => TraceError::NfAttach(format!("kernel refused: {other}")),
                 })?;
             nf_links.push(fd);
             priorities.push(ChosenPriority {
-                point: spec.label.to_owned(),
+                point: label,
                 priority,
                 default: window.preferred,
             });
         }
     }
     Ok(())
+}
+
+/// The netfilter families to attach links for: IPv4 always, IPv6 only when
+/// an IPv6 Service is traced, so an IPv4-only trace adds nothing to the
+/// node's IPv6 hooks.
+pub(super) fn nf_families(services: &[Service]) -> Vec<u32> {
+    let mut pfs = vec![nf_link::NFPROTO_IPV4];
+    if services.iter().any(|s| s.addr.is_ipv6()) {
+        pfs.push(nf_link::NFPROTO_IPV6);
+    }
+    pfs
 }
 
 /// Loads every program of `backend` into the kernel (so the verifier checks

@@ -71,6 +71,9 @@ pub struct KernelStats {
     pub muted: u64,
     pub flow_map_full: u64,
     pub read_errors: u64,
+    /// IPv6 packets whose TCP/UDP header the programs could not reach
+    /// (non-first fragments, ESP/AH, more extension headers than walked).
+    pub ipv6_unfollowed: u64,
 }
 
 /// See [`Tracer::tc_state`].
@@ -220,6 +223,7 @@ impl Tracer {
             .map_err(kernel_err("TC_IFACES"))?;
         let services = services::ServiceMap::new(
             HashMap::try_from(take_map(&mut ebpf, "SERVICES")?).map_err(kernel_err("SERVICES"))?,
+            HashMap::try_from(take_map(&mut ebpf, "ADDRS")?).map_err(kernel_err("ADDRS"))?,
             crate::service::traced_ports(&opts.services, None),
         );
 
@@ -268,7 +272,13 @@ impl Tracer {
             // Netfilter first: a full priority window ends the attempt (or
             // switches `auto` to kprobes) before tc touched any interface.
             if let Some(nf) = &nf_programs {
-                attach::attach_netfilter(nf, &plan, nf_links, priorities)?;
+                attach::attach_netfilter(
+                    nf,
+                    &plan,
+                    attach::nf_families(&opts.services),
+                    nf_links,
+                    priorities,
+                )?;
             }
             Ok(tc.sync(ebpf, &facts.interfaces, &pod_veths))
         })?;
@@ -411,6 +421,7 @@ impl Tracer {
             muted: sum(stat::MUTED_PACKETS),
             flow_map_full: sum(stat::FLOW_MAP_FULL),
             read_errors: sum(stat::READ_ERRORS),
+            ipv6_unfollowed: sum(stat::IPV6_UNFOLLOWED),
         }
     }
 
@@ -587,6 +598,17 @@ fn write_config(
     .map_err(kernel_err("CONFIG"))?;
     array.set(0, config, 0).map_err(kernel_err("CONFIG"))?;
 
+    // aya's HashMap also opens LRU hash maps.
+    let mut addrs: HashMap<&mut MapData, tracer_common::Addr, u8> = HashMap::try_from(
+        ebpf.map_mut("ADDRS")
+            .ok_or_else(|| TraceError::Kernel("map ADDRS missing".into()))?,
+    )
+    .map_err(kernel_err("ADDRS"))?;
+    for svc in services {
+        addrs
+            .insert(svc.kernel_addr(), 1, 0)
+            .map_err(kernel_err("ADDRS"))?;
+    }
     let mut map: HashMap<&mut MapData, ServiceKey, u8> = HashMap::try_from(
         ebpf.map_mut("SERVICES")
             .ok_or_else(|| TraceError::Kernel("map SERVICES missing".into()))?,
@@ -595,7 +617,7 @@ fn write_config(
     for (index, svc) in services.iter().enumerate() {
         for proto in [proto::TCP, proto::UDP] {
             let key = ServiceKey {
-                addr: svc.addr.octets(),
+                addr: svc.kernel_addr(),
                 port: svc.port.unwrap_or(0),
                 proto,
                 _pad: 0,
@@ -615,6 +637,8 @@ fn read_facts(facts: &mut NodeFacts) -> Result<BTreeSet<u32>, TraceError> {
     facts.bridge_nf_call_iptables =
         netns::read_sysctl_bool("/proc/sys/net/bridge/bridge-nf-call-iptables");
     facts.ip_forward = netns::read_sysctl_bool("/proc/sys/net/ipv4/ip_forward");
+    facts.bridge_nf_call_ip6tables =
+        netns::read_sysctl_bool("/proc/sys/net/bridge/bridge-nf-call-ip6tables");
     Ok(links.pod_veths)
 }
 

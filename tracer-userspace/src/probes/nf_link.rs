@@ -42,6 +42,11 @@ use super::table::Window;
 use aya_obj::generated::{bpf_attach_type, bpf_attr, bpf_cmd, bpf_insn, bpf_prog_type};
 
 pub const NFPROTO_IPV4: u32 = 2;
+/// IPv6 has its own hooks (ip6tables, `table ip6`) at the same hook numbers
+/// and the same priority landmarks (enum nf_ip6_hook_priorities,
+/// include/uapi/linux/netfilter_ipv6.h), so the same programs and windows
+/// serve both; only the links are per family.
+pub const NFPROTO_IPV6: u32 = 10;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NfLinkError {
@@ -149,9 +154,16 @@ impl NfPrograms {
         Ok(NfPrograms { fds: loaded })
     }
 
-    /// Attaches `name` at `hooknum` (enum nf_inet_hooks) with `priority`, in
-    /// the calling thread's network namespace.
-    pub fn attach(&self, name: &str, hooknum: u32, priority: i32) -> Result<OwnedFd, NfLinkError> {
+    /// Attaches `name` at `hooknum` (enum nf_inet_hooks) of family `pf`
+    /// (NFPROTO_IPV4/IPV6) with `priority`, in the calling thread's network
+    /// namespace.
+    pub fn attach(
+        &self,
+        name: &str,
+        pf: u32,
+        hooknum: u32,
+        priority: i32,
+    ) -> Result<OwnedFd, NfLinkError> {
         let prog = self
             .fds
             .get(name)
@@ -164,7 +176,7 @@ impl NfPrograms {
             lc.__bindgen_anon_1.prog_fd = prog.as_raw_fd() as u32;
             lc.attach_type = bpf_attach_type::BPF_NETFILTER as u32;
             let nf = &mut lc.__bindgen_anon_3.netfilter;
-            nf.pf = NFPROTO_IPV4;
+            nf.pf = pf;
             nf.hooknum = hooknum;
             nf.priority = priority;
             nf.flags = 0;
@@ -185,11 +197,12 @@ pub fn attach_in_window(
     programs: &NfPrograms,
     name: &str,
     label: &str,
+    pf: u32,
     hooknum: u8,
     window: Window,
 ) -> Result<(OwnedFd, i32), NfLinkError> {
     first_free(window, |priority| {
-        programs.attach(name, u32::from(hooknum), priority)
+        programs.attach(name, pf, u32::from(hooknum), priority)
     })
     .ok_or_else(|| NfLinkError::WindowFull {
         label: label.to_owned(),

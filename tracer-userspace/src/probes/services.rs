@@ -3,12 +3,18 @@
 //! rules that changed nothing costs no syscall, and packets of Services that
 //! stay are never unmatched in between (no clear-and-refill).
 //! Everything that knows the key layout is here (`key`).
+//!
+//! The kernel looks a packet up in SERVICES only when its destination
+//! address is in the ADDRS pre-filter (an LRU map shared with the flows'
+//! client addresses), so every Service address added here goes into ADDRS
+//! too. Removed Services' addresses are left there: the address may be a
+//! client's too, and a stale entry costs one more lookup, never a wrong match.
 use std::collections::BTreeSet;
 
 use aya::maps::{HashMap, MapData};
-use tracer_common::ServiceKey;
+use tracer_common::{Addr, ServiceKey};
 
-use crate::service::ServicePort;
+use crate::service::{ServicePort, kernel_addr};
 
 /// Map value for Service ports that come from kube-proxy's rules (the
 /// `--svc` ones carry their index, 0..=254: probes::validate allows 255).
@@ -21,7 +27,7 @@ pub const ALL_SERVICES_ENTRIES: u32 = 16384;
 
 fn key(p: &ServicePort) -> ServiceKey {
     ServiceKey {
-        addr: p.addr.octets(),
+        addr: kernel_addr(p.addr),
         port: p.port,
         proto: p.proto,
         _pad: 0,
@@ -39,6 +45,8 @@ pub struct ServicesSynced {
 
 pub(super) struct ServiceMap {
     map: HashMap<MapData, ServiceKey, u8>,
+    /// The ADDRS pre-filter (LRU hash; aya's HashMap opens it).
+    addrs: HashMap<MapData, Addr, u8>,
     /// What the map holds now.
     current: BTreeSet<ServicePort>,
 }
@@ -47,9 +55,14 @@ impl ServiceMap {
     /// `current`: what the loader wrote before attaching (`--svc`).
     pub(super) fn new(
         map: HashMap<MapData, ServiceKey, u8>,
+        addrs: HashMap<MapData, Addr, u8>,
         current: BTreeSet<ServicePort>,
     ) -> Self {
-        Self { map, current }
+        Self {
+            map,
+            addrs,
+            current,
+        }
     }
 
     pub(super) fn len(&self) -> usize {
@@ -66,6 +79,16 @@ impl ServiceMap {
                     done.removed += 1;
                 }
                 Err(e) => log::warn!("SERVICES delete {}:{}: {e}", p.addr, p.port),
+            }
+        }
+        // Every wanted address, not only the new ones: ADDRS is an LRU map,
+        // and a Service without traffic for a long time may have been
+        // evicted by client addresses meanwhile (one update per distinct
+        // Service IP per re-read).
+        let addrs: BTreeSet<_> = wanted.iter().map(|p| p.addr).collect();
+        for addr in addrs {
+            if let Err(e) = self.addrs.insert(kernel_addr(addr), 1, 0) {
+                log::debug!("ADDRS insert {addr}: {e}");
             }
         }
         let new: Vec<ServicePort> = wanted.difference(&self.current).copied().collect();

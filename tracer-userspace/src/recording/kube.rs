@@ -2,7 +2,7 @@
 //! serialize-only (they hold `&'static str`), so the reader has its own
 //! mirror and converts; a field added there shows up here as a compile error
 //! in `from`.
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use serde::{Deserialize, Deserializer};
 
@@ -36,7 +36,7 @@ struct Outside {
 
 #[derive(Deserialize)]
 struct Reject {
-    ip: Ipv4Addr,
+    ip: IpAddr,
     port: u16,
     protocol: String,
     #[serde(default)]
@@ -48,7 +48,7 @@ struct Reject {
 #[derive(Deserialize)]
 struct Svc {
     name: String,
-    cluster_ip: Ipv4Addr,
+    cluster_ip: IpAddr,
     port: u16,
     proto: String,
     chain: String,
@@ -61,7 +61,7 @@ struct Svc {
 #[derive(Deserialize)]
 struct Sep {
     chain: String,
-    endpoint: SocketAddrV4,
+    endpoint: SocketAddr,
     #[serde(default)]
     hairpin_masq: bool,
 }

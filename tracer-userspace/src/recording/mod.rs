@@ -39,7 +39,10 @@ use crate::{
 pub const FORMAT: &str = "nattrace-recording";
 /// Bumped when a reader of the previous version would misread a file; new
 /// optional fields do not bump it (readers ignore unknown fields).
-pub const VERSION: u32 = 1;
+/// 2: event addresses may be IPv6 (`"saddr":"fd00:10:244::2"`); IPv4 ones
+/// are written dotted as in 1, so this reader reads version 1 files as they
+/// are, and a version-1 reader warns and skips the IPv6 event lines.
+pub const VERSION: u32 = 2;
 /// A SIGKILL loses at most this much of the recording.
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
 
@@ -171,6 +174,10 @@ pub struct StatsLine {
     pub muted_packets: u64,
     #[serde(default)]
     pub flow_map_full: u64,
+    /// IPv6 packets (any, before filtering) whose TCP/UDP header could not
+    /// be reached: non-first fragments, ESP/AH, too many extension headers.
+    #[serde(default)]
+    pub ipv6_unfollowed: u64,
 }
 
 impl StatsLine {
@@ -181,6 +188,7 @@ impl StatsLine {
             kernel_events: s.events,
             muted_packets: s.muted,
             flow_map_full: s.flow_map_full,
+            ipv6_unfollowed: s.ipv6_unfollowed,
         }
     }
 }

@@ -6,7 +6,7 @@
 //! would mislead, so the session and `doctor` say so. Read-only: files and
 //! `ip -j addr show`; never loads ip_vs.
 use std::{
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, SocketAddrV4},
     path::Path,
     process::Command,
 };
@@ -117,8 +117,8 @@ impl Dataplane {
     /// Who translates Service `ip` instead of netfilter NAT, when kube-proxy
     /// has no NAT rule for it here. None: netfilter does (or nothing claims it).
     pub fn not_netfilter(&self, ip: Ipv4Addr, kube: &KubeProxyRules) -> Option<String> {
-        let has_nat_rule = kube.services.iter().any(|s| s.cluster_ip == ip)
-            || kube.no_endpoints.iter().any(|r| r.ip == ip);
+        let has_nat_rule = kube.services.iter().any(|s| s.cluster_ip == IpAddr::V4(ip))
+            || kube.no_endpoints.iter().any(|r| r.ip == IpAddr::V4(ip));
         if has_nat_rule && kube.mode != ProxyMode::Ipvs {
             return None;
         }

@@ -1,4 +1,5 @@
-//! kube-proxy's nftables mode (`table ip kube-proxy`), read from
+//! kube-proxy's nftables mode (`table ip kube-proxy`, and `table ip6
+//! kube-proxy` from the IPv6 proxier of a dual-stack or IPv6 node), read from
 //! `nft -j list ruleset` into the same [`KubeProxyRules`] the iptables reader
 //! fills, so flows name their Service and chains whichever mode wrote them.
 //!
@@ -9,7 +10,7 @@
 //! Services without endpoints are elements of `no-endpoint-services`.
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, SocketAddr},
 };
 
 use serde_json::Value;
@@ -18,6 +19,8 @@ use super::{KubeProxyRules, ProxyMode, RejectRule, SepRule, SvcRule};
 
 /// kube-proxy's table name (family `ip`; `ip6` holds the IPv6 half).
 const TABLE: &str = "kube-proxy";
+/// The families kube-proxy writes a table for (one proxier per family).
+const FAMILIES: [&str; 2] = ["ip", "ip6"];
 const MARK_MASQ: &str = "mark-for-masquerade";
 
 /// One rule: its chain and its statements.
@@ -26,22 +29,24 @@ struct Rule<'a> {
     expr: &'a [Value],
 }
 
-/// The parts of `nft -j` output that belong to `table ip kube-proxy`.
+/// The parts of `nft -j` output that belong to one `table <family> kube-proxy`.
 struct Table<'a> {
+    family: &'a str,
     rules: Vec<Rule<'a>>,
     maps: BTreeMap<&'a str, &'a Value>,
     chains: Vec<&'a str>,
 }
 
-fn table(items: &[Value]) -> Option<Table<'_>> {
-    let ours = |o: &Value| o["family"] == "ip" && o["table"] == TABLE;
+fn table<'a>(items: &'a [Value], family: &'a str) -> Option<Table<'a>> {
+    let ours = |o: &Value| o["family"] == family && o["table"] == TABLE;
     if !items
         .iter()
-        .any(|i| i["table"]["family"] == "ip" && i["table"]["name"] == TABLE)
+        .any(|i| i["table"]["family"] == family && i["table"]["name"] == TABLE)
     {
         return None;
     }
     let mut t = Table {
+        family,
         rules: Vec::new(),
         maps: BTreeMap::new(),
         chains: Vec::new(),
@@ -83,11 +88,12 @@ fn service_part(chain: &str) -> Option<&str> {
     Some(rest.split("__").next().unwrap_or(rest))
 }
 
-/// `{"match": {"left": {"payload": {"protocol": "ip", "field": F}}, "op": OP, "right": R}}`.
+/// `{"match": {"left": {"payload": {"protocol": "ip"|"ip6", "field": F}}, "op": OP, "right": R}}`.
 fn ip_match<'a>(expr: &'a Value, field: &str) -> Option<(&'a str, &'a Value)> {
     let m = expr.get("match")?;
     let p = &m["left"]["payload"];
-    (p["protocol"] == "ip" && p["field"] == field).then_some((m["op"].as_str()?, &m["right"]))
+    ((p["protocol"] == "ip" || p["protocol"] == "ip6") && p["field"] == field)
+        .then_some((m["op"].as_str()?, &m["right"]))
 }
 
 fn jumps_to(expr: &[Value], target: &str) -> bool {
@@ -116,7 +122,7 @@ fn prefix_text(v: &Value) -> Option<String> {
 }
 
 /// `[{"concat": [ip, proto, port]}` or `{"elem": {"val": {"concat": …}, "comment": …}}, verdict]`.
-fn element(e: &Value) -> Option<(Ipv4Addr, String, u16, Option<&str>, &Value)> {
+fn element(e: &Value) -> Option<(IpAddr, String, u16, Option<&str>, &Value)> {
     let (key, verdict) = (e.get(0)?, e.get(1)?);
     let (val, comment) = match key.get("elem") {
         Some(inner) => (&inner["val"], inner["comment"].as_str()),
@@ -153,23 +159,39 @@ fn endpoint(chain: &str, rules: &[&Rule<'_>]) -> Option<SepRule> {
     let dnat = rules
         .iter()
         .find_map(|r| r.expr.iter().find_map(|e| e.get("dnat")))?;
-    let ip: Ipv4Addr = dnat["addr"].as_str()?.parse().ok()?;
+    let ip: IpAddr = dnat["addr"].as_str()?.parse().ok()?;
     let port = u16::try_from(dnat["port"].as_u64()?).ok()?;
     let hairpin_masq = rules.iter().any(|r| {
         matches!(masq_rule(r), Some((_, Some(("==", v)))) if v.as_str() == Some(&ip.to_string()))
     });
     Some(SepRule {
         chain: chain.to_string(),
-        endpoint: SocketAddrV4::new(ip, port),
+        endpoint: SocketAddr::new(ip, port),
         hairpin_masq,
     })
 }
 
 /// Parses `nft -j list ruleset`; None when it is not nft JSON or holds no
-/// `table ip kube-proxy`.
+/// `table ip kube-proxy` and no `table ip6 kube-proxy`. Both halves of a
+/// dual-stack node come back as one set of rules.
 pub fn parse(json: &str) -> Option<KubeProxyRules> {
     let root: Value = serde_json::from_str(json).ok()?;
-    let t = table(root["nftables"].as_array()?)?;
+    let items = root["nftables"].as_array()?;
+    let mut out: Option<KubeProxyRules> = None;
+    for family in FAMILIES {
+        let Some(t) = table(items, family) else {
+            continue;
+        };
+        let rules = parse_table(&t);
+        match &mut out {
+            Some(o) => o.merge(rules),
+            None => out = Some(rules),
+        }
+    }
+    out
+}
+
+fn parse_table(t: &Table<'_>) -> KubeProxyRules {
     let mut by_chain: BTreeMap<&str, Vec<&Rule<'_>>> = BTreeMap::new();
     for r in &t.rules {
         by_chain.entry(r.chain).or_default().push(r);
@@ -250,7 +272,8 @@ pub fn parse(json: &str) -> Option<KubeProxyRules> {
         let port_name = comment.unwrap_or_default().to_string();
         out.no_endpoints.push(RejectRule {
             rule: format!(
-                "table ip {TABLE} map no-endpoint-services element {ip} . {protocol} . {port}{} : {}",
+                "table {} {TABLE} map no-endpoint-services element {ip} . {protocol} . {port}{} : {}",
+                t.family,
                 comment
                     .map(|c| format!(" comment \"{c}\""))
                     .unwrap_or_default(),
@@ -262,7 +285,7 @@ pub fn parse(json: &str) -> Option<KubeProxyRules> {
             port_name,
         });
     }
-    Some(out)
+    out
 }
 
 #[cfg(test)]
@@ -276,7 +299,7 @@ mod tests {
     /// `NATTRACE_WRITE_FIXTURE=1 cargo test -p nattrace-tests --test scenarios root_nft_reader_fixture_is_the_labs_nft_json`.
     const LAB_NFT: &str = include_str!("fixtures/lab_nft.json");
 
-    fn ep(s: &str) -> SocketAddrV4 {
+    fn ep(s: &str) -> SocketAddr {
         s.parse().unwrap()
     }
 
@@ -367,13 +390,19 @@ mod tests {
             parse(r#"{"nftables": [{"metainfo": {"version": "1.0.6"}}, {"table": {"family": "inet", "name": "filter", "handle": 1}}]}"#)
                 .is_none()
         );
-        // The ip6 half alone is not the IPv4 table.
+        // Another family's table of that name is not kube-proxy's.
         assert!(
             parse(
-                r#"{"nftables": [{"table": {"family": "ip6", "name": "kube-proxy", "handle": 1}}]}"#
+                r#"{"nftables": [{"table": {"family": "inet", "name": "kube-proxy", "handle": 1}}]}"#
             )
             .is_none()
         );
+        // An IPv6-only node has only the ip6 half.
+        let v6 = parse(
+            r#"{"nftables": [{"table": {"family": "ip6", "name": "kube-proxy", "handle": 1}}]}"#,
+        )
+        .expect("ip6 table");
+        assert_eq!(v6.mode, ProxyMode::Nftables);
     }
 
     #[test]
@@ -390,5 +419,59 @@ mod tests {
             service_part("service-ULMVA6XW-ns1/svc1/tcp/p80"),
             Some("ns1/svc1/tcp/p80")
         );
+    }
+
+    /// `nft -j list table ip6 kube-proxy` of a dual-stack lab node (the
+    /// ipv6 test `root_ipv6_reader_fixtures_are_the_labs` keeps it in sync).
+    const LAB_NFT6: &str = include_str!("fixtures/lab_nft6.json");
+
+    #[test]
+    fn ip6_table_names_ipv6_services_and_chains() {
+        let rules = parse(LAB_NFT6).expect("table ip6 kube-proxy");
+        assert_eq!(rules.mode, ProxyMode::Nftables);
+        let m = rules
+            .lookup(
+                ep("[fd00:10:96::1e85]:80"),
+                "tcp",
+                Some(ep("[fd00:10:244:36::f7]:80")),
+            )
+            .unwrap();
+        assert_eq!(m.service, "default/web:http");
+        assert_eq!(m.svc_chain, "service-SUSTUHLJ-default/web/tcp/http");
+        assert_eq!(
+            m.sep_chain.as_deref(),
+            Some("endpoint-MSP7NJV3-default/web/tcp/http__fd00.10.244.36..f7/80")
+        );
+        assert_eq!(m.hairpin_masq, Some(true));
+        assert_eq!(rules.cluster_cidr.as_deref(), Some("fd00:10:244::/56"));
+        assert_eq!(
+            rules.no_endpoints,
+            vec![RejectRule {
+                ip: "fd00:10:96::1e8c".parse().unwrap(),
+                port: 80,
+                protocol: "tcp".into(),
+                port_name: "default/empty:http".into(),
+                rule: "table ip6 kube-proxy map no-endpoint-services element fd00:10:96::1e8c . tcp . 80 comment \"default/empty:http\" : goto reject-chain".into(),
+            }]
+        );
+    }
+
+    /// One `nft -j list ruleset` holding both tables, as on a dual-stack node.
+    #[test]
+    fn dual_stack_ruleset_gives_both_families() {
+        let mut v4: Value = serde_json::from_str(LAB_NFT).unwrap();
+        let v6: Value = serde_json::from_str(LAB_NFT6).unwrap();
+        let items = v4["nftables"].as_array_mut().unwrap();
+        items.extend(v6["nftables"].as_array().unwrap().iter().cloned());
+        let rules = parse(&v4.to_string()).unwrap();
+        assert_eq!(rules.services.len(), 4, "{rules:#?}");
+        let a = rules.lookup(ep("100.67.30.133:80"), "tcp", None).unwrap();
+        let b = rules
+            .lookup(ep("[fd00:10:96::1e85]:80"), "tcp", None)
+            .unwrap();
+        assert_eq!((a.service, a.svc_chain), (b.service, b.svc_chain));
+        // The IPv4 half's cluster CIDR is kept.
+        assert_eq!(rules.cluster_cidr.as_deref(), Some("100.96.0.0/11"));
+        assert_eq!(rules.no_endpoints.len(), 2);
     }
 }

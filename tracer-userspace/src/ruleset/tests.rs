@@ -4,7 +4,7 @@ use super::*;
 /// the scenarios test `ruleset_fixture_matches_the_lab_renderer` keeps it in sync.
 const LAB_NAT: &str = include_str!("fixtures/lab_nat.txt");
 
-fn ep(s: &str) -> SocketAddrV4 {
+fn ep(s: &str) -> std::net::SocketAddr {
     s.parse().unwrap()
 }
 
@@ -198,4 +198,71 @@ fn missing_tools_are_noted_once_with_the_search_path() {
         m.tools[0].to_string(),
         "nft not found in PATH: /usr/sbin:/usr/bin"
     );
+}
+/// `ip6tables-nft-save` of a dual-stack lab node (seed 000, kube-dns and a
+/// Service without endpoints); the ipv6 test `root_ipv6_reader_fixtures_are_the_labs`
+/// keeps it equal to the lab's (and checks legacy's nat table reads the same).
+const LAB_NODE6: &str = include_str!("fixtures/lab_node6.txt");
+
+#[test]
+fn ip6tables_save_names_ipv6_services_and_chains() {
+    let rules = parse_save(LAB_NODE6);
+    assert_eq!(rules.mode, ProxyMode::Iptables);
+    assert_eq!(rules.services.len(), 2, "{rules:#?}");
+    // The same chain names as IPv4: kube-proxy hashes the port name only.
+    let m = rules
+        .lookup(
+            ep("[fd00:10:96::1e85]:80"),
+            "tcp",
+            Some(ep("[fd00:10:244:36::f7]:80")),
+        )
+        .unwrap();
+    assert_eq!(m.service, "default/web:http");
+    assert_eq!(m.svc_chain, "KUBE-SVC-CDGGSHYLG3RE2FKL");
+    assert_eq!(m.sep_chain.as_deref(), Some("KUBE-SEP-5TM52U3QQ5FLZKAS"));
+    assert_eq!(m.hairpin_masq, Some(true));
+    let dns = rules.lookup(ep("[fd00:10:96::a]:53"), "udp", None).unwrap();
+    assert_eq!(dns.service, "kube-system/kube-dns:dns");
+    assert_eq!(rules.cluster_cidr, None);
+    assert_eq!(rules.masquerade_all(), Some(false));
+    // The IPv4 address with the same low bits is another Service.
+    assert!(rules.lookup(ep("100.67.30.133:80"), "tcp", None).is_none());
+}
+
+#[test]
+fn ip6tables_rejects_are_no_endpoint_services() {
+    let rules = parse_save(LAB_NODE6);
+    let r = rules
+        .no_endpoints_for(ep("[fd00:10:96::1e8c]:80"), "tcp")
+        .expect("the empty Service's REJECT");
+    assert_eq!(r.port_name, "default/empty:http");
+    assert!(r.rule.contains("icmp6-port-unreachable"), "{}", r.rule);
+    assert!(
+        rules
+            .no_endpoints_for(ep("[fd00:10:96::1e8c]:81"), "tcp")
+            .is_none()
+    );
+}
+
+#[test]
+fn both_families_merge_into_one_ruleset() {
+    let mut rules = parse_save(include_str!("fixtures/lab_node.txt"));
+    let v4 = rules.services.len();
+    rules.merge(parse_save(LAB_NODE6));
+    assert_eq!(rules.services.len(), v4 + 2);
+    assert_eq!(rules.mode, ProxyMode::Iptables);
+    let a = rules.lookup(ep("100.67.30.133:80"), "tcp", None).unwrap();
+    let b = rules
+        .lookup(ep("[fd00:10:96::1e85]:80"), "tcp", None)
+        .unwrap();
+    assert_eq!((a.service, a.svc_chain), (b.service, b.svc_chain));
+}
+
+#[test]
+fn host_addresses_of_both_families() {
+    assert_eq!(host("10.0.0.1/32"), Some("10.0.0.1".parse().unwrap()));
+    assert_eq!(host("fd00::a/128"), Some("fd00::a".parse().unwrap()));
+    assert_eq!(host("fd00::a"), Some("fd00::a".parse().unwrap()));
+    assert_eq!(host("fd00::/32"), None);
+    assert_eq!(host("10.0.0.0/8"), None);
 }

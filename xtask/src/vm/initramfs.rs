@@ -42,6 +42,12 @@ const XTABLES_LINKS: &[(&str, &str)] = &[
     ("iptables-legacy", "xtables-legacy-multi"),
     ("iptables-legacy-save", "xtables-legacy-multi"),
     ("iptables-legacy-restore", "xtables-legacy-multi"),
+    // The dual-stack lab writes kube-proxy's IPv6 rules too (vm-guest/ipv6.rs).
+    ("ip6tables", "xtables-nft-multi"),
+    ("ip6tables-save", "xtables-nft-multi"),
+    ("ip6tables-restore", "xtables-nft-multi"),
+    ("ip6tables-nft-save", "xtables-nft-multi"),
+    ("ip6tables-nft-restore", "xtables-nft-multi"),
 ];
 
 const INIT: &str = include_str!("init.sh");
