@@ -250,7 +250,7 @@ fn endpoint(client: &EndpointKey, svc: u8) -> Option<*mut EndpointState> {
         return None;
     }
     // The pre-filter must know the new client side before its next packet.
-    let _ = ADDRS.insert(&client.addr, &1, 0);
+    let _ = ADDRS.insert(client.addr, 1, 0);
     ENDPOINTS.get_ptr_mut(client)
 }
 
@@ -280,8 +280,8 @@ struct Match {
 fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
     // Pre-filter (ADDRS): rules 1 and 3 need a known destination address,
     // rule 2 a known source address.
-    let dst_known = unsafe { ADDRS.get(&pkt.daddr) }.is_some();
-    let src_known = unsafe { ADDRS.get(&pkt.saddr) }.is_some();
+    let dst_known = unsafe { ADDRS.get(pkt.daddr) }.is_some();
+    let src_known = unsafe { ADDRS.get(pkt.saddr) }.is_some();
     let src = key(pkt.saddr, pkt.sport, pkt.proto);
     if dst_known && let Some(svc) = service_at(pkt.daddr, pkt.dport, pkt.proto) {
         return Some(Match {
@@ -290,7 +290,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             state: endpoint(&src, svc),
         });
     }
-    if src_known && let Some(state) = ENDPOINTS.get_ptr_mut(&src) {
+    if src_known && let Some(state) = ENDPOINTS.get_ptr_mut(src) {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REQUEST,
@@ -299,7 +299,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
         });
     }
     let dst = key(pkt.daddr, pkt.dport, pkt.proto);
-    if dst_known && let Some(state) = ENDPOINTS.get_ptr_mut(&dst) {
+    if dst_known && let Some(state) = ENDPOINTS.get_ptr_mut(dst) {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REPLY,
