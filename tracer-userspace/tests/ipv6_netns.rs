@@ -5,7 +5,9 @@
 //! Healthy (`bridge-nf-call-ip6tables=1` in the node namespace): `ok`.
 //! Broken (`=0`): the backend's reply is bridged straight to the client
 //! without passing ip6tables, so it is never reverse-NATed:
-//! `reply_not_reverse_nated`. Everything happens in namespaces this test
+//! `reply_not_reverse_nated`. The healthy run traces the Service dual-stack
+//! (its IPv4 and IPv6 ClusterIPs in one run); a last one sends UDP with an
+//! IPv6 extension header. Everything happens in namespaces this test
 //! creates and removes (also on panic).
 use std::{
     io::{BufRead, BufReader},
@@ -19,6 +21,11 @@ const CLIENT_IP: &str = "fd00:10:244::2";
 const BACKEND_IP: &str = "fd00:10:244::3";
 const SERVICE_IP: &str = "fd00:10:96::a";
 const BACKEND_PORT: u16 = 8080;
+// The IPv4 side of the dual-stack pods and Service.
+const BRIDGE_V4: &str = "10.244.0.1";
+const CLIENT_V4: &str = "10.244.0.2";
+const BACKEND_V4: &str = "10.244.0.3";
+const SERVICE_V4: &str = "10.96.0.10";
 
 fn root() -> bool {
     // SAFETY: geteuid has no preconditions.
@@ -90,9 +97,19 @@ impl Lab {
             "cni0",
             "nodad",
         ]);
-        for (pod, veth, ip) in [
-            (&lab.client, "veth-client", CLIENT_IP),
-            (&lab.backend, "veth-backend", BACKEND_IP),
+        sh(&[
+            "ip",
+            "-n",
+            n,
+            "addr",
+            "add",
+            &format!("{BRIDGE_V4}/24"),
+            "dev",
+            "cni0",
+        ]);
+        for (pod, veth, ip, v4) in [
+            (&lab.client, "veth-client", CLIENT_IP, CLIENT_V4),
+            (&lab.backend, "veth-backend", BACKEND_IP, BACKEND_V4),
         ] {
             sh(&[
                 "ip", "-n", pod, "link", "add", "eth0", "type", "veth", "peer", "name", veth,
@@ -103,16 +120,44 @@ impl Lab {
             sh(&[
                 "ip", "-n", pod, "addr", "add", &cidr, "dev", "eth0", "nodad",
             ]);
+            let v4 = format!("{v4}/24");
+            sh(&["ip", "-n", pod, "addr", "add", &v4, "dev", "eth0"]);
             sh(&["ip", "-n", pod, "link", "set", "eth0", "up"]);
+            sh(&["ip", "-n", pod, "route", "add", "default", "via", BRIDGE_V4]);
             sh(&[
                 "ip", "-n", pod, "-6", "route", "add", "default", "via", BRIDGE_IP,
             ]);
         }
         lab.node_exec(&["sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"]);
-        // kube-proxy's DNAT, reduced to the one rule that matters here.
-        let to = format!("[{BACKEND_IP}]:{BACKEND_PORT}");
-        let svc = format!("{SERVICE_IP}/128");
+        lab.node_exec(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]);
+        let v4_to = format!("{BACKEND_V4}:{BACKEND_PORT}");
         lab.node_exec(&[
+            "iptables-nft",
+            "-t",
+            "nat",
+            "-A",
+            "PREROUTING",
+            "-d",
+            &format!("{SERVICE_V4}/32"),
+            "-p",
+            "tcp",
+            "--dport",
+            "80",
+            "-j",
+            "DNAT",
+            "--to-destination",
+            &v4_to,
+        ]);
+        // kube-proxy's DNATs, reduced to the rules that matter here.
+        lab.dnat("tcp", 80, &format!("[{BACKEND_IP}]:{BACKEND_PORT}"));
+        lab.dnat("udp", 53, &format!("[{BACKEND_IP}]:5353"));
+        lab
+    }
+
+    fn dnat(&self, proto: &str, port: u16, to: &str) {
+        let svc = format!("{SERVICE_IP}/128");
+        let port = port.to_string();
+        self.node_exec(&[
             "ip6tables-nft",
             "-t",
             "nat",
@@ -121,15 +166,14 @@ impl Lab {
             "-d",
             &svc,
             "-p",
-            "tcp",
+            proto,
             "--dport",
-            "80",
+            &port,
             "-j",
             "DNAT",
             "--to-destination",
-            &to,
+            to,
         ]);
-        lab
     }
 
     fn node_exec(&self, args: &[&str]) {
@@ -161,9 +205,13 @@ impl Lab {
 
     /// One TCP connection from the client pod to the Service; what it read or the error's name.
     fn connect(&self) -> String {
+        self.connect_to("AF_INET6", SERVICE_IP)
+    }
+
+    fn connect_to(&self, family: &str, service: &str) -> String {
         let code = format!(
-            "import socket\ns=socket.socket(socket.AF_INET6)\ns.settimeout(2)\n\
-             try:\n s.connect(('{SERVICE_IP}',80))\n print(s.recv(10).decode())\n\
+            "import socket\ns=socket.socket(socket.{family})\ns.settimeout(2)\n\
+             try:\n s.connect(('{service}',80))\n print(s.recv(10).decode())\n\
              except Exception as e:\n print(type(e).__name__)\n"
         );
         let out = Command::new("ip")
@@ -173,12 +221,42 @@ impl Lab {
         String::from_utf8_lossy(&out.stdout).trim().to_owned()
     }
 
+    /// UDP datagrams to the Service's port 53 carrying a Destination
+    /// Options extension header (a sticky IPV6_DSTOPTS: 8 bytes, PadN), so
+    /// UDP is not right after the fixed header.
+    fn udp_with_dstopts(&self) -> String {
+        let code = format!(
+            "import socket,time\ns=socket.socket(socket.AF_INET6,socket.SOCK_DGRAM)\n\
+             s.setsockopt(socket.IPPROTO_IPV6,socket.IPV6_DSTOPTS,bytes([0,0,1,4,0,0,0,0]))\n\
+             for i in range(3):\n s.sendto(b'query',('{SERVICE_IP}',53))\n time.sleep(0.05)\nprint('sent')\n"
+        );
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.client, "python3", "-c", &code])
+            .output()
+            .expect("python3");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
     /// Runs nattrace on the node while one connection is made; returns the
     /// client's result and nattrace's JSON flow lines.
     fn trace_one(&self) -> (String, Vec<serde_json::Value>) {
-        let svc = format!("[{SERVICE_IP}]:80");
+        self.trace(&format!("[{SERVICE_IP}]:80"), || self.connect())
+    }
+
+    /// Runs nattrace on the node (one `--svc` per space-separated value) during `traffic`.
+    fn trace(
+        &self,
+        svc: &str,
+        traffic: impl FnOnce() -> String,
+    ) -> (String, Vec<serde_json::Value>) {
         let mut child = Command::new(env!("CARGO_BIN_EXE_nattrace"))
-            .args(["--svc", &svc, "--netns", &self.node, "--output", "json"])
+            .args(svc.split(' ').flat_map(|s| ["--svc", s]))
+            .args(["--netns", &self.node, "--output", "json"])
             .args(["--duration", "6", "--reply-timeout", "1000"])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -192,7 +270,7 @@ impl Lab {
             "nattrace printed nothing: {:?}",
             child.wait_with_output()
         );
-        let got = self.connect();
+        let got = traffic();
         let flows: Vec<serde_json::Value> = lines
             .map_while(Result::ok)
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(&l).ok())
@@ -236,10 +314,26 @@ fn ipv6_service_healthy_then_reply_bridged_past_ip6tables() {
     let mut lab = Lab::new();
     lab.start_server();
 
+    // Healthy, and the Service dual-stack: both ClusterIPs in one run.
     lab.bridge_nf_call_ip6tables(true);
-    let (got, flows) = lab.trace_one();
-    assert_eq!(got, "hi", "healthy node: the client must get its answer");
+    let both = format!("[{SERVICE_IP}]:80 {SERVICE_V4}:80");
+    let (got, flows) = lab.trace(&both, || {
+        let v6 = lab.connect();
+        let v4 = lab.connect_to("AF_INET", SERVICE_V4);
+        format!("{v6} {v4}")
+    });
+    assert_eq!(
+        got, "hi hi",
+        "healthy node: both families must get their answer"
+    );
     assert_one_flow(&flows, "ok");
+    let v4: Vec<_> = flows
+        .iter()
+        .filter(|f| f["service"] == format!("{SERVICE_V4}:80"))
+        .collect();
+    assert_eq!(v4.len(), 1, "{flows:#?}");
+    assert_eq!(v4[0]["verdict"], "ok", "{:#}", v4[0]);
+    assert_eq!(v4[0]["backend"], format!("{BACKEND_V4}:{BACKEND_PORT}"));
 
     // br_netfilter's switch is per namespace (struct brnf_net, 5.3+): the
     // value in the namespace owning the bridge decides whether bridged IPv6
@@ -253,4 +347,19 @@ fn ipv6_service_healthy_then_reply_bridged_past_ip6tables() {
         "broken node: the un-reverse-NATed reply must not connect"
     );
     assert_one_flow(&flows, "reply_not_reverse_nated");
+
+    // An extension header between IPv6 and UDP: the programs step over it
+    // (tracer-ebpf ipv6_l4), so the flow is seen before and after DNAT.
+    // Nothing listens on 5353: the verdict is not the point here.
+    let (sent, flows) = lab.trace(SERVICE_IP, || lab.udp_with_dstopts());
+    assert_eq!(sent, "sent");
+    let udp: Vec<_> = flows
+        .iter()
+        .filter(|f| f["service"] == format!("[{SERVICE_IP}]:53"))
+        .collect();
+    assert!(!udp.is_empty(), "no flow for the UDP Service: {flows:#?}");
+    for f in udp {
+        eprintln!("{f}");
+        assert_eq!(f["backend"], format!("[{BACKEND_IP}]:5353"), "{f:#}");
+    }
 }

@@ -42,6 +42,27 @@ fn bad_service_address_is_one_line_and_exit_2() {
 }
 
 #[test]
+fn bad_ipv6_service_inputs_are_one_line_and_exit_2() {
+    for (svc, mention) in [
+        ("[fd00:10:96::a]:0", "port"),
+        ("[fd00:10:96::a]:http", "http"),
+        ("[fd00:10:96::a", "fd00:10:96::a"),
+        ("fd00:10:96::zz", "fd00:10:96::zz"),
+        ("[100.67.30.133]:80", "100.67.30.133"),
+        ("ff02::1", "multicast"),
+        ("fe80::1", "link-local"),
+        ("::ffff:100.67.30.133", "ipv4-mapped"),
+        ("::", "unspecified"),
+    ] {
+        let out = nattrace_cmd()
+            .args(["--svc", "100.67.30.133:80", "--svc", svc])
+            .output()
+            .expect("running nattrace");
+        assert_one_line_exit_2(&out, &[mention]);
+    }
+}
+
+#[test]
 fn root_unknown_netns_is_one_line_and_exit_2() {
     require_root!();
     let out = nattrace_cmd()
