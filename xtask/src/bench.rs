@@ -12,7 +12,7 @@ use crate::tasks::{cargo_with_env as cargo, workspace_root};
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// Runs per condition (conditions alternate run by run).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 7)]
     pub runs: u32,
     /// Seconds per iperf3 run.
     #[arg(long, default_value_t = 3)]

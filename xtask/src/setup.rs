@@ -28,6 +28,8 @@ const APT_PACKAGES: &[&str] = &[
     "tshark",
     "iperf3",
     "kmod",
+    // `cargo xtask bench` profiles with perf record (cpu-clock: no PMU in these VMs)
+    "linux-perf",
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
