@@ -23,8 +23,8 @@ fn under<R>(
 ) -> anyhow::Result<(R, HashSet<u32>)> {
     match cond {
         Cond::None => Ok((f(0)?, HashSet::new())),
-        Cond::Other | Cond::This => {
-            let (tracer, _) = shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[svc], &[])?;
+        Cond::Other | Cond::This | Cond::OtherBaseline => {
+            let (tracer, _) = shared::start_nattrace(ctx.binary(cond), ctx.lab, &[svc], &[])?;
             let pid = tracer.pid();
             let names = profile::thread_ids(pid);
             let r = f(pid);
@@ -71,6 +71,9 @@ pub fn bpf_pass(ctx: &Ctx, r: &mut Results, bulk: bool, conn: bool) -> anyhow::R
     };
     let runs = ctx.opts.runs.clamp(1, 3);
     let mut conds = Vec::new();
+    if bulk && ctx.opts.baseline.is_some() {
+        conds.push((Cond::OtherBaseline, "bulk, baseline build, another Service"));
+    }
     if bulk {
         conds.push((Cond::Other, "bulk, nattrace, another Service"));
         conds.push((Cond::This, "bulk, nattrace, this Service"));
@@ -126,6 +129,7 @@ pub fn profile_pass(ctx: &Ctx, r: &mut Results, bulk: bool, conn: bool) -> anyho
         say("perf not found (Debian package linux-perf): no CPU profile");
         return Ok(());
     }
+    r.perf_event = profile::event();
     let mut sets: Vec<(&'static str, Vec<Cond>)> = Vec::new();
     if bulk {
         let c = vec![Cond::None, Cond::Other, Cond::This, Cond::Tcpdump];
@@ -145,7 +149,7 @@ pub fn profile_pass(ctx: &Ctx, r: &mut Results, bulk: bool, conn: bool) -> anyho
             .collect();
         for _ in 0..PROFILE_ROUNDS {
             for (cond, prof) in conds.iter().zip(&mut profs) {
-                prof.merge(profile_one(ctx, *cond, is_conn)?);
+                prof.merge(profile_one(ctx, *cond, is_conn, r.perf_event)?);
             }
         }
         for p in &profs {
@@ -165,7 +169,7 @@ pub fn profile_pass(ctx: &Ctx, r: &mut Results, bulk: bool, conn: bool) -> anyho
 /// profile of a few seconds on a shared machine is mostly noise.
 const PROFILE_ROUNDS: usize = 3;
 
-fn profile_one(ctx: &Ctx, cond: Cond, is_conn: bool) -> anyhow::Result<Profile> {
+fn profile_one(ctx: &Ctx, cond: Cond, is_conn: bool, event: &str) -> anyhow::Result<Profile> {
     let svc = if is_conn {
         conn_svc(ctx)
     } else {
@@ -173,7 +177,7 @@ fn profile_one(ctx: &Ctx, cond: Cond, is_conn: bool) -> anyhow::Result<Profile> 
     };
     let data = profile::data_file(&format!("{cond:?}"));
     let (work, tids) = under(ctx, cond, svc, |_| {
-        let perf = profile::start(&data)?;
+        let perf = profile::start(&data, event)?;
         let work = if is_conn {
             client(ctx).map(|c| c.attempted as f64 / 1000.0)
         } else {

@@ -61,10 +61,27 @@ impl Profile {
     }
 }
 
-/// `perf record -e cpu-clock -a -g` until [`stop`].
-pub fn start(out: &Path) -> anyhow::Result<Child> {
+/// The event to sample: `cycles` where the VM exposes a PMU, else
+/// `cpu-clock` (`perf stat -e cycles true` prints "<not supported>" here).
+pub fn event() -> &'static str {
+    let out = Command::new("perf")
+        .args(["stat", "-e", "cycles", "true"])
+        .output();
+    match out {
+        Ok(o)
+            if o.status.success()
+                && !String::from_utf8_lossy(&o.stderr).contains("not supported") =>
+        {
+            "cycles"
+        }
+        _ => "cpu-clock",
+    }
+}
+
+/// `perf record -e EVENT -a -g` until [`stop`].
+pub fn start(out: &Path, event: &str) -> anyhow::Result<Child> {
     let child = Command::new("perf")
-        .args(["record", "-q", "-e", "cpu-clock", "-a", "-g", "-F"])
+        .args(["record", "-q", "-e", event, "-a", "-g", "-F"])
         .arg(FREQ.to_string())
         .arg("-o")
         .arg(out)

@@ -9,6 +9,8 @@ use crate::shared::{ClientRun, CountCheck};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Cond {
     None,
+    /// `--baseline` (another build of nattrace) tracing another Service.
+    OtherBaseline,
     Other,
     This,
     Tcpdump,
@@ -18,6 +20,7 @@ impl Cond {
     pub fn label(self) -> &'static str {
         match self {
             Cond::None => "no tracer",
+            Cond::OtherBaseline => "baseline build, another Service",
             Cond::Other => "nattrace, another Service",
             Cond::This => "nattrace, this Service",
             Cond::Tcpdump => "tcpdump -i cni0 -w file",
@@ -76,6 +79,10 @@ pub struct Results {
     pub bpf: Vec<BpfSample>,
     /// (unit of work, no-tracer profile, traced profiles).
     pub profiles: Vec<(&'static str, Profile, Vec<Profile>)>,
+    /// The event the profile sampled (cycles, or cpu-clock without a PMU).
+    pub perf_event: &'static str,
+    /// What `--baseline` is (e.g. "main before issue 15").
+    pub baseline_label: String,
     /// 1-min load average, read before every run.
     pub load_samples: Vec<f64>,
     pub bulk: Vec<(Cond, Vec<BulkSample>)>,
@@ -219,7 +226,7 @@ fn bulk_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
         let avg = |f: fn(&BulkSample) -> u64| {
             samples.iter().map(f).sum::<u64>() / samples.len().max(1) as u64
         };
-        let traced = matches!(cond, Cond::Other | Cond::This);
+        let traced = matches!(cond, Cond::Other | Cond::This | Cond::OtherBaseline);
         let opt = |v: u64| {
             if traced { v.to_string() } else { "–".into() }
         };
@@ -255,6 +262,14 @@ fn bulk_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
     }
     let get = |c| ratio_of.get(&c).copied().unwrap_or(f64::NAN);
     let (other, this, dump) = (get(Cond::Other), get(Cond::This), get(Cond::Tcpdump));
+    if let Some(base) = ratio_of.get(&Cond::OtherBaseline) {
+        let _ = writeln!(
+            w,
+            "The baseline build ({}) ran the same miss-path condition in the same rounds: \
+             {base:.3} against this build's {other:.3}.\n",
+            r.baseline_label
+        );
+    }
     targets.push(format!(
         "untraced traffic (filter miss) ≥ 0.98: {other:.3} — {}{}",
         verdict(other >= 0.98),
@@ -553,10 +568,9 @@ fn profile_section(w: &mut String, r: &Results) {
     }
     let _ = writeln!(
         w,
-        "## Where the extra cycles go (CPU profile)\n\n`perf record -e cpu-clock -a -g -F {}` \
-         (Debian linux-perf) over 3 runs per condition, interleaved like the measured runs and after them. This VM has \
-         no PMU (`perf stat -e cycles` says \"not supported\"), so the samples are cpu-clock \
-         ticks: CPU time, not cycles. Each sample's leaf function goes into a bucket; idle is left \
+        "## Where the extra cycles go (CPU profile)\n\n`perf record -e {} -a -g -F {}` \
+         (Debian linux-perf) over 3 runs per condition, interleaved like the measured runs and \
+         after them. {} Each sample's leaf function goes into a bucket; idle is left \
          out; the numbers are busy CPU ms per unit of work, so a slower traced run is not \
          credited with doing less. The softirq row overlaps the buckets (it is the part of all \
          busy time whose call chain passes net_rx_action). Samples of processes that are neither \
@@ -565,7 +579,14 @@ fn profile_section(w: &mut String, r: &Results) {
          total. Other people's test runs also load nattrace now and then, and its raw \
          tracepoints are global, so a little BPF time shows up even in the no-tracer column; \
          the \"extra\" columns subtract it.\n",
-        profile::FREQ
+        r.perf_event,
+        profile::FREQ,
+        if r.perf_event == "cpu-clock" {
+            "This VM exposes no PMU (`perf stat -e cycles true` and `-e instructions` say \
+             \"<not supported>\"), so the samples are cpu-clock ticks: CPU time, not cycles."
+        } else {
+            "The samples are CPU cycles."
+        }
     );
     for (unit, base, traced) in &r.profiles {
         profile::markdown(w, base, traced, unit);

@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! nattrace-bench --nattrace PATH [--collector-json PATH] [--out BENCHMARKS.md]
+//!                [--baseline PATH [--baseline-label TEXT]]
 //!                [--runs 7] [--secs 3] [--conn-secs 3] [--pods 200] [--only bulk,conn,startup]
 //! ```
 //!
@@ -28,8 +29,10 @@ use lab::Lab;
 use report::{BulkSample, Cond, ConnResults, Results, StartupResults};
 use shared::{Addrs, BULK_PORT, CONN_PORT, ClientLoad, NODE, OTHER_PORT};
 
-struct Opts {
-    nattrace: PathBuf,
+pub(crate) struct Opts {
+    pub(crate) nattrace: PathBuf,
+    /// Another nattrace build, run on the miss path alongside (A/B).
+    pub(crate) baseline: Option<(PathBuf, String)>,
     collector_json: Option<PathBuf>,
     out: Option<PathBuf>,
     runs: usize,
@@ -56,6 +59,10 @@ fn parse_opts() -> anyhow::Result<Opts> {
             .context("--nattrace PATH is required")?
             .into(),
         collector_json: get("--collector-json").map(PathBuf::from),
+        baseline: get("--baseline").map(|p| {
+            let label = get("--baseline-label").unwrap_or_else(|| p.clone());
+            (PathBuf::from(p), label)
+        }),
         out: get("--out").map(PathBuf::from),
         runs: num("--runs", 7.0)?.max(1.0) as usize,
         secs: num("--secs", 3.0)?.max(1.0) as u64,
@@ -95,6 +102,11 @@ fn run() -> anyhow::Result<()> {
     let opts = parse_opts()?;
     let conn_bench = sibling("conn-bench")?;
     let mut results = Results {
+        baseline_label: opts
+            .baseline
+            .as_ref()
+            .map(|b| b.1.clone())
+            .unwrap_or_default(),
         machine: report::machine(),
         runs: opts.runs,
         secs: opts.secs,
@@ -167,9 +179,18 @@ pub(crate) struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn svc(&self, cond: Cond) -> SocketAddrV4 {
+    pub(crate) fn binary(&self, cond: Cond) -> &Path {
+        match (&self.opts.baseline, cond) {
+            (Some((path, _)), Cond::OtherBaseline) => path,
+            _ => &self.opts.nattrace,
+        }
+    }
+
+    pub(crate) fn svc(&self, cond: Cond) -> SocketAddrV4 {
         match cond {
-            Cond::Other => SocketAddrV4::new(self.addrs.other_svc, OTHER_PORT),
+            Cond::Other | Cond::OtherBaseline => {
+                SocketAddrV4::new(self.addrs.other_svc, OTHER_PORT)
+            }
             _ => SocketAddrV4::new(self.addrs.bulk_svc, BULK_PORT),
         }
     }
@@ -188,7 +209,10 @@ fn bulk(ctx: &Ctx, loads: &mut Vec<f64>) -> anyhow::Result<Vec<(Cond, Vec<BulkSa
     ctx.lab
         .spawn(shared::BACKEND, &["iperf3", "-s", "-p", &port])?;
     shared::wait_listening(ctx.lab, shared::BACKEND, BULK_PORT, Duration::from_secs(10))?;
-    let conds = [Cond::None, Cond::Other, Cond::This, Cond::Tcpdump];
+    let mut conds = vec![Cond::None, Cond::Other, Cond::This, Cond::Tcpdump];
+    if ctx.opts.baseline.is_some() {
+        conds.insert(1, Cond::OtherBaseline);
+    }
     let mut out: Vec<(Cond, Vec<BulkSample>)> = conds.iter().map(|c| (*c, Vec::new())).collect();
     for r in 0..ctx.opts.runs {
         loads.push(load1());
@@ -245,9 +269,9 @@ fn bulk_run(ctx: &Ctx, cond: Cond) -> anyhow::Result<BulkSample> {
             gbps: iperf(ctx)?,
             ..Default::default()
         }),
-        Cond::Other | Cond::This => {
+        Cond::Other | Cond::This | Cond::OtherBaseline => {
             let (tracer, _) =
-                shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[ctx.svc(cond)], &[])?;
+                shared::start_nattrace(ctx.binary(cond), ctx.lab, &[ctx.svc(cond)], &[])?;
             let pid = tracer.pid();
             let gbps = iperf(ctx);
             let hwm = status_kib(pid, "VmHWM:");
