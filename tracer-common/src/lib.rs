@@ -303,3 +303,54 @@ mod tests {
         assert_eq!(core::mem::size_of::<Config>(), 84);
     }
 }
+
+/// The early address pre-filter (issue 15, docs/DESIGN.md "Kernel filter"):
+/// a bitmap, kept as bytes in an array map, with one slot per hash of an
+/// address that can be part of a traced flow (a Service, or a client side
+/// the kernel has started following). A packet neither of whose addresses
+/// has its slot set is certainly untraced, and its program stops after two
+/// array reads instead of four hash lookups. Collisions only send a packet
+/// on to the exact lookups.
+pub mod prefilter {
+    /// Slots in the map: 2^16 one-byte slots, stored as 8192 u64 words.
+    pub const SLOTS_LOG2: u32 = 16;
+    pub const WORDS: u32 = (1 << SLOTS_LOG2) / 8;
+
+    /// The slot of an address (IPv4, or any length that is a multiple of
+    /// four bytes): a multiplicative hash of its 32-bit words.
+    #[inline(always)]
+    pub fn slot<const N: usize>(addr: &[u8; N]) -> u32 {
+        let mut h: u32 = 0;
+        let mut i = 0;
+        while i + 4 <= N {
+            let w = u32::from_be_bytes([addr[i], addr[i + 1], addr[i + 2], addr[i + 3]]);
+            h = (h ^ w).wrapping_mul(0x9e37_79b1);
+            i += 4;
+        }
+        h >> (32 - SLOTS_LOG2)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn a_pod_subnet_spreads_over_distinct_slots() {
+            // Pod IPs differ in their last byte: they must not pile up on a
+            // few slots, or every pod would pass the pre-filter.
+            let mut seen = [false; 1 << SLOTS_LOG2];
+            let mut distinct = 0;
+            for host in 0..=255u8 {
+                let s = slot(&[100, 96, 54, host]) as usize;
+                assert!(s < (1 << SLOTS_LOG2));
+                if !seen[s] {
+                    seen[s] = true;
+                    distinct += 1;
+                }
+            }
+            assert!(distinct >= 250, "{distinct} slots for 256 addresses");
+            assert_ne!(slot(&[10, 0, 0, 1]), slot(&[10, 0, 0, 2]));
+            assert_eq!(slot(&[10, 0, 0, 1]), slot(&[10, 0, 0, 1]));
+        }
+    }
+}

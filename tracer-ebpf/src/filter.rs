@@ -180,6 +180,8 @@ fn endpoint(client: &EndpointKey, svc: u8) -> Option<*mut EndpointState> {
             return None;
         }
     }
+    // Before the flow's next packet: its reply is matched by this address.
+    crate::prefilter::remember(&client.addr);
     ENDPOINTS.get_ptr_mut(client)
 }
 
@@ -196,6 +198,11 @@ struct Match {
 fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
     let src = key(pkt.saddr, pkt.sport, pkt.proto);
     let dst = key(pkt.daddr, pkt.dport, pkt.proto);
+    // Rules 1-3 need a Service or a followed client side among the
+    // addresses; the pre-filter rules that out for almost all other traffic.
+    if !crate::prefilter::may_match(&pkt.saddr, &pkt.daddr) {
+        return after_nat(pkt, at, &src, &dst);
+    }
     if let Some(svc) = service_at(pkt.daddr, pkt.dport, pkt.proto) {
         return Some(Match {
             dir: direction::REQUEST,
@@ -219,6 +226,12 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             state: Some(state),
         });
     }
+    after_nat(pkt, at, &src, &dst)
+}
+
+/// Rule 4.
+#[inline(always)]
+fn after_nat(pkt: &Packet, at: &Point, src: &EndpointKey, dst: &EndpointKey) -> Option<Match> {
     // Rule 4 can only apply right after a NAT stage rewrote a client side
     // that no map knows yet (SNAT/masquerade); everywhere else the packet
     // already matched by its addresses, so the miss path skips the lookup.
@@ -235,7 +248,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
     Some(Match {
         dir,
         svc,
-        state: endpoint(&client, svc),
+        state: endpoint(client, svc),
     })
 }
 

@@ -7,6 +7,7 @@
 mod filter;
 mod kprobes;
 mod netfilter;
+mod prefilter;
 mod skb;
 mod tc;
 mod tracepoints;

@@ -667,6 +667,28 @@ fn write_config(
                 .map_err(kernel_err("SERVICES"))?;
         }
     }
+    set_prefilter(ebpf, services)
+}
+
+/// The Services' slots of the kernel's address pre-filter
+/// (tracer_common::prefilter); the programs add client sides themselves.
+fn set_prefilter(ebpf: &mut Ebpf, services: &[Service]) -> Result<(), TraceError> {
+    let mut slots: Array<&mut MapData, u64> = Array::try_from(
+        ebpf.map_mut("ADDR_SLOTS")
+            .ok_or_else(|| TraceError::Kernel("map ADDR_SLOTS missing".into()))?,
+    )
+    .map_err(kernel_err("ADDR_SLOTS"))?;
+    for svc in services {
+        let slot = tracer_common::prefilter::slot(&svc.addr.octets());
+        let word = slots
+            .get(&(slot / 8), 0)
+            .map_err(kernel_err("ADDR_SLOTS"))?;
+        let mut bytes = word.to_ne_bytes();
+        bytes[(slot % 8) as usize] = 1;
+        slots
+            .set(slot / 8, u64::from_ne_bytes(bytes), 0)
+            .map_err(kernel_err("ADDR_SLOTS"))?;
+    }
     Ok(())
 }
 
