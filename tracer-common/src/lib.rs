@@ -312,6 +312,14 @@ mod tests {
 /// array reads instead of four hash lookups. Collisions only send a packet
 /// on to the exact lookups.
 pub mod prefilter {
+    /// Slot byte bits. Userspace sets SERVICE and ANY_PORT before attaching;
+    /// the programs only ever add CLIENT, so their read-modify-writes
+    /// cannot lose another writer's bit.
+    pub const CLIENT: u8 = 1;
+    pub const SERVICE: u8 = 2;
+    /// A Service traced on every port (SERVICES has its port-0 key).
+    pub const ANY_PORT: u8 = 4;
+
     /// Slots in the map: 2^16 one-byte slots, stored as 8192 u64 words.
     pub const SLOTS_LOG2: u32 = 16;
     pub const WORDS: u32 = (1 << SLOTS_LOG2) / 8;

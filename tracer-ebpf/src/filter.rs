@@ -3,7 +3,7 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use tracer_common::{
     EndpointKey, EndpointState, InflightPacket, PacketEvent, ServiceKey, direction, hook,
-    nat_stage, proto, stat, tcp_flags,
+    nat_stage, prefilter, proto, stat, tcp_flags,
 };
 
 use crate::{ENDPOINTS, EVENTS, INFLIGHT, SERVICES, STATS};
@@ -151,6 +151,10 @@ fn key(addr: [u8; 4], port: u16, proto: u8) -> EndpointKey {
 /// Service's any-port entry (port 0).
 #[inline(always)]
 fn service_at(addr: [u8; 4], port: u16, proto: u8) -> Option<u8> {
+    let slot = crate::prefilter::bits(&addr);
+    if slot & prefilter::SERVICE == 0 {
+        return None;
+    }
     let mut k = ServiceKey {
         addr,
         port,
@@ -159,6 +163,9 @@ fn service_at(addr: [u8; 4], port: u16, proto: u8) -> Option<u8> {
     };
     if let Some(svc) = unsafe { SERVICES.get(&k) } {
         return Some(*svc);
+    }
+    if slot & prefilter::ANY_PORT == 0 {
+        return None;
     }
     k.port = 0;
     unsafe { SERVICES.get(&k) }.copied()
@@ -174,14 +181,15 @@ fn endpoint(client: &EndpointKey, svc: u8) -> Option<*mut EndpointState> {
         svc,
         ..Default::default()
     };
+    // Before the entry exists: rules 2 and 3 look for it only where the
+    // pre-filter says a client side may be.
+    crate::prefilter::remember(&client.addr);
     if let Err(err) = ENDPOINTS.insert(client, &fresh, BPF_NOEXIST) {
         if err != -EEXIST {
             stat_inc(stat::FLOW_MAP_FULL);
             return None;
         }
     }
-    // Before the flow's next packet: its reply is matched by this address.
-    crate::prefilter::remember(&client.addr);
     ENDPOINTS.get_ptr_mut(client)
 }
 
@@ -198,9 +206,15 @@ struct Match {
 fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
     let src = key(pkt.saddr, pkt.sport, pkt.proto);
     let dst = key(pkt.daddr, pkt.dport, pkt.proto);
-    // Rules 1-3 need a Service or a followed client side among the
-    // addresses; the pre-filter rules that out for almost all other traffic.
-    if !crate::prefilter::may_match(&pkt.saddr, &pkt.daddr) {
+    // Rule 1 needs a Service as destination, rules 2 and 3 a followed
+    // client side as source or destination: the pre-filter's bits rule
+    // each out for almost all other traffic, and spare a traced packet
+    // the lookups of the rules that cannot apply to it.
+    let (sbits, dbits) = (
+        crate::prefilter::bits(&pkt.saddr),
+        crate::prefilter::bits(&pkt.daddr),
+    );
+    if (sbits & prefilter::CLIENT) | (dbits & (prefilter::CLIENT | prefilter::SERVICE)) == 0 {
         return after_nat(pkt, at, &src, &dst);
     }
     if let Some(svc) = service_at(pkt.daddr, pkt.dport, pkt.proto) {
@@ -210,7 +224,9 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             state: endpoint(&src, svc),
         });
     }
-    if let Some(state) = ENDPOINTS.get_ptr_mut(&src) {
+    if sbits & prefilter::CLIENT != 0
+        && let Some(state) = ENDPOINTS.get_ptr_mut(&src)
+    {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REQUEST,
@@ -218,7 +234,9 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             state: Some(state),
         });
     }
-    if let Some(state) = ENDPOINTS.get_ptr_mut(&dst) {
+    if dbits & prefilter::CLIENT != 0
+        && let Some(state) = ENDPOINTS.get_ptr_mut(&dst)
+    {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REPLY,

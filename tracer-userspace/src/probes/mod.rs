@@ -679,12 +679,18 @@ fn set_prefilter(ebpf: &mut Ebpf, services: &[Service]) -> Result<(), TraceError
     )
     .map_err(kernel_err("ADDR_SLOTS"))?;
     for svc in services {
-        let slot = tracer_common::prefilter::slot(&svc.addr.octets());
+        use tracer_common::prefilter::{ANY_PORT, SERVICE, slot};
+        let slot = slot(&svc.addr.octets());
         let word = slots
             .get(&(slot / 8), 0)
             .map_err(kernel_err("ADDR_SLOTS"))?;
         let mut bytes = word.to_ne_bytes();
-        bytes[(slot % 8) as usize] = 1;
+        // Any-port Services also have the port-0 SERVICES key (write_config).
+        bytes[(slot % 8) as usize] |= if svc.port.is_none() {
+            SERVICE | ANY_PORT
+        } else {
+            SERVICE
+        };
         slots
             .set(slot / 8, u64::from_ne_bytes(bytes), 0)
             .map_err(kernel_err("ADDR_SLOTS"))?;
