@@ -12,7 +12,7 @@ use crate::tasks::{cargo_with_env as cargo, workspace_root};
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// Runs per condition (conditions alternate run by run).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 7)]
     pub runs: u32,
     /// Seconds per iperf3 run.
     #[arg(long, default_value_t = 3)]
@@ -26,6 +26,13 @@ pub struct BenchArgs {
     /// Only these lab benchmarks: bulk, conn, startup (comma-separated).
     #[arg(long, default_value = "bulk,conn,startup")]
     pub only: String,
+    /// Another nattrace binary (e.g. a build of main) to run on the miss
+    /// path in the same interleaved rounds, for a before/after in one run.
+    #[arg(long)]
+    pub baseline: Option<std::path::PathBuf>,
+    /// What --baseline is, for BENCHMARKS.md.
+    #[arg(long, default_value = "baseline")]
+    pub baseline_label: String,
     /// A smoke run for working on the harness: 1 short run each, 20 pods,
     /// a small collector replay; writes target/bench/BENCHMARKS.quick.md.
     #[arg(long)]
@@ -98,6 +105,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             &pods.to_string(),
         ])
         .args(["--only", &args.only])
+        .args(args.baseline.iter().flat_map(|b| {
+            [
+                "--baseline".into(),
+                b.display().to_string(),
+                "--baseline-label".into(),
+                args.baseline_label.clone(),
+            ]
+        }))
         .status()
         .context("could not run nattrace-bench")?;
     if !status.success() {

@@ -37,6 +37,8 @@ const APT_PACKAGES: &[&str] = &[
     "python3-venv",
     // promtool, which checks the metrics exposition (tests/tests/watch.rs)
     "prometheus",
+    // `cargo xtask bench` profiles with perf record (cpu-clock: no PMU in these VMs)
+    "linux-perf",
 ];
 
 /// Where the PyPI tools live: a venv of Debian's python3 (its pip refuses

@@ -3,11 +3,14 @@
 
 use std::fmt::Write as _;
 
+use crate::profile::{self, Profile};
 use crate::shared::{ClientRun, CountCheck};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Cond {
     None,
+    /// `--baseline` (another build of nattrace) tracing another Service.
+    OtherBaseline,
     Other,
     This,
     Tcpdump,
@@ -17,6 +20,7 @@ impl Cond {
     pub fn label(self) -> &'static str {
         match self {
             Cond::None => "no tracer",
+            Cond::OtherBaseline => "baseline build, another Service",
             Cond::Other => "nattrace, another Service",
             Cond::This => "nattrace, this Service",
             Cond::Tcpdump => "tcpdump -i cni0 -w file",
@@ -30,16 +34,27 @@ pub struct BulkSample {
     pub events: u64,
     pub muted: u64,
     pub lost: u64,
-    pub bpf_ns: u64,
-    pub bpf_runs: u64,
     pub rss_kib: u64,
     pub pcap_bytes: u64,
+}
+
+/// One run of the BPF run-time pass.
+#[derive(Clone, Debug, Default)]
+pub struct BpfSample {
+    pub label: String,
+    pub ns: u64,
+    pub calls: u64,
+    /// GB moved or thousands of connections.
+    pub work: f64,
+    pub unit: &'static str,
 }
 
 #[derive(Debug, Default)]
 pub struct ConnResults {
     pub plain: Vec<ClientRun>,
     pub traced: Vec<(ClientRun, CountCheck)>,
+    /// tcpdump -i cni0 -w FILE writing the same connections.
+    pub dump: Vec<ClientRun>,
     pub broken: Option<(ClientRun, CountCheck)>,
 }
 
@@ -60,7 +75,16 @@ pub struct Results {
     pub runs: usize,
     pub secs: u64,
     pub conn_secs: f64,
-    pub bpf_stats: bool,
+    /// BPF run time, measured in its own pass with BPF_ENABLE_STATS held.
+    pub bpf: Vec<BpfSample>,
+    /// (unit of work, no-tracer profile, traced profiles).
+    pub profiles: Vec<(&'static str, Profile, Vec<Profile>)>,
+    /// The event the profile sampled (cycles, or cpu-clock without a PMU).
+    pub perf_event: &'static str,
+    /// What `--baseline` is (e.g. "main before issue 15").
+    pub baseline_label: String,
+    /// 1-min load average, read before every run.
+    pub load_samples: Vec<f64>,
     pub bulk: Vec<(Cond, Vec<BulkSample>)>,
     pub conn: Option<ConnResults>,
     pub startup_small: Vec<f64>,
@@ -126,7 +150,7 @@ pub fn markdown(r: &Results) -> String {
     let _ = writeln!(w, "# nattrace benchmarks\n");
     let _ = writeln!(
         w,
-        "Written by `cargo xtask bench` (issue 7); rerun it to refresh. One lab node \
+        "Written by `cargo xtask bench` (issues 7, 15); rerun it to refresh. One lab node \
          (network namespaces: a client pod and a backend pod on `cni0`, kube-proxy DNAT \
          rules, bridge-nf-call-iptables=1), release builds. Conditions alternate run by \
          run and results are ratios to the no-tracer median of the same run, because \
@@ -143,17 +167,28 @@ pub fn markdown(r: &Results) -> String {
             .and_then(|v| v.parse::<f64>().ok())
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    if busy(&r.load_after).is_some_and(|l| l > cores * 0.5) {
+    let (_, lmin, lmax) = stats(&r.load_samples);
+    if busy(&r.load_after).is_some_and(|l| l > cores * 0.5) || lmax > cores * 1.5 {
         let _ = writeln!(
             w,
-            "**The machine was shared and busy during this run** (load average above; other \
-             builds ran alongside), so the spreads are wide and single ratios can be off by \
-             ±15%; the BPF run-time column does not depend on the noise.\n"
+            "**The machine was shared and busy during this run**: the 1-min load average, read \
+             before every run, went from {lmin:.1} to {lmax:.1} on {cores} cores (the bench \
+             itself accounts for about 2 of that while a run is on; other people's builds ran \
+             alongside). Absolute numbers are noisy; what counts are the ratios between \
+             conditions of this one run, which alternate run by run so that slow drifts hit \
+             them alike, and their spread. The BPF run time does not depend on the noise.\n"
+        );
+    } else {
+        let _ = writeln!(
+            w,
+            "1-min load average, read before every run: {lmin:.1} to {lmax:.1} on {cores} cores.\n"
         );
     }
     let mut targets: Vec<String> = Vec::new();
     bulk_section(w, r, &mut targets);
     conn_section(w, r, &mut targets);
+    bpf_section(w, r);
+    profile_section(w, r);
     collector_section(w, r, &mut targets);
     startup_section(w, r, &mut targets);
     let _ = writeln!(w, "## Targets\n");
@@ -164,51 +199,48 @@ pub fn markdown(r: &Results) -> String {
 }
 
 fn bulk_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
-    let Some((_, base)) = r.bulk.iter().find(|(c, _)| *c == Cond::None) else {
+    let Some((_, base_s)) = r.bulk.iter().find(|(c, _)| *c == Cond::None) else {
         return;
     };
-    let base = stats(&base.iter().map(|s| s.gbps).collect::<Vec<_>>()).0;
+    let base_v: Vec<f64> = base_s.iter().map(|s| s.gbps).collect();
+    let base = quartiles(&base_v).1;
     let _ = writeln!(
         w,
         "## 1. Bulk throughput\n\niperf3 TCP, client pod → Service (DNAT) → backend pod on the \
-         same bridge, {} runs × {} s per condition.\n",
+         same bridge, {} runs × {} s per condition, conditions interleaved run by run, \
+         BPF_ENABLE_STATS off (its two clock reads per program call are no cost a user pays).\n",
         r.runs, r.secs
     );
     let _ = writeln!(
         w,
-        "| condition | Gbit/s median | ratio | spread (min–max ratio) | events/run | muted pkts/run | BPF ns/run-call | tracer peak RSS |\n\
-         |---|---|---|---|---|---|---|---|"
+        "| condition | Gbit/s median | ratio | IQR (ratio) | min–max (ratio) | run-by-run ratio median | events/run | muted pkts/run | tracer peak RSS |\n\
+         |---|---|---|---|---|---|---|---|---|"
     );
     let mut ratio_of = std::collections::HashMap::new();
     for (cond, samples) in &r.bulk {
-        let (med, min, max) = stats(&samples.iter().map(|s| s.gbps).collect::<Vec<_>>());
+        let v: Vec<f64> = samples.iter().map(|s| s.gbps).collect();
+        let (q1, med, q3) = quartiles(&v);
+        let (_, min, max) = stats(&v);
         ratio_of.insert(*cond, med / base);
+        let paired = paired_ratio(&v, &base_v);
         let avg = |f: fn(&BulkSample) -> u64| {
             samples.iter().map(f).sum::<u64>() / samples.len().max(1) as u64
         };
-        let traced = matches!(cond, Cond::Other | Cond::This);
-        let (ns, runs) = (avg(|s| s.bpf_ns), avg(|s| s.bpf_runs));
-        let per_call = if traced && runs > 0 {
-            format!("{:.0} ({} calls)", ns as f64 / runs as f64, runs)
-        } else {
-            "–".into()
-        };
-        let opt = |v: u64, unit: &str| {
-            if traced {
-                format!("{v}{unit}")
-            } else {
-                "–".into()
-            }
+        let traced = matches!(cond, Cond::Other | Cond::This | Cond::OtherBaseline);
+        let opt = |v: u64| {
+            if traced { v.to_string() } else { "–".into() }
         };
         let _ = writeln!(
             w,
-            "| {} | {med:.2} | {:.3} | {:.3}–{:.3} | {} | {} | {per_call} | {} |",
+            "| {} | {med:.2} | {:.3} | {:.3}–{:.3} | {:.3}–{:.3} | {paired:.3} | {} | {} | {} |",
             cond.label(),
             med / base,
+            q1 / base,
+            q3 / base,
             min / base,
             max / base,
-            opt(avg(|s| s.events), ""),
-            opt(avg(|s| s.muted), ""),
+            opt(avg(|s| s.events)),
+            opt(avg(|s| s.muted)),
             if traced {
                 format!("{:.1} MiB", avg(|s| s.rss_kib) as f64 / 1024.0)
             } else {
@@ -226,28 +258,27 @@ fn bulk_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
     }
     if let Some((_, s)) = r.bulk.iter().find(|(c, _)| *c == Cond::This) {
         let lost: u64 = s.iter().map(|s| s.lost).sum();
-        let _ = writeln!(
-            w,
-            "\nTraced runs lost {lost} events. BPF time per call is the sum over all of nattrace's \
-             programs (BPF_ENABLE_STATS held by an fd for the bench{}).\n",
-            if r.bpf_stats {
-                ""
-            } else {
-                "; unavailable on this run"
-            }
-        );
+        let _ = writeln!(w, "\nTraced runs lost {lost} events.\n");
     }
     let get = |c| ratio_of.get(&c).copied().unwrap_or(f64::NAN);
     let (other, this, dump) = (get(Cond::Other), get(Cond::This), get(Cond::Tcpdump));
+    if let Some(base) = ratio_of.get(&Cond::OtherBaseline) {
+        let _ = writeln!(
+            w,
+            "The baseline build ({}) ran the same miss-path condition in the same rounds: \
+             {base:.3} against this build's {other:.3}.\n",
+            r.baseline_label
+        );
+    }
     targets.push(format!(
         "untraced traffic (filter miss) ≥ 0.98: {other:.3} — {}{}",
         verdict(other >= 0.98),
         gap(other, 0.98)
     ));
     targets.push(format!(
-        "traced bulk flow ≥ 0.95: {this:.3} — {}{}",
-        verdict(this >= 0.95),
-        gap(this, 0.95)
+        "traced bulk flow ≥ 0.97: {this:.3} — {}{}",
+        verdict(this >= 0.97),
+        gap(this, 0.97)
     ));
     targets.push(format!(
         "nattrace's cost on the traced flow lower than tcpdump's: {:.1}% vs {:.1}% — {}",
@@ -255,6 +286,28 @@ fn bulk_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
         (1.0 - dump) * 100.0,
         verdict(this > dump)
     ));
+}
+
+/// (first quartile, median, third quartile), linearly interpolated.
+pub fn quartiles(v: &[f64]) -> (f64, f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        let x = q * (s.len() - 1) as f64;
+        let (lo, hi) = (x.floor() as usize, x.ceil() as usize);
+        s[lo] + (s[hi] - s[lo]) * (x - lo as f64)
+    };
+    (at(0.25), at(0.5), at(0.75))
+}
+
+/// Median of run i / base run i: the runs of one round ran back to back, so
+/// this cancels drifts slower than a round.
+pub fn paired_ratio(v: &[f64], base: &[f64]) -> f64 {
+    let r: Vec<f64> = v.iter().zip(base).map(|(a, b)| a / b).collect();
+    quartiles(&r).1
 }
 
 fn gap(value: f64, target: f64) -> String {
@@ -267,27 +320,60 @@ fn gap(value: f64, target: f64) -> String {
 
 fn conn_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
     let Some(c) = &r.conn else { return };
-    let plain = stats(&c.plain.iter().map(|x| x.per_sec).collect::<Vec<_>>());
-    let traced = stats(&c.traced.iter().map(|x| x.0.per_sec).collect::<Vec<_>>());
+    let plain_v: Vec<f64> = c.plain.iter().map(|x| x.per_sec).collect();
+    let traced_v: Vec<f64> = c.traced.iter().map(|x| x.0.per_sec).collect();
+    let dump_v: Vec<f64> = c.dump.iter().map(|x| x.per_sec).collect();
+    let base = quartiles(&plain_v).1;
+    let traced = quartiles(&traced_v);
+    let dump = quartiles(&dump_v);
     let _ = writeln!(
         w,
         "## 2. Connection rate\n\nconn-bench (tests/src/bin/conn-bench.rs): 2 client threads, \
-         connect + read a few bytes + close, through the Service, {} runs × {} s per condition.\n",
+         connect + read a few bytes + close, through the Service, {} runs × {} s per condition, \
+         conditions interleaved run by run, BPF_ENABLE_STATS off.\n",
         r.runs, r.conn_secs
     );
     let _ = writeln!(
         w,
-        "| condition | conns/s median | ratio | spread (min–max ratio) |\n|---|---|---|---|\n\
-         | no tracer | {:.0} | 1.000 | {:.3}–{:.3} |\n\
-         | nattrace, this Service | {:.0} | {:.3} | {:.3}–{:.3} |\n",
-        plain.0,
-        plain.1 / plain.0,
-        plain.2 / plain.0,
-        traced.0,
-        traced.0 / plain.0,
-        traced.1 / plain.0,
-        traced.2 / plain.0,
+        "| condition | conns/s median | ratio | IQR (ratio) | run-by-run ratio median |\n|---|---|---|---|---|"
     );
+    for (label, v) in [
+        ("no tracer", &plain_v),
+        ("nattrace, this Service", &traced_v),
+        ("tcpdump -i cni0 -w file", &dump_v),
+    ] {
+        if v.is_empty() {
+            continue;
+        }
+        let (q1, med, q3) = quartiles(v);
+        let _ = writeln!(
+            w,
+            "| {label} | {med:.0} | {:.3} | {:.3}–{:.3} | {:.3} |",
+            med / base,
+            q1 / base,
+            q3 / base,
+            paired_ratio(v, &plain_v)
+        );
+    }
+    let events: u64 = c.traced.iter().map(|x| x.1.events).sum();
+    let conns: u64 = c.traced.iter().map(|x| x.0.attempted).sum();
+    let per_conn = events as f64 / conns.max(1) as f64;
+    let _ = writeln!(
+        w,
+        "\nEvents per connection (all traced runs): **{per_conn:.2}** ({events} events, {conns} connections).\n"
+    );
+    targets.push(format!(
+        "≤ 3 events per healthy connection: {per_conn:.2} — {}",
+        verdict(per_conn <= 3.0)
+    ));
+    if !dump_v.is_empty() {
+        targets.push(format!(
+            "connection rate: nattrace's cost lower than tcpdump's: {:.1}% vs {:.1}% — {}",
+            (1.0 - traced.1 / base) * 100.0,
+            (1.0 - dump.1 / base) * 100.0,
+            verdict(traced.1 > dump.1)
+        ));
+    }
     let _ = writeln!(
         w,
         "Count check per traced run (connections made → flows reported):\n\n\
@@ -310,7 +396,7 @@ fn conn_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
         );
     }
     let lost: u64 = c.traced.iter().map(|x| x.1.lost_events).sum();
-    let cost = 1.0 - traced.0 / plain.0;
+    let cost = 1.0 - traced.1 / base;
     if let Some((run, check)) = &c.broken {
         let _ = writeln!(
             w,
@@ -335,11 +421,11 @@ fn conn_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
         verdict(all_ok && lost == 0)
     ));
     targets.push(format!(
-        "nattrace costing ≤ 10% of the connection rate: {:.1}% — {}{}",
+        "nattrace costing ≤ 15% of the connection rate: {:.1}% — {}{}",
         cost * 100.0,
-        verdict(cost <= 0.10),
-        if cost > 0.10 {
-            format!(" (over by {:.1} points)", (cost - 0.10) * 100.0)
+        verdict(cost <= 0.15),
+        if cost > 0.15 {
+            format!(" (over by {:.1} points)", (cost - 0.15) * 100.0)
         } else {
             String::new()
         }
@@ -449,4 +535,60 @@ fn startup_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
             String::new()
         }
     ));
+}
+
+fn bpf_section(w: &mut String, r: &Results) {
+    if r.bpf.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        w,
+        "## BPF run time (separate pass)\n\nMeasured in runs of their own with BPF_ENABLE_STATS \
+         held (the kernel then reads the clock around every program call, which the runs above \
+         do not pay): the sum over all of nattrace's programs.\n\n\
+         | run | ns per program call | calls per unit | BPF CPU ms per unit |\n|---|---|---|---|"
+    );
+    for b in &r.bpf {
+        let _ = writeln!(
+            w,
+            "| {} | {:.0} | {:.0} per {} | {:.2} |",
+            b.label,
+            b.ns as f64 / b.calls.max(1) as f64,
+            b.calls as f64 / b.work.max(1e-9),
+            b.unit,
+            b.ns as f64 / 1e6 / b.work.max(1e-9),
+        );
+    }
+    let _ = writeln!(w);
+}
+
+fn profile_section(w: &mut String, r: &Results) {
+    if r.profiles.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        w,
+        "## Where the extra cycles go (CPU profile)\n\n`perf record -e {} -a -g -F {}` \
+         (Debian linux-perf) over 3 runs per condition, interleaved like the measured runs and \
+         after them. {} Each sample's leaf function goes into a bucket; idle is left \
+         out; the numbers are busy CPU ms per unit of work, so a slower traced run is not \
+         credited with doing less. The softirq row overlaps the buckets (it is the part of all \
+         busy time whose call chain passes net_rx_action). Samples of processes that are neither \
+         the workload, the tracer (by thread id) nor a kernel thread, outside softirq, are other \
+         people's builds on the shared machine: they have their own row and are left out of the \
+         total. Other people's test runs also load nattrace now and then, and its raw \
+         tracepoints are global, so a little BPF time shows up even in the no-tracer column; \
+         the \"extra\" columns subtract it.\n",
+        r.perf_event,
+        profile::FREQ,
+        if r.perf_event == "cpu-clock" {
+            "This VM exposes no PMU (`perf stat -e cycles true` and `-e instructions` say \
+             \"<not supported>\"), so the samples are cpu-clock ticks: CPU time, not cycles."
+        } else {
+            "The samples are CPU cycles."
+        }
+    );
+    for (unit, base, traced) in &r.profiles {
+        profile::markdown(w, base, traced, unit);
+    }
 }

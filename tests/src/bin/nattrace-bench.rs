@@ -3,19 +3,23 @@
 //!
 //! ```text
 //! nattrace-bench --nattrace PATH [--collector-json PATH] [--out BENCHMARKS.md]
-//!                [--runs 5] [--secs 3] [--conn-secs 3] [--pods 200] [--only bulk,conn,startup]
+//!                [--baseline PATH [--baseline-label TEXT]]
+//!                [--runs 7] [--secs 3] [--conn-secs 3] [--pods 200] [--only bulk,conn,startup]
 //! ```
 //!
 //! Conditions alternate run by run, so slow drifts of a shared machine hit
 //! all of them alike; results are ratios to the no-tracer median.
 
+#[path = "../bench/passes.rs"]
+mod passes;
+#[path = "../bench/profile.rs"]
+mod profile;
 #[path = "../bench/report.rs"]
 mod report;
 #[path = "../bench/shared.rs"]
 mod shared;
 
 use std::net::SocketAddrV4;
-use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
@@ -25,8 +29,10 @@ use lab::Lab;
 use report::{BulkSample, Cond, ConnResults, Results, StartupResults};
 use shared::{Addrs, BULK_PORT, CONN_PORT, ClientLoad, NODE, OTHER_PORT};
 
-struct Opts {
-    nattrace: PathBuf,
+pub(crate) struct Opts {
+    pub(crate) nattrace: PathBuf,
+    /// Another nattrace build, run on the miss path alongside (A/B).
+    pub(crate) baseline: Option<(PathBuf, String)>,
     collector_json: Option<PathBuf>,
     out: Option<PathBuf>,
     runs: usize,
@@ -53,8 +59,12 @@ fn parse_opts() -> anyhow::Result<Opts> {
             .context("--nattrace PATH is required")?
             .into(),
         collector_json: get("--collector-json").map(PathBuf::from),
+        baseline: get("--baseline").map(|p| {
+            let label = get("--baseline-label").unwrap_or_else(|| p.clone());
+            (PathBuf::from(p), label)
+        }),
         out: get("--out").map(PathBuf::from),
-        runs: num("--runs", 5.0)?.max(1.0) as usize,
+        runs: num("--runs", 7.0)?.max(1.0) as usize,
         secs: num("--secs", 3.0)?.max(1.0) as u64,
         conn_secs: num("--conn-secs", 3.0)?.max(0.5),
         pods: (num("--pods", 200.0)? as usize).clamp(2, 222),
@@ -92,16 +102,17 @@ fn run() -> anyhow::Result<()> {
     let opts = parse_opts()?;
     let conn_bench = sibling("conn-bench")?;
     let mut results = Results {
+        baseline_label: opts
+            .baseline
+            .as_ref()
+            .map(|b| b.1.clone())
+            .unwrap_or_default(),
         machine: report::machine(),
         runs: opts.runs,
         secs: opts.secs,
         conn_secs: opts.conn_secs,
         ..Results::default()
     };
-    // Held for the whole bench: while this fd is open the kernel keeps
-    // per-program run time (BPF_ENABLE_STATS), and it stops when we exit.
-    let stats_fd = enable_bpf_stats();
-    results.bpf_stats = stats_fd.is_some();
     let addrs = Addrs::for_this_process(0);
     if opts.only.iter().any(|s| s == "bulk" || s == "conn") {
         let lab = Lab::build(shared::spec(&addrs, true, 0))?;
@@ -111,12 +122,18 @@ fn run() -> anyhow::Result<()> {
             opts: &opts,
             conn_bench: &conn_bench,
         };
-        if opts.only.iter().any(|s| s == "bulk") {
-            results.bulk = bulk(&ctx)?;
+        let (do_bulk, do_conn) = (
+            opts.only.iter().any(|s| s == "bulk"),
+            opts.only.iter().any(|s| s == "conn"),
+        );
+        if do_bulk {
+            results.bulk = bulk(&ctx, &mut results.load_samples)?;
         }
-        if opts.only.iter().any(|s| s == "conn") {
-            results.conn = Some(conn(&ctx)?);
+        if do_conn {
+            results.conn = Some(conn(&ctx, &mut results.load_samples)?);
         }
+        passes::bpf_pass(&ctx, &mut results, do_bulk, do_conn)?;
+        passes::profile_pass(&ctx, &mut results, do_bulk, do_conn)?;
         results.startup_small = startup_runs(&ctx, 3)?.start_ms;
     }
     if opts.only.iter().any(|s| s == "startup") {
@@ -141,7 +158,6 @@ fn run() -> anyhow::Result<()> {
         results.collector = Some(serde_json::from_str(&text)?);
     }
     results.load_after = report::loadavg();
-    drop(stats_fd);
     let md = report::markdown(&results);
     println!("\n{md}");
     if let Some(out) = &opts.out {
@@ -151,11 +167,11 @@ fn run() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn say(s: &str) {
+pub(crate) fn say(s: &str) {
     lab::tracer::say(s);
 }
 
-struct Ctx<'a> {
+pub(crate) struct Ctx<'a> {
     lab: &'a Lab,
     addrs: Addrs,
     opts: &'a Opts,
@@ -163,22 +179,43 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn svc(&self, cond: Cond) -> SocketAddrV4 {
+    pub(crate) fn binary(&self, cond: Cond) -> &Path {
+        match (&self.opts.baseline, cond) {
+            (Some((path, _)), Cond::OtherBaseline) => path,
+            _ => &self.opts.nattrace,
+        }
+    }
+
+    pub(crate) fn svc(&self, cond: Cond) -> SocketAddrV4 {
         match cond {
-            Cond::Other => SocketAddrV4::new(self.addrs.other_svc, OTHER_PORT),
+            Cond::Other | Cond::OtherBaseline => {
+                SocketAddrV4::new(self.addrs.other_svc, OTHER_PORT)
+            }
             _ => SocketAddrV4::new(self.addrs.bulk_svc, BULK_PORT),
         }
     }
 }
 
-fn bulk(ctx: &Ctx) -> anyhow::Result<Vec<(Cond, Vec<BulkSample>)>> {
+fn load1() -> f64 {
+    report::loadavg()
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+fn bulk(ctx: &Ctx, loads: &mut Vec<f64>) -> anyhow::Result<Vec<(Cond, Vec<BulkSample>)>> {
     let port = BULK_PORT.to_string();
     ctx.lab
         .spawn(shared::BACKEND, &["iperf3", "-s", "-p", &port])?;
     shared::wait_listening(ctx.lab, shared::BACKEND, BULK_PORT, Duration::from_secs(10))?;
-    let conds = [Cond::None, Cond::Other, Cond::This, Cond::Tcpdump];
+    let mut conds = vec![Cond::None, Cond::Other, Cond::This, Cond::Tcpdump];
+    if ctx.opts.baseline.is_some() {
+        conds.insert(1, Cond::OtherBaseline);
+    }
     let mut out: Vec<(Cond, Vec<BulkSample>)> = conds.iter().map(|c| (*c, Vec::new())).collect();
     for r in 0..ctx.opts.runs {
+        loads.push(load1());
         for (cond, samples) in &mut out {
             let s = bulk_run(ctx, *cond)?;
             say(&format!(
@@ -196,7 +233,7 @@ fn bulk(ctx: &Ctx) -> anyhow::Result<Vec<(Cond, Vec<BulkSample>)>> {
     Ok(out)
 }
 
-fn iperf(ctx: &Ctx) -> anyhow::Result<f64> {
+pub(crate) fn iperf(ctx: &Ctx) -> anyhow::Result<f64> {
     let (svc, port, secs) = (
         ctx.addrs.bulk_svc.to_string(),
         BULK_PORT.to_string(),
@@ -232,13 +269,11 @@ fn bulk_run(ctx: &Ctx, cond: Cond) -> anyhow::Result<BulkSample> {
             gbps: iperf(ctx)?,
             ..Default::default()
         }),
-        Cond::Other | Cond::This => {
+        Cond::Other | Cond::This | Cond::OtherBaseline => {
             let (tracer, _) =
-                shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[ctx.svc(cond)], &[])?;
+                shared::start_nattrace(ctx.binary(cond), ctx.lab, &[ctx.svc(cond)], &[])?;
             let pid = tracer.pid();
-            let before = prog_runtime(pid);
             let gbps = iperf(ctx);
-            let after = prog_runtime(pid);
             let hwm = status_kib(pid, "VmHWM:");
             let done = shared::stop_nattrace(tracer)?;
             let summary = done.summary()?;
@@ -247,8 +282,6 @@ fn bulk_run(ctx: &Ctx, cond: Cond) -> anyhow::Result<BulkSample> {
                 events: summary["events"].as_u64().unwrap_or(0),
                 muted: summary["muted_packets"].as_u64().unwrap_or(0),
                 lost: summary["lost_events"].as_u64().unwrap_or(0),
-                bpf_ns: after.0.saturating_sub(before.0),
-                bpf_runs: after.1.saturating_sub(before.1),
                 rss_kib: hwm,
                 pcap_bytes: 0,
             })
@@ -272,7 +305,7 @@ fn bulk_run(ctx: &Ctx, cond: Cond) -> anyhow::Result<BulkSample> {
 }
 
 /// `tcpdump -i cni0 -w FILE` in the node namespace, once it says it listens.
-fn start_tcpdump(lab: &Lab, file: &Path) -> anyhow::Result<Child> {
+pub(crate) fn start_tcpdump(lab: &Lab, file: &Path) -> anyhow::Result<Child> {
     use std::io::{BufRead, BufReader};
     let mut cmd = lab.netns(NODE)?.command("tcpdump")?;
     cmd.args(["-i", "cni0", "-n", "-w"]).arg(file);
@@ -297,7 +330,7 @@ fn start_tcpdump(lab: &Lab, file: &Path) -> anyhow::Result<Child> {
     Ok(child)
 }
 
-fn conn(ctx: &Ctx) -> anyhow::Result<ConnResults> {
+fn conn(ctx: &Ctx, loads: &mut Vec<f64>) -> anyhow::Result<ConnResults> {
     shared::start_conn_server(ctx.lab, ctx.conn_bench)?;
     let load = ClientLoad {
         count: 1_000_000,
@@ -307,7 +340,10 @@ fn conn(ctx: &Ctx) -> anyhow::Result<ConnResults> {
     };
     let svc = SocketAddrV4::new(ctx.addrs.conn_svc, CONN_PORT);
     let mut res = ConnResults::default();
+    let file =
+        std::env::temp_dir().join(format!("nattrace-bench-{}-conn.pcap", std::process::id()));
     for r in 0..ctx.opts.runs {
+        loads.push(load1());
         let plain = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load)?;
         let (tracer, _) = shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[svc], &[])?;
         let traced = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load);
@@ -316,12 +352,20 @@ fn conn(ctx: &Ctx) -> anyhow::Result<ConnResults> {
         let done = shared::stop_nattrace(tracer)?;
         let traced = traced?;
         let check = shared::count_check(&done, &ctx.addrs, &traced, true);
+        let mut dump = start_tcpdump(ctx.lab, &file)?;
+        let dumped = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load);
+        unsafe { libc::kill(dump.id() as i32, libc::SIGTERM) };
+        let _ = dump.wait();
+        let _ = std::fs::remove_file(&file);
+        let dumped = dumped?;
         say(&format!(
-            "conn run {}/{}: {:7.0} conns/s untraced, {:7.0} traced; count check: {} conns, {} flows, {} ok, {} lost{}",
+            "conn run {}/{}: {:7.0} conns/s untraced, {:7.0} traced, {:7.0} tcpdump; {:.2} events/conn; count check: {} conns, {} flows, {} ok, {} lost{}",
             r + 1,
             ctx.opts.runs,
             plain.per_sec,
             traced.per_sec,
+            dumped.per_sec,
+            check.events as f64 / traced.attempted.max(1) as f64,
             traced.attempted,
             check.flows,
             check.ok,
@@ -334,6 +378,7 @@ fn conn(ctx: &Ctx) -> anyhow::Result<ConnResults> {
         ));
         res.plain.push(plain);
         res.traced.push((traced, check));
+        res.dump.push(dumped);
     }
     ctx.lab.run(
         NODE,
@@ -447,56 +492,6 @@ fn bpf_links(pid: u32) -> usize {
                 .is_ok_and(|t| t.to_string_lossy().starts_with("anon_inode:bpf_link"))
         })
         .count()
-}
-
-/// BPF_ENABLE_STATS(BPF_STATS_RUN_TIME): run time is counted while the fd lives.
-fn enable_bpf_stats() -> Option<OwnedFd> {
-    const BPF_ENABLE_STATS: libc::c_long = 32;
-    let attr: [u32; 2] = [0, 0];
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_ENABLE_STATS,
-            attr.as_ptr(),
-            std::mem::size_of_val(&attr),
-        )
-    };
-    if fd < 0 {
-        say(&format!(
-            "BPF_ENABLE_STATS unavailable: {}",
-            std::io::Error::last_os_error()
-        ));
-        return None;
-    }
-    Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// Sum of run_time_ns and run_cnt over the programs a process holds.
-fn prog_runtime(pid: u32) -> (u64, u64) {
-    let mut seen = std::collections::HashSet::new();
-    let (mut ns, mut cnt) = (0, 0);
-    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
-        return (0, 0);
-    };
-    for entry in dir.flatten() {
-        let Ok(info) = std::fs::read_to_string(entry.path()) else {
-            continue;
-        };
-        let field = |k: &str| {
-            info.lines()
-                .find_map(|l| l.strip_prefix(k))
-                .and_then(|v| v.trim().parse::<u64>().ok())
-        };
-        // Links name a prog_id too, but only program fds carry run_time_ns.
-        if let (Some(id), Some(t), Some(c)) =
-            (field("prog_id:"), field("run_time_ns:"), field("run_cnt:"))
-            && seen.insert(id)
-        {
-            ns += t;
-            cnt += c;
-        }
-    }
-    (ns, cnt)
 }
 
 fn status_kib(pid: u32, key: &str) -> u64 {

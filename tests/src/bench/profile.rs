@@ -1,0 +1,323 @@
+//! Where the extra cycles go: a system-wide CPU profile (`perf record`, from
+//! Debian's linux-perf) of one run per condition, each sample's leaf symbol
+//! put in a bucket, and the buckets compared per unit of work (a GB moved,
+//! a thousand connections) between the no-tracer and the traced runs.
+//!
+//! These VMs expose no PMU (`perf stat -e cycles` says "not supported"), so
+//! the profile samples the `cpu-clock` software event: a sample is 1/FREQ s
+//! of one CPU's time, whatever that CPU was doing.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use anyhow::{Context as _, bail};
+
+pub const FREQ: u64 = 997;
+
+/// The buckets, in the order BENCHMARKS.md lists them.
+pub const BUCKETS: &[&str] = &[
+    "BPF programs (JITed code)",
+    "BPF helpers, maps, ring buffer",
+    "tracepoint dispatch",
+    "netfilter hook calls",
+    "tc / tcx dispatch",
+    "tracer process (nattrace / tcpdump, user + kernel)",
+    "workload userspace (iperf3 / conn-bench)",
+    "rest of the kernel (network stack, scheduler, ...)",
+    "other processes (other people's builds)",
+];
+
+/// One profiled run.
+#[derive(Clone, Debug, Default)]
+pub struct Profile {
+    pub label: String,
+    /// GB moved or thousands of connections made during the profile.
+    pub work: f64,
+    /// Busy CPU ms per bucket (idle excluded).
+    pub buckets: BTreeMap<&'static str, f64>,
+    /// Of `busy_ms`, the part whose call chain passes softirq processing.
+    pub softirq_ms: f64,
+    /// Busy CPU ms per kernel symbol, for the "top extra symbols" list.
+    pub syms: BTreeMap<String, f64>,
+    /// Busy CPU ms of the workload, the tracer and kernel threads (not of
+    /// other processes).
+    pub busy_ms: f64,
+}
+
+impl Profile {
+    /// Adds another run of the same condition.
+    pub fn merge(&mut self, o: Profile) {
+        self.work += o.work;
+        self.busy_ms += o.busy_ms;
+        self.softirq_ms += o.softirq_ms;
+        for (k, v) in o.buckets {
+            *self.buckets.entry(k).or_default() += v;
+        }
+        for (k, v) in o.syms {
+            *self.syms.entry(k).or_default() += v;
+        }
+    }
+}
+
+/// The event to sample: `cycles` where the VM exposes a PMU, else
+/// `cpu-clock` (`perf stat -e cycles true` prints "<not supported>" here).
+pub fn event() -> &'static str {
+    let out = Command::new("perf")
+        .args(["stat", "-e", "cycles", "true"])
+        .output();
+    match out {
+        Ok(o)
+            if o.status.success()
+                && !String::from_utf8_lossy(&o.stderr).contains("not supported") =>
+        {
+            "cycles"
+        }
+        _ => "cpu-clock",
+    }
+}
+
+/// `perf record -e EVENT -a -g` until [`stop`].
+pub fn start(out: &Path, event: &str) -> anyhow::Result<Child> {
+    let child = Command::new("perf")
+        .args(["record", "-q", "-e", event, "-a", "-g", "-F"])
+        .arg(FREQ.to_string())
+        .arg("-o")
+        .arg(out)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting perf record (Debian package linux-perf)")?;
+    // perf opens its per-CPU events within a few ms; give it margin.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    Ok(child)
+}
+
+pub fn stop(mut child: Child) -> anyhow::Result<()> {
+    // SIGINT: perf flushes and writes its header.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let status = child.wait()?;
+    if !status.success() && status.code() != Some(130) && status.code().is_some() {
+        bail!("perf record failed ({status})");
+    }
+    Ok(())
+}
+
+/// Thread ids of a process (perf's `pid` key is the thread). By id, not by
+/// name: other people's test runs on the machine run `nattrace` too.
+pub fn thread_ids(pid: u32) -> HashSet<u32> {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return HashSet::from([pid]);
+    };
+    dir.flatten()
+        .filter_map(|t| t.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+/// Softirq work lands in whatever task was running when it was raised, so a
+/// sample whose call chain passes net_rx_action is network work even in an
+/// unrelated process.
+fn bucket(
+    (tid, comm): (u32, &str),
+    sym: &str,
+    user: bool,
+    softirq: bool,
+    tracer: &HashSet<u32>,
+) -> &'static str {
+    if tracer.contains(&tid) {
+        return BUCKETS[5];
+    }
+    let workload = comm.starts_with("iperf3") || comm.starts_with("conn-bench");
+    let kthread = ["swapper", "ksoftirqd", "kworker", "rcu", "migration"]
+        .iter()
+        .any(|k| comm.starts_with(k));
+    if !workload && !kthread && !softirq {
+        return BUCKETS[8];
+    }
+    if user {
+        return BUCKETS[6];
+    }
+    let has = |p: &[&str]| p.iter().any(|x| sym.starts_with(x));
+    if has(&["bpf_prog_"]) {
+        BUCKETS[0]
+    } else if has(&[
+        "bpf_trace_run",
+        "__bpf_trace_",
+        "__traceiter_",
+        "bpf_get_stack",
+        "trace_event_",
+        "perf_trace_",
+        "__bpf_prog_enter",
+        "__bpf_prog_exit",
+    ]) {
+        BUCKETS[2]
+    } else if has(&[
+        "bpf_",
+        "htab_",
+        "__htab_",
+        "ringbuf",
+        "__bpf_ringbuf",
+        "array_map_",
+        "percpu_array_",
+        "lookup_nulls_elem",
+        "pcpu_freelist",
+        "alloc_htab_elem",
+        "jhash",
+    ]) {
+        BUCKETS[1]
+    } else if has(&["nf_hook_slow", "nf_hook_run_bpf", "nf_hook"]) {
+        BUCKETS[3]
+    } else if has(&["tcx_", "sch_handle_", "tcf_", "cls_bpf"]) {
+        BUCKETS[4]
+    } else {
+        BUCKETS[7]
+    }
+}
+
+fn is_idle(sym: &str) -> bool {
+    [
+        "pv_native_safe_halt",
+        "default_idle",
+        "cpuidle_",
+        "do_idle",
+        "poll_idle",
+        "acpi_idle",
+    ]
+    .iter()
+    .any(|p| sym.starts_with(p))
+}
+
+/// `perf report` lines `samples|comm|dso|[k] sym` (leaf symbols only).
+fn report(data: &Path, extra: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new("perf")
+        .arg("report")
+        .arg("-i")
+        .arg(data)
+        .args(["--no-children", "-g", "none", "--stdio", "-q"])
+        .args(["--field-separator", "|"])
+        .args(extra)
+        .stderr(Stdio::null())
+        .output()
+        .context("perf report")?;
+    if !out.status.success() {
+        bail!("perf report failed ({})", out.status);
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Reads one profile; `tracer` names the tracer's threads.
+pub fn summarize(
+    data: &Path,
+    label: &str,
+    work: f64,
+    tracer: &HashSet<u32>,
+) -> anyhow::Result<Profile> {
+    let ms = 1000.0 / FREQ as f64;
+    let mut p = Profile {
+        label: label.into(),
+        work,
+        ..Profile::default()
+    };
+    let text = report(
+        data,
+        &[
+            "--fields",
+            "sample,parent,pid,dso,sym",
+            "--parent",
+            "handle_softirqs|__do_softirq|net_rx_action",
+        ],
+    )?;
+    for line in text.lines() {
+        let f: Vec<&str> = line.split('|').map(str::trim).collect();
+        let [n, parent, pid, _dso, sym] = f[..] else {
+            continue;
+        };
+        let Ok(n) = n.parse::<f64>() else { continue };
+        let Some((tid, comm)) = pid.split_once(':') else {
+            continue;
+        };
+        let tid: u32 = tid.trim().parse().unwrap_or(0);
+        let user = sym.starts_with("[.]");
+        let sym = sym.trim_start_matches("[k] ").trim_start_matches("[.] ");
+        if is_idle(sym) {
+            continue;
+        }
+        let softirq = !parent.contains("[other]");
+        let b = bucket((tid, comm), sym, user, softirq, tracer);
+        *p.buckets.entry(b).or_default() += n * ms;
+        if b == BUCKETS[8] {
+            continue;
+        }
+        p.busy_ms += n * ms;
+        if softirq {
+            p.softirq_ms += n * ms;
+        }
+        if !user && b != BUCKETS[5] {
+            *p.syms.entry(sym.to_string()).or_default() += n * ms;
+        }
+    }
+    Ok(p)
+}
+
+pub fn data_file(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "nattrace-bench-{}-{name}.perf.data",
+        std::process::id()
+    ))
+}
+
+/// The comparison table of `traced` against `base`, per unit of work.
+pub fn markdown(w: &mut String, base: &Profile, traced: &[Profile], unit: &str) {
+    let per = |p: &Profile, v: f64| v / p.work.max(1e-9);
+    let _ = write!(w, "| bucket (CPU ms per {unit}) | {} |", base.label);
+    for t in traced {
+        let _ = write!(w, " {} | extra |", t.label);
+    }
+    let _ = write!(w, "\n|---|---|");
+    for _ in traced {
+        let _ = write!(w, "---|---|");
+    }
+    let _ = writeln!(w);
+    let mut rows: Vec<&str> = BUCKETS.to_vec();
+    rows.push("**all busy CPU but other processes'**");
+    rows.push("of which in softirq (call chain through net_rx_action)");
+    let value = |p: &Profile, i: usize| match i {
+        i if i < BUCKETS.len() => p.buckets.get(BUCKETS[i]).copied().unwrap_or(0.0),
+        i if i == BUCKETS.len() => p.busy_ms,
+        _ => p.softirq_ms,
+    };
+    for (i, name) in rows.iter().enumerate() {
+        let b = per(base, value(base, i));
+        let _ = write!(w, "| {name} | {b:.1} |");
+        for t in traced {
+            let v = per(t, value(t, i));
+            let _ = write!(w, " {v:.1} | {:+.1} |", v - b);
+        }
+        let _ = writeln!(w);
+    }
+    for t in traced {
+        let mut extra: Vec<(String, f64)> = t
+            .syms
+            .iter()
+            .map(|(s, v)| {
+                let b = base.syms.get(s).copied().unwrap_or(0.0);
+                (s.clone(), per(t, *v) - per(base, b))
+            })
+            .collect();
+        extra.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let list: Vec<String> = extra
+            .iter()
+            .take(10)
+            .map(|(s, v)| format!("`{s}` {v:+.1}"))
+            .collect();
+        let _ = writeln!(
+            w,
+            "\nKernel symbols with the most extra CPU ms per {unit}, {}: {}.",
+            t.label,
+            list.join(", ")
+        );
+    }
+    let _ = writeln!(w);
+}
