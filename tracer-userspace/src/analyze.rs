@@ -1,15 +1,17 @@
 //! `nattrace analyze FILE`: the collector over a recording, with the live
 //! run's outputs. Feeding order is the live order (events as read, a tick
 //! at every `stats` line, finish at `end`), so verdicts match the live run's.
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use crate::{
-    collector::{Collector, FlowReport},
     output::{
         queue::Overflow,
         sink::{Outcome, OutputFormat, Outputs},
     },
-    recording::{Reader, Record, RecordingError},
+    recording::{
+        Header, Reader, RecordingError,
+        replay::{Replayed, replay},
+    },
 };
 
 #[derive(Clone, Debug)]
@@ -58,7 +60,7 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
         {
             name = format!("{name}#{}", nodes.len() + 1);
         }
-        let node = crate::merge::decide_node(&name, &header, reader.by_ref())?;
+        let node = crate::merge::decide_node(&name, &header, &mut reader)?;
         if let Some(first) = &reader.first_skipped {
             eprintln!(
                 "nattrace: warning: recording {} has {} unreadable line(s), skipped (first at line {}: {})",
@@ -97,149 +99,105 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
     }
     out.flows(reports).map_err(AnalyzeError::Output)?;
     out.summary(&summary).map_err(AnalyzeError::Output)?;
-    let forever = std::time::Instant::now() + std::time::Duration::from_secs(365 * 24 * 3600);
-    out.drain(forever, std::time::Duration::from_secs(365 * 24 * 3600));
-    for w in out.take_warnings() {
-        eprintln!("nattrace: warning: {w}");
-    }
-    Ok(std::mem::take(&mut out.outcome))
+    Ok(close(&mut out))
 }
 
 pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
     let (mut reader, header) = Reader::open(&opts.path)?;
-    let mut collector = Collector::new(header.collector_config()?);
+    let config = header.collector_config()?;
     if let Some(v) = reader.newer_version {
         eprintln!(
             "nattrace: warning: {} is format version {v}, newer than this nattrace's; reading what it understands",
             opts.path.display()
         );
     }
-    // Opened at the first event: a file with none is refused in one line
-    // (no preamble on stdout, no empty pcap).
+    // Opened at the first decided flow: a file with no event is refused in
+    // one line (no preamble on stdout, no empty pcap).
     let mut outputs: Option<Outputs> = None;
-    let open = |outputs: &mut Option<Outputs>| -> Result<(), AnalyzeError> {
-        if outputs.is_some() {
-            return Ok(());
-        }
-        let mut out = Outputs::new(opts.format, opts.color, opts.verbose, Overflow::Block)
-            .map_err(AnalyzeError::Output)?;
-        if let Some(pcap) = &opts.pcap {
-            out.pcap(pcap, &header).map_err(AnalyzeError::Output)?;
-        }
-        out.preamble(&header).map_err(AnalyzeError::Output)?;
-        *outputs = Some(out);
-        Ok(())
-    };
-
-    let mut last_ts = 0u64;
-    let mut end = None;
-    let mut capped = None;
-    let mut rotated = None;
-    // The kernel's loss count as recorded, and lines skipped as unreadable:
-    // both are events missing from the flows around them.
-    let mut lost = 0u64;
-    let mut skipped = 0u64;
-    while let Some(record) = reader.next() {
-        if reader.skipped_lines > skipped {
-            skipped = reader.skipped_lines;
-            collector.note_lost(lost + skipped);
-        }
-        match record {
-            Record::Event(ev) => {
-                open(&mut outputs)?;
-                last_ts = last_ts.max(ev.ts_ns);
-                collector.push(ev);
-            }
-            Record::Interface(i) => collector.learn_interface(i.netns, i.ifindex, &i.name),
-            Record::Stats(s) => {
-                last_ts = last_ts.max(s.now_ns);
-                lost = lost.max(s.lost_events);
-                collector.note_lost(lost + skipped);
-                let reports = collector.tick(s.now_ns);
-                if !reports.is_empty() {
-                    open(&mut outputs)?;
-                    let out = outputs.as_mut().expect("just opened");
-                    out.flows(reports).map_err(AnalyzeError::Output)?;
-                }
-            }
-            Record::Capped { bytes } => capped = Some(bytes),
-            Record::Rotated { bytes } => rotated = Some(bytes),
-            Record::Rules(rules) => collector.update_rules(*rules),
-            Record::End(s) => end = Some(s),
-        }
-    }
-    skipped = reader.skipped_lines;
-    if outputs.is_none()
+    let done = replay(config, &mut reader, None, |reports| {
+        open(opts, &header, &mut outputs)?
+            .flows(reports)
+            .map_err(AnalyzeError::Output)
+    })?;
+    if done.events == 0
         && let Some(first) = &reader.first_skipped
     {
         return Err(AnalyzeError::Unreadable {
             path: opts.path.clone(),
-            skipped,
+            skipped: reader.skipped_lines,
             line: first.line,
             why: first.why.clone(),
         });
     }
-    open(&mut outputs)?;
-    let mut outputs = outputs.expect("just opened");
+    let out = open(opts, &header, &mut outputs)?;
+    warn_read(&opts.path, &reader, &done);
+    out.summary(&done.summary).map_err(AnalyzeError::Output)?;
+    Ok(close(out))
+}
+
+/// The outputs, opened (preamble, pcap) the first time they are needed.
+fn open<'a>(
+    opts: &AnalyzeOptions,
+    header: &Header,
+    outputs: &'a mut Option<Outputs>,
+) -> Result<&'a mut Outputs, AnalyzeError> {
+    if outputs.is_none() {
+        let mut out = Outputs::new(opts.format, opts.color, opts.verbose, Overflow::Block)
+            .map_err(AnalyzeError::Output)?;
+        if let Some(pcap) = &opts.pcap {
+            out.pcap(pcap, header).map_err(AnalyzeError::Output)?;
+        }
+        out.preamble(header).map_err(AnalyzeError::Output)?;
+        *outputs = Some(out);
+    }
+    Ok(outputs.as_mut().expect("just opened"))
+}
+
+/// Nothing is live here: waits for the reader, however slow, and returns
+/// what the outputs made of the run.
+fn close(out: &mut Outputs) -> Outcome {
+    let forever = std::time::Instant::now() + std::time::Duration::from_secs(365 * 24 * 3600);
+    out.drain(forever, std::time::Duration::from_secs(365 * 24 * 3600));
+    for w in out.take_warnings() {
+        eprintln!("nattrace: warning: {w}");
+    }
+    std::mem::take(&mut out.outcome)
+}
+
+/// Lines skipped as unreadable, and a recording that stops without `end`.
+fn warn_read<R: std::io::BufRead>(path: &Path, reader: &Reader<R>, done: &Replayed) {
     if let Some(first) = &reader.first_skipped {
         eprintln!(
-            "nattrace: warning: recording {} has {skipped} unreadable line(s), skipped (first at line {}: {}); flows around them are marked incomplete",
-            opts.path.display(),
+            "nattrace: warning: recording {} has {} unreadable line(s), skipped (first at line {}: {}); flows around them are marked incomplete",
+            path.display(),
+            reader.skipped_lines,
             first.line,
             first.why
         );
     }
-    let (now, muted) = match end {
-        Some(s) => {
-            lost = lost.max(s.lost_events);
-            (s.now_ns.max(last_ts), s.muted_packets)
+    if done.ended {
+        return;
+    }
+    let why = match (done.capped, done.rotated, reader.problem()) {
+        (Some(bytes), _, _) => {
+            format!("it stopped at the --write-max-mb limit ({bytes} bytes)")
         }
-        None => (last_ts, 0),
+        (None, Some(bytes), _) => format!(
+            "rotated at {bytes} bytes: the run goes on in the next file, {}",
+            newer_file(path)
+        ),
+        (None, None, Some(p)) => format!("line {}: {}", p.line, p.why),
+        (None, None, None) => "no end record".to_owned(),
     };
-    collector.note_lost(lost + skipped);
-    let (mut reports, mut summary) = collector.finish(now);
-    if end.is_none() {
-        // These flows were still open when the recording stopped: what
-        // follows them was not recorded, so their verdict is not confirmed.
-        for r in &mut reports {
-            if mark_unfinished(r) {
-                summary.incomplete_flows += 1;
-            }
-        }
-        let why = match (capped, rotated, reader.problem()) {
-            (Some(bytes), _, _) => {
-                format!("it stopped at the --write-max-mb limit ({bytes} bytes)")
-            }
-            (None, Some(bytes), _) => format!(
-                "rotated at {bytes} bytes: the run goes on in the next file, {}",
-                newer_file(&opts.path)
-            ),
-            (None, None, Some(p)) => format!("line {}: {}", p.line, p.why),
-            (None, None, None) => "no end record".to_owned(),
-        };
-        eprintln!(
-            "nattrace: warning: recording {} is truncated ({why}); read {} lines, flows still open at the cut are marked incomplete",
-            opts.path.display(),
-            reader.lines_read()
-        );
-    }
-    // Events the kernel (or the recording's writer) lost; skipped lines
-    // have their own warning.
-    summary.lost_events = lost;
-    summary.muted_packets = muted;
-    outputs.flows(reports).map_err(AnalyzeError::Output)?;
-    outputs.summary(&summary).map_err(AnalyzeError::Output)?;
-    // Nothing is live here: wait for the reader, however slow.
-    let forever = std::time::Instant::now() + std::time::Duration::from_secs(365 * 24 * 3600);
-    outputs.drain(forever, std::time::Duration::from_secs(365 * 24 * 3600));
-    for w in outputs.take_warnings() {
-        eprintln!("nattrace: warning: {w}");
-    }
-    Ok(std::mem::take(&mut outputs.outcome))
+    eprintln!(
+        "nattrace: warning: recording {} is truncated ({why}); read {} lines, flows still open at the cut are marked incomplete",
+        path.display(),
+        reader.lines_read()
+    );
 }
 
 /// The file a rotated recording continues in: FILE.(i-1), or FILE for FILE.1.
-fn newer_file(path: &std::path::Path) -> String {
+fn newer_file(path: &Path) -> String {
     let name = path.to_string_lossy();
     match name.rsplit_once('.') {
         Some((base, i)) if i.parse::<usize>().is_ok_and(|i| i >= 1) => {
@@ -250,14 +208,4 @@ fn newer_file(path: &std::path::Path) -> String {
         }
         _ => format!("{name} (renamed {name}.1 when it was rotated)"),
     }
-}
-
-fn mark_unfinished(r: &mut FlowReport) -> bool {
-    if r.incomplete {
-        return false;
-    }
-    r.incomplete = true;
-    r.detail
-        .push_str("; the recording ends before this flow was decided, evidence may be incomplete");
-    true
 }

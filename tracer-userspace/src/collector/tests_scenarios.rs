@@ -230,7 +230,7 @@ fn readme_table_matches_the_cause_table() {
 fn decide_recording(text: &str) -> Vec<FlowReport> {
     let (mut reader, header) =
         crate::recording::Reader::new(std::io::BufReader::new(std::io::Cursor::new(text))).unwrap();
-    let (out, _) = crate::recording::replay::replay(&mut reader, &header, None);
+    let (out, _) = crate::recording::replay::decide_all(&mut reader, &header, None);
     assert!(reader.problem().is_none(), "{:?}", reader.problem());
     out
 }

@@ -34,7 +34,7 @@ fn open(name: &str) -> (Reader<Cursor<&'static [u8]>>, Header) {
 /// this long after the first event.
 pub(crate) fn replay(name: &str, stop_after: Option<u64>) -> (Vec<FlowReport>, Summary) {
     let (mut reader, header) = open(name);
-    crate::recording::replay::replay(&mut reader, &header, stop_after)
+    crate::recording::replay::decide_all(&mut reader, &header, stop_after)
 }
 
 fn only(reports: &[FlowReport]) -> &FlowReport {
@@ -282,7 +282,7 @@ fn version_1_recordings_are_still_analysed() {
     let (mut reader, header) = open("port_closed");
     assert_eq!(header.version, 1);
     const { assert!(crate::recording::VERSION > 1) };
-    let (reports, summary) = crate::recording::replay::replay(&mut reader, &header, None);
+    let (reports, summary) = crate::recording::replay::decide_all(&mut reader, &header, None);
     assert_eq!(reader.newer_version, None);
     assert!(summary.events > 0);
     let r = only(&reports);

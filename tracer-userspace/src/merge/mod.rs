@@ -24,8 +24,11 @@ mod tests;
 use std::collections::HashMap;
 
 use crate::{
-    collector::{Collector, Dir, FlowReport, Hop, Name, PacketEvidence, Summary},
-    recording::{Header, Record, RecordingError},
+    collector::{Dir, FlowReport, Hop, Name, PacketEvidence, Summary},
+    recording::{
+        Header, RecordingError,
+        replay::{Records, replay},
+    },
 };
 
 /// One node's decided flows.
@@ -37,61 +40,25 @@ pub struct NodeFlows {
     pub summary: Summary,
 }
 
-/// Decides one node's recording the way `analyze` does (a tick at every
-/// `stats` record, finish at `end` or at the last time seen).
+/// Decides one node's recording the way `analyze` of one file does
+/// ([`replay`]: a tick at every `stats` record, finish at `end` or at the
+/// last time seen, open flows incomplete without `end`).
 pub fn decide_node(
     name: &str,
     header: &Header,
-    records: impl IntoIterator<Item = Record>,
+    records: &mut impl Records,
 ) -> Result<NodeFlows, RecordingError> {
-    let mut c = Collector::new(header.collector_config()?);
     let mut reports = Vec::new();
-    let mut last = 0u64;
-    let mut muted = 0;
-    let mut ended = false;
-    for rec in records {
-        match rec {
-            Record::Event(ev) => {
-                last = last.max(ev.ts_ns);
-                c.push(ev);
-            }
-            Record::Interface(i) => c.learn_interface(i.netns, i.ifindex, &i.name),
-            Record::Stats(s) => {
-                last = last.max(s.now_ns);
-                c.note_lost(s.lost_events);
-                reports.extend(c.tick(s.now_ns));
-            }
-            Record::End(s) => {
-                last = last.max(s.now_ns);
-                c.note_lost(s.lost_events);
-                muted = s.muted_packets;
-                ended = true;
-            }
-            Record::Rules(rules) => c.update_rules(*rules),
-            // A rotated file ends without `end`: its open flows are marked
-            // incomplete below, as `analyze` of one file does.
-            Record::Capped { .. } | Record::Rotated { .. } => {}
-        }
-    }
-    let (mut rest, mut summary) = c.finish(last);
-    if !ended {
-        // Still open when the recording stopped: what followed them on this
-        // node was not recorded (as `analyze` of one file says too).
-        for r in rest.iter_mut().filter(|r| !r.incomplete) {
-            r.incomplete = true;
-            r.detail.push_str(
-                "; the recording ends before this flow was decided, evidence may be incomplete",
-            );
-            summary.incomplete_flows += 1;
-        }
-    }
-    reports.extend(rest);
-    summary.muted_packets = muted;
+    let done = replay(header.collector_config()?, records, None, |r| {
+        reports.extend(r);
+        Ok::<_, std::convert::Infallible>(())
+    });
+    let Ok(done) = done;
     Ok(NodeFlows {
         name: Name(name.into()),
         netns_inode: header.facts.netns_inode,
         reports,
-        summary,
+        summary: done.summary,
     })
 }
 

@@ -9,7 +9,7 @@ use std::io::Cursor;
 use super::*;
 use crate::{
     collector::{CauseId, Verdict},
-    recording::Reader,
+    recording::{Reader, Record, replay::InMemory},
 };
 
 const NODE_B: &str = include_str!("fixtures/seed003_node_b.rec");
@@ -33,7 +33,7 @@ fn node(text: &str, name: &str, shift: u64) -> NodeFlows {
         }
         other => other,
     });
-    decide_node(name, &header, records).expect("decided")
+    decide_node(name, &header, &mut InMemory(records)).expect("decided")
 }
 
 fn merged(shift_a: u64) -> Vec<FlowReport> {
@@ -231,6 +231,43 @@ fn a_recording_cut_short_marks_its_open_flows_incomplete() {
     assert!(incident[0].incomplete, "{:#?}", incident[0]);
 }
 
+/// An unreadable line is an event missing from the flows around it, on one
+/// node of several as in `analyze` of one file.
+#[test]
+fn an_unreadable_line_in_one_nodes_recording_is_counted_as_loss() {
+    let garbled: String = NODE_B
+        .lines()
+        .enumerate()
+        .map(|(i, l)| {
+            if i == 5 {
+                "\0\0\0 not a record\n".to_owned()
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    let clean = node(NODE_B, "node-b", 0);
+    assert!(
+        clean.reports.iter().all(|r| !r.incomplete),
+        "{:#?}",
+        clean.reports
+    );
+    let (mut reader, header) = Reader::new(Cursor::new(garbled.as_bytes())).expect("recording");
+    let b = decide_node("node-b", &header, &mut reader).expect("decided");
+    assert_eq!(reader.skipped_lines, 1);
+    assert_eq!(b.reports.len(), clean.reports.len());
+    // The flow open at the cut (the incident); later ones were traced whole.
+    let first = &b.reports[0];
+    assert!(first.incomplete, "{first:#?}");
+    assert!(
+        first.detail.contains("events were lost"),
+        "{}",
+        first.detail
+    );
+    // The kernel lost nothing: the skipped line is the reader's to report.
+    assert_eq!(b.summary.lost_events, 0);
+}
+
 #[test]
 fn older_recordings_without_a_node_name_still_read() {
     let old = include_str!("../collector/fixtures/no_endpoints.rec");
@@ -251,7 +288,7 @@ fn separate(text: &str, name: &str) -> NodeFlows {
     let own = header.facts.netns_inode;
     let records =
         reader.filter(|r| !matches!(r, Record::Event(ev) if ev.netns != 0 && ev.netns != own));
-    decide_node(name, &header, records).expect("decided")
+    decide_node(name, &header, &mut InMemory(records)).expect("decided")
 }
 
 #[test]

@@ -10,8 +10,7 @@
 //! complete line.
 mod kube;
 mod reader;
-#[cfg(test)]
-pub(crate) mod replay;
+pub mod replay;
 pub mod rotate;
 #[cfg(test)]
 mod tests;

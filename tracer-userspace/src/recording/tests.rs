@@ -70,7 +70,7 @@ fn record(limit: Option<u64>) -> (Vec<u8>, Option<String>) {
 
 fn decide(bytes: &[u8]) -> (Vec<crate::collector::FlowReport>, Option<ReadProblem>) {
     let (mut reader, header) = Reader::new(BufReader::new(Cursor::new(bytes))).unwrap();
-    let (out, _) = super::replay::replay(&mut reader, &header, None);
+    let (out, _) = super::replay::decide_all(&mut reader, &header, None);
     (out, reader.problem().cloned())
 }
 
@@ -233,7 +233,7 @@ type SliceReader<'a> = Reader<BufReader<Cursor<&'a [u8]>>>;
 /// Reads `input` to the end; the reader (for its counters) and the flows.
 fn read_all(input: &[u8]) -> (SliceReader<'_>, Vec<crate::collector::FlowReport>) {
     let (mut reader, header) = Reader::new(BufReader::new(Cursor::new(input))).unwrap();
-    let (out, _) = super::replay::replay(&mut reader, &header, None);
+    let (out, _) = super::replay::decide_all(&mut reader, &header, None);
     (reader, out)
 }
 
