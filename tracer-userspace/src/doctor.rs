@@ -59,8 +59,8 @@ pub struct Inputs {
     pub kube_proxy: KubeProxyRules,
     /// IPVS / eBPF load balancers that may translate Services instead.
     pub dataplane: Dataplane,
-    /// The Service IPs a trace follows (empty for `doctor`).
-    pub traced: Vec<std::net::Ipv4Addr>,
+    /// The Service IPs a trace follows, both families (empty for `doctor`).
+    pub traced: Vec<std::net::IpAddr>,
     /// IPv6 sysctls, addresses and RA-learned routes ([`ipv6`]).
     pub ipv6: ipv6::Ipv6Facts,
 }

@@ -8,7 +8,7 @@
 //! nothing there (see [`read`]).
 use std::{
     collections::HashMap,
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{IpAddr, SocketAddr},
     process::Command,
 };
 
@@ -114,7 +114,7 @@ impl std::fmt::Display for MissingTool {
 /// A Service IP translated outside netfilter, and by what.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct OutsideNetfilter {
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     /// e.g. "IPVS (kube-proxy --proxy-mode=ipvs: kube-ipvs0 holds 10.96.0.1)".
     pub by: String,
 }

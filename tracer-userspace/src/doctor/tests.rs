@@ -207,6 +207,45 @@ fn services_outside_netfilter_are_a_warning_for_doctor_and_the_traced_ip() {
     assert!(r.findings.iter().all(|f| f.check != "service_nat"));
 }
 
+/// A dual-stack Service traced by both ClusterIPs on an IPVS node: each
+/// address is checked, the IPv6 one on kube-ipvs0 like the IPv4 one.
+#[test]
+fn a_traced_ipv6_service_on_kube_ipvs0_is_named_as_ipvs() {
+    use crate::ruleset::dataplane::Dataplane;
+    let inputs = Inputs {
+        dataplane: Dataplane {
+            ipvs_device: Some(vec![
+                "10.96.0.1".parse().unwrap(),
+                "fd00:10:96::1".parse().unwrap(),
+            ]),
+            ..Dataplane::default()
+        },
+        traced: vec![
+            "fd00:10:96::1".parse().unwrap(),
+            "100.67.30.133".parse().unwrap(),
+        ],
+        ..healthy()
+    };
+    let outside = outside_netfilter(&inputs);
+    assert_eq!(outside.len(), 1, "{outside:?}");
+    assert_eq!(
+        outside[0].ip,
+        "fd00:10:96::1".parse::<std::net::IpAddr>().unwrap()
+    );
+    let r = assess(&inputs);
+    let f = r
+        .findings
+        .iter()
+        .find(|f| f.check == "service_nat")
+        .unwrap();
+    assert!(
+        f.message
+            .starts_with("fd00:10:96::1 is translated by IPVS (kube-proxy --proxy-mode=ipvs: kube-ipvs0 holds fd00:10:96::1)"),
+        "{}",
+        f.message
+    );
+}
+
 #[test]
 fn a_missing_tool_is_reported_as_missing_never_as_no_rules() {
     let mut i = healthy();

@@ -2,7 +2,7 @@
 //! serialize-only (they hold `&'static str`), so the reader has its own
 //! mirror and converts; a field added there shows up here as a compile error
 //! in `from`.
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 
 use serde::{Deserialize, Deserializer};
 
@@ -30,7 +30,8 @@ struct Rules {
 
 #[derive(Deserialize)]
 struct Outside {
-    ip: Ipv4Addr,
+    /// IPv4 only in recordings before IPv6 Services were checked: still read.
+    ip: IpAddr,
     by: String,
 }
 

@@ -3,10 +3,12 @@
 //! virtual server per Service port) and eBPF load balancers (Cilium's
 //! kube-proxy replacement, Calico's eBPF data plane) that pin their Service
 //! maps in bpffs. There nattrace still sees the packets, but its NAT verdicts
-//! would mislead, so the session and `doctor` say so. Read-only: files and
-//! `ip -j addr show`; never loads ip_vs.
+//! would mislead, so the session and `doctor` say so. Both families: an
+//! IPv6 ClusterIP sits on `kube-ipvs0` and in `/proc/net/ip_vs` like an
+//! IPv4 one, and the eBPF load balancers keep one Service map per family.
+//! Read-only: files and `ip -j addr show`; never loads ip_vs.
 use std::{
-    net::{IpAddr, Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::Path,
     process::Command,
 };
@@ -20,28 +22,55 @@ use crate::probes::netns::Netns;
 pub const IPVS_DEVICE: &str = "kube-ipvs0";
 /// Where tc programs (Cilium, Calico eBPF) pin their maps.
 const BPF_GLOBALS: &str = "/sys/fs/bpf/tc/globals";
-/// Service (frontend) maps of eBPF load balancers, by name prefix.
-const EBPF_LB_MAPS: &[(&str, &str)] = &[
-    ("cilium_lb4_services", "Cilium's kube-proxy replacement"),
-    ("cali_v4_nat_fe", "Calico's eBPF data plane"),
+/// Service (frontend) maps of eBPF load balancers, by name prefix, with
+/// the family of the Service addresses each holds (Cilium's
+/// `Service6MapV2Name`, Calico's `cali_v6_nat_fe` for IPv6).
+const EBPF_LB_MAPS: &[(&str, Family, &str)] = &[
+    (
+        "cilium_lb4_services",
+        Family::V4,
+        "Cilium's kube-proxy replacement",
+    ),
+    (
+        "cilium_lb6_services",
+        Family::V6,
+        "Cilium's kube-proxy replacement",
+    ),
+    ("cali_v4_nat_fe", Family::V4, "Calico's eBPF data plane"),
+    ("cali_v6_nat_fe", Family::V6, "Calico's eBPF data plane"),
 ];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    fn of(ip: IpAddr) -> Family {
+        if ip.is_ipv4() { Family::V4 } else { Family::V6 }
+    }
+}
 
 /// What besides netfilter may load-balance Services on this node.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Dataplane {
-    /// IPv4 addresses on `kube-ipvs0`; None when the device does not exist.
-    pub ipvs_device: Option<Vec<Ipv4Addr>>,
+    /// Addresses on `kube-ipvs0` (IPv6 link-local ones aside: the kernel
+    /// gives every device one, no Service has it); None when the device
+    /// does not exist.
+    pub ipvs_device: Option<Vec<IpAddr>>,
     /// IPVS virtual servers (protocol, address) from `/proc/net/ip_vs`, which
     /// exists only when ip_vs is loaded.
-    pub ipvs_services: Vec<(String, SocketAddrV4)>,
+    pub ipvs_services: Vec<(String, SocketAddr)>,
     /// Pinned eBPF load-balancer maps (file names).
     pub ebpf_lb_maps: Vec<String>,
 }
 
-/// Parses `/proc/net/ip_vs`: `TCP  0A600001:0050 rr` lines (hex address and
-/// port, net/netfilter/ipvs/ip_vs_ctl.c `ip_vs_info_seq_show`); the
-/// `  -> RemoteAddress:Port` lines are real servers.
-pub fn parse_ip_vs(text: &str) -> Vec<(String, SocketAddrV4)> {
+/// Parses `/proc/net/ip_vs`: `TCP  0A600001:0050 rr` lines for IPv4 (hex
+/// address and port), `TCP  [fd00:10:96::1]:0050 rr` for IPv6
+/// (net/netfilter/ipvs/ip_vs_ctl.c `ip_vs_info_seq_show`: `%08X:%04X` and
+/// `[%pI6]:%04X`); the `  -> RemoteAddress:Port` lines are real servers.
+pub fn parse_ip_vs(text: &str) -> Vec<(String, SocketAddr)> {
     text.lines()
         .filter_map(|l| {
             let mut w = l.split_whitespace();
@@ -49,16 +78,19 @@ pub fn parse_ip_vs(text: &str) -> Vec<(String, SocketAddrV4)> {
             if !matches!(proto, "TCP" | "UDP" | "SCTP") {
                 return None;
             }
-            let (ip, port) = w.next()?.split_once(':')?;
-            let ip = Ipv4Addr::from(u32::from_str_radix(ip, 16).ok()?);
+            let (ip, port) = w.next()?.rsplit_once(':')?;
+            let ip = match ip.strip_prefix('[') {
+                Some(v6) => IpAddr::V6(v6.strip_suffix(']')?.parse::<Ipv6Addr>().ok()?),
+                None => IpAddr::V4(Ipv4Addr::from(u32::from_str_radix(ip, 16).ok()?)),
+            };
             let port = u16::from_str_radix(port, 16).ok()?;
-            Some((proto.to_ascii_lowercase(), SocketAddrV4::new(ip, port)))
+            Some((proto.to_ascii_lowercase(), SocketAddr::new(ip, port)))
         })
         .collect()
 }
 
-/// `ip -j -4 addr show dev kube-ipvs0` → its addresses.
-fn parse_ip_addr_json(json: &str) -> Option<Vec<Ipv4Addr>> {
+/// `ip -j addr show dev kube-ipvs0` → its addresses, IPv6 link-local aside.
+fn parse_ip_addr_json(json: &str) -> Option<Vec<IpAddr>> {
     let v: serde_json::Value = serde_json::from_str(json).ok()?;
     let links = v.as_array()?;
     let link = links.first()?;
@@ -68,6 +100,7 @@ fn parse_ip_addr_json(json: &str) -> Option<Vec<Ipv4Addr>> {
             .into_iter()
             .flatten()
             .filter_map(|a| a["local"].as_str()?.parse().ok())
+            .filter(|a: &IpAddr| !matches!(a, IpAddr::V6(v6) if v6.is_unicast_link_local()))
             .collect(),
     )
 }
@@ -78,7 +111,7 @@ impl Dataplane {
         let (ipvs_device, ipvs_services) = ns
             .run(|| {
                 let device = Command::new("ip")
-                    .args(["-j", "-4", "addr", "show", "dev", IPVS_DEVICE])
+                    .args(["-j", "addr", "show", "dev", IPVS_DEVICE])
                     // Not /dev/null, which a bare container root lacks (ruleset::run_in).
                     .stdin(std::process::Stdio::piped())
                     .output()
@@ -102,23 +135,40 @@ impl Dataplane {
         }
     }
 
-    fn ipvs_carries(&self, ip: Ipv4Addr) -> bool {
+    fn ipvs_carries(&self, ip: IpAddr) -> bool {
         self.ipvs_device.iter().flatten().any(|a| *a == ip)
-            || self.ipvs_services.iter().any(|(_, s)| *s.ip() == ip)
+            || self.ipvs_services.iter().any(|(_, s)| s.ip() == ip)
     }
 
-    fn ebpf_owner(&self) -> Option<&'static str> {
+    /// The pinned load-balancer maps (of one family, or all).
+    fn lb_maps(&self, family: Option<Family>) -> Vec<&str> {
+        self.ebpf_lb_maps
+            .iter()
+            .filter(|m| {
+                EBPF_LB_MAPS
+                    .iter()
+                    .any(|(p, f, _)| m.starts_with(p) && family.is_none_or(|x| x == *f))
+            })
+            .map(String::as_str)
+            .collect()
+    }
+
+    /// Who load-balances with the first of those maps.
+    fn ebpf_owner(&self, family: Option<Family>) -> Option<&'static str> {
+        let maps = self.lb_maps(family);
         EBPF_LB_MAPS
             .iter()
-            .find(|(prefix, _)| self.ebpf_lb_maps.iter().any(|m| m.starts_with(prefix)))
-            .map(|(_, who)| *who)
+            .find(|(prefix, f, _)| {
+                family.is_none_or(|x| x == *f) && maps.iter().any(|m| m.starts_with(prefix))
+            })
+            .map(|(_, _, who)| *who)
     }
 
     /// Who translates Service `ip` instead of netfilter NAT, when kube-proxy
     /// has no NAT rule for it here. None: netfilter does (or nothing claims it).
-    pub fn not_netfilter(&self, ip: Ipv4Addr, kube: &KubeProxyRules) -> Option<String> {
-        let has_nat_rule = kube.services.iter().any(|s| s.cluster_ip == IpAddr::V4(ip))
-            || kube.no_endpoints.iter().any(|r| r.ip == IpAddr::V4(ip));
+    pub fn not_netfilter(&self, ip: IpAddr, kube: &KubeProxyRules) -> Option<String> {
+        let has_nat_rule = kube.services.iter().any(|s| s.cluster_ip == ip)
+            || kube.no_endpoints.iter().any(|r| r.ip == ip);
         if has_nat_rule && kube.mode != ProxyMode::Ipvs {
             return None;
         }
@@ -130,7 +180,7 @@ impl Dataplane {
             let servers = self
                 .ipvs_services
                 .iter()
-                .filter(|(_, s)| *s.ip() == ip)
+                .filter(|(_, s)| s.ip() == ip)
                 .count();
             if servers > 0 {
                 why.push(format!("{servers} IPVS virtual server(s) for {ip}"));
@@ -143,10 +193,11 @@ impl Dataplane {
                 why.join(", ")
             ));
         }
-        self.ebpf_owner().map(|who| {
+        let family = Some(Family::of(ip));
+        self.ebpf_owner(family).map(|who| {
             format!(
                 "an eBPF load balancer ({who}: {} pinned in {BPF_GLOBALS})",
-                self.ebpf_lb_maps.join(", ")
+                self.lb_maps(family).join(", ")
             )
         })
     }
@@ -173,7 +224,7 @@ impl Dataplane {
                 ),
             ));
         }
-        self.ebpf_owner().map(|who| {
+        self.ebpf_owner(None).map(|who| {
             (
                 "ebpf",
                 format!(
@@ -190,7 +241,7 @@ fn ebpf_maps(dir: &Path) -> Vec<String> {
         .into_iter()
         .flatten()
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| EBPF_LB_MAPS.iter().any(|(p, _)| n.starts_with(p)))
+        .filter(|n| EBPF_LB_MAPS.iter().any(|(p, _, _)| n.starts_with(p)))
         .collect();
     out.sort();
     out
@@ -298,5 +349,96 @@ mod tests {
             "{text}"
         );
         assert_eq!(Dataplane::default().summary(), None);
+    }
+
+    /// A dual-stack IPVS node: `/proc/net/ip_vs` with an IPv6 virtual
+    /// server beside the IPv4 ones (kernel format `[%pI6]:%04X`).
+    const IP_VS6: &str = "IP Virtual Server version 1.2.1 (size=4096)\n\
+        Prot LocalAddress:Port Scheduler Flags\n  -> RemoteAddress:Port Forward Weight ActiveConn InActConn\n\
+        TCP  0A600001:01BB rr\n  -> AC120002:192B      Masq    1      0          0\n\
+        TCP  [fd00:10:96::1]:01BB rr\n  -> [fd00:10:244::2]:192B      Masq    1      0          0\n";
+
+    #[test]
+    fn ipv6_virtual_servers_and_kube_ipvs0_addresses_are_read() {
+        assert_eq!(
+            parse_ip_vs(IP_VS6),
+            vec![
+                ("tcp".into(), "10.96.0.1:443".parse().unwrap()),
+                ("tcp".into(), "[fd00:10:96::1]:443".parse().unwrap()),
+            ]
+        );
+        // `ip -j addr show dev kube-ipvs0` on a dual-stack node: the
+        // kernel's link-local address on the device is no Service.
+        let json = r#"[{"ifindex":5,"ifname":"kube-ipvs0","addr_info":[{"family":"inet","local":"10.96.0.1","prefixlen":32},{"family":"inet6","local":"fd00:10:96::1","prefixlen":128},{"family":"inet6","local":"fe80::a0b1:c2ff:fed3:e4f5","prefixlen":64}]}]"#;
+        assert_eq!(
+            parse_ip_addr_json(json),
+            Some(vec![
+                "10.96.0.1".parse().unwrap(),
+                "fd00:10:96::1".parse().unwrap()
+            ])
+        );
+    }
+
+    #[test]
+    fn an_ipv6_service_on_kube_ipvs0_is_ipvs() {
+        let d = Dataplane {
+            ipvs_device: Some(vec!["fd00:10:96::1".parse().unwrap()]),
+            ipvs_services: parse_ip_vs(IP_VS6),
+            ebpf_lb_maps: Vec::new(),
+        };
+        let none = KubeProxyRules::default();
+        assert_eq!(
+            d.not_netfilter("fd00:10:96::1".parse().unwrap(), &none)
+                .as_deref(),
+            Some(
+                "IPVS (kube-proxy --proxy-mode=ipvs: kube-ipvs0 holds fd00:10:96::1, 1 IPVS virtual server(s) for fd00:10:96::1)"
+            )
+        );
+        // An IPv6 address on neither: not IPVS's.
+        assert_eq!(
+            d.not_netfilter("fd00:10:96::2".parse().unwrap(), &none),
+            None
+        );
+    }
+
+    #[test]
+    fn ebpf_service_maps_count_for_their_own_family() {
+        let v6_nat = crate::ruleset::parse_save(include_str!("fixtures/lab_node6.txt"));
+        let svc6: IpAddr = "fd00:10:96::1e85".parse().unwrap();
+        assert!(v6_nat.services.iter().any(|s| s.cluster_ip == svc6));
+        let other6: IpAddr = "fd00:10:96::1".parse().unwrap();
+        // An IPv4-only Cilium: IPv6 Services are not its.
+        let v4_only = Dataplane {
+            ebpf_lb_maps: vec!["cilium_lb4_services_v2".into()],
+            ..Dataplane::default()
+        };
+        assert_eq!(v4_only.not_netfilter(other6, &v6_nat), None);
+        assert!(
+            v4_only
+                .not_netfilter("10.96.0.1".parse().unwrap(), &v6_nat)
+                .is_some()
+        );
+        // Dual-stack Calico eBPF: an IPv6 address kube-proxy does not NAT is
+        // its, named by its IPv6 map only; one kube-proxy NATs is not.
+        let dual = Dataplane {
+            ebpf_lb_maps: vec!["cali_v4_nat_fe3".into(), "cali_v6_nat_fe3".into()],
+            ..Dataplane::default()
+        };
+        let why = dual.not_netfilter(other6, &v6_nat).unwrap();
+        assert_eq!(
+            why,
+            "an eBPF load balancer (Calico's eBPF data plane: cali_v6_nat_fe3 pinned in /sys/fs/bpf/tc/globals)"
+        );
+        assert_eq!(dual.not_netfilter(svc6, &v6_nat), None);
+        let v4 = dual
+            .not_netfilter("10.96.0.1".parse().unwrap(), &v6_nat)
+            .unwrap();
+        assert!(v4.contains("cali_v4_nat_fe3") && !v4.contains("v6"), "{v4}");
+        // An IPv6-only Cilium is found by `doctor` too.
+        let v6_only = Dataplane {
+            ebpf_lb_maps: vec!["cilium_lb6_services_v2".into()],
+            ..Dataplane::default()
+        };
+        assert_eq!(v6_only.summary().unwrap().0, "ebpf");
     }
 }

@@ -344,15 +344,7 @@ fn header(options: &SessionOptions, tracer: &Tracer) -> Header {
         Some(tracer.facts().interfaces.clone()),
     )
     .unwrap_or_default();
-    // doctor's checks read IPv4 rules; IPv6 Services are not among them yet.
-    inputs.traced = options
-        .services
-        .iter()
-        .filter_map(|s| match s.addr {
-            std::net::IpAddr::V4(a) => Some(a),
-            std::net::IpAddr::V6(_) => None,
-        })
-        .collect();
+    inputs.traced = options.services.iter().map(|s| s.addr).collect();
     // Recorded with kube-proxy's rules, so the collector (live and in
     // `analyze`) gives such a Service's flows no NAT-based cause.
     inputs.kube_proxy.outside_netfilter = crate::doctor::outside_netfilter(&inputs);
