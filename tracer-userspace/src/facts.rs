@@ -39,9 +39,4 @@ impl NodeFacts {
     pub fn interface(&self, ifindex: u32) -> Option<&Interface> {
         self.interfaces.iter().find(|i| i.ifindex == ifindex)
     }
-
-    /// Bridged IPv4 frames pass iptables only when br_netfilter is loaded and enabled.
-    pub fn bridge_passes_netfilter(&self) -> bool {
-        self.bridge_nf_call_iptables == Some(true)
-    }
 }

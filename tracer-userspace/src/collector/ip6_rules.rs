@@ -4,21 +4,17 @@
 //! `net.bridge.bridge-nf-call-ip6tables=1` (net/bridge/br_netfilter_hooks.c,
 //! br_nf_pre_routing: `if (!brnet->call_ip6tables && !br_opt_get(br,
 //! BROPT_NF_CALL_IP6TABLES)) return NF_ACCEPT;`), whatever the IPv4 one says.
-use super::rules::{RuleCtx, bridged_reply};
+use super::rules::{Found, RuleCtx, bridged_past_netfilter};
 
 /// The reply of an IPv6 flow was bridged without netfilter while
 /// bridge-nf-call-ip6tables was 0 (or br_netfilter absent).
-pub(super) fn bridged_reply6_sysctl_off(ctx: &RuleCtx<'_>) -> Option<(String, String)> {
-    if !ctx.flow.service.addr.is_ipv6() || ctx.facts.bridge_nf_call_ip6tables == Some(true) {
+pub(super) fn bridged_reply6_sysctl_off(ctx: &RuleCtx<'_>) -> Option<Found> {
+    if !ctx.flow.service.addr.is_ipv6() {
         return None;
     }
-    let (clause, text) = bridged_reply(ctx)?;
-    let why = match ctx.facts.bridge_nf_call_ip6tables {
-        None => "br_netfilter is not loaded (no net.bridge.bridge-nf-call-ip6tables)",
-        _ => "net.bridge.bridge-nf-call-ip6tables is 0",
-    };
-    Some((
-        clause,
-        format!("{text}; {why} in namespace {}", ctx.facts.netns_name),
-    ))
+    bridged_past_netfilter(
+        ctx,
+        ctx.facts.bridge_nf_call_ip6tables,
+        "bridge-nf-call-ip6tables",
+    )
 }

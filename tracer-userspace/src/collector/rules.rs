@@ -107,13 +107,31 @@ pub(super) fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
 
 pub(super) fn bridged_reply_sysctl_off(ctx: &RuleCtx<'_>) -> Option<Found> {
     // IPv6 frames obey bridge-nf-call-ip6tables instead (ip6_rules).
-    if ctx.facts.bridge_passes_netfilter() || ctx.flow.service.addr.is_ipv6() {
+    if ctx.flow.service.addr.is_ipv6() {
+        return None;
+    }
+    bridged_past_netfilter(
+        ctx,
+        ctx.facts.bridge_nf_call_iptables,
+        "bridge-nf-call-iptables",
+    )
+}
+
+/// The reply was bridged without netfilter while the flow's family's
+/// br_netfilter switch `sysctl` (its value, None without br_netfilter) was
+/// off: one wording for both families.
+pub(super) fn bridged_past_netfilter(
+    ctx: &RuleCtx<'_>,
+    value: Option<bool>,
+    sysctl: &str,
+) -> Option<Found> {
+    if value == Some(true) {
         return None;
     }
     let (clause, text) = bridged_reply(ctx)?;
-    let why = match ctx.facts.bridge_nf_call_iptables {
-        None => "br_netfilter is not loaded (no net.bridge.bridge-nf-call-iptables)",
-        _ => "net.bridge.bridge-nf-call-iptables is 0",
+    let why = match value {
+        None => format!("br_netfilter is not loaded (no net.bridge.{sysctl})"),
+        _ => format!("net.bridge.{sysctl} is 0"),
     };
     Some((
         clause,

@@ -4,7 +4,7 @@ use std::os::fd::OwnedFd;
 
 use aya::{
     Ebpf, EbpfLoader,
-    programs::{KProbe, RawTracePoint, TcAttachType},
+    programs::{KProbe, Program, ProgramError, RawTracePoint, SchedClassifier, TcAttachType},
 };
 
 use super::{
@@ -18,6 +18,18 @@ use crate::{btf::KernelBtf, service::Service};
 
 /// A loaded tc program, attached per interface by `TcAttachments`.
 pub(super) type TcProgram = (&'static str, TcAttachType);
+
+/// Program `name` of the object, as the kind its attach point needs.
+fn program<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut T, TraceError>
+where
+    &'a mut T: TryFrom<&'a mut Program, Error = ProgramError>,
+{
+    let prog = ebpf
+        .program_mut(name)
+        .ok_or_else(|| TraceError::Kernel(format!("{name} is not in the eBPF object")))?;
+    prog.try_into()
+        .map_err(|e| TraceError::Kernel(format!("{name}: {e}")))
+}
 
 /// Loads the plan's netfilter programs (None when it has none). They share
 /// aya's maps, so this runs before the maps are taken out of `ebpf`.
@@ -53,31 +65,19 @@ pub(super) fn load_global_and_tc(
     for spec in plan {
         match spec.attach {
             Attach::RawTracepoint(tp) => {
-                let prog: &mut RawTracePoint = ebpf
-                    .program_mut(spec.name)
-                    .expect("planned programs exist")
-                    .try_into()
-                    .map_err(|e| TraceError::Kernel(format!("{}: {e}", spec.name)))?;
+                let prog: &mut RawTracePoint = program(ebpf, spec.name)?;
                 prog.load().map_err(|e| load_error(spec.name, e))?;
                 prog.attach(tp).map_err(|e| load_error(spec.name, e))?;
                 attached.push(spec.label.to_owned());
             }
             Attach::Tc(attach_type) => {
-                let prog: &mut aya::programs::SchedClassifier = ebpf
-                    .program_mut(spec.name)
-                    .expect("planned programs exist")
-                    .try_into()
-                    .map_err(|e| TraceError::Kernel(format!("{}: {e}", spec.name)))?;
+                let prog: &mut SchedClassifier = program(ebpf, spec.name)?;
                 prog.load().map_err(|e| load_error(spec.name, e))?;
                 tc_programs.push((spec.name, attach_type));
             }
             Attach::Kprobe { symbol, .. } => {
                 // Global, like the raw tracepoints: no namespace switch.
-                let prog: &mut KProbe = ebpf
-                    .program_mut(spec.name)
-                    .expect("planned programs exist")
-                    .try_into()
-                    .map_err(|e| TraceError::Kernel(format!("{}: {e}", spec.name)))?;
+                let prog: &mut KProbe = program(ebpf, spec.name)?;
                 prog.load().map_err(|e| load_error(spec.name, e))?;
                 prog.attach(symbol, 0)
                     .map_err(|e| load_error(spec.name, e))?;
@@ -151,23 +151,14 @@ pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
         .iter()
         .filter(|p| p.backends.contains(&backend))
     {
-        let prog = ebpf.program_mut(spec.name).ok_or_else(|| {
-            TraceError::Kernel(format!("{} is not in the eBPF object", spec.name))
-        })?;
         let loaded_one = match spec.attach {
             Attach::Netfilter { .. } => {
                 nf_names.push(spec.name);
                 continue;
             }
-            Attach::Tc(_) => <&mut aya::programs::SchedClassifier>::try_from(prog)
-                .map_err(|e| load_error(spec.name, e))?
-                .load(),
-            Attach::RawTracepoint(_) => <&mut RawTracePoint>::try_from(prog)
-                .map_err(|e| load_error(spec.name, e))?
-                .load(),
-            Attach::Kprobe { .. } => <&mut KProbe>::try_from(prog)
-                .map_err(|e| load_error(spec.name, e))?
-                .load(),
+            Attach::Tc(_) => program::<SchedClassifier>(&mut ebpf, spec.name)?.load(),
+            Attach::RawTracepoint(_) => program::<RawTracePoint>(&mut ebpf, spec.name)?.load(),
+            Attach::Kprobe { .. } => program::<KProbe>(&mut ebpf, spec.name)?.load(),
         };
         loaded_one.map_err(|e| load_error(spec.name, e))?;
         loaded.push(spec.name);
