@@ -9,6 +9,8 @@ use super::*;
 
 /// kube-proxy's `default/kubernetes:https` address on an IPVS node.
 const IPVS_SVC_IP: Ipv4Addr = Ipv4Addr::new(100, 64, 0, 1);
+/// Its IPv6 ClusterIP when the cluster is dual-stack.
+const IPVS_SVC_IP6: &str = "fd00:10:96::1";
 
 fn ipvs_node() -> Lab {
     let lab = build_lab(presets::seed000(presets::Seed000::default()));
@@ -40,8 +42,29 @@ fn root_ipvs_node_is_detected_at_start_and_in_doctor() {
     require_root!();
     let _lock = tracing_lock();
     let lab = ipvs_node();
+    // doctor, which traces no IP, names IPVS for the node.
+    let (_, report) = doctor(&lab);
+    let f = finding(&report, "service_nat");
+    assert_eq!(f["severity"], "warning", "{report}");
+    assert_eq!(f["value"], "service_nat=ipvs", "{report}");
+    assert!(
+        f["message"]
+            .as_str()
+            .unwrap()
+            .contains("kube-ipvs0 holds 1 address(es)"),
+        "{report}"
+    );
+    // Dual-stack: kube-proxy binds the Service's IPv6 ClusterIP to
+    // kube-ipvs0 too; tracing both addresses checks each.
+    let addr6 = format!("{IPVS_SVC_IP6}/128");
+    lab.run(
+        presets::NODE_A,
+        &["ip", "addr", "add", &addr6, "dev", "kube-ipvs0", "nodad"],
+    )
+    .expect("kube-ipvs0 IPv6 address");
     let svc = format!("{IPVS_SVC_IP}:443");
-    let done = trace(&lab, presets::NODE_A, &svc, &[], || {
+    let svc6 = format!("[{IPVS_SVC_IP6}]:443");
+    let done = trace(&lab, presets::NODE_A, &svc, &["--svc", &svc6], || {
         // Nothing serves it here (no ip_vs): the connection fails either way.
         let _ = lab
             .http_get(presets::CLIENT_POD, IPVS_SVC_IP, 443, CLIENT_TIMEOUT)
@@ -56,6 +79,13 @@ fn root_ipvs_node_is_detected_at_start_and_in_doctor() {
     assert!(
         warning[0].starts_with("nattrace: warning: 100.64.0.1 is translated by IPVS")
             && warning[0].contains("kube-ipvs0 holds 100.64.0.1"),
+        "{}",
+        done.describe()
+    );
+    assert!(
+        warning[0].contains(
+            "fd00:10:96::1 is translated by IPVS (kube-proxy --proxy-mode=ipvs: kube-ipvs0 holds fd00:10:96::1)"
+        ),
         "{}",
         done.describe()
     );
@@ -79,16 +109,14 @@ fn root_ipvs_node_is_detected_at_start_and_in_doctor() {
     let why = f["cause_text"].as_str().unwrap();
     assert!(why.contains("kube-ipvs0 holds 100.64.0.1"), "{f}");
 
-    // doctor, which traces no IP, names IPVS for the node.
+    // doctor counts both families' addresses.
     let (_, report) = doctor(&lab);
     let f = finding(&report, "service_nat");
-    assert_eq!(f["severity"], "warning", "{report}");
-    assert_eq!(f["value"], "service_nat=ipvs", "{report}");
     assert!(
         f["message"]
             .as_str()
             .unwrap()
-            .contains("kube-ipvs0 holds 1 address(es)"),
+            .contains("kube-ipvs0 holds 2 address(es)"),
         "{report}"
     );
 }
