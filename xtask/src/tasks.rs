@@ -1,5 +1,8 @@
 //! `cargo xtask test` and `cargo xtask demo`: the README's two commands.
-use std::{path::PathBuf, process::Command};
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use anyhow::{Context as _, bail};
 
@@ -13,7 +16,7 @@ pub fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
-fn cargo(args: &[&str]) -> anyhow::Result<()> {
+pub fn cargo(args: &[&str]) -> anyhow::Result<()> {
     cargo_with_env(args, &[])
 }
 
@@ -198,26 +201,33 @@ pub fn fixtures() -> anyhow::Result<()> {
     cargo(&["build", "--bin", "nattrace"])?;
     let nattrace = workspace_root().join("target/debug/nattrace");
     for (_, name) in RECORDED {
-        let rec = dir.join(format!("{name}.rec"));
-        let out = Command::new(&nattrace)
-            .args(["analyze"])
-            .arg(&rec)
-            .args(["--output", "json", "-v"])
-            .output()
-            .with_context(|| format!("running nattrace analyze {}", rec.display()))?;
-        // 0: every flow ok, 1: a flow was not; 2: the recording is unusable.
-        if !matches!(out.status.code(), Some(0 | 1)) {
-            bail!(
-                "nattrace analyze {} failed ({}): {}",
-                rec.display(),
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        let golden = dir.join(format!("{name}.json"));
-        std::fs::write(&golden, &out.stdout)
-            .with_context(|| format!("writing {}", golden.display()))?;
-        eprintln!("xtask: {} and its golden analyze output", rec.display());
+        write_golden(&nattrace, &dir.join(format!("{name}.rec")))?;
     }
+    Ok(())
+}
+
+/// Writes `NAME.json`, the recording `NAME.rec`'s `nattrace analyze
+/// --output json -v`, next to it: the golden the collector's tests compare
+/// against.
+pub fn write_golden(nattrace: &Path, rec: &Path) -> anyhow::Result<()> {
+    let out = Command::new(nattrace)
+        .args(["analyze"])
+        .arg(rec)
+        .args(["--output", "json", "-v"])
+        .output()
+        .with_context(|| format!("running nattrace analyze {}", rec.display()))?;
+    // 0: every flow ok, 1: a flow was not; 2: the recording is unusable.
+    if !matches!(out.status.code(), Some(0 | 1)) {
+        bail!(
+            "nattrace analyze {} failed ({}): {}",
+            rec.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let golden = rec.with_extension("json");
+    std::fs::write(&golden, &out.stdout)
+        .with_context(|| format!("writing {}", golden.display()))?;
+    eprintln!("xtask: {} and its golden analyze output", rec.display());
     Ok(())
 }

@@ -7,6 +7,7 @@
 //! one qemu per kernel, in parallel, console streamed with a `[kernel]` prefix.
 
 pub mod deps;
+mod fixtures;
 pub mod initramfs;
 mod kernel;
 mod qemu;
@@ -49,6 +50,10 @@ pub struct VmTestArgs {
     /// Extra workspace binary for the guest's /bin (besides PAYLOAD_BINS), as PACKAGE:BIN; repeatable.
     #[arg(long = "bin", value_name = "PACKAGE:BIN")]
     bins: Vec<String>,
+    /// Record seed 000 broken and healthy with the kprobe backend in each guest and
+    /// write the recordings, with golden `analyze` output, into DIR (instead of the smoke test).
+    #[arg(long, value_name = "DIR", conflicts_with = "payload")]
+    record_fixtures: Option<PathBuf>,
     /// Seconds a VM may run (boot included) before it is killed and counted as failed.
     #[arg(long, default_value_t = DEFAULT_TIMEOUT_SECS)]
     timeout: u64,
@@ -64,6 +69,7 @@ impl Default for VmTestArgs {
             keep_going: false,
             payload: None,
             bins: Vec::new(),
+            record_fixtures: None,
             timeout: DEFAULT_TIMEOUT_SECS,
         }
     }
@@ -83,6 +89,66 @@ pub fn run(args: VmTestArgs) -> Result<()> {
     let cache = &target_dir().join("vm-cache");
     std::fs::create_dir_all(cache)?;
 
+    let (ready, mut results) = prepare(&args, &series, cache)?;
+    let prepared = started.elapsed();
+    for (k, initrd) in &ready {
+        let size = std::fs::metadata(initrd)?.len();
+        eprintln!(
+            "vm-test: {} = {} ({} modules, initramfs {:.1} MB)",
+            k.series.label(),
+            k.release,
+            k.modules.len(),
+            size as f64 / 1e6
+        );
+    }
+
+    let outcomes = boot_all(&args, &ready, cache);
+
+    for ((k, _), out) in ready.iter().zip(outcomes) {
+        let mut verdict = match out {
+            Ok(o) => describe(&o),
+            Err(e) => format!("FAILED: {e:#}"),
+        };
+        if let Some(dir) = &args.record_fixtures {
+            let log = cache.join(format!("{}.log", k.series.label()));
+            match record(&log, dir) {
+                Ok(n) => verdict.push_str(&format!(", {n} recordings written")),
+                Err(e) => verdict = format!("FAILED: recordings: {e:#}"),
+            }
+        }
+        results.push((format!("{} ({})", k.series.label(), k.release), verdict));
+    }
+    eprintln!(
+        "vm-test: preparation {:.1}s, total {:.1}s",
+        prepared.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+    for (name, verdict) in &results {
+        eprintln!("vm-test: {name}: {verdict}");
+    }
+    let failed = results.iter().filter(|(_, v)| !v.starts_with("ok")).count();
+    if failed > 0 {
+        bail!(
+            "{failed} of {} kernel(s) failed; logs in {}",
+            results.len(),
+            cache.display()
+        );
+    }
+    Ok(())
+}
+
+/// A kernel's label and how its run went ("ok ..." or why not).
+type Verdict = (String, String);
+/// A prepared kernel and its initramfs.
+type Ready = (Kernel, PathBuf);
+
+/// Prepares each kernel and its initramfs (with the payload built for musl);
+/// kernels that failed to prepare are in the second list under `--keep-going`.
+fn prepare(
+    args: &VmTestArgs,
+    series: &[Series],
+    cache: &Path,
+) -> Result<(Vec<Ready>, Vec<Verdict>)> {
     // Kernel preparation is mostly decompression and disk; the musl build is
     // mostly CPU. Overlapping them saves most of the first run's preparation time.
     let (kernels, binaries) = thread::scope(|s| {
@@ -101,15 +167,16 @@ pub fn run(args: VmTestArgs) -> Result<()> {
     });
     let payload = initramfs::Payload {
         binaries: binaries?,
-        command: args
-            .payload
-            .clone()
-            .unwrap_or_else(|| DEFAULT_PAYLOAD.to_string()),
+        command: match (&args.payload, &args.record_fixtures) {
+            (Some(p), _) => p.clone(),
+            (None, Some(_)) => fixtures::PAYLOAD.to_string(),
+            (None, None) => DEFAULT_PAYLOAD.to_string(),
+        },
     };
 
     let base = initramfs::base(&payload)?;
     let mut ready = Vec::new();
-    let mut results: Vec<(String, String)> = Vec::new();
+    let mut results: Vec<Verdict> = Vec::new();
     for (series, k) in kernels {
         let k = k.and_then(|k| {
             let path = cache.join(format!("initramfs-{}.cpio", series.label()));
@@ -124,20 +191,14 @@ pub fn run(args: VmTestArgs) -> Result<()> {
             Err(e) => return Err(e.context(format!("preparing kernel {}", series.label()))),
         }
     }
-    let prepared = started.elapsed();
-    for (k, initrd) in &ready {
-        let size = std::fs::metadata(initrd)?.len();
-        eprintln!(
-            "vm-test: {} = {} ({} modules, initramfs {:.1} MB)",
-            k.series.label(),
-            k.release,
-            k.modules.len(),
-            size as f64 / 1e6
-        );
-    }
+    Ok((ready, results))
+}
 
+/// Boots every prepared kernel in its own qemu, all at once; unless
+/// `--keep-going`, the first failure stops the others.
+fn boot_all(args: &VmTestArgs, ready: &[Ready], cache: &Path) -> Vec<Result<qemu::Outcome>> {
     let abort = AtomicBool::new(false);
-    let outcomes = thread::scope(|s| {
+    thread::scope(|s| {
         let handles: Vec<_> = ready
             .iter()
             .map(|(k, initrd)| {
@@ -164,32 +225,19 @@ pub fn run(args: VmTestArgs) -> Result<()> {
             .into_iter()
             .map(|h| h.join().expect("VM thread panicked"))
             .collect::<Vec<_>>()
-    });
+    })
+}
 
-    for ((k, _), out) in ready.iter().zip(outcomes) {
-        let verdict = match out {
-            Ok(o) => describe(&o),
-            Err(e) => format!("FAILED: {e:#}"),
-        };
-        results.push((format!("{} ({})", k.series.label(), k.release), verdict));
+/// The recordings in a guest's console log, into `dir` with their goldens
+/// (analyzed by this host's debug nattrace, as `cargo xtask fixtures` does).
+fn record(log: &Path, dir: &Path) -> Result<usize> {
+    crate::tasks::cargo(&["build", "--bin", "nattrace"])?;
+    let nattrace = target_dir().join("debug/nattrace");
+    let written = fixtures::write(log, dir, &nattrace)?;
+    if written.is_empty() {
+        bail!("{} holds no recording", log.display());
     }
-    eprintln!(
-        "vm-test: preparation {:.1}s, total {:.1}s",
-        prepared.as_secs_f64(),
-        started.elapsed().as_secs_f64()
-    );
-    for (name, verdict) in &results {
-        eprintln!("vm-test: {name}: {verdict}");
-    }
-    let failed = results.iter().filter(|(_, v)| !v.starts_with("ok")).count();
-    if failed > 0 {
-        bail!(
-            "{failed} of {} kernel(s) failed; logs in {}",
-            results.len(),
-            cache.display()
-        );
-    }
-    Ok(())
+    Ok(written.len())
 }
 
 fn describe(o: &qemu::Outcome) -> String {

@@ -3,7 +3,7 @@
 //! and lab-server).
 //!
 //! ```text
-//! vm-guest [--backends kprobe,netfilter] [--nattrace PATH]
+//! vm-guest [--backends kprobe,netfilter] [--nattrace PATH] [--record-fixtures]
 //! ```
 //!
 //! For each probe backend the running kernel supports it traces seed 000
@@ -14,12 +14,19 @@
 //! silently produce no events; and that all backends agree flow for flow.
 //! Then seed 000 over IPv6 on a dual-stack node (`vm-guest/ipv6.rs`).
 //! One `vm-guest: PASS|FAIL` line per check; exit 0 only if all pass.
+//!
+//! `--record-fixtures` also has each seed 000 run `--write` its recording and
+//! prints it on the console (`vm-guest/record.rs`) for
+//! `cargo xtask vm-test --record-fixtures DIR`; it skips the checks that
+//! record nothing (auto fallback, IPv6) to spare the emulated guest.
 
 // Not tests/src/bin/facts.rs: cargo would take that for a binary of its own.
 #[path = "vm-guest/facts.rs"]
 mod facts;
 #[path = "vm-guest/ipv6.rs"]
 mod ipv6;
+#[path = "vm-guest/record.rs"]
+mod record;
 
 use std::fs::File;
 use std::io::{Read as _, Write as _};
@@ -116,7 +123,11 @@ fn main() -> ExitCode {
 
 fn run() -> anyhow::Result<bool> {
     let started = Instant::now();
-    let (backends, nattrace) = parse_args()?;
+    let Args {
+        backends,
+        nattrace,
+        record_fixtures,
+    } = parse_args()?;
     if !lab::is_root() {
         bail!("vm-guest needs root (network namespaces, eBPF)");
     }
@@ -169,10 +180,15 @@ fn run() -> anyhow::Result<bool> {
         let mut runs: Vec<(&str, Vec<Value>)> = Vec::new();
         for &backend in &backends {
             let name = format!("{} {backend}", sc.name);
-            match trace(&nattrace, backend, &facts) {
+            let fixture = record_fixtures.then(|| record::name(&release, backend, sc.name));
+            let write = fixture.as_deref().map(record::path);
+            match trace(&nattrace, backend, &facts, write.as_deref()) {
                 Ok(run) => {
                     let flows = judge(&mut checks, &name, sc, backend, &facts, &run);
                     runs.push((backend, flows));
+                    if let (Some(fixture), Some(write)) = (&fixture, &write) {
+                        checks.record(&format!("{name} recording"), record::print(fixture, write));
+                    }
                 }
                 Err(e) => checks.record(&format!("{name} trace"), Err(format!("{e:#}"))),
             }
@@ -180,7 +196,7 @@ fn run() -> anyhow::Result<bool> {
         if runs.len() > 1 {
             checks.record(&format!("{} backends agree", sc.name), compare(&runs));
         }
-        if backends.contains(&"kprobe") && backends.contains(&"netfilter") {
+        if !record_fixtures && backends.contains(&"kprobe") && backends.contains(&"netfilter") {
             let name = format!("{} auto falls back to kprobe", sc.name);
             match auto_with_netfilter_window_full(&nattrace, &facts) {
                 Ok(run) => {
@@ -200,7 +216,9 @@ fn run() -> anyhow::Result<bool> {
         }
     }
 
-    ipv6::run(&mut checks, &nattrace, &backends)?;
+    if !record_fixtures {
+        ipv6::run(&mut checks, &nattrace, &backends)?;
+    }
 
     say(&format!(
         "vm-guest: {} passed, {} failed ({}) in {:.1}s on {release}",
@@ -256,12 +274,23 @@ fn node_layout(lab: &Lab) -> Result<String, String> {
     Ok(summary.join(", "))
 }
 
-fn parse_args() -> anyhow::Result<(Option<Vec<&'static str>>, PathBuf)> {
+struct Args {
+    backends: Option<Vec<&'static str>>,
+    nattrace: PathBuf,
+    record_fixtures: bool,
+}
+
+fn parse_args() -> anyhow::Result<Args> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut backends = None;
     let mut nattrace = None;
+    let mut record_fixtures = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
+        if a == "--record-fixtures" {
+            record_fixtures = true;
+            continue;
+        }
         let value = it.next().with_context(|| format!("{a} needs a value"));
         match a.as_str() {
             "--backends" => {
@@ -275,14 +304,20 @@ fn parse_args() -> anyhow::Result<(Option<Vec<&'static str>>, PathBuf)> {
                 backends = Some(list);
             }
             "--nattrace" => nattrace = Some(PathBuf::from(value?)),
-            _ => bail!("usage: vm-guest [--backends kprobe,netfilter] [--nattrace PATH]"),
+            _ => bail!(
+                "usage: vm-guest [--backends kprobe,netfilter] [--nattrace PATH] [--record-fixtures]"
+            ),
         }
     }
     let nattrace = match nattrace {
         Some(p) => p,
         None => nattrace_path()?,
     };
-    Ok((backends, nattrace))
+    Ok(Args {
+        backends,
+        nattrace,
+        record_fixtures,
+    })
 }
 
 const BACKENDS: [&str; 2] = ["kprobe", "netfilter"];
@@ -339,7 +374,7 @@ fn auto_with_netfilter_window_full(nattrace: &Path, facts: &LabFacts) -> anyhow:
     }
     rules.push_str("}\n");
     nft_in(&facts.node_path, &["-f", "-"], Some(&rules))?;
-    let run = trace(nattrace, "auto", facts);
+    let run = trace(nattrace, "auto", facts, None);
     nft_in(
         &facts.node_path,
         &["delete", "table", "ip", "nattrace-vm-fill"],
@@ -379,9 +414,15 @@ fn nft_in(ns: &Path, args: &[&str], stdin: Option<&str>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One nattrace run: attach, make the connections, wait for the summary.
-fn trace(nattrace: &Path, backend: &str, facts: &LabFacts) -> anyhow::Result<Run> {
-    let args: Vec<String> = [
+/// One nattrace run: attach, make the connections, wait for the summary;
+/// `--write` the recording to `write` if given.
+fn trace(
+    nattrace: &Path,
+    backend: &str,
+    facts: &LabFacts,
+    write: Option<&Path>,
+) -> anyhow::Result<Run> {
+    let mut args: Vec<String> = [
         "--backend",
         backend,
         "--svc",
@@ -397,6 +438,9 @@ fn trace(nattrace: &Path, backend: &str, facts: &LabFacts) -> anyhow::Result<Run
     .iter()
     .map(|s| s.to_string())
     .collect();
+    if let Some(w) = write {
+        args.extend(["--write".to_string(), w.display().to_string()]);
+    }
     let t = Instant::now();
     let mut tracer = Nattrace::spawn(nattrace, &args, &[], false)?;
     let first = tracer.wait_started(ATTACH_TIMEOUT)?;

@@ -8,9 +8,10 @@
 //! `tests_recorded.rs`). Builders stay for what a recording on this host
 //! cannot produce, or not on demand: events reordered or lost on the way
 //! from the kernel, eviction and evidence caps, the kprobe backend's
-//! `BR_FORWARD` and NAT-only netfilter events (this host has no kprobes; the
-//! 6.1/6.12 guests do), drops at exact moments relative to the reply
-//! timeout, and node layouts (VRF, bond, Calico) the lab does not build.
+//! `BR_FORWARD` without tc beside it and NAT-only netfilter events (the
+//! guests' kprobe recordings always have tc too), drops at exact moments
+//! relative to the reply timeout, and node layouts (VRF, bond, Calico) the
+//! lab does not build.
 use tracer_common::{PacketEvent, direction, hook, nat_stage, nf_hook, proto, tcp_flags};
 
 pub use super::testing::*;

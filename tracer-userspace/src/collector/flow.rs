@@ -56,6 +56,9 @@ pub(crate) struct ClientReply {
     pub reverse_nated: bool,
 }
 
+/// `add_event` was handed an event the flow already holds.
+struct Duplicate;
+
 /// What adding an event changed, for the collector's indexes.
 #[derive(Default)]
 pub(crate) struct Added {
@@ -155,70 +158,15 @@ impl Flow {
             return out;
         }
         let probe = Obs::new(ev, 0);
-        // A packet queued on a neighbour entry is freed (NEIGH_FAILED) only
-        // when resolution gives up, seconds later (backend_rules.rs): its
-        // drop still belongs to it.
-        let late_gap = if ev.hook == hook::DROP {
-            ctx.packet_gap_ns.max(NEIGH_FAIL_WAIT_NS)
-        } else {
-            ctx.packet_gap_ns
+        let found = match self.find_packet(ev, key, &probe, ctx) {
+            Ok(found) => found,
+            Err(Duplicate) => {
+                out.duplicate = true;
+                return out;
+            }
         };
-        let mut found = None;
-        for (i, p) in self
-            .packets
-            .iter()
-            .enumerate()
-            .rev()
-            .take(PACKET_SEARCH_DEPTH)
-        {
-            if p.key != key
-                || ev.ts_ns + ctx.packet_gap_ns < p.first_ts
-                || ev.ts_ns > p.last_ts + late_gap
-            {
-                continue;
-            }
-            let idx = i as u8;
-            let mut clash = false;
-            for o in self.packet_obs(idx) {
-                if *o
-                    == (Obs {
-                        packet: idx,
-                        ..probe
-                    })
-                {
-                    out.duplicate = true;
-                    return out;
-                }
-                clash |= o.same_point(&probe);
-            }
-            if !clash {
-                found = Some(idx);
-                break;
-            }
-        }
-        let (idx, prev) = match found {
-            Some(idx) => {
-                let p = &mut self.packets[idx as usize];
-                p.last_ts = p.last_ts.max(ev.ts_ns);
-                p.first_ts = p.first_ts.min(ev.ts_ns);
-                (idx, self.packet_obs(idx).last().copied())
-            }
-            None => {
-                if self.packets.len() >= ctx.max_packets.min(u8::MAX as usize) {
-                    self.truncated = true;
-                    return out;
-                }
-                let dir = self.classify(ev);
-                self.packets.push(Packet {
-                    key,
-                    dir,
-                    first_ts: ev.ts_ns,
-                    last_ts: ev.ts_ns,
-                    in_node: false,
-                });
-                out.new_packet = Some((ev.skb, key));
-                ((self.packets.len() - 1) as u8, None)
-            }
+        let Some((idx, prev)) = self.packet_slot(ev, key, found, ctx, &mut out) else {
+            return out;
         };
         if self.obs.len() >= ctx.max_obs.min(u16::MAX as usize) {
             self.truncated = true;
@@ -254,6 +202,92 @@ impl Flow {
             out.new_pair = Some(pair);
         }
         out
+    }
+
+    /// The recent packet with this key and time whose evidence has no event
+    /// at this point yet, if any; `Duplicate` if this very event is there.
+    fn find_packet(
+        &self,
+        ev: &PacketEvent,
+        key: PacketKey,
+        probe: &Obs,
+        ctx: &FlowCtx<'_>,
+    ) -> Result<Option<u8>, Duplicate> {
+        // A packet queued on a neighbour entry is freed (NEIGH_FAILED) only
+        // when resolution gives up, seconds later (backend_rules.rs): its
+        // drop still belongs to it.
+        let late_gap = if ev.hook == hook::DROP {
+            ctx.packet_gap_ns.max(NEIGH_FAIL_WAIT_NS)
+        } else {
+            ctx.packet_gap_ns
+        };
+        for (i, p) in self
+            .packets
+            .iter()
+            .enumerate()
+            .rev()
+            .take(PACKET_SEARCH_DEPTH)
+        {
+            if p.key != key
+                || ev.ts_ns + ctx.packet_gap_ns < p.first_ts
+                || ev.ts_ns > p.last_ts + late_gap
+            {
+                continue;
+            }
+            let idx = i as u8;
+            let mut clash = false;
+            for o in self.packet_obs(idx) {
+                if *o
+                    == (Obs {
+                        packet: idx,
+                        ..*probe
+                    })
+                {
+                    return Err(Duplicate);
+                }
+                clash |= o.same_point(probe);
+            }
+            if !clash {
+                return Ok(Some(idx));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The packet found (its times widened to the event, with its last
+    /// observation), or a new one; None when the flow holds its maximum.
+    fn packet_slot(
+        &mut self,
+        ev: &PacketEvent,
+        key: PacketKey,
+        found: Option<u8>,
+        ctx: &FlowCtx<'_>,
+        out: &mut Added,
+    ) -> Option<(u8, Option<Obs>)> {
+        match found {
+            Some(idx) => {
+                let p = &mut self.packets[idx as usize];
+                p.last_ts = p.last_ts.max(ev.ts_ns);
+                p.first_ts = p.first_ts.min(ev.ts_ns);
+                Some((idx, self.packet_obs(idx).last().copied()))
+            }
+            None => {
+                if self.packets.len() >= ctx.max_packets.min(u8::MAX as usize) {
+                    self.truncated = true;
+                    return None;
+                }
+                let dir = self.classify(ev);
+                self.packets.push(Packet {
+                    key,
+                    dir,
+                    first_ts: ev.ts_ns,
+                    last_ts: ev.ts_ns,
+                    in_node: false,
+                });
+                out.new_packet = Some((ev.skb, key));
+                Some(((self.packets.len() - 1) as u8, None))
+            }
+        }
     }
 
     fn classify(&self, ev: &PacketEvent) -> Dir {

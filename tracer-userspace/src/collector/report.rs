@@ -8,7 +8,7 @@ use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
 use super::{
     causes::{self, Cause},
     drop_reason::{DropReasons, KnownReasons},
-    flow::Flow,
+    flow::{ClientReply, Flow},
     ifnames::IfNames,
     rules::RuleCtx,
     types::{Dir, Name, Obs, Proto, in_node, packet_kind},
@@ -279,66 +279,15 @@ fn detail(
     drop: Option<&Obs>,
     d: Decision,
 ) -> String {
+    if let (Verdict::Ok, Some(r)) = (verdict, flow.client_reply)
+        && let Some(s) = outside_netfilter_detail(flow, ctx, r)
+    {
+        // No cause or eviction note: nattrace cannot judge such a flow.
+        return s;
+    }
     let mut s = match (verdict, flow.client_reply) {
-        (Verdict::Ok, Some(r)) => {
-            let ip = flow.service.addr;
-            if let Some(o) = ctx.kube.outside_netfilter.iter().find(|o| o.ip == ip) {
-                // No claim about a reverse NAT that netfilter never did.
-                return format!(
-                    "{} reached the client from {}; {ip} is translated by {}, not netfilter NAT, which nattrace cannot judge",
-                    flow.kind(r.packet),
-                    flow.service,
-                    o.by
-                );
-            }
-            let mut s = format!(
-                "{} reached the client from {} (reverse-NATed",
-                flow.kind(r.packet),
-                flow.service
-            );
-            if let Some(at) = reverse_nat_point(flow, r.packet) {
-                s.push_str(" at ");
-                s.push_str(at);
-            }
-            s.push(')');
-            if flow.is_hairpin() {
-                s.push_str("; hairpin: the pod reached itself through the Service");
-            }
-            if let Some(snat) = flow.snat {
-                s.push_str(&format!("; client masqueraded to {snat}"));
-            }
-            s
-        }
-        (Verdict::ReplyNotReverseNated, Some(r)) => {
-            let seen = &flow.obs[r.obs as usize];
-            let mut s = format!(
-                "{} reached the client with source {} instead of {}",
-                flow.kind(r.packet),
-                seen.src,
-                flow.service
-            );
-            if let Some(c) = cause {
-                s.push_str("; ");
-                s.push_str(&c.clause);
-            }
-            let client_drop = flow.packet_obs(r.packet).find(|o| {
-                o.hook == hook::DROP
-                    && ctx.known.is_drop(o.drop_reason)
-                    && (o.netns == flow.client_netns || flow.client_local)
-            });
-            if let Some(o) = client_drop {
-                s.push_str(&format!(
-                    "; the client dropped it ({})",
-                    reason_words(&ctx.reason_name(o.drop_reason))
-                ));
-                if flow.client_rst {
-                    s.push_str(" and sent RST");
-                }
-            } else if flow.client_rst {
-                s.push_str("; the client answered with RST");
-            }
-            s
-        }
+        (Verdict::Ok, Some(r)) => ok_detail(flow, r),
+        (Verdict::ReplyNotReverseNated, Some(r)) => not_reverse_nated_detail(flow, ctx, cause, r),
         (Verdict::Refused, Some(r)) => {
             let from = reply_backend(flow, r.packet)
                 .map(|b| format!(" from backend {b}"))
@@ -350,26 +299,7 @@ fn detail(
             )
         }
         (Verdict::Dropped, _) => {
-            let o = drop.expect("dropped verdict has a drop");
-            let place = if ctx.is_node(o.netns) {
-                format!("in the node namespace {}", drop_place(flow, o, ctx.ifnames))
-            } else if o.netns == flow.client_netns {
-                format!(
-                    "in the client's namespace {}",
-                    drop_place(flow, o, ctx.ifnames)
-                )
-            } else {
-                format!(
-                    "in namespace {} {}",
-                    o.netns,
-                    drop_place(flow, o, ctx.ifnames)
-                )
-            };
-            format!(
-                "the {} was dropped {place}, reason {}; no reply reached the client",
-                flow.kind(o.packet),
-                ctx.reason_name(o.drop_reason)
-            )
+            dropped_detail(flow, ctx, drop.expect("dropped verdict has a drop"))
         }
         _ => no_reply_detail(flow, ctx, d),
     };
@@ -383,6 +313,98 @@ fn detail(
         s.push_str("; evicted early (flow table full), evidence incomplete");
     }
     s
+}
+
+/// An ok reply to a Service that something other than netfilter NAT
+/// translates (IPVS, eBPF): no claim about a reverse NAT netfilter never did.
+fn outside_netfilter_detail(flow: &Flow, ctx: &ReportCtx<'_>, r: ClientReply) -> Option<String> {
+    let ip = flow.service.addr;
+    let o = ctx.kube.outside_netfilter.iter().find(|o| o.ip == ip)?;
+    Some(format!(
+        "{} reached the client from {}; {ip} is translated by {}, not netfilter NAT, which nattrace cannot judge",
+        flow.kind(r.packet),
+        flow.service,
+        o.by
+    ))
+}
+
+fn ok_detail(flow: &Flow, r: ClientReply) -> String {
+    let mut s = format!(
+        "{} reached the client from {} (reverse-NATed",
+        flow.kind(r.packet),
+        flow.service
+    );
+    if let Some(at) = reverse_nat_point(flow, r.packet) {
+        s.push_str(" at ");
+        s.push_str(at);
+    }
+    s.push(')');
+    if flow.is_hairpin() {
+        s.push_str("; hairpin: the pod reached itself through the Service");
+    }
+    if let Some(snat) = flow.snat {
+        s.push_str(&format!("; client masqueraded to {snat}"));
+    }
+    s
+}
+
+/// The reply's wrong source, the cause's clause, and what the client did with it.
+fn not_reverse_nated_detail(
+    flow: &Flow,
+    ctx: &ReportCtx<'_>,
+    cause: Option<&Cause>,
+    r: ClientReply,
+) -> String {
+    let seen = &flow.obs[r.obs as usize];
+    let mut s = format!(
+        "{} reached the client with source {} instead of {}",
+        flow.kind(r.packet),
+        seen.src,
+        flow.service
+    );
+    if let Some(c) = cause {
+        s.push_str("; ");
+        s.push_str(&c.clause);
+    }
+    let client_drop = flow.packet_obs(r.packet).find(|o| {
+        o.hook == hook::DROP
+            && ctx.known.is_drop(o.drop_reason)
+            && (o.netns == flow.client_netns || flow.client_local)
+    });
+    if let Some(o) = client_drop {
+        s.push_str(&format!(
+            "; the client dropped it ({})",
+            reason_words(&ctx.reason_name(o.drop_reason))
+        ));
+        if flow.client_rst {
+            s.push_str(" and sent RST");
+        }
+    } else if flow.client_rst {
+        s.push_str("; the client answered with RST");
+    }
+    s
+}
+
+fn dropped_detail(flow: &Flow, ctx: &ReportCtx<'_>, o: &Obs) -> String {
+    let place = if ctx.is_node(o.netns) {
+        format!("in the node namespace {}", drop_place(flow, o, ctx.ifnames))
+    } else if o.netns == flow.client_netns {
+        format!(
+            "in the client's namespace {}",
+            drop_place(flow, o, ctx.ifnames)
+        )
+    } else {
+        format!(
+            "in namespace {} {}",
+            o.netns,
+            drop_place(flow, o, ctx.ifnames)
+        )
+    };
+    format!(
+        "the {} was dropped {place}, reason {}; no reply reached the client",
+        flow.kind(o.packet),
+        ctx.reason_name(o.drop_reason)
+    )
 }
 
 /// Events were lost while the flow was traced: its cause rested on the

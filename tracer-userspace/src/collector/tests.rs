@@ -552,9 +552,10 @@ fn flow_state_stays_small() {
 }
 
 /// The kprobe backend's `br_forward` alone proves a reply was bridged when
-/// no tc egress saw it leave by the client's port. Hand-built: this host has
-/// no kprobes (the 6.1/6.12 guests of `cargo xtask vm-test` do), so a
-/// recording from here never carries a BR_FORWARD event.
+/// no tc egress saw it leave by the client's port. Hand-built: the guests'
+/// recordings (`vm*_kprobe_*`, tests_recorded.rs) carry BR_FORWARD, but
+/// always next to tc egress on the client's port, which nattrace attaches
+/// wherever it can; only a builder can take that away.
 #[test]
 fn br_forward_alone_proves_the_bridged_reply() {
     let seen_by_kprobe = |e: &PacketEvent| {

@@ -1,11 +1,18 @@
-//! The seed scenarios as this host's kernel (6.18, netfilter backend) showed
-//! them: recordings made by the root lab tests with `--write`, each with the
-//! golden `nattrace analyze NAME.rec --output json -v` it gave. Regenerate
-//! both with `cargo xtask fixtures` (root; it lists the scenarios). The
-//! collector must decide every recording exactly as it did then.
+//! The seed scenarios as real kernels showed them: recordings made with
+//! `--write`, each with the golden `nattrace analyze NAME.rec --output json
+//! -v` it gave. The collector must decide every recording exactly as it did
+//! then.
+//! - `root_*`: this host's kernel (6.18, netfilter backend), made by the root
+//!   lab tests; regenerate with `cargo xtask fixtures` (root; it lists them).
+//! - `vm*_kprobe_*`: seed 000 in the Debian 6.1/6.12 guests with the kprobe
+//!   backend, the one this host cannot run; regenerate with `cargo xtask
+//!   vm-test --kernel 6.12 --kernel 6.1 --record-fixtures
+//!   tracer-userspace/src/collector/fixtures/recorded` (QEMU, several minutes).
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
+
+use tracer_common::{direction, hook};
 
 use crate::{
     output::json::JsonOutput,
@@ -109,6 +116,18 @@ fn seed_recordings_show_their_incident() {
         ),
         ("root_hairpin_with_masquerade_is_ok", &["ok"], None),
         (
+            "vm6_12_kprobe_seed000_broken",
+            &["reply_not_reverse_nated"],
+            Some("bridge_nf_call_iptables_off"),
+        ),
+        ("vm6_12_kprobe_seed000_healthy", &["ok"], None),
+        (
+            "vm6_1_kprobe_seed000_broken",
+            &["reply_not_reverse_nated"],
+            Some("bridge_nf_call_iptables_off"),
+        ),
+        ("vm6_1_kprobe_seed000_healthy", &["ok"], None),
+        (
             "root_hairpin_mode_off_is_named",
             // The kernel may or may not report the bridge's drop in time.
             &["no_reply", "dropped"],
@@ -130,6 +149,49 @@ fn seed_recordings_show_their_incident() {
         for f in &flows {
             assert!(verdict.iter().any(|v| f["verdict"] == *v), "{name}: {f}");
             assert_eq!(f["cause"].as_str(), *cause, "{name}: {f}");
+        }
+    }
+}
+
+/// The recording's events, as JSON.
+fn events(rec: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(rec).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|v| v["kind"] == "event")
+        .collect()
+}
+
+/// The kprobe backend's own observation point, from a real kernel: in seed
+/// 000 the reply crosses the node's bridge from the backend's port to the
+/// client's, and br_forward sees it in both runs with the backend's source.
+/// Healthy too: br_netfilter reverse-NATs it only after br_forward, at the
+/// bridge's POST_ROUTING (net/bridge/br_forward.c: __br_forward runs
+/// NF_BR_FORWARD, then br_forward_finish NF_BR_POST_ROUTING, where
+/// br_nf_post_routing runs the IPv4 POST_ROUTING hooks and nf_nat its SRC
+/// manip). The broken run differs later: no reverse NAT at all.
+#[test]
+fn guest_kprobe_recordings_see_the_reply_at_br_forward() {
+    for series in ["vm6_12", "vm6_1"] {
+        for scenario in ["seed000_broken", "seed000_healthy"] {
+            let rec = recorded_dir().join(format!("{series}_kprobe_{scenario}.rec"));
+            let header = std::fs::read_to_string(&rec).unwrap();
+            let header: Value = serde_json::from_str(header.lines().next().unwrap()).unwrap();
+            assert_eq!(header["backend"], "kprobe", "{}", rec.display());
+            let bridged: Vec<Value> = events(&rec)
+                .into_iter()
+                .filter(|e| e["hook"] == hook::BR_FORWARD && e["direction"] == direction::REPLY)
+                .collect();
+            assert!(
+                !bridged.is_empty(),
+                "{}: no reply at br_forward",
+                rec.display()
+            );
+            let service = header["services"][0].as_str().unwrap();
+            for e in &bridged {
+                let from = format!("{}:{}", e["saddr"].as_str().unwrap(), e["sport"]);
+                assert_ne!(from, service, "{}: {e}", rec.display());
+            }
         }
     }
 }

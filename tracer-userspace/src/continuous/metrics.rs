@@ -111,88 +111,93 @@ impl Metrics {
                 backend: backend.to_owned(),
             })
             .set(1);
-        let r = &mut m.registry;
+        m.register_all();
+        m
+    }
+
+    /// Names and describes every metric in the registry.
+    fn register_all(&mut self) {
+        let r = &mut self.registry;
         r.register(
             "flows",
             "Flows decided, by Service, verdict and cause",
-            m.flows.clone(),
+            self.flows.clone(),
         );
         r.register(
             "flows_incomplete",
             "Decided flows whose evidence may be incomplete (lost events, eviction)",
-            m.incomplete.clone(),
+            self.incomplete.clone(),
         );
         r.register(
             "lost_events",
             "Kernel events lost because the ring buffer was full",
-            m.lost.clone(),
+            self.lost.clone(),
         );
         r.register(
             "kernel_events",
             "Events the kernel programs emitted (packets of traced flows at each observation point)",
-            m.events.clone(),
+            self.events.clone(),
         );
         r.register(
             "events_processed",
             "Events the collector processed",
-            m.processed.clone(),
+            self.processed.clone(),
         );
         r.register(
             "muted_packets",
             "Packets of decided ok flows counted in the kernel instead of emitted",
-            m.muted.clone(),
+            self.muted.clone(),
         );
         r.register(
             "flow_map_full",
             "New flows the kernel could not track (its flow map was full)",
-            m.map_full.clone(),
+            self.map_full.clone(),
         );
         r.register(
             "evicted_flows",
             "Flows evicted from the collector over --max-flows",
-            m.evicted.clone(),
+            self.evicted.clone(),
         );
         r.register(
             "output_dropped_lines",
             "Output lines dropped because stdout was not read fast enough",
-            m.dropped_lines.clone(),
+            self.dropped_lines.clone(),
         );
         r.register(
             "live_flows",
             "Flows the collector holds now",
-            m.live_flows.clone(),
+            self.live_flows.clone(),
         );
         r.register(
             "services_traced",
             "Service ports (IP:port/protocol) the kernel filter traces now",
-            m.services.clone(),
+            self.services.clone(),
         );
         r.register(
             "services_untraced",
             "Service ports of kube-proxy's rules not traced because the kernel filter is full",
-            m.services_untraced.clone(),
+            self.services_untraced.clone(),
         );
         r.register(
             "rules_reads",
             "Re-reads of kube-proxy's rules (--all-services), by result",
-            m.rules_reads.clone(),
+            self.rules_reads.clone(),
         );
         r.register(
             "backend_info",
             "How netfilter is watched: netfilter (BPF links) or kprobe; value 1",
-            m.backend.clone(),
+            self.backend.clone(),
         );
         r.register(
             "tc_interfaces",
             "Interfaces of the node by tc attachment state (mode tcx or clsact)",
-            m.tc.clone(),
+            self.tc.clone(),
         );
         r.register(
             "programs_skipped",
             "Kernel programs that could not be attached",
-            m.skipped.clone(),
+            self.skipped.clone(),
         );
-        m
     }
 
     /// The exposition (OpenMetrics text, ends with `# EOF`).

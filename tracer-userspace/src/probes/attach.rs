@@ -8,11 +8,12 @@ use aya::{
 };
 
 use super::{
-    OBJECT, TraceError, load_error,
+    OBJECT, TraceError,
+    load::write_config,
+    load_error,
     nf_link::{self, NfPrograms},
     preflight,
     table::{self, Attach, Backend, ChosenPriority, ProgramSpec},
-    write_config,
 };
 use crate::{btf::KernelBtf, service::Service};
 

@@ -6,6 +6,7 @@ mod attach;
 pub mod cleanup;
 pub mod ifnames;
 mod kprobes;
+mod load;
 pub mod netns;
 pub mod nf_link;
 pub mod services;
@@ -15,18 +16,16 @@ mod tc;
 use std::{collections::BTreeSet, io, os::fd::OwnedFd};
 
 use aya::{
-    Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
+    Ebpf,
+    maps::{HashMap, MapData, PerCpuArray, RingBuf},
 };
 use tokio::io::{Interest, unix::AsyncFd};
-use tracer_common::{
-    Config, EndpointKey, EndpointState, PacketEvent, ServiceKey, hook, proto, stat,
-};
+use tracer_common::{EndpointKey, EndpointState, PacketEvent, hook, stat};
 
 pub use self::attach::check_load;
 use self::{
     netns::{Netns, NetnsError},
-    table::{Backend, BackendChoice, ChosenPriority, KernelFeatures},
+    table::{Backend, BackendChoice, ChosenPriority, KernelFeatures, ProgramSpec},
     tc::{Synced, TcAttachments},
 };
 use crate::{
@@ -189,20 +188,7 @@ impl Tracer {
         let mut btf = KernelBtf::load()?;
         let offsets = btf.kernel_offsets()?;
         log::debug!("kernel {:?}, offsets {offsets:?}", kernel.version);
-
-        // No CO-RE in these programs (offsets come from `btf` above), so aya
-        // need not parse the kernel's BTF a second time.
-        let mut loader = EbpfLoader::new();
-        loader
-            .btf(None)
-            .map_max_entries("EVENTS", opts.ringbuf_bytes);
-        if opts.all_services {
-            loader.map_max_entries("SERVICES", services::ALL_SERVICES_ENTRIES);
-        }
-        let mut ebpf = loader
-            .load(OBJECT)
-            .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;
-        write_config(&mut ebpf, offsets, netns.inode, &opts.services)?;
+        let mut ebpf = load::load_object(opts, offsets, netns.inode)?;
 
         let (mut plan, mut skipped) =
             table::plan(backend, kernel, |name| ebpf.program(name).is_some());
@@ -256,33 +242,8 @@ impl Tracer {
             ebpf,
         };
 
-        // Everything namespace-scoped, in one visit to the namespace. On error
-        // `tracer` is dropped, which detaches whatever was attached so far.
-        let Tracer {
-            netns,
-            facts,
-            tc,
-            nf_links,
-            priorities,
-            ebpf,
-            ..
-        } = &mut tracer;
-        let nf_links_result = netns.run(|| -> Result<Synced, TraceError> {
-            let pod_veths = read_facts(facts)?;
-            // Netfilter first: a full priority window ends the attempt (or
-            // switches `auto` to kprobes) before tc touched any interface.
-            if let Some(nf) = &nf_programs {
-                attach::attach_netfilter(
-                    nf,
-                    &plan,
-                    attach::nf_families(&opts.services),
-                    nf_links,
-                    priorities,
-                )?;
-            }
-            Ok(tc.sync(ebpf, &facts.interfaces, &pod_veths))
-        })?;
-        let synced = nf_links_result?;
+        // On error `tracer` is dropped, which detaches whatever was attached so far.
+        let synced = tracer.attach_in_node(opts, &plan, nf_programs.as_ref())?;
         tracer.note_tc(&synced);
         skipped.extend(synced.failed);
         let nf_labels: Vec<String> = tracer
@@ -296,6 +257,40 @@ impl Tracer {
         tracer.skipped = skipped;
         log::debug!("attached: {}", tracer.attached().join("; "));
         Ok(tracer)
+    }
+
+    /// Everything namespace-scoped, in one visit to the traced namespace:
+    /// the node's facts, the netfilter links, tc.
+    fn attach_in_node(
+        &mut self,
+        opts: &TraceOptions,
+        plan: &[&'static ProgramSpec],
+        nf_programs: Option<&nf_link::NfPrograms>,
+    ) -> Result<Synced, TraceError> {
+        let Tracer {
+            netns,
+            facts,
+            tc,
+            nf_links,
+            priorities,
+            ebpf,
+            ..
+        } = self;
+        netns.run(|| -> Result<Synced, TraceError> {
+            let pod_veths = read_facts(facts)?;
+            // Netfilter first: a full priority window ends the attempt (or
+            // switches `auto` to kprobes) before tc touched any interface.
+            if let Some(nf) = nf_programs {
+                attach::attach_netfilter(
+                    nf,
+                    plan,
+                    attach::nf_families(&opts.services),
+                    nf_links,
+                    priorities,
+                )?;
+            }
+            Ok(tc.sync(ebpf, &facts.interfaces, &pod_veths))
+        })?
     }
 
     pub fn facts(&self) -> &NodeFacts {
@@ -579,54 +574,6 @@ fn load_error(name: &str, e: aya::programs::ProgramError) -> TraceError {
 fn take_map(ebpf: &mut Ebpf, name: &str) -> Result<aya::maps::Map, TraceError> {
     ebpf.take_map(name)
         .ok_or_else(|| TraceError::Kernel(format!("map {name} missing from the eBPF object")))
-}
-
-fn write_config(
-    ebpf: &mut Ebpf,
-    offsets: tracer_common::KernelOffsets,
-    node_netns: u32,
-    services: &[Service],
-) -> Result<(), TraceError> {
-    let config = Config {
-        offsets,
-        node_netns,
-    };
-    let mut array: Array<&mut MapData, Config> = Array::try_from(
-        ebpf.map_mut("CONFIG")
-            .ok_or_else(|| TraceError::Kernel("map CONFIG missing".into()))?,
-    )
-    .map_err(kernel_err("CONFIG"))?;
-    array.set(0, config, 0).map_err(kernel_err("CONFIG"))?;
-
-    // aya's HashMap also opens LRU hash maps.
-    let mut addrs: HashMap<&mut MapData, tracer_common::Addr, u8> = HashMap::try_from(
-        ebpf.map_mut("ADDRS")
-            .ok_or_else(|| TraceError::Kernel("map ADDRS missing".into()))?,
-    )
-    .map_err(kernel_err("ADDRS"))?;
-    for svc in services {
-        addrs
-            .insert(svc.kernel_addr(), 1, 0)
-            .map_err(kernel_err("ADDRS"))?;
-    }
-    let mut map: HashMap<&mut MapData, ServiceKey, u8> = HashMap::try_from(
-        ebpf.map_mut("SERVICES")
-            .ok_or_else(|| TraceError::Kernel("map SERVICES missing".into()))?,
-    )
-    .map_err(kernel_err("SERVICES"))?;
-    for (index, svc) in services.iter().enumerate() {
-        for proto in [proto::TCP, proto::UDP] {
-            let key = ServiceKey {
-                addr: svc.kernel_addr(),
-                port: svc.port.unwrap_or(0),
-                proto,
-                _pad: 0,
-            };
-            map.insert(key, index as u8, 0)
-                .map_err(kernel_err("SERVICES"))?;
-        }
-    }
-    Ok(())
 }
 
 /// Reads the namespace's facts; runs inside it (/proc/sys/net is per thread

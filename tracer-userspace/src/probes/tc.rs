@@ -296,20 +296,7 @@ impl TcAttachments {
         pod_veths: &BTreeSet<u32>,
     ) -> Synced {
         let mut out = Synced::default();
-        let gone: Vec<u32> = self
-            .ifaces
-            .keys()
-            .filter(|i| !ifaces.iter().any(|f| f.ifindex == **i))
-            .copied()
-            .collect();
-        for ifindex in gone {
-            if let Some(links) = self.ifaces.remove(&ifindex) {
-                log::debug!("interface {} is gone", links.name);
-                out.gone.push(ifindex);
-                // The kernel already removed the device's filters/qdisc.
-                drop(links.links);
-            }
-        }
+        self.forget_gone(ifaces, &mut out);
         if self.pending.is_some() {
             // Picked up by a later sync, once the background attach is done.
             return out;
@@ -336,18 +323,7 @@ impl TcAttachments {
                 }));
                 return out;
             }
-            for iface in todo {
-                match self.attach_clsact(ebpf, &iface) {
-                    Ok(links) => {
-                        out.added.push((iface.name.clone(), iface.ifindex));
-                        self.ifaces.insert(iface.ifindex, links);
-                    }
-                    Err(reason) => out.failed.push(Skipped {
-                        program: format!("tc on {}", iface.name),
-                        reason,
-                    }),
-                }
-            }
+            self.attach_clsact_all(ebpf, todo, &mut out);
             return out;
         }
         let programs = match self.tcx_programs(ebpf) {
@@ -365,6 +341,52 @@ impl TcAttachments {
             self.keep(results, &mut out);
             return out;
         }
+        self.attach_tcx_in_background(programs, todo, &mut out);
+        out
+    }
+
+    /// Forgets the interfaces no longer in `ifaces`.
+    fn forget_gone(&mut self, ifaces: &[Interface], out: &mut Synced) {
+        let gone: Vec<u32> = self
+            .ifaces
+            .keys()
+            .filter(|i| !ifaces.iter().any(|f| f.ifindex == **i))
+            .copied()
+            .collect();
+        for ifindex in gone {
+            if let Some(links) = self.ifaces.remove(&ifindex) {
+                log::debug!("interface {} is gone", links.name);
+                out.gone.push(ifindex);
+                // The kernel already removed the device's filters/qdisc.
+                drop(links.links);
+            }
+        }
+    }
+
+    /// Attaches the clsact filters (kernels without tcx) on each of `todo`.
+    fn attach_clsact_all(&mut self, ebpf: &mut Ebpf, todo: Vec<Interface>, out: &mut Synced) {
+        for iface in todo {
+            match self.attach_clsact(ebpf, &iface) {
+                Ok(links) => {
+                    out.added.push((iface.name.clone(), iface.ifindex));
+                    self.ifaces.insert(iface.ifindex, links);
+                }
+                Err(reason) => out.failed.push(Skipped {
+                    program: format!("tc on {}", iface.name),
+                    reason,
+                }),
+            }
+        }
+    }
+
+    /// Attaches tcx links on many interfaces from a thread of their own;
+    /// [`collect`](Self::collect) picks up the results.
+    fn attach_tcx_in_background(
+        &mut self,
+        programs: Vec<(RawFd, bpf_attach_type)>,
+        todo: Vec<Interface>,
+        out: &mut Synced,
+    ) {
         // A plain thread started from this one is in the same network
         // namespace. The program fds stay open: `Tracer` waits for this
         // thread (collect(true)) before it drops the programs.
@@ -394,7 +416,6 @@ impl TcAttachments {
                 reason: format!("cannot start the attaching thread: {e}"),
             }),
         }
-        out
     }
 
     /// Closing a tcx link costs one RCU grace period under the RTNL lock

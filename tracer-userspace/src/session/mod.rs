@@ -1,34 +1,27 @@
 //! One live tracing session: load the probes, feed their events to the
 //! collector, print each flow as its verdict is decided, stop on Ctrl-C,
 //! SIGTERM or `--duration`, then detach and summarise.
+mod live;
 mod steps;
 mod watch;
 
 use std::{
     io,
     path::{Path, PathBuf},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
-use log::warn;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tracer_common::PacketEvent;
 
-use self::{
-    steps::{
-        detach, drain_outputs, interface_names, on_tick, open_output_files, open_outputs,
-        release_deleted_netns, remove_leftovers, say_start_notes, until,
-    },
-    watch::{NetnsWatch, Notices},
-};
+use self::{live::Live, watch::Notices};
 pub use crate::output::sink::{Outcome, OutputFormat};
 use crate::{
     collector::{Collector, DropReasons},
-    continuous::{Continuous, ContinuousOptions},
+    continuous::ContinuousOptions,
     output::sink::Outputs,
     probes::{
-        self, KernelStats, TraceError, TraceOptions, Tracer, ifnames::IfNameResolver,
-        table::BackendChoice,
+        self, KernelStats, TraceError, Tracer, ifnames::IfNameResolver, table::BackendChoice,
     },
     recording::{Clock, FORMAT, Header, RecordingError, RecordingWriter, StatsLine, VERSION},
     service::Service,
@@ -115,126 +108,11 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     // the default disposition (exit without unwinding) would not.
     let mut sigint = signal(SignalKind::interrupt()).map_err(SessionError::Runtime)?;
     let mut sigterm = signal(SignalKind::terminate()).map_err(SessionError::Runtime)?;
-    let mut notices = Notices::new();
-    let (record_file, pcap_file) = open_output_files(&options)?;
-    let mut continuous = Continuous::bind(&options.continuous, &options.services)
-        .map_err(SessionError::CreateOutput)?;
-    remove_leftovers(options.netns.as_deref(), &mut notices);
-    let mut tracer = Tracer::start(&TraceOptions {
-        services: options.services.clone(),
-        netns: options.netns.clone(),
-        ringbuf_bytes: options.ringbuf_bytes,
-        backend: options.backend,
-        all_services: options.continuous.all_services,
-    })?;
-    let watch = NetnsWatch::new(options.netns.as_deref());
-    say_start_notes(&tracer, &mut notices);
-    let header = header(&options, &tracer);
-    let (mut recorder, mut outputs) = open_outputs(&options, &header, record_file, pcap_file)?;
-    let mut collector = Collector::new(header.collector_config()?);
-    for line in continuous.start(options.netns.as_deref(), &mut tracer, &header) {
-        notices.say(line);
-    }
-    let mut ifnames = interface_names(&options, &tracer);
-
-    let mut events: Vec<PacketEvent> = Vec::with_capacity(4096);
-    let until_deadline = until(options.duration);
-    tokio::pin!(until_deadline);
-    let mut ticker = tokio::time::interval(Duration::from_millis(200));
-    let mut last_lost = 0u64;
-    let mut ticks = 0u64;
-    // Tests force ring-buffer overflow by reading slowly.
-    let stall = std::env::var("NATTRACE_TEST_STALL_MS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .map(Duration::from_millis);
-
-    let stop = loop {
-        tokio::select! {
-            res = tracer.next_events(&mut events) => {
-                if let Err(err) = res {
-                    warn!("reading events failed: {err}");
-                }
-                push(&mut collector, recorder.as_mut(), ifnames.as_mut(), &mut events);
-                if let Some(stall) = stall {
-                    std::thread::sleep(stall);
-                }
-            }
-            _ = ticker.tick() => {
-                ticks += 1;
-                if watch.as_ref().is_some_and(NetnsWatch::gone) {
-                    break Stop::NetnsGone;
-                }
-                // The kernel wakes the reader only when the ring buffer is
-                // filling: read what is there before deciding by the clock.
-                tracer.drain(&mut events);
-                push(&mut collector, recorder.as_mut(), ifnames.as_mut(), &mut events);
-                on_tick(
-                    &mut tracer,
-                    &mut collector,
-                    &mut continuous,
-                    recorder.as_mut(),
-                    &mut outputs,
-                    &mut notices,
-                    &mut last_lost,
-                    ticks.is_multiple_of(5),
-                )?;
-            }
-            _ = sigint.recv() => break Stop::Signal,
-            _ = sigterm.recv() => break Stop::Signal,
-            _ = &mut until_deadline => break Stop::Duration,
-        }
-    };
-    let stopped_at = Instant::now();
-
-    // What the kernel still holds; then the last verdicts go to the output
-    // threads, which write them while we detach (with hundreds of tcx
-    // links detaching takes seconds, see probes/tc.rs).
-    tracer.drain(&mut events);
-    push(
-        &mut collector,
-        recorder.as_mut(),
-        ifnames.as_mut(),
-        &mut events,
-    );
-    let stats = tracer.stats();
-    let mut tracer = Some(tracer);
-    if stop == Stop::NetnsGone {
-        release_deleted_netns(&mut tracer, &mut ifnames, watch.as_ref(), &mut notices);
-    }
-
-    let finishing = finish(
-        collector,
-        &mut outputs,
-        recorder.as_mut(),
-        stats,
-        &mut notices,
-    );
-    let interrupted = tokio::select! {
-        biased;
-        _ = second_signal(&mut sigint, &mut sigterm) => true,
-        res = finishing => {
-            res?;
-            false
-        }
-    };
-    if interrupted {
-        notices.say("interrupted again: exiting now without the summary");
-    }
-    // Detaches everything, also after a second Ctrl-C.
-    detach(tracer, &mut notices);
-
-    drain_outputs(
-        stop,
-        stopped_at,
-        interrupted,
-        recorder.as_mut(),
-        &mut outputs,
-        &mut notices,
-    );
-    let mut outcome = std::mem::take(&mut outputs.outcome);
-    outcome.aborted = stop == Stop::NetnsGone;
-    Ok(outcome)
+    let mut live = Live::start(&options)?;
+    let stop = live
+        .event_loop(options.duration, &mut sigint, &mut sigterm)
+        .await?;
+    live.shut_down(stop, &mut sigint, &mut sigterm).await
 }
 
 async fn second_signal(sigint: &mut Signal, sigterm: &mut Signal) {

@@ -1,0 +1,216 @@
+//! `run_async`'s three phases: start (outputs, probes, collector), the event
+//! loop, and shutting down (last events, summary, detach, drain).
+use std::time::{Duration, Instant};
+
+use log::warn;
+use tokio::signal::unix::Signal;
+use tracer_common::PacketEvent;
+
+use super::{
+    SessionError, SessionOptions, Stop, finish, header, push, second_signal,
+    steps::{
+        detach, drain_outputs, interface_names, on_tick, open_output_files, open_outputs,
+        release_deleted_netns, remove_leftovers, say_start_notes, until,
+    },
+    watch::{NetnsWatch, Notices},
+};
+use crate::{
+    collector::Collector,
+    continuous::Continuous,
+    output::sink::{Outcome, Outputs},
+    probes::{TraceOptions, Tracer, ifnames::IfNameResolver},
+    recording::RecordingWriter,
+};
+
+/// Everything a running session holds between its phases.
+pub(super) struct Live {
+    tracer: Tracer,
+    collector: Collector,
+    continuous: Continuous,
+    recorder: Option<RecordingWriter>,
+    outputs: Outputs,
+    notices: Notices,
+    ifnames: Option<IfNameResolver>,
+    watch: Option<NetnsWatch>,
+    events: Vec<PacketEvent>,
+}
+
+impl Live {
+    /// Opens the outputs, attaches the probes and writes the preamble.
+    pub(super) fn start(options: &SessionOptions) -> Result<Live, SessionError> {
+        let mut notices = Notices::new();
+        let (record_file, pcap_file) = open_output_files(options)?;
+        let mut continuous = Continuous::bind(&options.continuous, &options.services)
+            .map_err(SessionError::CreateOutput)?;
+        remove_leftovers(options.netns.as_deref(), &mut notices);
+        let mut tracer = Tracer::start(&TraceOptions {
+            services: options.services.clone(),
+            netns: options.netns.clone(),
+            ringbuf_bytes: options.ringbuf_bytes,
+            backend: options.backend,
+            all_services: options.continuous.all_services,
+        })?;
+        let watch = NetnsWatch::new(options.netns.as_deref());
+        say_start_notes(&tracer, &mut notices);
+        let header = header(options, &tracer);
+        let (recorder, outputs) = open_outputs(options, &header, record_file, pcap_file)?;
+        let collector = Collector::new(header.collector_config()?);
+        for line in continuous.start(options.netns.as_deref(), &mut tracer, &header) {
+            notices.say(line);
+        }
+        let ifnames = interface_names(options, &tracer);
+        Ok(Live {
+            tracer,
+            collector,
+            continuous,
+            recorder,
+            outputs,
+            notices,
+            ifnames,
+            watch,
+            events: Vec::with_capacity(4096),
+        })
+    }
+
+    /// Feeds events to the collector until a signal, the duration or the
+    /// traced namespace's deletion ends the session.
+    pub(super) async fn event_loop(
+        &mut self,
+        duration: Option<Duration>,
+        sigint: &mut Signal,
+        sigterm: &mut Signal,
+    ) -> Result<Stop, SessionError> {
+        let Live {
+            tracer,
+            collector,
+            continuous,
+            recorder,
+            outputs,
+            notices,
+            ifnames,
+            watch,
+            events,
+        } = self;
+        let until_deadline = until(duration);
+        tokio::pin!(until_deadline);
+        let mut ticker = tokio::time::interval(Duration::from_millis(200));
+        let mut last_lost = 0u64;
+        let mut ticks = 0u64;
+        // Tests force ring-buffer overflow by reading slowly.
+        let stall = std::env::var("NATTRACE_TEST_STALL_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_millis);
+
+        let stop = loop {
+            tokio::select! {
+                res = tracer.next_events(events) => {
+                    if let Err(err) = res {
+                        warn!("reading events failed: {err}");
+                    }
+                    push(collector, recorder.as_mut(), ifnames.as_mut(), events);
+                    if let Some(stall) = stall {
+                        std::thread::sleep(stall);
+                    }
+                }
+                _ = ticker.tick() => {
+                    ticks += 1;
+                    if watch.as_ref().is_some_and(NetnsWatch::gone) {
+                        break Stop::NetnsGone;
+                    }
+                    // The kernel wakes the reader only when the ring buffer is
+                    // filling: read what is there before deciding by the clock.
+                    tracer.drain(events);
+                    push(collector, recorder.as_mut(), ifnames.as_mut(), events);
+                    on_tick(
+                        tracer,
+                        collector,
+                        continuous,
+                        recorder.as_mut(),
+                        outputs,
+                        notices,
+                        &mut last_lost,
+                        ticks.is_multiple_of(5),
+                    )?;
+                }
+                _ = sigint.recv() => break Stop::Signal,
+                _ = sigterm.recv() => break Stop::Signal,
+                _ = &mut until_deadline => break Stop::Duration,
+            }
+        };
+        Ok(stop)
+    }
+
+    /// The last events and verdicts, the summary, detaching, and letting the
+    /// output reach its readers; a second signal cuts the summary short.
+    pub(super) async fn shut_down(
+        self,
+        stop: Stop,
+        sigint: &mut Signal,
+        sigterm: &mut Signal,
+    ) -> Result<Outcome, SessionError> {
+        let Live {
+            mut tracer,
+            mut collector,
+            // Held to the end, as before the split: its metrics stay served
+            // while the output drains.
+            continuous: _continuous,
+            mut recorder,
+            mut outputs,
+            mut notices,
+            mut ifnames,
+            watch,
+            mut events,
+        } = self;
+        let stopped_at = Instant::now();
+
+        // What the kernel still holds; then the last verdicts go to the output
+        // threads, which write them while we detach (with hundreds of tcx
+        // links detaching takes seconds, see probes/tc.rs).
+        tracer.drain(&mut events);
+        push(
+            &mut collector,
+            recorder.as_mut(),
+            ifnames.as_mut(),
+            &mut events,
+        );
+        let stats = tracer.stats();
+        let mut tracer = Some(tracer);
+        if stop == Stop::NetnsGone {
+            release_deleted_netns(&mut tracer, &mut ifnames, watch.as_ref(), &mut notices);
+        }
+
+        let finishing = finish(
+            collector,
+            &mut outputs,
+            recorder.as_mut(),
+            stats,
+            &mut notices,
+        );
+        let interrupted = tokio::select! {
+            biased;
+            _ = second_signal(sigint, sigterm) => true,
+            res = finishing => {
+                res?;
+                false
+            }
+        };
+        if interrupted {
+            notices.say("interrupted again: exiting now without the summary");
+        }
+        // Detaches everything, also after a second Ctrl-C.
+        detach(tracer, &mut notices);
+
+        drain_outputs(
+            stop,
+            stopped_at,
+            interrupted,
+            recorder.as_mut(),
+            &mut outputs,
+            &mut notices,
+        );
+        let mut outcome = std::mem::take(&mut outputs.outcome);
+        outcome.aborted = stop == Stop::NetnsGone;
+        Ok(outcome)
+    }
+}
