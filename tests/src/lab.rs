@@ -14,7 +14,7 @@ use crate::kube_proxy::{self, NodeNet, NodeNet6, ResolvedService};
 use crate::kube_proxy_nft;
 use crate::netns::{self, Netns};
 use crate::servers;
-use crate::spec::{LabSpec, ProxyMode};
+use crate::spec::{LabSpec, NodeSpec, ProxyMode};
 use crate::topology;
 
 /// Default limit for [`Lab::exec`]: generous for curl/dig with their own
@@ -363,18 +363,21 @@ impl Lab {
         )
     }
 
-    /// The `ip6tables-restore` input of a dual-stack node (see
-    /// [`Lab::node_rules`]); None for an IPv4-only node.
-    pub fn node_rules6(&self, node: &str) -> Result<Option<String>> {
-        let spec = self
-            .spec
+    fn node_spec(&self, node: &str) -> Result<&NodeSpec> {
+        self.spec
             .nodes
             .iter()
             .find(|n| n.name == node)
             .ok_or_else(|| LabError::UnknownTarget {
                 name: node.to_string(),
                 known: self.targets().join(", "),
-            })?;
+            })
+    }
+
+    /// The `ip6tables-restore` input of a dual-stack node (see
+    /// [`Lab::node_rules`]); None for an IPv4-only node.
+    pub fn node_rules6(&self, node: &str) -> Result<Option<String>> {
+        let spec = self.node_spec(node)?;
         Ok(spec.pod_cidr6.map(|pod_cidr| {
             kube_proxy::render_node6(
                 &self.spec.kube_proxy,
@@ -395,15 +398,7 @@ impl Lab {
     /// Everything the lab writes with `iptables-restore` on `node`: kube-proxy's
     /// filter and nat tables, kubelet's chains, the canaries and the CNI's chains.
     pub fn node_rules(&self, node: &str) -> Result<String> {
-        let spec = self
-            .spec
-            .nodes
-            .iter()
-            .find(|n| n.name == node)
-            .ok_or_else(|| LabError::UnknownTarget {
-                name: node.to_string(),
-                known: self.targets().join(", "),
-            })?;
+        let spec = self.node_spec(node)?;
         Ok(kube_proxy::render_node(
             &self.spec.kube_proxy,
             &self.resolved_services(),
