@@ -84,7 +84,8 @@ impl ServiceMap {
         // Every wanted address, not only the new ones: ADDRS is an LRU map,
         // and a Service without traffic for a long time may have been
         // evicted by client addresses meanwhile (one update per distinct
-        // Service IP per re-read).
+        // Service IP each time the rules change; between changes an evicted
+        // idle Service stays unmatched until they change again).
         let addrs: BTreeSet<_> = wanted.iter().map(|p| p.addr).collect();
         for addr in addrs {
             if let Err(e) = self.addrs.insert(kernel_addr(addr), 1, 0) {
