@@ -65,11 +65,7 @@ pub fn node_underlay_ip6(index: usize) -> Ipv6Addr {
 
 /// MAC of node `index`'s `flannel-v6.1` (distinct from its `flannel.1`).
 pub fn vxlan6_mac(index: usize) -> String {
-    format!(
-        "02:6e:76:00:{:02x}:{:02x}",
-        (index >> 8) & 0xff,
-        index & 0xff
-    )
+    crate::topology::node_mac(0x76, index)
 }
 
 impl LabSpec {

@@ -53,8 +53,14 @@ pub fn node_underlay_ip(index: usize) -> Ipv4Addr {
 
 /// Deterministic MAC of node `index`'s `flannel.1` (locally administered).
 pub fn vxlan_mac(index: usize) -> String {
+    node_mac(0x74, index)
+}
+
+/// A locally administered MAC `02:6e:<tag>:00:<index>`: `tag` tells the
+/// node's devices apart (flannel.1, flannel-v6.1), `index` the nodes.
+pub(crate) fn node_mac(tag: u8, index: usize) -> String {
     format!(
-        "02:6e:74:00:{:02x}:{:02x}",
+        "02:6e:{tag:02x}:00:{:02x}:{:02x}",
         (index >> 8) & 0xff,
         index & 0xff
     )
