@@ -7,6 +7,8 @@
 //! verdicts do not depend on the backend.
 #![no_std]
 
+pub mod prefilter;
+
 /// Observation point kinds. Stored in [`PacketEvent::hook`].
 pub mod hook {
     /// tc ingress on an interface of the traced node namespace.

@@ -11,7 +11,7 @@ use tracer_common::{
     direction, hook, nat_stage, proto, stat, tcp_flags, v4_mapped,
 };
 
-use crate::{ADDRS, ENDPOINTS, EVENTS, INFLIGHT, SERVICES, STATS};
+use crate::{ENDPOINTS, EVENTS, INFLIGHT, SERVICES, STATS, prefilter};
 
 /// BPF_NOEXIST: a concurrent first packet of the same flow on another CPU must
 /// not reset the other's counters.
@@ -250,7 +250,7 @@ fn endpoint(client: &EndpointKey, svc: u8) -> Option<*mut EndpointState> {
         return None;
     }
     // The pre-filter must know the new client side before its next packet.
-    let _ = ADDRS.insert(client.addr, 1, 0);
+    prefilter::remember(&client.addr);
     ENDPOINTS.get_ptr_mut(client)
 }
 
@@ -278,10 +278,10 @@ struct Match {
 /// ports: this is the path every packet of the node takes.
 #[inline(always)]
 fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
-    // Pre-filter (ADDRS): rules 1 and 3 need a known destination address,
-    // rule 2 a known source address.
-    let dst_known = unsafe { ADDRS.get(pkt.daddr) }.is_some();
-    let src_known = unsafe { ADDRS.get(pkt.saddr) }.is_some();
+    // Pre-filter (ADDR_SLOTS): rules 1 and 3 need a known destination
+    // address, rule 2 a known source address.
+    let dst_known = prefilter::known(&pkt.daddr);
+    let src_known = prefilter::known(&pkt.saddr);
     let src = key(pkt.saddr, pkt.sport, pkt.proto);
     if dst_known && let Some(svc) = service_at(pkt.daddr, pkt.dport, pkt.proto) {
         return Some(Match {

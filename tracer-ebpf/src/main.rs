@@ -8,6 +8,7 @@ mod config;
 mod filter;
 mod kprobes;
 mod netfilter;
+mod prefilter;
 mod skb;
 mod tc;
 mod tracepoints;
@@ -16,7 +17,7 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
-use tracer_common::{Addr, Config, EndpointKey, EndpointState, InflightPacket, ServiceKey, stat};
+use tracer_common::{Config, EndpointKey, EndpointState, InflightPacket, ServiceKey, stat};
 
 /// Services to trace; value = index in the `--svc` list (255: from
 /// kube-proxy's rules). 256 is far more than anyone passes with `--svc`;
@@ -24,17 +25,6 @@ use tracer_common::{Addr, Config, EndpointKey, EndpointState, InflightPacket, Se
 /// with kube-proxy's rules (tracer-userspace/src/probes/services.rs).
 #[map]
 static SERVICES: HashMap<ServiceKey, u8> = HashMap::with_max_entries(256, 0);
-
-/// Pre-filter: every traced Service's address (written by userspace) and
-/// the address of every client side put into ENDPOINTS. A packet whose
-/// source and destination are both absent cannot match rules 1-3, so the
-/// miss path costs two lookups by address instead of four by (address,
-/// port, protocol) — what keeps the IPv4 miss path as cheap as it was with
-/// 8-byte keys now that keys hold 128-bit addresses. LRU like ENDPOINTS and
-/// larger than it; every packet of a traced flow refreshes its entry, and a
-/// Service's with each request.
-#[map]
-static ADDRS: LruHashMap<Addr, u8> = LruHashMap::with_max_entries(65536 + 4096, 0);
 
 /// Client sides of traced flows. LRU so a long trace never fills up: the
 /// oldest (finished) flows are evicted first.

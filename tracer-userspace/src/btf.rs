@@ -261,6 +261,12 @@ mod tests {
         assert_eq!(o.sk_buff_data, o.sk_buff_head + 8);
         assert!(o.sk_buff_dev > 0 && o.sk_buff_dev < 64, "{o:?}");
         assert!(o.sk_buff_network_header > 150 && o.sk_buff_network_header < o.sk_buff_head);
+        // The programs read both with one 32-byte read from network_header's
+        // word (tracer-ebpf skb.rs `head_and_network_header`); two otherwise.
+        assert!(
+            o.sk_buff_head + 8 <= (o.sk_buff_network_header & !7) + 32,
+            "{o:?}"
+        );
         assert!(o.net_device_ifindex > 0 && o.net_device_nd_net > 0);
         assert!(o.net_ns_inum > 0 && o.net_ns_inum < 512, "{o:?}");
         assert!(o.nf_hook_state_net > o.nf_hook_state_pf, "{o:?}");

@@ -23,8 +23,9 @@ pub struct BenchArgs {
     /// Pods on the start-up benchmark's node (each one a veth on cni0).
     #[arg(long, default_value_t = 200)]
     pub pods: u32,
-    /// Only these lab benchmarks: bulk, conn, startup (comma-separated).
-    #[arg(long, default_value = "bulk,conn,startup")]
+    /// Only these sections: bulk, conn, startup (lab) and collector (the
+    /// replay), comma-separated.
+    #[arg(long, default_value = "bulk,conn,startup,collector")]
     pub only: String,
     /// Another nattrace binary (e.g. a build of main) to run on the miss
     /// path in the same interleaved rounds, for a before/after in one run.
@@ -73,11 +74,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     )?;
     let collector_json = out_dir.join("collector.json");
     let collector_json_s = collector_json.display().to_string();
-    let mut bench = vec!["bench", "-p", "tracer-userspace", "--bench", "collector"];
-    if args.quick {
-        bench.extend(["--", "--quick"]);
+    let with_collector = args.only.split(',').any(|s| s.trim() == "collector");
+    if with_collector {
+        let mut bench = vec!["bench", "-p", "tracer-userspace", "--bench", "collector"];
+        if args.quick {
+            bench.extend(["--", "--quick"]);
+        }
+        cargo(&bench, &[("NATTRACE_BENCH_OUT", &collector_json_s)])?;
     }
-    cargo(&bench, &[("NATTRACE_BENCH_OUT", &collector_json_s)])?;
 
     let (runs, secs, conn_secs, pods) = if args.quick {
         (1, 1, 1.0, args.pods.min(20))
@@ -93,8 +97,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let status = Command::new(release.join("nattrace-bench"))
         .arg("--nattrace")
         .arg(release.join("nattrace"))
-        .arg("--collector-json")
-        .arg(&collector_json)
+        .args(
+            with_collector
+                .then(|| ["--collector-json".into(), collector_json_s.clone()])
+                .into_iter()
+                .flatten(),
+        )
         .arg("--out")
         .arg(&md)
         .args(["--runs", &runs.to_string(), "--secs", &secs.to_string()])

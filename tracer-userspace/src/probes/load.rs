@@ -49,16 +49,13 @@ pub(super) fn write_config(
     .map_err(kernel_err("CONFIG"))?;
     array.set(0, config, 0).map_err(kernel_err("CONFIG"))?;
 
-    // aya's HashMap also opens LRU hash maps.
-    let mut addrs: HashMap<&mut MapData, tracer_common::Addr, u8> = HashMap::try_from(
-        ebpf.map_mut("ADDRS")
-            .ok_or_else(|| TraceError::Kernel("map ADDRS missing".into()))?,
+    let mut slots: Array<&mut MapData, u8> = Array::try_from(
+        ebpf.map_mut("ADDR_SLOTS")
+            .ok_or_else(|| TraceError::Kernel("map ADDR_SLOTS missing".into()))?,
     )
-    .map_err(kernel_err("ADDRS"))?;
+    .map_err(kernel_err("ADDR_SLOTS"))?;
     for svc in services {
-        addrs
-            .insert(svc.kernel_addr(), 1, 0)
-            .map_err(kernel_err("ADDRS"))?;
+        services::remember_addr(&mut slots, svc.kernel_addr()).map_err(kernel_err("ADDR_SLOTS"))?;
     }
     let mut map: HashMap<&mut MapData, ServiceKey, u8> = HashMap::try_from(
         ebpf.map_mut("SERVICES")

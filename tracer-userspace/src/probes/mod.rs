@@ -17,7 +17,7 @@ use std::{collections::BTreeSet, io, os::fd::OwnedFd};
 
 use aya::{
     Ebpf,
-    maps::{HashMap, MapData, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
 };
 use tokio::io::{Interest, unix::AsyncFd};
 use tracer_common::{EndpointKey, EndpointState, PacketEvent, hook, stat};
@@ -209,7 +209,8 @@ impl Tracer {
             .map_err(kernel_err("TC_IFACES"))?;
         let services = services::ServiceMap::new(
             HashMap::try_from(take_map(&mut ebpf, "SERVICES")?).map_err(kernel_err("SERVICES"))?,
-            HashMap::try_from(take_map(&mut ebpf, "ADDRS")?).map_err(kernel_err("ADDRS"))?,
+            Array::try_from(take_map(&mut ebpf, "ADDR_SLOTS")?)
+                .map_err(kernel_err("ADDR_SLOTS"))?,
             crate::service::traced_ports(&opts.services, None),
         );
 

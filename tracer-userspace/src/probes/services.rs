@@ -5,13 +5,14 @@
 //! Everything that knows the key layout is here (`key`).
 //!
 //! The kernel looks a packet up in SERVICES only when its destination
-//! address is in the ADDRS pre-filter (an LRU map shared with the flows'
-//! client addresses), so every Service address added here goes into ADDRS
-//! too. Removed Services' addresses are left there: the address may be a
-//! client's too, and a stale entry costs one more lookup, never a wrong match.
+//! address's slot is set in the ADDR_SLOTS pre-filter (shared with the
+//! flows' client addresses, tracer_common::prefilter), so every Service
+//! address added here sets its slot too. Slots are never cleared: the slot
+//! may be a client's too, and a stale one costs the exact lookups, never a
+//! wrong match.
 use std::collections::BTreeSet;
 
-use aya::maps::{HashMap, MapData};
+use aya::maps::{Array, HashMap, MapData, MapError};
 use tracer_common::{Addr, ServiceKey};
 
 use crate::service::{ServicePort, kernel_addr};
@@ -45,8 +46,8 @@ pub struct ServicesSynced {
 
 pub(super) struct ServiceMap {
     map: HashMap<MapData, ServiceKey, u8>,
-    /// The ADDRS pre-filter (LRU hash; aya's HashMap opens it).
-    addrs: HashMap<MapData, Addr, u8>,
+    /// The ADDR_SLOTS pre-filter.
+    slots: Array<MapData, u8>,
     /// What the map holds now.
     current: BTreeSet<ServicePort>,
 }
@@ -55,12 +56,12 @@ impl ServiceMap {
     /// `current`: what the loader wrote before attaching (`--svc`).
     pub(super) fn new(
         map: HashMap<MapData, ServiceKey, u8>,
-        addrs: HashMap<MapData, Addr, u8>,
+        slots: Array<MapData, u8>,
         current: BTreeSet<ServicePort>,
     ) -> Self {
         Self {
             map,
-            addrs,
+            slots,
             current,
         }
     }
@@ -81,19 +82,13 @@ impl ServiceMap {
                 Err(e) => log::warn!("SERVICES delete {}:{}: {e}", p.addr, p.port),
             }
         }
-        // Every wanted address, not only the new ones: ADDRS is an LRU map,
-        // and a Service without traffic for a long time may have been
-        // evicted by client addresses meanwhile (one update per distinct
-        // Service IP each time the rules change; between changes an evicted
-        // idle Service stays unmatched until they change again).
-        let addrs: BTreeSet<_> = wanted.iter().map(|p| p.addr).collect();
-        for addr in addrs {
-            if let Err(e) = self.addrs.insert(kernel_addr(addr), 1, 0) {
-                log::debug!("ADDRS insert {addr}: {e}");
-            }
-        }
         let new: Vec<ServicePort> = wanted.difference(&self.current).copied().collect();
         for p in new {
+            // Before the SERVICES entry, so its first packet passes the
+            // pre-filter. Slots are never evicted: once is enough.
+            if let Err(e) = remember_addr(&mut self.slots, kernel_addr(p.addr)) {
+                log::warn!("ADDR_SLOTS set {}: {e}", p.addr);
+            }
             match self.map.insert(key(&p), FROM_RULES, 0) {
                 Ok(()) => {
                     self.current.insert(p);
@@ -107,4 +102,14 @@ impl ServiceMap {
         }
         done
     }
+}
+
+/// Sets `addr`'s pre-filter slot (tracer_common::prefilter). The programs
+/// set client sides' slots with a plain store of the same value, so there is
+/// no read-modify-write to race.
+pub(super) fn remember_addr<T: std::borrow::BorrowMut<MapData>>(
+    slots: &mut Array<T, u8>,
+    addr: Addr,
+) -> Result<(), MapError> {
+    slots.set(tracer_common::prefilter::slot(&addr), 1, 0)
 }
