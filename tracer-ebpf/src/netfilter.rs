@@ -6,12 +6,16 @@
 //! `socket/...` programs that the loader never asks aya to load.
 //!
 //! The context is `struct bpf_nf_ctx { const struct nf_hook_state *state;
-//! struct sk_buff *skb; }`. Loading `ctx->skb` directly would give a
-//! BTF-typed pointer on which the verifier forbids arithmetic with our
-//! runtime offsets; reading it with bpf_probe_read_kernel makes it a scalar.
+//! struct sk_buff *skb; }`. `ctx->skb` is loaded directly (no helper call):
+//! the verifier types it PTR_TO_BTF_ID, and adding our runtime offsets to
+//! such a pointer is allowed (kernel/bpf/verifier.c
+//! `adjust_ptr_min_max_vals` refuses arithmetic only on packet-end, socket
+//! and map pointers); only dereferencing it at a variable offset is refused
+//! (`check_ptr_to_btf_access`), and skb.rs never does: it reads through
+//! bpf_probe_read_kernel, whose source is any value. Storing the address in
+//! an event or map key needs allow_ptr_leaks, i.e. a privileged loader.
 use core::ffi::c_void;
 
-use aya_ebpf::helpers::bpf_probe_read_kernel;
 use tracer_common::{hook, nat_stage, nf_hook};
 
 use crate::{
@@ -24,9 +28,8 @@ const NF_ACCEPT: i32 = 1;
 
 #[inline(always)]
 fn try_netfilter(ctx: *mut c_void, nf_hook: u8, stage: u8) -> Result<(), ()> {
-    let skb: u64 =
-        unsafe { bpf_probe_read_kernel((ctx as *const u8).wrapping_add(8) as *const u64) }
-            .map_err(|_| ())?;
+    // SAFETY: ctx is the kernel's bpf_nf_ctx; the verifier allows this load.
+    let skb: u64 = unsafe { core::ptr::read_volatile((ctx as *const u8).add(8) as *const u64) };
     let off = config::offsets().ok_or(())?;
     let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
     let mut at = Point::new(hook::NETFILTER);
