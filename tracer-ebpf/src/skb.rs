@@ -83,9 +83,10 @@ pub fn parse(skb: u64, off: &KernelOffsets, l3: L3) -> Result<(Packet, u64), ()>
 }
 
 /// `skb->head` and `skb->network_header`. They are a few bytes apart in
-/// every sk_buff since the headers group (6.1: network_header at 182, head
-/// at 200; 6.18: 176 and 192, from their BTF), so one 32-byte read from the
-/// word holding network_header usually covers both: one
+/// every sk_buff since the headers group (only `mac_header` and, with
+/// CONFIG_KCOV, `kcov_handle`, `tail` and `end` lie between; btf.rs's
+/// offsets test checks it on the running kernel), so one 32-byte read from
+/// the word holding network_header covers both: one
 /// bpf_probe_read_kernel instead of two on every miss at a netfilter hook,
 /// transmit or drop (each call pays `copy_from_kernel_nofault` and its
 /// `copy_from_kernel_nofault_allowed` check, mm/maccess.c, which the miss
