@@ -213,9 +213,12 @@ fn enable_bpf_stats() -> Option<OwnedFd> {
     Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-/// Sum of run_time_ns and run_cnt over the programs a process holds.
+/// Sum of run_time_ns and run_cnt over the programs a process holds,
+/// directly or through its links: the netfilter programs' fds are closed
+/// once their links hold them, so those are reached by the link's prog_id.
 fn prog_runtime(pid: u32) -> (u64, u64) {
     let mut seen = HashSet::new();
+    let mut linked = Vec::new();
     let (mut ns, mut cnt) = (0, 0);
     let Ok(dir) = std::fs::read_dir(Path::new(&format!("/proc/{pid}/fdinfo"))) else {
         return (0, 0);
@@ -224,19 +227,60 @@ fn prog_runtime(pid: u32) -> (u64, u64) {
         let Ok(info) = std::fs::read_to_string(entry.path()) else {
             continue;
         };
-        let field = |k: &str| {
-            info.lines()
-                .find_map(|l| l.strip_prefix(k))
-                .and_then(|v| v.trim().parse::<u64>().ok())
-        };
-        // Links name a prog_id too, but only program fds carry run_time_ns.
-        if let (Some(id), Some(t), Some(c)) =
-            (field("prog_id:"), field("run_time_ns:"), field("run_cnt:"))
-            && seen.insert(id)
+        match prog_fdinfo(&info) {
+            (Some(id), Some((t, c))) if seen.insert(id) => {
+                ns += t;
+                cnt += c;
+            }
+            (Some(_), Some(_)) => {}
+            // Only program fds carry run_time_ns; a link names its prog_id.
+            (Some(id), None) => linked.push(id),
+            _ => {}
+        }
+    }
+    for id in linked {
+        if seen.insert(id)
+            && let Some((t, c)) = prog_runtime_by_id(id)
         {
             ns += t;
             cnt += c;
         }
     }
     (ns, cnt)
+}
+
+/// (prog_id, (run_time_ns, run_cnt)) from one fdinfo text.
+fn prog_fdinfo(info: &str) -> (Option<u64>, Option<(u64, u64)>) {
+    let field = |k: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix(k))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let stats = field("run_time_ns:").zip(field("run_cnt:"));
+    (field("prog_id:"), stats)
+}
+
+/// A program's run time by id: BPF_PROG_GET_FD_BY_ID, then its fdinfo.
+fn prog_runtime_by_id(id: u64) -> Option<(u64, u64)> {
+    const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
+    // union bpf_attr for this command: prog_id (u32), next_id, open_flags.
+    let mut attr = [0u32; 4];
+    attr[0] = u32::try_from(id).ok()?;
+    // SAFETY: attr outlives the call and is as large as the kernel reads.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_GET_FD_BY_ID,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(&attr),
+        )
+    };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: the kernel just gave us this fd.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    use std::os::fd::AsRawFd;
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).ok()?;
+    prog_fdinfo(&info).1
 }
