@@ -32,6 +32,7 @@ use crate::{
     btf::{BtfError, KernelBtf},
     facts::NodeFacts,
     service::Service,
+    timing,
 };
 
 /// How often the reader looks at the ring buffer when the kernel did not wake
@@ -185,10 +186,13 @@ impl Tracer {
         backend_reason: String,
     ) -> Result<Tracer, TraceError> {
         let netns = Netns::open(opts.netns.as_deref())?;
+        let loader = load::start_loader();
+        let t = timing::step("kernel BTF: offsets");
         let mut btf = KernelBtf::load()?;
         let offsets = btf.kernel_offsets()?;
+        drop(t);
         log::debug!("kernel {:?}, offsets {offsets:?}", kernel.version);
-        let mut ebpf = load::load_object(opts, offsets, netns.inode)?;
+        let mut ebpf = load::load_object(loader, opts, offsets, netns.inode)?;
 
         let (mut plan, mut skipped) =
             table::plan(backend, kernel, |name| ebpf.program(name).is_some());
@@ -196,8 +200,9 @@ impl Tracer {
             kprobes::resolve(&mut plan, &mut skipped, &mut btf);
         }
 
-        // Netfilter programs share aya's maps, so load them before taking any.
-        let nf_programs = attach::load_netfilter_programs(&ebpf, &plan)?;
+        // Relocated against aya's maps before any is taken; verified by the
+        // kernel on their own thread while the other programs load here.
+        let nf_loading = attach::start_netfilter_load(&ebpf, &plan)?;
 
         let ring =
             RingBuf::try_from(take_map(&mut ebpf, "EVENTS")?).map_err(kernel_err("EVENTS"))?;
@@ -213,25 +218,50 @@ impl Tracer {
             crate::service::traced_ports(&opts.services, None),
         );
 
-        let (attached, tc_programs) = attach::load_global_and_tc(&mut ebpf, &plan)?;
+        let tc_programs = attach::load_tc(&mut ebpf, &plan)?;
+        // NATTRACE_FORCE_CLSACT=1 exercises the pre-6.6 path on new kernels (tests).
+        let mut tc = TcAttachments::new(
+            kernel.tcx && std::env::var_os("NATTRACE_FORCE_CLSACT").is_none(),
+            tc_programs,
+        );
+        let mut facts = NodeFacts {
+            netns_inode: netns.inode,
+            netns_name: netns.name.clone(),
+            ..Default::default()
+        };
+        // Each tcx link waits for an RCU grace period (tc.rs): with tcx, the
+        // node's facts and tc links are done on a thread while the raw
+        // tracepoint programs are verified here and the netfilter ones on
+        // theirs. The scope ends both before `ebpf` could drop.
+        let tcx_programs = tc.is_tcx().then(|| tc.tcx_programs(&ebpf).ok()).flatten();
+        let (attached, early) = std::thread::scope(|s| {
+            let early = tcx_programs.map(|programs| {
+                let (tc, facts, netns) = (&mut tc, &mut facts, &netns);
+                s.spawn(move || {
+                    let _t = timing::step("node facts + tc links (own thread)");
+                    netns.run(|| -> Result<Synced, TraceError> {
+                        let pod_veths = read_facts(facts)?;
+                        Ok(tc.sync_tcx(programs, &facts.interfaces, &pod_veths))
+                    })
+                })
+            });
+            let t = timing::step("raw tracepoint programs: load + verify + attach");
+            let attached = attach::load_global(&mut ebpf, &plan);
+            drop(t);
+            let early = early.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+            (attached, early)
+        });
 
+        // On error `tracer` is dropped, which detaches whatever was attached so far.
         let mut tracer = Tracer {
             backend,
             backend_reason,
-            facts: NodeFacts {
-                netns_inode: netns.inode,
-                netns_name: netns.name.clone(),
-                ..Default::default()
-            },
+            facts,
             netns,
             skipped: Vec::new(),
-            attached,
+            attached: Vec::new(),
             priorities: Vec::new(),
-            // NATTRACE_FORCE_CLSACT=1 exercises the pre-6.6 path on new kernels (tests).
-            tc: TcAttachments::new(
-                kernel.tcx && std::env::var_os("NATTRACE_FORCE_CLSACT").is_none(),
-                tc_programs,
-            ),
+            tc,
             nf_links: Vec::new(),
             ring: Some(ring),
             async_ring: None,
@@ -241,11 +271,18 @@ impl Tracer {
             services,
             ebpf,
         };
+        tracer.attached = attached?;
+        let early = early.transpose()?.transpose()?;
+        let t = timing::step("waiting for the netfilter programs");
+        let nf_programs = attach::finish_netfilter_load(nf_loading)?;
+        drop(t);
 
         // On error `tracer` is dropped, which detaches whatever was attached so far.
-        let synced = tracer.attach_in_node(opts, &plan, nf_programs.as_ref())?;
-        tracer.note_tc(&synced);
-        skipped.extend(synced.failed);
+        let synced = tracer.attach_in_node(opts, &plan, nf_programs.as_ref(), early.is_none())?;
+        for synced in early.iter().chain([&synced]) {
+            tracer.note_tc(synced);
+            skipped.extend(synced.failed.iter().cloned());
+        }
         let nf_labels: Vec<String> = tracer
             .priorities
             .iter()
@@ -259,13 +296,15 @@ impl Tracer {
         Ok(tracer)
     }
 
-    /// Everything namespace-scoped, in one visit to the traced namespace:
-    /// the node's facts, the netfilter links, tc.
+    /// What is namespace-scoped and not done yet, in one visit to the
+    /// traced namespace: the netfilter links, and with `with_tc` (clsact, or
+    /// tcx programs that could not be prepared early) the node's facts and tc.
     fn attach_in_node(
         &mut self,
         opts: &TraceOptions,
         plan: &[&'static ProgramSpec],
         nf_programs: Option<&nf_link::NfPrograms>,
+        with_tc: bool,
     ) -> Result<Synced, TraceError> {
         let Tracer {
             netns,
@@ -276,10 +315,17 @@ impl Tracer {
             ebpf,
             ..
         } = self;
+        let _t = timing::step("in the node netns: netfilter links (+ facts, tc if clsact)");
         netns.run(|| -> Result<Synced, TraceError> {
-            let pod_veths = read_facts(facts)?;
-            // Netfilter first: a full priority window ends the attempt (or
-            // switches `auto` to kprobes) before tc touched any interface.
+            let pod_veths = if with_tc {
+                Some(read_facts(facts)?)
+            } else {
+                None
+            };
+            // Netfilter before clsact filters: a full priority window ends
+            // the attempt (or switches `auto` to kprobes) before they touched
+            // any interface. tcx links made early are detached with the
+            // dropped Tracer then.
             if let Some(nf) = nf_programs {
                 attach::attach_netfilter(
                     nf,
@@ -289,7 +335,10 @@ impl Tracer {
                     priorities,
                 )?;
             }
-            Ok(tc.sync(ebpf, &facts.interfaces, &pod_veths))
+            Ok(match pod_veths {
+                Some(pod_veths) => tc.sync(ebpf, &facts.interfaces, &pod_veths),
+                None => Synced::default(),
+            })
         })?
     }
 
