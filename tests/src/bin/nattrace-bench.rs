@@ -150,7 +150,7 @@ fn run() -> anyhow::Result<()> {
         };
         results.startup = Some(StartupResults {
             pods: opts.pods,
-            ..startup_runs(&ctx, 5)?
+            ..startup_runs(&ctx, ctx.opts.runs.max(5))?
         });
     }
     if let Some(path) = &opts.collector_json {

@@ -106,19 +106,18 @@ pub(super) fn load_global(
     ebpf: &mut Ebpf,
     plan: &[&'static ProgramSpec],
 ) -> Result<Vec<String>, TraceError> {
+    load_in_parallel(ebpf, plan)?;
     let mut attached = Vec::new();
     for spec in plan {
         match spec.attach {
             Attach::RawTracepoint(tp) => {
                 let prog: &mut RawTracePoint = program(ebpf, spec.name)?;
-                prog.load().map_err(|e| load_error(spec.name, e))?;
                 prog.attach(tp).map_err(|e| load_error(spec.name, e))?;
                 attached.push(spec.label.to_owned());
             }
             Attach::Kprobe { symbol, .. } => {
                 // Global, like the raw tracepoints: no namespace switch.
                 let prog: &mut KProbe = program(ebpf, spec.name)?;
-                prog.load().map_err(|e| load_error(spec.name, e))?;
                 prog.attach(symbol, 0)
                     .map_err(|e| load_error(spec.name, e))?;
                 attached.push(spec.label.to_owned());
@@ -127,6 +126,38 @@ pub(super) fn load_global(
         }
     }
     Ok(attached)
+}
+
+/// Loads the plan's raw tracepoint and kprobe programs, each on its own
+/// thread: the kernel verifies them one per CPU (as root no verifier lock
+/// is taken, kernel/bpf/verifier.c bpf_check), beside the netfilter
+/// programs' thread.
+fn load_in_parallel(ebpf: &mut Ebpf, plan: &[&'static ProgramSpec]) -> Result<(), TraceError> {
+    let global: Vec<&str> = plan
+        .iter()
+        .filter(|p| matches!(p.attach, Attach::RawTracepoint(_) | Attach::Kprobe { .. }))
+        .map(|p| p.name)
+        .collect();
+    let programs: Vec<(&str, &mut Program)> = ebpf
+        .programs_mut()
+        .filter(|(name, _)| global.contains(name))
+        .collect();
+    let load = |name: &str, prog: &mut Program| match prog {
+        Program::RawTracePoint(p) => p.load().map_err(|e| load_error(name, e)),
+        Program::KProbe(p) => p.load().map_err(|e| load_error(name, e)),
+        _ => Err(TraceError::Kernel(format!(
+            "{name}: not a raw tracepoint or kprobe"
+        ))),
+    };
+    std::thread::scope(|s| {
+        let threads: Vec<_> = programs
+            .into_iter()
+            .map(|(name, prog)| s.spawn(move || load(name, prog)))
+            .collect();
+        threads
+            .into_iter()
+            .try_for_each(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+    })
 }
 
 /// Attaches the plan's netfilter programs, each at a free priority in its

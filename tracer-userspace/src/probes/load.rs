@@ -14,10 +14,26 @@ use crate::service::Service;
 /// bpf.rs, `btf: Btf::from_sys_fs()`), 35-80 ms here, which the programs
 /// (no CO-RE) never use and `load_object` then discards.
 pub(super) fn start_loader() -> std::thread::JoinHandle<EbpfLoader<'static>> {
-    std::thread::spawn(|| {
-        let _t = crate::timing::step("aya EbpfLoader::new (parses vmlinux BTF, own thread)");
-        EbpfLoader::new()
+    let early = EARLY_LOADER.lock().ok().and_then(|mut l| l.take());
+    early.unwrap_or_else(|| {
+        std::thread::spawn(|| {
+            let _t = crate::timing::step("aya EbpfLoader::new (parses vmlinux BTF, own thread)");
+            EbpfLoader::new()
+        })
     })
+}
+
+/// A loader started by [`prepare_loader`], taken by the next [`start_loader`].
+static EARLY_LOADER: std::sync::Mutex<Option<std::thread::JoinHandle<EbpfLoader<'static>>>> =
+    std::sync::Mutex::new(None);
+
+/// Starts making aya's loader now, so its BTF parse also overlaps what the
+/// caller does before `Tracer::start` (the leftover cleanup).
+pub fn prepare_loader() {
+    let handle = start_loader();
+    if let Ok(mut early) = EARLY_LOADER.lock() {
+        *early = Some(handle);
+    }
 }
 
 /// Creates nattrace's maps and loads its object, configured for this kernel

@@ -9,6 +9,7 @@ mod kprobes;
 mod load;
 pub mod netns;
 pub mod nf_link;
+mod node;
 pub mod services;
 pub mod table;
 mod tc;
@@ -22,10 +23,10 @@ use aya::{
 use tokio::io::{Interest, unix::AsyncFd};
 use tracer_common::{EndpointKey, EndpointState, PacketEvent, hook, stat};
 
-pub use self::attach::check_load;
+pub use self::{attach::check_load, load::prepare_loader};
 use self::{
     netns::{Netns, NetnsError},
-    table::{Backend, BackendChoice, ChosenPriority, KernelFeatures, ProgramSpec},
+    table::{Backend, BackendChoice, ChosenPriority, KernelFeatures},
     tc::{Synced, TcAttachments},
 };
 use crate::{
@@ -186,6 +187,7 @@ impl Tracer {
         backend_reason: String,
     ) -> Result<Tracer, TraceError> {
         let netns = Netns::open(opts.netns.as_deref())?;
+        let reading_facts = node::start_reading_facts(opts.netns.clone());
         let loader = load::start_loader();
         let t = timing::step("kernel BTF: offsets");
         let mut btf = KernelBtf::load()?;
@@ -224,25 +226,25 @@ impl Tracer {
             kernel.tcx && std::env::var_os("NATTRACE_FORCE_CLSACT").is_none(),
             tc_programs,
         );
-        let mut facts = NodeFacts {
+        let (node, pod_veths) = reading_facts
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+        let facts = NodeFacts {
             netns_inode: netns.inode,
             netns_name: netns.name.clone(),
-            ..Default::default()
+            ..node
         };
         // Each tcx link waits for an RCU grace period (tc.rs): with tcx, the
-        // node's facts and tc links are done on a thread while the raw
-        // tracepoint programs are verified here and the netfilter ones on
-        // theirs. The scope ends both before `ebpf` could drop.
+        // tc links are made on a thread while the raw tracepoint programs
+        // are verified here and the netfilter ones on theirs. The scope ends
+        // it before `ebpf` could drop.
         let tcx_programs = tc.is_tcx().then(|| tc.tcx_programs(&ebpf).ok()).flatten();
         let (attached, early) = std::thread::scope(|s| {
             let early = tcx_programs.map(|programs| {
-                let (tc, facts, netns) = (&mut tc, &mut facts, &netns);
+                let (tc, facts, netns, pod_veths) = (&mut tc, &facts, &netns, &pod_veths);
                 s.spawn(move || {
-                    let _t = timing::step("node facts + tc links (own thread)");
-                    netns.run(|| -> Result<Synced, TraceError> {
-                        let pod_veths = read_facts(facts)?;
-                        Ok(tc.sync_tcx(programs, &facts.interfaces, &pod_veths))
-                    })
+                    let _t = timing::step("tcx links (own thread)");
+                    netns.run(|| tc.sync_tcx(programs, &facts.interfaces, pod_veths))
                 })
             });
             let t = timing::step("raw tracepoint programs: load + verify + attach");
@@ -272,13 +274,14 @@ impl Tracer {
             ebpf,
         };
         tracer.attached = attached?;
-        let early = early.transpose()?.transpose()?;
+        let early = early.transpose()?;
         let t = timing::step("waiting for the netfilter programs");
         let nf_programs = attach::finish_netfilter_load(nf_loading)?;
         drop(t);
 
         // On error `tracer` is dropped, which detaches whatever was attached so far.
-        let synced = tracer.attach_in_node(opts, &plan, nf_programs.as_ref(), early.is_none())?;
+        let late_tc = early.is_none().then_some(&pod_veths);
+        let synced = tracer.attach_in_node(opts, &plan, nf_programs.as_ref(), late_tc)?;
         for synced in early.iter().chain([&synced]) {
             tracer.note_tc(synced);
             skipped.extend(synced.failed.iter().cloned());
@@ -294,52 +297,6 @@ impl Tracer {
         tracer.skipped = skipped;
         log::debug!("attached: {}", tracer.attached().join("; "));
         Ok(tracer)
-    }
-
-    /// What is namespace-scoped and not done yet, in one visit to the
-    /// traced namespace: the netfilter links, and with `with_tc` (clsact, or
-    /// tcx programs that could not be prepared early) the node's facts and tc.
-    fn attach_in_node(
-        &mut self,
-        opts: &TraceOptions,
-        plan: &[&'static ProgramSpec],
-        nf_programs: Option<&nf_link::NfPrograms>,
-        with_tc: bool,
-    ) -> Result<Synced, TraceError> {
-        let Tracer {
-            netns,
-            facts,
-            tc,
-            nf_links,
-            priorities,
-            ebpf,
-            ..
-        } = self;
-        let _t = timing::step("in the node netns: netfilter links (+ facts, tc if clsact)");
-        netns.run(|| -> Result<Synced, TraceError> {
-            let pod_veths = if with_tc {
-                Some(read_facts(facts)?)
-            } else {
-                None
-            };
-            // Netfilter before clsact filters: a full priority window ends
-            // the attempt (or switches `auto` to kprobes) before they touched
-            // any interface. tcx links made early are detached with the
-            // dropped Tracer then.
-            if let Some(nf) = nf_programs {
-                attach::attach_netfilter(
-                    nf,
-                    plan,
-                    attach::nf_families(&opts.services),
-                    nf_links,
-                    priorities,
-                )?;
-            }
-            Ok(match pod_veths {
-                Some(pod_veths) => tc.sync(ebpf, &facts.interfaces, &pod_veths),
-                None => Synced::default(),
-            })
-        })?
     }
 
     pub fn facts(&self) -> &NodeFacts {
@@ -623,19 +580,6 @@ fn load_error(name: &str, e: aya::programs::ProgramError) -> TraceError {
 fn take_map(ebpf: &mut Ebpf, name: &str) -> Result<aya::maps::Map, TraceError> {
     ebpf.take_map(name)
         .ok_or_else(|| TraceError::Kernel(format!("map {name} missing from the eBPF object")))
-}
-
-/// Reads the namespace's facts; runs inside it (/proc/sys/net is per thread
-/// netns). Returns its pod veths (for tc).
-fn read_facts(facts: &mut NodeFacts) -> Result<BTreeSet<u32>, TraceError> {
-    let links = netns::list_links()?;
-    facts.interfaces = links.interfaces;
-    facts.bridge_nf_call_iptables =
-        netns::read_sysctl_bool("/proc/sys/net/bridge/bridge-nf-call-iptables");
-    facts.ip_forward = netns::read_sysctl_bool("/proc/sys/net/ipv4/ip_forward");
-    facts.bridge_nf_call_ip6tables =
-        netns::read_sysctl_bool("/proc/sys/net/bridge/bridge-nf-call-ip6tables");
-    Ok(links.pod_veths)
 }
 
 fn drain_ring(ring: &mut RingBuf<MapData>, out: &mut Vec<PacketEvent>, netns_inode: u32) {

@@ -167,15 +167,31 @@ impl NfPrepared {
         })
     }
 
-    /// Loads them (the kernel verifies each: most of their cost).
+    /// Loads them (the kernel verifies each: most of their cost), half on
+    /// another thread: as root the verifier takes no global lock
+    /// (kernel/bpf/verifier.c bpf_check), so two verify at once.
     pub fn load(self) -> Result<NfPrograms, NfLinkError> {
         let license = CString::new("GPL").expect("no NUL");
-        let mut loaded = HashMap::new();
-        for (name, insns) in &self.programs {
-            let fd = load_one(name, insns, &license)?;
-            loaded.insert(name.clone(), fd);
-        }
-        Ok(NfPrograms { fds: loaded })
+        let load_all = |programs: &[(String, Vec<bpf_insn>)]| {
+            programs
+                .iter()
+                .map(|(name, insns)| Ok((name.clone(), load_one(name, insns, &license)?)))
+                .collect::<Result<Vec<_>, NfLinkError>>()
+        };
+        let (first, second) = self.programs.split_at(self.programs.len() / 2);
+        let (a, b) = std::thread::scope(|s| {
+            let other = s.spawn(|| load_all(first));
+            let b = load_all(second);
+            (
+                other
+                    .join()
+                    .unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                b,
+            )
+        });
+        Ok(NfPrograms {
+            fds: a?.into_iter().chain(b?).collect(),
+        })
     }
 }
 

@@ -44,6 +44,7 @@ impl Live {
         let mut continuous = Continuous::bind(&options.continuous, &options.services)
             .map_err(SessionError::CreateOutput)?;
         let gathering = start_gathering(options);
+        crate::probes::prepare_loader();
         {
             let _t = timing::step("leftover cleanup");
             remove_leftovers(options.netns.as_deref(), &mut notices);
