@@ -234,26 +234,8 @@ impl Tracer {
             netns_name: netns.name.clone(),
             ..node
         };
-        // Each tcx link waits for an RCU grace period (tc.rs): with tcx, the
-        // tc links are made on a thread while the raw tracepoint programs
-        // are verified here and the netfilter ones on theirs. The scope ends
-        // it before `ebpf` could drop.
-        let tcx_programs = tc.is_tcx().then(|| tc.tcx_programs(&ebpf).ok()).flatten();
-        let (attached, early) = std::thread::scope(|s| {
-            let early = tcx_programs.map(|programs| {
-                let (tc, facts, netns, pod_veths) = (&mut tc, &facts, &netns, &pod_veths);
-                s.spawn(move || {
-                    let _t = timing::step("tcx links (own thread)");
-                    netns.run(|| tc.sync_tcx(programs, &facts.interfaces, pod_veths))
-                })
-            });
-            let t = timing::step("raw tracepoint programs: load + verify + attach");
-            let attached = attach::load_global(&mut ebpf, &plan);
-            drop(t);
-            let early = early.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
-            (attached, early)
-        });
-
+        let (attached, early) =
+            node::load_global_and_attach_tcx(&mut ebpf, &plan, &mut tc, &facts, &netns, &pod_veths);
         // On error `tracer` is dropped, which detaches whatever was attached so far.
         let mut tracer = Tracer {
             backend,
@@ -275,17 +257,18 @@ impl Tracer {
         };
         tracer.attached = attached?;
         let early = early.transpose()?;
+        if let Some(synced) = &early {
+            tracer.note_tc(synced);
+            skipped.extend(synced.failed.iter().cloned());
+        }
         let t = timing::step("waiting for the netfilter programs");
         let nf_programs = attach::finish_netfilter_load(nf_loading)?;
         drop(t);
 
-        // On error `tracer` is dropped, which detaches whatever was attached so far.
         let late_tc = early.is_none().then_some(&pod_veths);
         let synced = tracer.attach_in_node(opts, &plan, nf_programs.as_ref(), late_tc)?;
-        for synced in early.iter().chain([&synced]) {
-            tracer.note_tc(synced);
-            skipped.extend(synced.failed.iter().cloned());
-        }
+        tracer.note_tc(&synced);
+        skipped.extend(synced.failed);
         let nf_labels: Vec<String> = tracer
             .priorities
             .iter()

@@ -3,14 +3,48 @@
 //! after the programs loaded.
 use std::collections::BTreeSet;
 
+use aya::Ebpf;
+
 use super::{
     TraceError, TraceOptions, Tracer, attach,
-    netns::{self, Netns},
+    netns::{self, Netns, NetnsError},
     nf_link,
     table::ProgramSpec,
-    tc::Synced,
+    tc::{Synced, TcAttachments},
 };
 use crate::{facts::NodeFacts, timing};
+
+/// The tc links made early, or why the namespace could not be entered.
+pub(super) type TcxSynced = Result<Synced, NetnsError>;
+
+/// Loads and attaches the raw tracepoint (kprobe) programs here while, with
+/// tcx, a thread makes the tc links: each waits for an RCU grace period
+/// (tc.rs), time the verifier fills. The scope ends that thread before the
+/// caller's `ebpf`, whose program fds it uses, could drop. The second result
+/// is None when tc is left to [`Tracer::attach_in_node`] (clsact).
+pub(super) fn load_global_and_attach_tcx(
+    ebpf: &mut Ebpf,
+    plan: &[&'static ProgramSpec],
+    tc: &mut TcAttachments,
+    facts: &NodeFacts,
+    netns: &Netns,
+    pod_veths: &BTreeSet<u32>,
+) -> (Result<Vec<String>, TraceError>, Option<TcxSynced>) {
+    let tcx_programs = tc.is_tcx().then(|| tc.tcx_programs(ebpf).ok()).flatten();
+    std::thread::scope(|s| {
+        let early = tcx_programs.map(|programs| {
+            s.spawn(move || {
+                let _t = timing::step("tcx links (own thread)");
+                netns.run(|| tc.sync_tcx(programs, &facts.interfaces, pod_veths))
+            })
+        });
+        let t = timing::step("raw tracepoint programs: load + verify + attach");
+        let attached = attach::load_global(ebpf, plan);
+        drop(t);
+        let early = early.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+        (attached, early)
+    })
+}
 
 impl Tracer {
     /// What is namespace-scoped and not done yet, in one visit to the
