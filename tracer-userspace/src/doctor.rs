@@ -501,7 +501,10 @@ pub fn gather_with(
     // Built in, it has no /sys/module entry; its per-namespace sysctls say it is there.
     inputs.br_netfilter_loaded = inputs.bridge_nf_call_iptables.is_some()
         || std::path::Path::new("/sys/module/br_netfilter").exists();
+    let t = crate::timing::step("kube-proxy rules (iptables-save/nft)");
     inputs.kube_proxy = ruleset::read(netns_spec);
+    drop(t);
+    let _t = crate::timing::step("dataplane detect (ip addr kube-ipvs0, ip_vs)");
     inputs.dataplane = Dataplane::detect(&ns);
     Ok(inputs)
 }

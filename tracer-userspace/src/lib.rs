@@ -15,3 +15,4 @@ pub mod recording;
 pub mod ruleset;
 pub mod service;
 pub mod session;
+pub mod timing;

@@ -365,6 +365,7 @@ fn usage_error(err: clap::Error) -> ExitCode {
 }
 
 fn main() -> ExitCode {
+    nattrace::timing::init();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,

@@ -66,6 +66,8 @@ pub struct StartupResults {
     /// Start → a tcx link on every interface (attached in the background).
     pub full_ms: Vec<f64>,
     pub detach_ms: Vec<f64>,
+    /// `--baseline`'s start → first line, in the same rounds.
+    pub baseline_start_ms: Vec<f64>,
 }
 
 #[derive(Debug, Default)]
@@ -525,6 +527,15 @@ fn startup_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
             format!("{small:.0} ms")
         }
     );
+    if !s.baseline_start_ms.is_empty() {
+        let (b, bmin, bmax) = stats(&s.baseline_start_ms);
+        let _ = writeln!(
+            w,
+            "The baseline build ({}) started in the same rounds, alternating run by run: \
+             {b:.0} ms median ({bmin:.0}–{bmax:.0} ms) to its first line.\n",
+            r.baseline_label
+        );
+    }
     targets.push(format!(
         "start-up ≤ 300 ms with {} interfaces: {start:.0} ms — {}{}",
         s.interfaces,

@@ -150,7 +150,7 @@ fn run() -> anyhow::Result<()> {
         };
         results.startup = Some(StartupResults {
             pods: opts.pods,
-            ..startup_runs(&ctx, 5)?
+            ..startup_runs(&ctx, ctx.opts.runs.max(5))?
         });
     }
     if let Some(path) = &opts.collector_json {
@@ -425,52 +425,35 @@ fn conn(ctx: &Ctx, loads: &mut Vec<f64>) -> anyhow::Result<ConnResults> {
 /// past 64 interfaces only the node's own interfaces get tc, the pods'
 /// veths are left to the device tracepoints) and detach (SIGTERM → exit,
 /// everything attached) times in ms, and how many interfaces there are.
+/// With `--baseline`, that build starts too, alternating run by run.
 fn startup_runs(ctx: &Ctx, n: usize) -> anyhow::Result<StartupResults> {
     let (mut start, mut full, mut detach) = (Vec::new(), Vec::new(), Vec::new());
+    let mut baseline_start = Vec::new();
     let links = ctx
         .lab
         .run(NODE, &["ip", "-o", "link", "show"])?
         .lines()
         .count();
     for _ in 0..n {
-        let t_spawn = Instant::now();
-        let (tracer, took) =
-            shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[ctx.svc(Cond::Other)], &[])?;
-        let pid = tracer.pid();
-        // Done when no link was added for 300 ms (a tcx link takes ~15 ms):
-        // the netfilter backend's 9 netfilter and 3 raw tracepoint links
-        // plus ingress + egress per interface with tc.
-        let mut last = (0, t_spawn);
-        while t_spawn.elapsed() < Duration::from_secs(60) {
-            let now = bpf_links(pid);
-            if now != last.0 {
-                last = (now, Instant::now());
-            } else if now >= 12 && last.1.elapsed() >= Duration::from_millis(300) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(2));
+        if let Some((bin, _)) = &ctx.opts.baseline {
+            baseline_start.push(startup_once(ctx, bin)?.0);
         }
-        full.push(last.1.duration_since(t_spawn).as_secs_f64() * 1e3);
-        std::thread::sleep(Duration::from_millis(200));
-        tracer.terminate();
-        let t0 = Instant::now();
-        // Exited = a zombie (or reaped); polled finely, Nattrace::wait polls at 20 ms.
-        while t0.elapsed() < Duration::from_secs(30) {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            if stat.is_empty() || stat.rsplit(") ").next().is_some_and(|s| s.starts_with('Z')) {
-                break;
-            }
-            std::thread::sleep(Duration::from_micros(500));
-        }
-        detach.push(t0.elapsed().as_secs_f64() * 1e3);
-        start.push(took.as_secs_f64() * 1e3);
-        shared::stop_nattrace(tracer)?;
+        let (s, f, d) = startup_once(ctx, &ctx.opts.nattrace)?;
+        start.push(s);
+        full.push(f);
+        detach.push(d);
     }
+    let ms = |v: &[f64]| v.iter().map(|v| v.round()).collect::<Vec<_>>();
     say(&format!(
-        "startup on {links} interfaces: start {:?} ms, all tc links {:?} ms, detach {:?} ms",
-        start.iter().map(|v| v.round()).collect::<Vec<_>>(),
-        full.iter().map(|v| v.round()).collect::<Vec<_>>(),
-        detach.iter().map(|v| v.round()).collect::<Vec<_>>()
+        "startup on {links} interfaces: start {:?} ms, all tc links {:?} ms, detach {:?} ms{}",
+        ms(&start),
+        ms(&full),
+        ms(&detach),
+        if baseline_start.is_empty() {
+            String::new()
+        } else {
+            format!("; baseline start {:?} ms", ms(&baseline_start))
+        }
     ));
     Ok(StartupResults {
         pods: 0,
@@ -478,7 +461,43 @@ fn startup_runs(ctx: &Ctx, n: usize) -> anyhow::Result<StartupResults> {
         start_ms: start,
         full_ms: full,
         detach_ms: detach,
+        baseline_start_ms: baseline_start,
     })
+}
+
+/// One start of `bin`: (spawn → first line, spawn → last tc link, SIGTERM → exit) in ms.
+fn startup_once(ctx: &Ctx, bin: &Path) -> anyhow::Result<(f64, f64, f64)> {
+    let t_spawn = Instant::now();
+    let (tracer, took) = shared::start_nattrace(bin, ctx.lab, &[ctx.svc(Cond::Other)], &[])?;
+    let pid = tracer.pid();
+    // Done when no link was added for 300 ms (a tcx link takes ~15 ms):
+    // the netfilter backend's 9 netfilter and 3 raw tracepoint links
+    // plus ingress + egress per interface with tc.
+    let mut last = (0, t_spawn);
+    while t_spawn.elapsed() < Duration::from_secs(60) {
+        let now = bpf_links(pid);
+        if now != last.0 {
+            last = (now, Instant::now());
+        } else if now >= 12 && last.1.elapsed() >= Duration::from_millis(300) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let full = last.1.duration_since(t_spawn).as_secs_f64() * 1e3;
+    std::thread::sleep(Duration::from_millis(200));
+    tracer.terminate();
+    let t0 = Instant::now();
+    // Exited = a zombie (or reaped); polled finely, Nattrace::wait polls at 20 ms.
+    while t0.elapsed() < Duration::from_secs(30) {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        if stat.is_empty() || stat.rsplit(") ").next().is_some_and(|s| s.starts_with('Z')) {
+            break;
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    let detach = t0.elapsed().as_secs_f64() * 1e3;
+    shared::stop_nattrace(tracer)?;
+    Ok((took.as_secs_f64() * 1e3, full, detach))
 }
 
 /// BPF link fds a process holds (tcx, netfilter, raw tracepoint links).

@@ -6,6 +6,8 @@
 //! so this reader only records where each type starts and scans linearly
 //! on lookup. Format: Documentation/bpf/btf.rst in the kernel tree.
 
+use std::{collections::HashMap, sync::OnceLock};
+
 const MAGIC: u16 = 0xeb9f;
 const HEADER_MIN: usize = 24;
 const TYPE_LEN: usize = 12;
@@ -42,6 +44,10 @@ pub struct RawBtf {
     first_id: u32,
     /// String offsets below this belong to the base BTF (split BTF only).
     first_str: usize,
+    /// Struct and union names → index of the first with that name, built
+    /// at the first lookup: one pass instead of one per lookup (start-up
+    /// asks for ~17 members of 7 structs, 24-43 ms as linear scans).
+    composites: OnceLock<HashMap<Box<[u8]>, usize>>,
 }
 
 /// A parsed type record: the fixed 12 bytes plus where its trailing data is.
@@ -113,6 +119,7 @@ impl RawBtf {
             str_len,
             first_id,
             first_str,
+            composites: OnceLock::new(),
         })
     }
 
@@ -193,10 +200,16 @@ impl<'a> View<'a> {
     /// a typedef of the same name).
     pub fn find_composite(&self, name: &str) -> Option<TypeRec<'a>> {
         let btf = self.top();
-        (0..btf.types.len())
-            .map(|i| btf.rec(i))
-            .filter(|t| t.kind == KIND_STRUCT || t.kind == KIND_UNION)
-            .find(|t| self.name(t.name_off) == name.as_bytes())
+        let index = btf.composites.get_or_init(|| {
+            let mut index = HashMap::new();
+            for (i, t) in (0..btf.types.len()).map(|i| (i, btf.rec(i))) {
+                if t.kind == KIND_STRUCT || t.kind == KIND_UNION {
+                    index.entry(self.name(t.name_off).into()).or_insert(i);
+                }
+            }
+            index
+        });
+        index.get(name.as_bytes()).map(|&i| btf.rec(i))
     }
 
     /// Follows typedefs and qualifiers, as C does for member access.

@@ -32,12 +32,17 @@ where
         .map_err(|e| TraceError::Kernel(format!("{name}: {e}")))
 }
 
-/// Loads the plan's netfilter programs (None when it has none). They share
-/// aya's maps, so this runs before the maps are taken out of `ebpf`.
-pub(super) fn load_netfilter_programs(
+/// The plan's netfilter programs being verified on a thread of their own.
+pub(super) type NfLoading = std::thread::JoinHandle<Result<NfPrograms, nf_link::NfLinkError>>;
+
+/// Starts loading the plan's netfilter programs (None when it has none) on
+/// another thread: the kernel's verifier takes most of start-up, and the
+/// other programs load meanwhile (docs/DESIGN.md, "Start-up"). Relocation
+/// reads `ebpf`'s maps, so this runs before the maps are taken out of it.
+pub(super) fn start_netfilter_load(
     ebpf: &Ebpf,
     plan: &[&'static ProgramSpec],
-) -> Result<Option<NfPrograms>, TraceError> {
+) -> Result<Option<NfLoading>, TraceError> {
     let nf_names: Vec<&str> = plan
         .iter()
         .filter(|p| matches!(p.attach, Attach::Netfilter { .. }))
@@ -46,48 +51,113 @@ pub(super) fn load_netfilter_programs(
     if nf_names.is_empty() {
         return Ok(None);
     }
-    NfPrograms::load(OBJECT, ebpf, &nf_names)
-        .map(Some)
-        .map_err(|e| {
-            log::error!("{e}");
-            TraceError::Kernel(e.to_string().lines().next().unwrap_or_default().to_owned())
+    let prepared = nf_link::NfPrepared::new(OBJECT, ebpf, &nf_names).map_err(nf_load_error)?;
+    std::thread::Builder::new()
+        .name("nattrace-nf-load".into())
+        .spawn(move || {
+            let _t = crate::timing::step("netfilter programs: load + verify (own thread)");
+            prepared.load()
         })
+        .map(Some)
+        .map_err(|e| TraceError::Kernel(format!("cannot start a loading thread: {e}")))
+}
+
+/// Waits for [`start_netfilter_load`]'s programs.
+pub(super) fn finish_netfilter_load(
+    loading: Option<NfLoading>,
+) -> Result<Option<NfPrograms>, TraceError> {
+    let Some(loading) = loading else {
+        return Ok(None);
+    };
+    match loading.join() {
+        Ok(result) => result.map(Some).map_err(nf_load_error),
+        Err(_) => Err(TraceError::Kernel(
+            "the thread loading the netfilter programs panicked".into(),
+        )),
+    }
+}
+
+fn nf_load_error(e: nf_link::NfLinkError) -> TraceError {
+    // The verifier log is long: one line for the user, the rest logged.
+    log::error!("{e}");
+    TraceError::Kernel(e.to_string().lines().next().unwrap_or_default().to_owned())
+}
+
+/// Loads the plan's tc programs, which are attached per interface later
+/// (first, so tc can attach while the other programs load).
+pub(super) fn load_tc(
+    ebpf: &mut Ebpf,
+    plan: &[&'static ProgramSpec],
+) -> Result<Vec<TcProgram>, TraceError> {
+    let mut tc_programs = Vec::new();
+    for spec in plan {
+        if let Attach::Tc(attach_type) = spec.attach {
+            let prog: &mut SchedClassifier = program(ebpf, spec.name)?;
+            prog.load().map_err(|e| load_error(spec.name, e))?;
+            tc_programs.push((spec.name, attach_type));
+        }
+    }
+    Ok(tc_programs)
 }
 
 /// Loads and attaches the global programs (raw tracepoints, kprobes: no
-/// namespace switch) and loads the tc programs, which are attached per
-/// interface later. Returns the attached labels and the tc programs.
-pub(super) fn load_global_and_tc(
+/// namespace switch). Returns the attached labels.
+pub(super) fn load_global(
     ebpf: &mut Ebpf,
     plan: &[&'static ProgramSpec],
-) -> Result<(Vec<String>, Vec<TcProgram>), TraceError> {
+) -> Result<Vec<String>, TraceError> {
+    load_in_parallel(ebpf, plan)?;
     let mut attached = Vec::new();
-    let mut tc_programs = Vec::new();
     for spec in plan {
         match spec.attach {
             Attach::RawTracepoint(tp) => {
                 let prog: &mut RawTracePoint = program(ebpf, spec.name)?;
-                prog.load().map_err(|e| load_error(spec.name, e))?;
                 prog.attach(tp).map_err(|e| load_error(spec.name, e))?;
                 attached.push(spec.label.to_owned());
-            }
-            Attach::Tc(attach_type) => {
-                let prog: &mut SchedClassifier = program(ebpf, spec.name)?;
-                prog.load().map_err(|e| load_error(spec.name, e))?;
-                tc_programs.push((spec.name, attach_type));
             }
             Attach::Kprobe { symbol, .. } => {
                 // Global, like the raw tracepoints: no namespace switch.
                 let prog: &mut KProbe = program(ebpf, spec.name)?;
-                prog.load().map_err(|e| load_error(spec.name, e))?;
                 prog.attach(symbol, 0)
                     .map_err(|e| load_error(spec.name, e))?;
                 attached.push(spec.label.to_owned());
             }
-            Attach::Netfilter { .. } => {}
+            Attach::Tc(_) | Attach::Netfilter { .. } => {}
         }
     }
-    Ok((attached, tc_programs))
+    Ok(attached)
+}
+
+/// Loads the plan's raw tracepoint and kprobe programs, each on its own
+/// thread: the kernel verifies them one per CPU (as root no verifier lock
+/// is taken, kernel/bpf/verifier.c bpf_check), beside the netfilter
+/// programs' thread.
+fn load_in_parallel(ebpf: &mut Ebpf, plan: &[&'static ProgramSpec]) -> Result<(), TraceError> {
+    let global: Vec<&str> = plan
+        .iter()
+        .filter(|p| matches!(p.attach, Attach::RawTracepoint(_) | Attach::Kprobe { .. }))
+        .map(|p| p.name)
+        .collect();
+    let programs: Vec<(&str, &mut Program)> = ebpf
+        .programs_mut()
+        .filter(|(name, _)| global.contains(name))
+        .collect();
+    let load = |name: &str, prog: &mut Program| match prog {
+        Program::RawTracePoint(p) => p.load().map_err(|e| load_error(name, e)),
+        Program::KProbe(p) => p.load().map_err(|e| load_error(name, e)),
+        _ => Err(TraceError::Kernel(format!(
+            "{name}: not a raw tracepoint or kprobe"
+        ))),
+    };
+    std::thread::scope(|s| {
+        let threads: Vec<_> = programs
+            .into_iter()
+            .map(|(name, prog)| s.spawn(move || load(name, prog)))
+            .collect();
+        threads
+            .into_iter()
+            .try_for_each(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+    })
 }
 
 /// Attaches the plan's netfilter programs, each at a free priority in its

@@ -9,22 +9,53 @@ use tracer_common::{Config, ServiceKey, proto};
 use super::{OBJECT, TraceError, TraceOptions, kernel_err, services};
 use crate::service::Service;
 
+/// aya's loader, made on a thread of its own while the caller reads the
+/// kernel's BTF: `EbpfLoader::new` parses all of vmlinux's BTF (aya 0.14
+/// bpf.rs, `btf: Btf::from_sys_fs()`), 35-80 ms here, which the programs
+/// (no CO-RE) never use and `load_object` then discards.
+pub(super) fn start_loader() -> std::thread::JoinHandle<EbpfLoader<'static>> {
+    let early = EARLY_LOADER.lock().ok().and_then(|mut l| l.take());
+    early.unwrap_or_else(|| {
+        std::thread::spawn(|| {
+            let _t = crate::timing::step("aya EbpfLoader::new (parses vmlinux BTF, own thread)");
+            EbpfLoader::new()
+        })
+    })
+}
+
+/// A loader started by [`prepare_loader`], taken by the next [`start_loader`].
+static EARLY_LOADER: std::sync::Mutex<Option<std::thread::JoinHandle<EbpfLoader<'static>>>> =
+    std::sync::Mutex::new(None);
+
+/// Starts making aya's loader now, so its BTF parse also overlaps what the
+/// caller does before `Tracer::start` (the leftover cleanup).
+pub fn prepare_loader() {
+    let handle = start_loader();
+    if let Ok(mut early) = EARLY_LOADER.lock() {
+        *early = Some(handle);
+    }
+}
+
 /// Creates nattrace's maps and loads its object, configured for this kernel
 /// and the traced Services.
 pub(super) fn load_object(
+    loader: std::thread::JoinHandle<EbpfLoader<'static>>,
     opts: &TraceOptions,
     offsets: tracer_common::KernelOffsets,
     node_netns: u32,
 ) -> Result<Ebpf, TraceError> {
+    let t = crate::timing::step("waiting for aya's loader");
+    let mut loader = loader.join().unwrap_or_else(|_| EbpfLoader::new());
+    drop(t);
     // No CO-RE in these programs (offsets come from the kernel's BTF, read
-    // by the caller), so aya need not parse it a second time.
-    let mut loader = EbpfLoader::new();
+    // by the caller), so aya's parse of it is dropped unused.
     loader
         .btf(None)
         .map_max_entries("EVENTS", opts.ringbuf_bytes);
     if opts.all_services {
         loader.map_max_entries("SERVICES", services::ALL_SERVICES_ENTRIES);
     }
+    let _t = crate::timing::step("object parse + maps created + CONFIG");
     let mut ebpf = loader
         .load(OBJECT)
         .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;

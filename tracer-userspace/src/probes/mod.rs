@@ -9,6 +9,7 @@ mod kprobes;
 mod load;
 pub mod netns;
 pub mod nf_link;
+mod node;
 pub mod services;
 pub mod table;
 mod tc;
@@ -22,16 +23,17 @@ use aya::{
 use tokio::io::{Interest, unix::AsyncFd};
 use tracer_common::{EndpointKey, EndpointState, PacketEvent, hook, stat};
 
-pub use self::attach::check_load;
+pub use self::{attach::check_load, load::prepare_loader};
 use self::{
     netns::{Netns, NetnsError},
-    table::{Backend, BackendChoice, ChosenPriority, KernelFeatures, ProgramSpec},
+    table::{Backend, BackendChoice, ChosenPriority, KernelFeatures},
     tc::{Synced, TcAttachments},
 };
 use crate::{
     btf::{BtfError, KernelBtf},
     facts::NodeFacts,
     service::Service,
+    timing,
 };
 
 /// How often the reader looks at the ring buffer when the kernel did not wake
@@ -185,10 +187,14 @@ impl Tracer {
         backend_reason: String,
     ) -> Result<Tracer, TraceError> {
         let netns = Netns::open(opts.netns.as_deref())?;
+        let reading_facts = node::start_reading_facts(opts.netns.clone());
+        let loader = load::start_loader();
+        let t = timing::step("kernel BTF: offsets");
         let mut btf = KernelBtf::load()?;
         let offsets = btf.kernel_offsets()?;
+        drop(t);
         log::debug!("kernel {:?}, offsets {offsets:?}", kernel.version);
-        let mut ebpf = load::load_object(opts, offsets, netns.inode)?;
+        let mut ebpf = load::load_object(loader, opts, offsets, netns.inode)?;
 
         let (mut plan, mut skipped) =
             table::plan(backend, kernel, |name| ebpf.program(name).is_some());
@@ -196,8 +202,9 @@ impl Tracer {
             kprobes::resolve(&mut plan, &mut skipped, &mut btf);
         }
 
-        // Netfilter programs share aya's maps, so load them before taking any.
-        let nf_programs = attach::load_netfilter_programs(&ebpf, &plan)?;
+        // Relocated against aya's maps before any is taken; verified by the
+        // kernel on their own thread while the other programs load here.
+        let nf_loading = attach::start_netfilter_load(&ebpf, &plan)?;
 
         let ring =
             RingBuf::try_from(take_map(&mut ebpf, "EVENTS")?).map_err(kernel_err("EVENTS"))?;
@@ -214,25 +221,32 @@ impl Tracer {
             crate::service::traced_ports(&opts.services, None),
         );
 
-        let (attached, tc_programs) = attach::load_global_and_tc(&mut ebpf, &plan)?;
-
+        let tc_programs = attach::load_tc(&mut ebpf, &plan)?;
+        // NATTRACE_FORCE_CLSACT=1 exercises the pre-6.6 path on new kernels (tests).
+        let mut tc = TcAttachments::new(
+            kernel.tcx && std::env::var_os("NATTRACE_FORCE_CLSACT").is_none(),
+            tc_programs,
+        );
+        let (node, pod_veths) = reading_facts
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+        let facts = NodeFacts {
+            netns_inode: netns.inode,
+            netns_name: netns.name.clone(),
+            ..node
+        };
+        let (attached, early) =
+            node::load_global_and_attach_tcx(&mut ebpf, &plan, &mut tc, &facts, &netns, &pod_veths);
+        // On error `tracer` is dropped, which detaches whatever was attached so far.
         let mut tracer = Tracer {
             backend,
             backend_reason,
-            facts: NodeFacts {
-                netns_inode: netns.inode,
-                netns_name: netns.name.clone(),
-                ..Default::default()
-            },
+            facts,
             netns,
             skipped: Vec::new(),
-            attached,
+            attached: Vec::new(),
             priorities: Vec::new(),
-            // NATTRACE_FORCE_CLSACT=1 exercises the pre-6.6 path on new kernels (tests).
-            tc: TcAttachments::new(
-                kernel.tcx && std::env::var_os("NATTRACE_FORCE_CLSACT").is_none(),
-                tc_programs,
-            ),
+            tc,
             nf_links: Vec::new(),
             ring: Some(ring),
             async_ring: None,
@@ -242,9 +256,18 @@ impl Tracer {
             services,
             ebpf,
         };
+        tracer.attached = attached?;
+        let early = early.transpose()?;
+        if let Some(synced) = &early {
+            tracer.note_tc(synced);
+            skipped.extend(synced.failed.iter().cloned());
+        }
+        let t = timing::step("waiting for the netfilter programs");
+        let nf_programs = attach::finish_netfilter_load(nf_loading)?;
+        drop(t);
 
-        // On error `tracer` is dropped, which detaches whatever was attached so far.
-        let synced = tracer.attach_in_node(opts, &plan, nf_programs.as_ref())?;
+        let late_tc = early.is_none().then_some(&pod_veths);
+        let synced = tracer.attach_in_node(opts, &plan, nf_programs.as_ref(), late_tc)?;
         tracer.note_tc(&synced);
         skipped.extend(synced.failed);
         let nf_labels: Vec<String> = tracer
@@ -258,40 +281,6 @@ impl Tracer {
         tracer.skipped = skipped;
         log::debug!("attached: {}", tracer.attached().join("; "));
         Ok(tracer)
-    }
-
-    /// Everything namespace-scoped, in one visit to the traced namespace:
-    /// the node's facts, the netfilter links, tc.
-    fn attach_in_node(
-        &mut self,
-        opts: &TraceOptions,
-        plan: &[&'static ProgramSpec],
-        nf_programs: Option<&nf_link::NfPrograms>,
-    ) -> Result<Synced, TraceError> {
-        let Tracer {
-            netns,
-            facts,
-            tc,
-            nf_links,
-            priorities,
-            ebpf,
-            ..
-        } = self;
-        netns.run(|| -> Result<Synced, TraceError> {
-            let pod_veths = read_facts(facts)?;
-            // Netfilter first: a full priority window ends the attempt (or
-            // switches `auto` to kprobes) before tc touched any interface.
-            if let Some(nf) = nf_programs {
-                attach::attach_netfilter(
-                    nf,
-                    plan,
-                    attach::nf_families(&opts.services),
-                    nf_links,
-                    priorities,
-                )?;
-            }
-            Ok(tc.sync(ebpf, &facts.interfaces, &pod_veths))
-        })?
     }
 
     pub fn facts(&self) -> &NodeFacts {
@@ -575,19 +564,6 @@ fn load_error(name: &str, e: aya::programs::ProgramError) -> TraceError {
 fn take_map(ebpf: &mut Ebpf, name: &str) -> Result<aya::maps::Map, TraceError> {
     ebpf.take_map(name)
         .ok_or_else(|| TraceError::Kernel(format!("map {name} missing from the eBPF object")))
-}
-
-/// Reads the namespace's facts; runs inside it (/proc/sys/net is per thread
-/// netns). Returns its pod veths (for tc).
-fn read_facts(facts: &mut NodeFacts) -> Result<BTreeSet<u32>, TraceError> {
-    let links = netns::list_links()?;
-    facts.interfaces = links.interfaces;
-    facts.bridge_nf_call_iptables =
-        netns::read_sysctl_bool("/proc/sys/net/bridge/bridge-nf-call-iptables");
-    facts.ip_forward = netns::read_sysctl_bool("/proc/sys/net/ipv4/ip_forward");
-    facts.bridge_nf_call_ip6tables =
-        netns::read_sysctl_bool("/proc/sys/net/bridge/bridge-nf-call-ip6tables");
-    Ok(links.pod_veths)
 }
 
 fn drain_ring(ring: &mut RingBuf<MapData>, out: &mut Vec<PacketEvent>, netns_inode: u32) {

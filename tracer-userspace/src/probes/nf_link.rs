@@ -120,38 +120,86 @@ pub(super) fn sys_bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> io::Result<OwnedFd> 
     Ok(unsafe { OwnedFd::from_raw_fd(ret as i32) })
 }
 
-impl NfPrograms {
-    /// Loads `names` from `elf`, sharing the maps of `ebpf` (which must have
-    /// been loaded from the same bytes and still own all its maps).
-    pub fn load(elf: &[u8], ebpf: &Ebpf, names: &[&str]) -> Result<Self, NfLinkError> {
+/// Netfilter programs relocated and ready for `BPF_PROG_LOAD`, with their
+/// own duplicates of the map fds their instructions name: they can be
+/// verified on another thread while the caller goes on (and even drops the
+/// maps) without a closed fd number being reused under them.
+pub struct NfPrepared {
+    programs: Vec<(String, Vec<bpf_insn>)>,
+    _map_fds: Vec<OwnedFd>,
+}
+
+impl NfPrepared {
+    /// Relocates `names` from `elf` against the maps of `ebpf` (which must
+    /// have been loaded from the same bytes and still own all its maps).
+    pub fn new(elf: &[u8], ebpf: &Ebpf, names: &[&str]) -> Result<Self, NfLinkError> {
         let mut obj = aya_obj::Object::parse(elf).map_err(|e| NfLinkError::Parse(e.to_string()))?;
         let obj_maps: HashMap<String, aya_obj::Map> = obj.maps.drain().collect();
+        let mut map_fds = Vec::new();
         let mut fds = Vec::new();
         for name in obj_maps.keys() {
             let fd = ebpf
                 .map(name)
                 .and_then(map_fd)
-                .ok_or_else(|| NfLinkError::NoMap(name.clone()))?;
+                .ok_or_else(|| NfLinkError::NoMap(name.clone()))?
+                .try_clone_to_owned()
+                .map_err(|e| NfLinkError::Relocate(format!("dup of map {name}: {e}")))?;
             fds.push((name.as_str(), fd.as_raw_fd(), &obj_maps[name]));
+            map_fds.push(fd);
         }
         let text_sections: HashSet<usize> = obj.functions.keys().map(|(s, _)| *s).collect();
         obj.relocate_maps(fds.into_iter(), &text_sections)
             .map_err(|e| NfLinkError::Relocate(e.to_string()))?;
         obj.relocate_calls(&text_sections)
             .map_err(|e| NfLinkError::Relocate(e.to_string()))?;
-
-        let license = CString::new("GPL").expect("no NUL");
-        let mut loaded = HashMap::new();
+        let mut programs = Vec::new();
         for &name in names {
             let prog = obj
                 .programs
                 .get(name)
                 .ok_or_else(|| NfLinkError::NoProgram(name.to_owned()))?;
-            let insns = &obj.functions[&prog.function_key()].instructions;
-            let fd = load_one(name, insns, &license)?;
-            loaded.insert(name.to_owned(), fd);
+            let insns = obj.functions[&prog.function_key()].instructions.clone();
+            programs.push((name.to_owned(), insns));
         }
-        Ok(NfPrograms { fds: loaded })
+        Ok(NfPrepared {
+            programs,
+            _map_fds: map_fds,
+        })
+    }
+
+    /// Loads them (the kernel verifies each: most of their cost), half on
+    /// another thread: as root the verifier takes no global lock
+    /// (kernel/bpf/verifier.c bpf_check), so two verify at once.
+    pub fn load(self) -> Result<NfPrograms, NfLinkError> {
+        let license = CString::new("GPL").expect("no NUL");
+        let load_all = |programs: &[(String, Vec<bpf_insn>)]| {
+            programs
+                .iter()
+                .map(|(name, insns)| Ok((name.clone(), load_one(name, insns, &license)?)))
+                .collect::<Result<Vec<_>, NfLinkError>>()
+        };
+        let (first, second) = self.programs.split_at(self.programs.len() / 2);
+        let (a, b) = std::thread::scope(|s| {
+            let other = s.spawn(|| load_all(first));
+            let b = load_all(second);
+            (
+                other
+                    .join()
+                    .unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                b,
+            )
+        });
+        Ok(NfPrograms {
+            fds: a?.into_iter().chain(b?).collect(),
+        })
+    }
+}
+
+impl NfPrograms {
+    /// Loads `names` from `elf`, sharing the maps of `ebpf` (which must have
+    /// been loaded from the same bytes and still own all its maps).
+    pub fn load(elf: &[u8], ebpf: &Ebpf, names: &[&str]) -> Result<Self, NfLinkError> {
+        NfPrepared::new(elf, ebpf, names)?.load()
     }
 
     /// Attaches `name` at `hooknum` (enum nf_inet_hooks) of family `pf`

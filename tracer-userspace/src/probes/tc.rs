@@ -134,6 +134,11 @@ impl TcAttachments {
         self.by_tracepoints
     }
 
+    /// tcx links (kernel >= 6.6), not clsact filters.
+    pub fn is_tcx(&self) -> bool {
+        self.tcx
+    }
+
     pub fn mode(&self) -> &'static str {
         if self.tcx { "tcx" } else { "clsact" }
     }
@@ -217,7 +222,7 @@ impl TcAttachments {
     }
 
     /// Program fds and tcx attach types of our tc programs.
-    fn tcx_programs(&self, ebpf: &Ebpf) -> Result<Vec<(RawFd, bpf_attach_type)>, String> {
+    pub fn tcx_programs(&self, ebpf: &Ebpf) -> Result<Vec<(RawFd, bpf_attach_type)>, String> {
         let mut programs = Vec::new();
         for &(name, attach_type) in &self.programs {
             let prog: &SchedClassifier = ebpf
@@ -296,10 +301,60 @@ impl TcAttachments {
         pod_veths: &BTreeSet<u32>,
     ) -> Synced {
         let mut out = Synced::default();
-        self.forget_gone(ifaces, &mut out);
+        let Some(todo) = self.todo(ifaces, pod_veths, &mut out) else {
+            return out;
+        };
+        if !self.tcx {
+            if let Err(reason) = self.claim_programs(ebpf) {
+                out.failed.extend(todo.iter().map(|i| Skipped {
+                    program: format!("tc on {}", i.name),
+                    reason: reason.clone(),
+                }));
+                return out;
+            }
+            self.attach_clsact_all(ebpf, todo, &mut out);
+            return out;
+        }
+        match self.tcx_programs(ebpf) {
+            Ok(programs) => self.attach_tcx_todo(programs, todo, &mut out),
+            Err(reason) => out.failed.extend(todo.iter().map(|i| Skipped {
+                program: format!("tc on {}", i.name),
+                reason: reason.clone(),
+            })),
+        }
+        out
+    }
+
+    /// [`sync`](Self::sync) in tcx mode with the program fds taken before
+    /// ([`tcx_programs`](Self::tcx_programs)), so it needs no `Ebpf` and can
+    /// run while other programs still load (`Tracer::start`). The fds must
+    /// stay open until this returns and, with many interfaces, until
+    /// [`collect`](Self::collect) has the background attach's results.
+    pub fn sync_tcx(
+        &mut self,
+        programs: Vec<(RawFd, bpf_attach_type)>,
+        ifaces: &[Interface],
+        pod_veths: &BTreeSet<u32>,
+    ) -> Synced {
+        let mut out = Synced::default();
+        if let Some(todo) = self.todo(ifaces, pod_veths, &mut out) {
+            self.attach_tcx_todo(programs, todo, &mut out);
+        }
+        out
+    }
+
+    /// The interfaces to attach now (None: nothing to do), after forgetting
+    /// the gone ones and counting those left to the device tracepoints.
+    fn todo(
+        &mut self,
+        ifaces: &[Interface],
+        pod_veths: &BTreeSet<u32>,
+        out: &mut Synced,
+    ) -> Option<Vec<Interface>> {
+        self.forget_gone(ifaces, out);
         if self.pending.is_some() {
             // Picked up by a later sync, once the background attach is done.
-            return out;
+            return None;
         }
         let skip_pods = ifaces.len() > self.pods_over;
         let left_to_tracepoints = |i: &Interface| skip_pods && pod_veths.contains(&i.ifindex);
@@ -312,37 +367,21 @@ impl TcAttachments {
             .filter(|i| !self.ifaces.contains_key(&i.ifindex) && !left_to_tracepoints(i))
             .cloned()
             .collect();
-        if todo.is_empty() {
-            return out;
-        }
-        if !self.tcx {
-            if let Err(reason) = self.claim_programs(ebpf) {
-                out.failed.extend(todo.iter().map(|i| Skipped {
-                    program: format!("tc on {}", i.name),
-                    reason: reason.clone(),
-                }));
-                return out;
-            }
-            self.attach_clsact_all(ebpf, todo, &mut out);
-            return out;
-        }
-        let programs = match self.tcx_programs(ebpf) {
-            Ok(p) => p,
-            Err(reason) => {
-                out.failed.extend(todo.iter().map(|i| Skipped {
-                    program: format!("tc on {}", i.name),
-                    reason: reason.clone(),
-                }));
-                return out;
-            }
-        };
+        (!todo.is_empty()).then_some(todo)
+    }
+
+    fn attach_tcx_todo(
+        &mut self,
+        programs: Vec<(RawFd, bpf_attach_type)>,
+        todo: Vec<Interface>,
+        out: &mut Synced,
+    ) {
         if todo.len() <= INLINE_MAX {
             let results = attach_tcx(&programs, todo, &AtomicBool::new(false));
-            self.keep(results, &mut out);
-            return out;
+            self.keep(results, out);
+            return;
         }
-        self.attach_tcx_in_background(programs, todo, &mut out);
-        out
+        self.attach_tcx_in_background(programs, todo, out);
     }
 
     /// Forgets the interfaces no longer in `ifaces`.

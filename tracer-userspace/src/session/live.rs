@@ -7,7 +7,7 @@ use tokio::signal::unix::Signal;
 use tracer_common::PacketEvent;
 
 use super::{
-    SessionError, SessionOptions, Stop, finish, header, push, second_signal,
+    SessionError, SessionOptions, Stop, finish, header, push, second_signal, start_gathering,
     steps::{
         detach, drain_outputs, interface_names, on_tick, open_output_files, open_outputs,
         release_deleted_netns, remove_leftovers, say_start_notes, until,
@@ -20,6 +20,7 @@ use crate::{
     output::sink::{Outcome, Outputs},
     probes::{TraceOptions, Tracer, ifnames::IfNameResolver},
     recording::RecordingWriter,
+    timing,
 };
 
 /// Everything a running session holds between its phases.
@@ -42,7 +43,13 @@ impl Live {
         let (record_file, pcap_file) = open_output_files(options)?;
         let mut continuous = Continuous::bind(&options.continuous, &options.services)
             .map_err(SessionError::CreateOutput)?;
-        remove_leftovers(options.netns.as_deref(), &mut notices);
+        let gathering = start_gathering(options);
+        crate::probes::prepare_loader();
+        {
+            let _t = timing::step("leftover cleanup");
+            remove_leftovers(options.netns.as_deref(), &mut notices);
+        }
+        let _t = timing::step("Tracer::start");
         let mut tracer = Tracer::start(&TraceOptions {
             services: options.services.clone(),
             netns: options.netns.clone(),
@@ -50,10 +57,15 @@ impl Live {
             backend: options.backend,
             all_services: options.continuous.all_services,
         })?;
+        drop(_t);
         let watch = NetnsWatch::new(options.netns.as_deref());
         say_start_notes(&tracer, &mut notices);
-        let header = header(options, &tracer);
+        let header = {
+            let _t = timing::step("header (waits for doctor's facts)");
+            header(options, &tracer, gathering)
+        };
         let (recorder, outputs) = open_outputs(options, &header, record_file, pcap_file)?;
+        timing::mark("start line queued");
         let collector = Collector::new(header.collector_config()?);
         for line in continuous.start(options.netns.as_deref(), &mut tracer, &header) {
             notices.say(line);
