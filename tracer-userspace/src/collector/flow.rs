@@ -140,6 +140,10 @@ impl Flow {
         &self.pairs[..self.npairs as usize]
     }
 
+    pub fn pair(&self, i: usize) -> Option<PairKey> {
+        self.pairs().get(i).copied()
+    }
+
     pub fn packet_obs(&self, packet: u8) -> impl Iterator<Item = &Obs> + '_ {
         self.obs.iter().filter(move |o| o.packet == packet)
     }
