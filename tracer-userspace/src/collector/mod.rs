@@ -40,6 +40,8 @@ mod tests_scenarios;
 #[cfg(test)]
 pub(crate) mod tests_stale;
 #[cfg(test)]
+mod tests_store;
+#[cfg(test)]
 mod tests_tracepoints;
 #[cfg(test)]
 mod tests_watch;
@@ -479,7 +481,7 @@ impl Collector {
             return;
         };
         let added = flow.add_event(ev, key, &ctx);
-        let pair_idx = flow.pairs().len() - 1;
+        let pair_idx = flow.pair_count() - 1;
         if added.duplicate {
             self.summary.duplicate_events += 1;
         }
@@ -508,7 +510,7 @@ impl Collector {
             self.evict_oldest(ev.ts_ns);
         }
         let flow = Flow::new(ev);
-        let pair = flow.pairs()[0];
+        let pair = PairKey::of(ev);
         let idx = match self.free.pop() {
             Some(i) => i,
             None => self.slots.push(),
@@ -540,8 +542,8 @@ impl Collector {
         slot.generation = slot.generation.wrapping_add(1);
         self.free.push(r.idx);
         self.live -= 1;
-        for (i, p) in flow.pairs().iter().enumerate() {
-            self.pairs.remove(p, r.idx, i);
+        for (i, p) in flow.pairs().enumerate() {
+            self.pairs.remove(&p, r.idx, i);
         }
     }
 
