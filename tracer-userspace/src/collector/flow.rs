@@ -150,8 +150,18 @@ impl Flow {
             truncated: false,
             evicted: false,
             packets: Vec::with_capacity(4),
-            obs: Vec::with_capacity(24),
+            // Grown as needed (4, 8, 16, ...): a healthy flow whose hops the
+            // kernel buffers sends 2 events, a full path ~32.
+            obs: Vec::new(),
         }
+    }
+
+    /// Heap bytes of the flow's evidence and extra endpoints.
+    pub fn heap_bytes(&self) -> usize {
+        use std::mem::size_of;
+        self.packets.capacity() * size_of::<Packet>()
+            + self.obs.capacity() * size_of::<Obs>()
+            + self.extra.len() * size_of::<Endpoint>()
     }
 
     pub fn pair_count(&self) -> usize {
