@@ -111,8 +111,8 @@ pub(crate) struct Flow {
     pairs: [(End, End); MAX_PAIRS],
     npairs: u8,
     /// Endpoints of pairs that hold no role of the flow (rare: a second
-    /// SNAT, a reply from elsewhere). Empty allocates nothing.
-    extra: Box<[Endpoint]>,
+    /// SNAT, a reply from elsewhere). Boxed: 8 bytes in every flow.
+    extra: Option<Box<Vec<Endpoint>>>,
     pub client_reply: Option<ClientReply>,
     pub reported: bool,
     /// Evidence hit the per-flow caps; later packets were not recorded.
@@ -144,7 +144,7 @@ impl Flow {
             seen_in_node: false,
             pairs: [(End::Client, End::Service); MAX_PAIRS],
             npairs: 1,
-            extra: Box::default(),
+            extra: None,
             client_reply: None,
             reported: false,
             truncated: false,
@@ -161,7 +161,9 @@ impl Flow {
         use std::mem::size_of;
         self.packets.capacity() * size_of::<Packet>()
             + self.obs.capacity() * size_of::<Obs>()
-            + self.extra.len() * size_of::<Endpoint>()
+            + self.extra.as_ref().map_or(0, |v| {
+                size_of::<Vec<Endpoint>>() + v.capacity() * size_of::<Endpoint>()
+            })
     }
 
     pub fn pair_count(&self) -> usize {
@@ -184,7 +186,11 @@ impl Flow {
             // Set once, before any pair names it (`end_of`).
             End::Backend => self.backend.unwrap_or_default(),
             End::Snat => self.snat.unwrap_or_default(),
-            End::Extra(i) => self.extra.get(i as usize).copied().unwrap_or_default(),
+            End::Extra(i) => self
+                .extra
+                .as_ref()
+                .and_then(|v| v.get(i as usize).copied())
+                .unwrap_or_default(),
         }
     }
 
@@ -198,13 +204,16 @@ impl Flow {
             End::Backend
         } else if Some(ep) == self.snat {
             End::Snat
-        } else if let Some(i) = self.extra.iter().position(|&e| e == ep) {
-            End::Extra(i as u8)
         } else {
-            let mut extra = std::mem::take(&mut self.extra).into_vec();
-            extra.push(ep);
-            self.extra = extra.into_boxed_slice();
-            End::Extra((self.extra.len() - 1) as u8)
+            let extra = self.extra.get_or_insert_with(Box::default);
+            let i = match extra.iter().position(|&e| e == ep) {
+                Some(i) => i,
+                None => {
+                    extra.push(ep);
+                    extra.len() - 1
+                }
+            };
+            End::Extra(i as u8)
         }
     }
 

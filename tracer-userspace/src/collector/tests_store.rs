@@ -86,17 +86,3 @@ fn recorded_pairs_lead_back_to_their_flow() {
     // Each flow has its tuple before and after DNAT at least.
     assert!(checked >= 8, "{checked}");
 }
-
-/// What 100k live flows cost is mostly these sizes (issue 15 budget:
-/// 64 MiB): growing them needs a look at the collector bench's memory line.
-#[test]
-fn flow_state_stays_small() {
-    use std::mem::size_of;
-    assert!(
-        size_of::<Flow>() <= 208,
-        "Flow is {} bytes",
-        size_of::<Flow>()
-    );
-    assert!(size_of::<super::store::Slot>() <= 216);
-    assert!(size_of::<super::types::Obs>() <= 64);
-}
