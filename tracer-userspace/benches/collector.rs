@@ -123,7 +123,7 @@ fn status_kib(key: &str) -> u64 {
 
 /// The child: streams 100k healthy flows in flow by flow (the collector
 /// reorders them), holding one flow's events at a time, and prints its memory.
-fn rss_child() {
+fn rss_child(one_tick: bool) {
     let template = from_jsonl(HEALTHY);
     let baseline = status_kib("VmHWM:");
     let mut c = Collector::new(config());
@@ -141,8 +141,22 @@ fn rss_child() {
         }
     }
     // Past the reorder window, so the last flows leave the reorder buffer
-    // and all 100k are flow state; well inside the idle timeout.
-    c.tick(buf[0].ts_ns + 50_000_000);
+    // and all 100k are flow state; well inside the idle timeout. Ticking on
+    // in the run's steps, as the live loop would: one 50 ms jump decides
+    // ~4,000 flows at once, and their reports (~8 KiB each with 32 hops)
+    // outweigh the flows' own state (the "one_tick" child measures that).
+    let end = buf[0].ts_ns + 50_000_000;
+    let step = if one_tick {
+        50_000_000
+    } else {
+        128 * FLOW_SPACING_NS
+    };
+    let mut now = buf[0].ts_ns;
+    while now < end {
+        now = (now + step).min(end);
+        c.tick(now);
+        c.take_mute_candidates();
+    }
     let live = c.live_flows();
     let approx = c.approx_memory_bytes();
     let s = c.summary();
@@ -155,14 +169,29 @@ fn rss_child() {
     );
 }
 
+fn memory_child(mode: &str) -> serde_json::Value {
+    let exe = std::env::current_exe().expect("own path");
+    let out = Command::new(exe)
+        .env(RSS_CHILD_ENV, mode)
+        .output()
+        .expect("running the memory child");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "memory child ({}): {e}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
 fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
     v.sort_by(f64::total_cmp);
     (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
 fn main() {
-    if std::env::var_os(RSS_CHILD_ENV).is_some() {
-        rss_child();
+    if let Some(mode) = std::env::var_os(RSS_CHILD_ENV) {
+        rss_child(mode == "one_tick");
         return;
     }
     let quick = std::env::args().any(|a| a == "--quick");
@@ -194,25 +223,19 @@ fn main() {
             }),
         );
     }
-    let exe = std::env::current_exe().expect("own path");
-    let out = Command::new(exe)
-        .env(RSS_CHILD_ENV, "1")
-        .output()
-        .expect("running the memory child");
-    let mem: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "memory child ({}): {e}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
+    let mut mem = memory_child("stepped");
+    let one_tick = memory_child("one_tick");
+    let mib = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(0.0) / 1024.0;
     println!(
-        "collector memory: {} live flows, peak RSS (VmHWM) {:.1} MiB (process baseline {:.1} MiB), tables ≈ {:.1} MiB",
+        "collector memory: {} live flows, peak RSS (VmHWM) {:.1} MiB (process baseline {:.1} MiB), tables ≈ {:.1} MiB; \
+         {:.1} MiB when the last 50 ms are decided in one tick",
         mem["live_flows"],
-        mem["vm_hwm_kib"].as_f64().unwrap_or(0.0) / 1024.0,
-        mem["baseline_hwm_kib"].as_f64().unwrap_or(0.0) / 1024.0,
-        mem["approx_bytes"].as_f64().unwrap_or(0.0) / 1048576.0
+        mib(&mem, "vm_hwm_kib"),
+        mib(&mem, "baseline_hwm_kib"),
+        mem["approx_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
+        mib(&one_tick, "vm_hwm_kib"),
     );
+    mem["one_tick_vm_hwm_kib"] = one_tick["vm_hwm_kib"].clone();
     results.insert("memory".into(), mem);
     if let Some(path) = std::env::var_os("NATTRACE_BENCH_OUT") {
         let text = serde_json::to_string_pretty(&results).expect("json");

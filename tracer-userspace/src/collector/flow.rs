@@ -37,6 +37,18 @@ impl FlowCtx<'_> {
     }
 }
 
+/// Which of the flow's endpoints one end of a pair is. backend and snat
+/// are set once, so what an `End` names never changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    Client,
+    Service,
+    Backend,
+    Snat,
+    /// `Flow::extra[i]`: at most two per pair.
+    Extra(u8),
+}
+
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Packet {
     pub key: PacketKey,
@@ -93,8 +105,18 @@ pub(crate) struct Flow {
     /// Raw tracepoints see every namespace of the kernel: a flow that never
     /// touched the traced node (another node on the same kernel) is foreign.
     pub seen_in_node: bool,
-    pub pairs: [PairKey; MAX_PAIRS],
-    pub npairs: u8,
+    /// Tuples seen, as the roles of their two ends (see [`Ends`]): a pair's
+    /// endpoints are the flow's own, so storing them again would cost
+    /// 4 × 42 bytes a flow.
+    pairs: [(End, End); MAX_PAIRS],
+    npairs: u8,
+    /// Endpoints of pairs that hold no role of the flow (rare: a second
+    /// SNAT, a reply from elsewhere). Boxed: 8 bytes in every flow.
+    #[expect(
+        clippy::box_collection,
+        reason = "8 bytes in every flow instead of a Vec's 24, for what few flows have"
+    )]
+    extra: Option<Box<Vec<Endpoint>>>,
     pub client_reply: Option<ClientReply>,
     pub reported: bool,
     /// Evidence hit the per-flow caps; later packets were not recorded.
@@ -110,7 +132,6 @@ impl Flow {
         let client = Endpoint::src(ev);
         let service = Endpoint::dst(ev);
         let syn = ev.proto == proto::TCP && ev.tcp_flags & tcp_flags::SYN != 0;
-        let first = PairKey::new(ev.proto, client, service);
         Self {
             proto: ev.proto,
             client,
@@ -125,19 +146,79 @@ impl Flow {
             client_local: false,
             client_rst: false,
             seen_in_node: false,
-            pairs: [first; MAX_PAIRS],
+            pairs: [(End::Client, End::Service); MAX_PAIRS],
             npairs: 1,
+            extra: None,
             client_reply: None,
             reported: false,
             truncated: false,
             evicted: false,
             packets: Vec::with_capacity(4),
-            obs: Vec::with_capacity(24),
+            // Grown as needed (4, 8, 16, ...): a healthy flow whose hops the
+            // kernel buffers sends 2 events, a full path ~32.
+            obs: Vec::new(),
         }
     }
 
-    pub fn pairs(&self) -> &[PairKey] {
-        &self.pairs[..self.npairs as usize]
+    /// Heap bytes of the flow's evidence and extra endpoints.
+    pub fn heap_bytes(&self) -> usize {
+        use std::mem::size_of;
+        self.packets.capacity() * size_of::<Packet>()
+            + self.obs.capacity() * size_of::<Obs>()
+            + self.extra.as_ref().map_or(0, |v| {
+                size_of::<Vec<Endpoint>>() + v.capacity() * size_of::<Endpoint>()
+            })
+    }
+
+    pub fn pair_count(&self) -> usize {
+        self.npairs as usize
+    }
+
+    pub fn pairs(&self) -> impl Iterator<Item = PairKey> + '_ {
+        (0..self.pair_count()).filter_map(|i| self.pair(i))
+    }
+
+    pub fn pair(&self, i: usize) -> Option<PairKey> {
+        let &(a, b) = self.pairs[..self.pair_count()].get(i)?;
+        Some(PairKey::new(self.proto, self.end(a), self.end(b)))
+    }
+
+    fn end(&self, e: End) -> Endpoint {
+        match e {
+            End::Client => self.client,
+            End::Service => self.service,
+            // Set once, before any pair names it (`end_of`).
+            End::Backend => self.backend.unwrap_or_default(),
+            End::Snat => self.snat.unwrap_or_default(),
+            End::Extra(i) => self
+                .extra
+                .as_ref()
+                .and_then(|v| v.get(i as usize).copied())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// The role of `ep` in this flow, adding it to the extra endpoints if it has none.
+    fn end_of(&mut self, ep: Endpoint) -> End {
+        if ep == self.client {
+            End::Client
+        } else if ep == self.service {
+            End::Service
+        } else if Some(ep) == self.backend {
+            End::Backend
+        } else if Some(ep) == self.snat {
+            End::Snat
+        } else {
+            let extra = self.extra.get_or_insert_with(Box::default);
+            let i = match extra.iter().position(|&e| e == ep) {
+                Some(i) => i,
+                None => {
+                    extra.push(ep);
+                    extra.len() - 1
+                }
+            };
+            End::Extra(i as u8)
+        }
     }
 
     pub fn packet_obs(&self, packet: u8) -> impl Iterator<Item = &Obs> + '_ {
@@ -196,8 +277,10 @@ impl Flow {
         }
         self.obs.push(obs);
         let pair = PairKey::new(self.proto, obs.src, obs.dst);
-        if !self.pairs().contains(&pair) && (self.npairs as usize) < MAX_PAIRS {
-            self.pairs[self.npairs as usize] = pair;
+        if self.pair_count() < MAX_PAIRS && !self.pairs().any(|p| p == pair) {
+            // backend and snat are learned above, before the pair names them.
+            let ends = (self.end_of(obs.src), self.end_of(obs.dst));
+            self.pairs[self.pair_count()] = ends;
             self.npairs += 1;
             out.new_pair = Some(pair);
         }

@@ -16,6 +16,7 @@ mod ip6_rules;
 mod path_rules;
 mod report;
 mod rules;
+mod store;
 mod summary;
 mod types;
 mod verdict;
@@ -38,6 +39,8 @@ mod tests_routed;
 mod tests_scenarios;
 #[cfg(test)]
 pub(crate) mod tests_stale;
+#[cfg(test)]
+mod tests_store;
 #[cfg(test)]
 mod tests_tracepoints;
 #[cfg(test)]
@@ -63,6 +66,7 @@ use self::{
     flow::{Flow, FlowCtx},
     ifnames::IfNames,
     report::{Decision, ReportCtx},
+    store::{FlowRef, PairIndex, Slots},
     types::{PacketKey, PairKey},
 };
 use crate::{
@@ -129,17 +133,6 @@ impl Default for CollectorConfig {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct FlowRef {
-    idx: u32,
-    generation: u32,
-}
-
-struct Slot {
-    generation: u32,
-    flow: Option<Flow>,
-}
-
 /// The skb address is what links a packet's events across a NAT rewrite.
 #[derive(Clone, Copy)]
 struct SkbEntry {
@@ -167,10 +160,10 @@ pub struct Collector {
     watermark: u64,
     /// Every event at or before this has been processed.
     horizon: u64,
-    slots: Vec<Slot>,
+    slots: Slots,
     free: Vec<u32>,
     live: usize,
-    pairs: HashMap<PairKey, FlowRef>,
+    pairs: PairIndex,
     skbs: HashMap<u64, SkbEntry>,
     last_skb_purge: u64,
     decide_q: VecDeque<(u64, FlowRef)>,
@@ -200,10 +193,10 @@ impl Collector {
             pending: VecDeque::new(),
             watermark: 0,
             horizon: 0,
-            slots: Vec::new(),
+            slots: Slots::default(),
             free: Vec::new(),
             live: 0,
-            pairs: HashMap::new(),
+            pairs: PairIndex::default(),
             skbs: HashMap::new(),
             last_skb_purge: 0,
             decide_q: VecDeque::new(),
@@ -332,23 +325,21 @@ impl Collector {
     }
 
     /// Heap bytes held by the collector's tables (allocator overhead aside),
-    /// for the memory budget benchmark.
+    /// for the memory budget benchmark. Not counted: reports decided and
+    /// not yet handed out by `tick` (~6 KiB each for a 32-event flow).
     pub fn approx_memory_bytes(&self) -> usize {
         use std::mem::size_of;
         let evidence: usize = self
             .slots
             .iter()
             .filter_map(|s| s.flow.as_ref())
-            .map(|f| {
-                f.packets.capacity() * size_of::<flow::Packet>()
-                    + f.obs.capacity() * size_of::<types::Obs>()
-            })
+            .map(Flow::heap_bytes)
             .sum();
         // hashbrown: one control byte per bucket, buckets ≈ capacity * 8 / 7.
         let table = |cap: usize, entry: usize| cap * 8 / 7 * (entry + 1);
-        self.slots.capacity() * size_of::<Slot>()
+        self.slots.heap_bytes()
             + evidence
-            + table(self.pairs.capacity(), size_of::<(PairKey, FlowRef)>())
+            + self.pairs.heap_bytes()
             + table(self.skbs.capacity(), size_of::<(u64, SkbEntry)>())
             + self.pending.capacity() * size_of::<PacketEvent>()
             + (self.decide_q.capacity() + self.timeout_q.capacity()) * size_of::<(u64, FlowRef)>()
@@ -411,16 +402,11 @@ impl Collector {
     }
 
     fn flow(&self, r: FlowRef) -> Option<&Flow> {
-        let s = self.slots.get(r.idx as usize)?;
-        if s.generation == r.generation {
-            s.flow.as_ref()
-        } else {
-            None
-        }
+        self.slots.flow(r)
     }
 
     fn flow_mut(&mut self, r: FlowRef) -> Option<&mut Flow> {
-        let s = self.slots.get_mut(r.idx as usize)?;
+        let s = self.slots.get_mut(r.idx)?;
         if s.generation == r.generation {
             s.flow.as_mut()
         } else {
@@ -452,9 +438,11 @@ impl Collector {
         if found.is_none() {
             found = self
                 .pairs
-                .get(&PairKey::of(ev))
-                .copied()
-                .filter(|&r| self.flow(r).is_some());
+                .get(&PairKey::of(ev), &self.slots)
+                .and_then(|idx| {
+                    let generation = self.slots.get(idx)?.generation;
+                    Some(FlowRef { idx, generation })
+                });
         }
         let syn_only = ev.proto == proto::TCP
             && ev.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN;
@@ -484,18 +472,19 @@ impl Collector {
             max_obs: self.cfg.max_events_per_flow,
             known: &self.known,
         };
-        let Some(slot) = self.slots.get_mut(r.idx as usize) else {
+        let Some(slot) = self.slots.get_mut(r.idx) else {
             return;
         };
         let Some(flow) = slot.flow.as_mut() else {
             return;
         };
         let added = flow.add_event(ev, key, &ctx);
+        let pair_idx = flow.pair_count() - 1;
         if added.duplicate {
             self.summary.duplicate_events += 1;
         }
         if let Some(p) = added.new_pair {
-            self.pairs.insert(p, r);
+            self.pairs.insert(&p, r.idx, pair_idx, &self.slots);
         }
         if let Some((skb, key)) = added.new_packet
             && skb != 0
@@ -515,29 +504,25 @@ impl Collector {
     }
 
     fn create(&mut self, ev: &PacketEvent) -> FlowRef {
-        if self.live >= self.cfg.max_live_flows.max(1) {
+        if self.live >= self.cfg.max_live_flows.clamp(1, store::MAX_SLOTS) {
             self.evict_oldest(ev.ts_ns);
         }
         let flow = Flow::new(ev);
-        let pair = flow.pairs[0];
+        let pair = PairKey::of(ev);
         let idx = match self.free.pop() {
             Some(i) => i,
-            None => {
-                self.slots.push(Slot {
-                    generation: 0,
-                    flow: None,
-                });
-                (self.slots.len() - 1) as u32
-            }
+            None => self.slots.push(),
         };
-        let slot = &mut self.slots[idx as usize];
+        let Some(slot) = self.slots.get_mut(idx) else {
+            unreachable!("slot {idx} was just allocated");
+        };
         slot.flow = Some(flow);
         let r = FlowRef {
             idx,
             generation: slot.generation,
         };
         self.live += 1;
-        self.pairs.insert(pair, r);
+        self.pairs.insert(&pair, idx, 0, &self.slots);
         self.timeout_q
             .push_back((ev.ts_ns + self.cfg.reply_timeout_ns, r));
         self.age_q.push_back(r);
@@ -545,7 +530,7 @@ impl Collector {
     }
 
     fn remove(&mut self, r: FlowRef) {
-        let Some(slot) = self.slots.get_mut(r.idx as usize) else {
+        let Some(slot) = self.slots.get_mut(r.idx) else {
             return;
         };
         if slot.generation != r.generation {
@@ -555,10 +540,8 @@ impl Collector {
         slot.generation = slot.generation.wrapping_add(1);
         self.free.push(r.idx);
         self.live -= 1;
-        for p in flow.pairs() {
-            if self.pairs.get(p) == Some(&r) {
-                self.pairs.remove(p);
-            }
+        for (i, p) in flow.pairs().enumerate() {
+            self.pairs.remove(&p, r.idx, i);
         }
     }
 

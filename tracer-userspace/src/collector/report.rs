@@ -495,10 +495,17 @@ fn reverse_nat_point(flow: &Flow, packet: u8) -> Option<&'static str> {
 
 fn evidence(flow: &Flow, ctx: &ReportCtx<'_>) -> Vec<PacketEvidence> {
     let client_obs = flow.client_reply.map(|r| r.obs as usize);
+    // Exact sizes: a tick can hold thousands of reports at once, and
+    // pushing hops one by one leaves a third of them unused.
+    let mut hop_counts = vec![0usize; flow.packets.len()];
+    for o in &flow.obs {
+        hop_counts[o.packet as usize] += 1;
+    }
     let mut packets: Vec<PacketEvidence> = flow
         .packets
         .iter()
-        .map(|p| PacketEvidence {
+        .zip(hop_counts)
+        .map(|(p, hops)| PacketEvidence {
             kind: packet_kind(p.key.proto, p.key.tcp_flags, p.dir),
             dir: p.dir,
             tcp_flags: p.key.tcp_flags,
@@ -506,7 +513,7 @@ fn evidence(flow: &Flow, ctx: &ReportCtx<'_>) -> Vec<PacketEvidence> {
             ack: p.key.ack,
             ip_id: p.key.ip_id,
             dns_id: None,
-            hops: Vec::new(),
+            hops: Vec::with_capacity(hops),
         })
         .collect();
     for (i, o) in flow.obs.iter().enumerate() {
