@@ -27,6 +27,8 @@ pub mod testing;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_buffered;
+#[cfg(test)]
 mod tests_ipv6;
 #[cfg(test)]
 mod tests_paths;
@@ -48,7 +50,7 @@ use std::{
     collections::{BinaryHeap, HashMap, VecDeque},
 };
 
-use tracer_common::{EndpointKey, PacketEvent, proto, tcp_flags};
+use tracer_common::{EndpointKey, PacketEvent, event_flags, proto, tcp_flags};
 
 pub use self::{
     causes::{Cause, CauseId, markdown_table},
@@ -152,6 +154,14 @@ struct SkbEntry {
 const EVICT_SCAN_PER_TICK: usize = 4096;
 /// Loss windows kept for the incomplete check.
 const MAX_LOSS_WINDOWS: usize = 256;
+/// A held flow is pulled this long before its reply deadline: more than a
+/// tick of the live session (200 ms), so its events are in before the
+/// collector's clock reaches the deadline; less than the kernel's
+/// PULL_AHEAD_NS (500 ms), past which the kernel sends a late reply's buffer.
+pub const PULL_AHEAD_NS: u64 = 400 * MS;
+/// Events that were held in the kernel: older than the events around them
+/// by design, not late.
+const HELD: u8 = event_flags::FLUSHED | event_flags::PULLED | event_flags::KEPT;
 
 pub struct Collector {
     cfg: CollectorConfig,
@@ -179,6 +189,8 @@ pub struct Collector {
     /// request's fate (neighbour resolution): (until, slot, generation).
     hold_q: BinaryHeap<Reverse<(u64, u32, u32)>>,
     age_q: VecDeque<FlowRef>,
+    /// Flows the kernel holds, by reply deadline (see `take_due_buffered`).
+    buffered_q: VecDeque<(u64, FlowRef)>,
     ready: Vec<FlowReport>,
     mute: Vec<EndpointKey>,
     lost_total: u64,
@@ -210,6 +222,7 @@ impl Collector {
             timeout_q: VecDeque::new(),
             hold_q: BinaryHeap::new(),
             age_q: VecDeque::new(),
+            buffered_q: VecDeque::new(),
             ready: Vec::new(),
             mute: Vec::new(),
             lost_total: 0,
@@ -230,7 +243,9 @@ impl Collector {
     pub fn push(&mut self, ev: PacketEvent) {
         if ev.ts_ns < self.horizon {
             // Past the reorder window: still worth attaching to its flow.
-            self.summary.late_events += 1;
+            if ev.flags & HELD == 0 {
+                self.summary.late_events += 1;
+            }
             self.process(&ev);
             return;
         }
@@ -301,6 +316,33 @@ impl Collector {
         (reports, self.summary)
     }
 
+    /// Client endpoints of flows the kernel holds (event_flags::BUFFERED)
+    /// whose reply deadline is within [`PULL_AHEAD_NS`] of `now_ns`: the
+    /// live session pulls their held events from the kernel and pushes
+    /// them (and records them) before its next `tick`, so a `no_reply`
+    /// flow is decided with every hop, live and in `analyze` alike.
+    pub fn take_due_buffered(&mut self, now_ns: u64) -> Vec<EndpointKey> {
+        let mut out = Vec::new();
+        while let Some(&(deadline, r)) = self.buffered_q.front() {
+            if deadline > now_ns.saturating_add(PULL_AHEAD_NS) {
+                break;
+            }
+            self.buffered_q.pop_front();
+            let Some(f) = self.flow_mut(r) else { continue };
+            if !f.buffered || f.reported || f.client_reply.is_some() {
+                continue;
+            }
+            f.buffered = false;
+            out.push(EndpointKey {
+                addr: crate::service::kernel_addr(f.client.addr),
+                port: f.client.port,
+                proto: f.proto,
+                _pad: 0,
+            });
+        }
+        out
+    }
+
     /// Client endpoints (and their masqueraded form) of flows decided `ok`
     /// since the last call: the loader mutes them in the kernel.
     pub fn take_mute_candidates(&mut self) -> Vec<EndpointKey> {
@@ -316,6 +358,10 @@ impl Collector {
         if self.cfg.all_services {
             self.services = traced_set(&self.cfg);
         }
+    }
+
+    pub fn reply_timeout_ns(&self) -> u64 {
+        self.cfg.reply_timeout_ns
     }
 
     /// How many Service ports (IP:port, or IP for every port) open flows.
@@ -354,6 +400,7 @@ impl Collector {
             + (self.decide_q.capacity() + self.timeout_q.capacity()) * size_of::<(u64, FlowRef)>()
             + self.hold_q.capacity() * size_of::<(u64, u32, u32)>()
             + self.age_q.capacity() * size_of::<FlowRef>()
+            + self.buffered_q.capacity() * size_of::<(u64, FlowRef)>()
             + self.free.capacity() * 4
     }
 
@@ -490,6 +537,22 @@ impl Collector {
         let Some(flow) = slot.flow.as_mut() else {
             return;
         };
+        if ev.flags & event_flags::BUFFERED != 0 && !flow.reported {
+            if !flow.buffered {
+                self.buffered_q
+                    .push_back((flow.first_ts + self.cfg.reply_timeout_ns, r));
+            }
+            flow.buffered = true;
+            self.summary.buffered_flows += 1;
+        }
+        if ev.flags & event_flags::FLUSHED != 0 {
+            // The kernel sent the buffer: the flow goes per packet now.
+            flow.buffered = false;
+            self.summary.flushed_events += 1;
+        }
+        if ev.flags & event_flags::PULLED != 0 {
+            self.summary.pulled_events += 1;
+        }
         let added = flow.add_event(ev, key, &ctx);
         if added.duplicate {
             self.summary.duplicate_events += 1;

@@ -9,6 +9,7 @@ mod kprobes;
 mod load;
 pub mod netns;
 pub mod nf_link;
+mod pending;
 pub mod services;
 pub mod table;
 mod tc;
@@ -52,6 +53,12 @@ pub struct TraceOptions {
     /// `--all-services`: SERVICES is sized for every Service of a cluster
     /// and `services` may be empty (see [`Tracer::sync_services`]).
     pub all_services: bool,
+    /// Hold a pod's TCP handshake in the kernel until it proves healthy or
+    /// not (off with `-v`: every packet); see tracer-ebpf/src/pending.rs.
+    pub buffer: bool,
+    /// `--reply-timeout` in ns: the kernel sends a held flow whose reply
+    /// comes later than userspace pulls it.
+    pub reply_timeout_ns: u64,
 }
 
 /// A program of the table that is not running, and why (one line for the CLI).
@@ -73,6 +80,12 @@ pub struct KernelStats {
     /// IPv6 packets whose TCP/UDP header the programs could not reach
     /// (non-first fragments, ESP/AH, more extension headers than walked).
     pub ipv6_unfollowed: u64,
+    /// Held events of healthy connections discarded in the kernel.
+    pub held_discarded: u64,
+    /// Held flows whose buffer filled up and was sent (not a loss).
+    pub held_spilled: u64,
+    /// Connections sent per packet because the held-flow map was full.
+    pub held_map_full: u64,
 }
 
 /// See [`Tracer::tc_state`].
@@ -136,6 +149,7 @@ pub struct Tracer {
     async_ring: Option<AsyncFd<RingBuf<MapData>>>,
     stats: PerCpuArray<MapData, u64>,
     endpoints: HashMap<MapData, EndpointKey, EndpointState>,
+    pending: pending::PendingMap,
     /// Interfaces with tc attached, for the device tracepoints (main.rs, TC_IFACES).
     tc_ifaces: HashMap<MapData, u32, u8>,
     /// The Service filter, for `--all-services` updates.
@@ -205,6 +219,9 @@ impl Tracer {
             PerCpuArray::try_from(take_map(&mut ebpf, "STATS")?).map_err(kernel_err("STATS"))?;
         let endpoints = HashMap::try_from(take_map(&mut ebpf, "ENDPOINTS")?)
             .map_err(kernel_err("ENDPOINTS"))?;
+        let pending = pending::PendingMap::new(
+            HashMap::try_from(take_map(&mut ebpf, "PENDING")?).map_err(kernel_err("PENDING"))?,
+        );
         let tc_ifaces = HashMap::try_from(take_map(&mut ebpf, "TC_IFACES")?)
             .map_err(kernel_err("TC_IFACES"))?;
         let services = services::ServiceMap::new(
@@ -237,6 +254,7 @@ impl Tracer {
             async_ring: None,
             stats,
             endpoints,
+            pending,
             tc_ifaces,
             services,
             ebpf,
@@ -417,7 +435,23 @@ impl Tracer {
             flow_map_full: sum(stat::FLOW_MAP_FULL),
             read_errors: sum(stat::READ_ERRORS),
             ipv6_unfollowed: sum(stat::IPV6_UNFOLLOWED),
+            held_discarded: sum(stat::HELD_DISCARDED),
+            held_spilled: sum(stat::HELD_SPILLED),
+            held_map_full: sum(stat::HELD_MAP_FULL),
         }
+    }
+
+    /// The held events of these flows (the collector's
+    /// `take_due_buffered`), read and deleted in the kernel.
+    pub fn pull(&mut self, clients: &[EndpointKey], out: &mut Vec<PacketEvent>) {
+        self.pending.pull(clients, out, self.facts.netns_inode);
+    }
+
+    /// The held events of every flow opened before `before_ns`
+    /// (CLOCK_MONOTONIC; u64::MAX: all, at exit).
+    pub fn pull_older(&mut self, before_ns: u64, out: &mut Vec<PacketEvent>) {
+        self.pending
+            .pull_older(before_ns, out, self.facts.netns_inode);
     }
 
     /// From now on, plain data packets of this flow are only counted
