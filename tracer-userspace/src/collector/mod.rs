@@ -11,6 +11,7 @@ mod backend_rules;
 mod causes;
 mod drop_reason;
 mod flow;
+mod held;
 mod ifnames;
 mod ip6_rules;
 mod path_rules;
@@ -50,11 +51,12 @@ use std::{
     collections::{BinaryHeap, HashMap, VecDeque},
 };
 
-use tracer_common::{EndpointKey, PacketEvent, event_flags, proto, tcp_flags};
+use tracer_common::{EndpointKey, PacketEvent, proto, tcp_flags};
 
 pub use self::{
     causes::{Cause, CauseId, markdown_table},
     drop_reason::{DropReasons, DropReasonsError},
+    held::PULL_AHEAD_NS,
     report::{Attempt, FlowReport, Hop, PacketEvidence},
     summary::{Summary, VerdictCounts},
     types::{Dir, Endpoint, Name, Proto, packet_kind},
@@ -154,14 +156,6 @@ struct SkbEntry {
 const EVICT_SCAN_PER_TICK: usize = 4096;
 /// Loss windows kept for the incomplete check.
 const MAX_LOSS_WINDOWS: usize = 256;
-/// A held flow is pulled this long before its reply deadline: more than a
-/// tick of the live session (200 ms), so its events are in before the
-/// collector's clock reaches the deadline; less than the kernel's
-/// PULL_AHEAD_NS (500 ms), past which the kernel sends a late reply's buffer.
-pub const PULL_AHEAD_NS: u64 = 400 * MS;
-/// Events that were held in the kernel: older than the events around them
-/// by design, not late.
-const HELD: u8 = event_flags::FLUSHED | event_flags::PULLED | event_flags::KEPT;
 
 pub struct Collector {
     cfg: CollectorConfig,
@@ -243,7 +237,7 @@ impl Collector {
     pub fn push(&mut self, ev: PacketEvent) {
         if ev.ts_ns < self.horizon {
             // Past the reorder window: still worth attaching to its flow.
-            if ev.flags & HELD == 0 {
+            if ev.flags & held::HELD == 0 {
                 self.summary.late_events += 1;
             }
             self.process(&ev);
@@ -282,6 +276,14 @@ impl Collector {
         self.decide_due(self.horizon);
         self.evict_idle();
         self.purge_skbs();
+        // Past their deadline nobody will pull them (`analyze` never does).
+        while self
+            .buffered_q
+            .front()
+            .is_some_and(|&(deadline, _)| deadline < self.horizon)
+        {
+            self.buffered_q.pop_front();
+        }
         self.take_ready()
     }
 
@@ -314,33 +316,6 @@ impl Collector {
         let reports = self.take_ready();
         self.summary.lost_events = self.lost_total;
         (reports, self.summary)
-    }
-
-    /// Client endpoints of flows the kernel holds (event_flags::BUFFERED)
-    /// whose reply deadline is within [`PULL_AHEAD_NS`] of `now_ns`: the
-    /// live session pulls their held events from the kernel and pushes
-    /// them (and records them) before its next `tick`, so a `no_reply`
-    /// flow is decided with every hop, live and in `analyze` alike.
-    pub fn take_due_buffered(&mut self, now_ns: u64) -> Vec<EndpointKey> {
-        let mut out = Vec::new();
-        while let Some(&(deadline, r)) = self.buffered_q.front() {
-            if deadline > now_ns.saturating_add(PULL_AHEAD_NS) {
-                break;
-            }
-            self.buffered_q.pop_front();
-            let Some(f) = self.flow_mut(r) else { continue };
-            if !f.buffered || f.reported || f.client_reply.is_some() {
-                continue;
-            }
-            f.buffered = false;
-            out.push(EndpointKey {
-                addr: crate::service::kernel_addr(f.client.addr),
-                port: f.client.port,
-                proto: f.proto,
-                _pad: 0,
-            });
-        }
-        out
     }
 
     /// Client endpoints (and their masqueraded form) of flows decided `ok`
@@ -537,21 +512,14 @@ impl Collector {
         let Some(flow) = slot.flow.as_mut() else {
             return;
         };
-        if ev.flags & event_flags::BUFFERED != 0 && !flow.reported {
-            if !flow.buffered {
-                self.buffered_q
-                    .push_back((flow.first_ts + self.cfg.reply_timeout_ns, r));
-            }
-            flow.buffered = true;
-            self.summary.buffered_flows += 1;
-        }
-        if ev.flags & event_flags::FLUSHED != 0 {
-            // The kernel sent the buffer: the flow goes per packet now.
-            flow.buffered = false;
-            self.summary.flushed_events += 1;
-        }
-        if ev.flags & event_flags::PULLED != 0 {
-            self.summary.pulled_events += 1;
+        if ev.flags != 0 {
+            held::note_flags(
+                flow,
+                ev.flags,
+                (r, self.cfg.reply_timeout_ns),
+                &mut self.buffered_q,
+                &mut self.summary,
+            );
         }
         let added = flow.add_event(ev, key, &ctx);
         if added.duplicate {

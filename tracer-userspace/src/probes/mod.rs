@@ -441,19 +441,6 @@ impl Tracer {
         }
     }
 
-    /// The held events of these flows (the collector's
-    /// `take_due_buffered`), read and deleted in the kernel.
-    pub fn pull(&mut self, clients: &[EndpointKey], out: &mut Vec<PacketEvent>) {
-        self.pending.pull(clients, out, self.facts.netns_inode);
-    }
-
-    /// The held events of every flow opened before `before_ns`
-    /// (CLOCK_MONOTONIC; u64::MAX: all, at exit).
-    pub fn pull_older(&mut self, before_ns: u64, out: &mut Vec<PacketEvent>) {
-        self.pending
-            .pull_older(before_ns, out, self.facts.netns_inode);
-    }
-
     /// From now on, plain data packets of this flow are only counted
     /// (KernelStats::muted); SYN, RST and drops are still reported.
     pub fn mute(&mut self, client: EndpointKey) -> Result<(), TraceError> {

@@ -7,6 +7,21 @@ use tracer_common::{
     EndpointKey, PENDING_CLOSED, PENDING_SLOTS, PacketEvent, PendingFlow, event_flags, hook,
 };
 
+impl super::Tracer {
+    /// The held events of these flows (the collector's
+    /// `take_due_buffered`), read and deleted in the kernel.
+    pub fn pull(&mut self, clients: &[EndpointKey], out: &mut Vec<PacketEvent>) {
+        self.pending.pull(clients, out, self.facts.netns_inode);
+    }
+
+    /// The held events of every flow opened before `before_ns`
+    /// (CLOCK_MONOTONIC; u64::MAX: all, at exit).
+    pub fn pull_older(&mut self, before_ns: u64, out: &mut Vec<PacketEvent>) {
+        self.pending
+            .pull_older(before_ns, out, self.facts.netns_inode);
+    }
+}
+
 pub(super) struct PendingMap {
     map: HashMap<MapData, EndpointKey, PendingFlow>,
 }
