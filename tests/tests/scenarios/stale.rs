@@ -158,7 +158,13 @@ fn root_deleted_backend_bridged_neighbour_fails() {
     assert_eq!(f["verdict"], "dropped", "{}", done.describe());
     assert_stale(&f, &done, "NEIGH_FAILED");
     let summary = done.summary().expect("summary");
-    assert_eq!(summary["buffered_flows"], 1, "{}", done.describe());
+    // At least: other labs' pods on this kernel reaching the same Service
+    // address are held too (and reported as foreign).
+    assert!(
+        summary["buffered_flows"].as_u64() >= Some(1),
+        "{}",
+        done.describe()
+    );
     assert!(
         summary["pulled_events"].as_u64() > Some(0),
         "{}",

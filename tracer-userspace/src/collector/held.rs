@@ -3,9 +3,9 @@
 //! the kernel holds, and which of them the live session must pull now.
 use std::collections::VecDeque;
 
-use tracer_common::{EndpointKey, event_flags};
+use tracer_common::{EndpointKey, PacketEvent, direction, event_flags};
 
-use super::{Collector, FlowRef, MS, flow::Flow, summary::Summary};
+use super::{Collector, Endpoint, FlowRef, MS, flow::Flow, summary::Summary};
 
 /// A held flow is pulled this long before its reply deadline: more than a
 /// tick of the live session (200 ms), so its events are in before the
@@ -16,6 +16,16 @@ pub const PULL_AHEAD_NS: u64 = 400 * MS;
 /// Events that were held in the kernel: older than the events around them
 /// by design, not late.
 pub(super) const HELD: u8 = event_flags::FLUSHED | event_flags::PULLED | event_flags::KEPT;
+
+/// The client side of an event as the kernel matched it (the key of its
+/// `PENDING` entry): the destination of a reply, else the source.
+pub(super) fn client_of(ev: &PacketEvent) -> Endpoint {
+    if ev.direction == direction::REPLY {
+        Endpoint::dst(ev)
+    } else {
+        Endpoint::src(ev)
+    }
+}
 
 /// What an event's buffer flags say about its flow `r` (with the reply
 /// timeout, for the pull deadline).

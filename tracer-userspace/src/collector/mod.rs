@@ -185,6 +185,9 @@ pub struct Collector {
     age_q: VecDeque<FlowRef>,
     /// Flows the kernel holds, by reply deadline (see `take_due_buffered`).
     buffered_q: VecDeque<(u64, FlowRef)>,
+    /// Flows the kernel held, by (proto, client): held events arrive late,
+    /// when their skb entry is gone and a DNATed one matches no pair yet.
+    held_by_client: HashMap<(u8, Endpoint), FlowRef>,
     ready: Vec<FlowReport>,
     mute: Vec<EndpointKey>,
     lost_total: u64,
@@ -217,6 +220,7 @@ impl Collector {
             hold_q: BinaryHeap::new(),
             age_q: VecDeque::new(),
             buffered_q: VecDeque::new(),
+            held_by_client: HashMap::new(),
             ready: Vec::new(),
             mute: Vec::new(),
             lost_total: 0,
@@ -371,6 +375,10 @@ impl Collector {
             + evidence
             + table(self.pairs.capacity(), size_of::<(PairKey, FlowRef)>())
             + table(self.skbs.capacity(), size_of::<(u64, SkbEntry)>())
+            + table(
+                self.held_by_client.capacity(),
+                size_of::<((u8, Endpoint), FlowRef)>(),
+            )
             + self.pending.capacity() * size_of::<PacketEvent>()
             + (self.decide_q.capacity() + self.timeout_q.capacity()) * size_of::<(u64, FlowRef)>()
             + self.hold_q.capacity() * size_of::<(u64, u32, u32)>()
@@ -478,6 +486,13 @@ impl Collector {
                 .copied()
                 .filter(|&r| self.flow(r).is_some());
         }
+        if found.is_none() && ev.flags & held::HELD != 0 {
+            found = self
+                .held_by_client
+                .get(&(ev.proto, held::client_of(ev)))
+                .copied()
+                .filter(|&r| self.flow(r).is_some());
+        }
         let syn_only = ev.proto == proto::TCP
             && ev.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN;
         if syn_only
@@ -512,6 +527,9 @@ impl Collector {
         let Some(flow) = slot.flow.as_mut() else {
             return;
         };
+        if ev.flags & tracer_common::event_flags::BUFFERED != 0 {
+            self.held_by_client.insert((ev.proto, flow.client), r);
+        }
         if ev.flags != 0 {
             held::note_flags(
                 flow,
@@ -590,6 +608,10 @@ impl Collector {
             if self.pairs.get(p) == Some(&r) {
                 self.pairs.remove(p);
             }
+        }
+        let client = (flow.proto, flow.client);
+        if self.held_by_client.get(&client) == Some(&r) {
+            self.held_by_client.remove(&client);
         }
     }
 

@@ -316,3 +316,32 @@ fn every_recording_is_decided_alike_with_the_kernel_buffer() {
         "only {healthy_held} recordings had a healthy held flow"
     );
 }
+
+/// A live buffered run (`root_deleted_backend_bridged_neighbour_fails`
+/// without -v, 6.18): the SYN's hops were pulled at 600 ms, after the
+/// collector had purged the SYN's skb entry, so the DNATed one matched no
+/// pair yet; it must still join its flow (by its client), or the flow has
+/// no backend, is not held for the neighbour failure, and ends `no_reply`.
+#[test]
+fn pulled_dnat_hop_joins_its_flow_after_its_skb_entry_is_gone() {
+    let rec = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("src/collector/fixtures/buffered/stale_deleted_cold.rec");
+    let (mut reader, header) = Reader::open(&rec).unwrap();
+    let (reports, summary) = decide_all(&mut reader, &header, None);
+    let f = reports
+        .iter()
+        .find(|r| r.client.port() == 58882)
+        .expect("the curl's flow");
+    assert_eq!(f.verdict, Verdict::Dropped, "{f:?}");
+    assert_eq!(
+        f.backend.map(|b| b.to_string()).as_deref(),
+        Some("100.96.54.247:80")
+    );
+    assert!(
+        f.packets[0]
+            .hops
+            .iter()
+            .any(|h| h.nat_stage == Some("after-nat"))
+    );
+    assert_eq!(summary.pulled_events, 3);
+}
