@@ -234,6 +234,8 @@ pub struct PendingFlow {
     pub first_ts: u64,
     /// ISN of the SYN that opened it.
     pub syn_seq: u32,
+    /// Namespace the SYN left (the client's): the reply must reach that one.
+    pub client_netns: u32,
     /// The Service the flow was opened to (its first event's destination).
     pub service: Addr,
     pub service_port: u16,
@@ -243,7 +245,7 @@ pub struct PendingFlow {
     pub reply_in_node: u8,
     /// The opening SYN was sent again: its attempts are evidence (issue 11).
     pub retransmit: u8,
-    pub _pad: [u8; 7],
+    pub _pad: [u8; 3],
     pub events: [PacketEvent; PENDING_SLOTS],
 }
 

@@ -95,7 +95,11 @@ pub fn hold(
                 take_and_flush(client);
             }
             unsafe { core::ptr::write_volatile(&raw mut (*state).syn_seq, pkt.seq) };
-            let now_held = if start(client, pkt) { HOLDING } else { DONE };
+            let now_held = if start(client, pkt, at) {
+                HOLDING
+            } else {
+                DONE
+            };
             set_held(state, now_held);
             return Some(if now_held == HOLDING {
                 event_flags::BUFFERED
@@ -112,9 +116,19 @@ pub fn hold(
         set_held(state, DONE);
         return Some(0);
     };
-    let late = || unsafe { bpf_ktime_get_ns().saturating_sub((*p).first_ts) } + PULL_AHEAD_NS >= cfg.reply_timeout_ns;
+    let age = unsafe { bpf_ktime_get_ns().saturating_sub((*p).first_ts) };
+    let late = age + PULL_AHEAD_NS >= cfg.reply_timeout_ns;
+    // As the collector's `ok`: the reply reached the namespace the SYN
+    // left, from the Service it was sent to, and it crossed this node.
+    let as_ok = unsafe {
+        (*p).retransmit == 0
+            && (*p).reply_in_node != 0
+            && (*p).client_netns == at.netns
+            && same_addr(&(*p).service, &pkt.saddr)
+            && (*p).service_port == pkt.sport
+    };
     match fate {
-        Fate::Healthy if unsafe { (*p).retransmit == 0 && (*p).reply_in_node != 0 } && !late() => {
+        Fate::Healthy if as_ok && !late => {
             set_held(state, DONE);
             discard(client, p)
         }
@@ -133,6 +147,13 @@ pub fn hold(
     }
 }
 
+/// Word by word: array equality may become a `bcmp` call, which the BPF
+/// target cannot link (bpf-linker crashed on it).
+#[inline(always)]
+fn same_addr(a: &tracer_common::Addr, b: &tracer_common::Addr) -> bool {
+    a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3]
+}
+
 #[inline(always)]
 fn set_held(state: *mut EndpointState, v: u8) {
     unsafe { core::ptr::write_volatile(&raw mut (*state).held, v) }
@@ -140,13 +161,14 @@ fn set_held(state: *mut EndpointState, v: u8) {
 
 /// A fresh entry for the connection opened by `pkt` (its first event).
 #[inline(always)]
-fn start(client: &EndpointKey, pkt: &Packet) -> bool {
+fn start(client: &EndpointKey, pkt: &Packet, at: &Point) -> bool {
     let Some(init) = PENDING_INIT.get_ptr_mut(0) else {
         return false;
     };
     unsafe {
         (*init).count = 0;
         (*init).syn_seq = pkt.seq;
+        (*init).client_netns = at.netns;
         (*init).first_ts = bpf_ktime_get_ns();
         (*init).service = pkt.daddr;
         (*init).service_port = pkt.dport;
@@ -205,7 +227,7 @@ fn store(
         if dir == direction::REQUEST
             && in_node
             && (*p).dnat_slot == NO_SLOT
-            && (pkt.daddr != (*p).service || pkt.dport != (*p).service_port)
+            && (!same_addr(&pkt.daddr, &(*p).service) || pkt.dport != (*p).service_port)
         {
             (*p).dnat_slot = i as u8;
         }

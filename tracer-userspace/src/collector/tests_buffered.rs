@@ -30,6 +30,7 @@ struct State {
 struct Held {
     events: Vec<PacketEvent>,
     first_ts: u64,
+    client_netns: u32,
     service: Key,
     dnat_slot: Option<usize>,
     reply_in_node: bool,
@@ -123,6 +124,7 @@ impl Model {
                 Held {
                     events: Vec::new(),
                     first_ts: ev.ts_ns,
+                    client_netns: ev.netns,
                     service: (ev.daddr, ev.dport),
                     dnat_slot: None,
                     reply_in_node: false,
@@ -142,7 +144,13 @@ impl Model {
         };
         let late = ev.ts_ns.saturating_sub(h.first_ts) + KERNEL_PULL_AHEAD_NS >= timeout;
         match fate {
-            Fate::Healthy if !h.retransmit && h.reply_in_node && !late => {
+            Fate::Healthy
+                if !h.retransmit
+                    && h.reply_in_node
+                    && h.client_netns == ev.netns
+                    && h.service == (ev.saddr, ev.sport)
+                    && !late =>
+            {
                 let h = self.held.remove(&client).unwrap();
                 self.state.entry(client).or_default().held = 2;
                 let mut out = Vec::new();
