@@ -305,9 +305,14 @@ fn discard(client: &EndpointKey, p: *mut PendingFlow) -> Option<u8> {
     let Some(n) = take(p) else {
         return Some(0);
     };
+    // Through memory, so LLVM cannot fold `kept < PENDING_SLOTS` into
+    // `kept < n` (n ≤ PENDING_SLOTS): 6.1's verifier does not carry bounds
+    // across a comparison of two registers ("R9 max value is outside of the
+    // allowed memory range"), so the slot index needs the constant one.
+    let n = unsafe { core::ptr::read_volatile(&n) };
     let kept = unsafe { (*p).dnat_slot } as usize;
     let mut sent = 0;
-    if kept < n && kept < PENDING_SLOTS {
+    if kept < PENDING_SLOTS && kept < n {
         send_copy(unsafe { &raw const (*p).events[kept] }, event_flags::KEPT);
         sent = 1;
     }
