@@ -86,65 +86,82 @@ pub fn hold(
         return Some(0);
     };
     let held = unsafe { core::ptr::read_volatile(&raw const (*state).held) };
-    if fate == Fate::Start && cfg.buffer != 0 {
-        let same_syn = unsafe { core::ptr::read_volatile(&raw const (*state).syn_seq) } == pkt.seq;
-        if held == 0 || !same_syn {
-            if held == HOLDING {
-                // A new connection from the same port while the old one is
-                // held: the old one never finished, send what it holds.
-                take_and_flush(client);
+    // One flush site per program: each is a 24-iteration loop the verifier
+    // walks (6.1 under emulation took seconds per program with several).
+    let act = 'act: {
+        if fate == Fate::Start && cfg.buffer != 0 {
+            let same_syn =
+                unsafe { core::ptr::read_volatile(&raw const (*state).syn_seq) } == pkt.seq;
+            if held == 0 || !same_syn {
+                unsafe { core::ptr::write_volatile(&raw mut (*state).syn_seq, pkt.seq) };
+                if held == HOLDING {
+                    // A new connection from the same port while the old one
+                    // is held: the old one never finished, send what it
+                    // holds; the new one goes per packet.
+                    set_held(state, DONE);
+                    break 'act Act::Flush;
+                }
+                if start(client, pkt, at) {
+                    set_held(state, HOLDING);
+                    break 'act Act::Send(event_flags::BUFFERED);
+                }
+                set_held(state, DONE);
+                break 'act Act::Send(0);
             }
-            unsafe { core::ptr::write_volatile(&raw mut (*state).syn_seq, pkt.seq) };
-            let now_held = if start(client, pkt, at) {
-                HOLDING
-            } else {
-                DONE
-            };
-            set_held(state, now_held);
-            return Some(if now_held == HOLDING {
-                event_flags::BUFFERED
-            } else {
-                0
-            });
         }
-    }
-    if held != HOLDING {
-        return Some(0);
-    }
-    let Some(p) = PENDING.get_ptr_mut(client) else {
-        // Pulled by userspace (reply deadline) or taken on another CPU.
-        set_held(state, DONE);
-        return Some(0);
-    };
-    let age = unsafe { bpf_ktime_get_ns().saturating_sub((*p).first_ts) };
-    let late = age + PULL_AHEAD_NS >= cfg.reply_timeout_ns;
-    // As the collector's `ok`: the reply reached the namespace the SYN
-    // left, from the Service it was sent to, and it crossed this node.
-    let as_ok = unsafe {
-        (*p).retransmit == 0
-            && (*p).reply_in_node != 0
-            && (*p).client_netns == at.netns
-            && same_addr(&(*p).service, &pkt.saddr)
-            && (*p).service_port == pkt.sport
-    };
-    match fate {
-        Fate::Healthy if as_ok && !late => {
-            set_held(state, DONE);
-            discard(client, p)
+        if held != HOLDING {
+            break 'act Act::Send(0);
         }
-        Fate::Healthy | Fate::Anomaly => {
+        let Some(p) = PENDING.get_ptr_mut(client) else {
+            // Pulled by userspace (reply deadline) or taken on another CPU.
             set_held(state, DONE);
+            break 'act Act::Send(0);
+        };
+        let age = unsafe { bpf_ktime_get_ns().saturating_sub((*p).first_ts) };
+        let late = age + PULL_AHEAD_NS >= cfg.reply_timeout_ns;
+        // As the collector's `ok`: the reply reached the namespace the SYN
+        // left, from the Service it was sent to, and it crossed this node.
+        let as_ok = unsafe {
+            (*p).retransmit == 0
+                && (*p).reply_in_node != 0
+                && (*p).client_netns == at.netns
+                && same_addr(&(*p).service, &pkt.saddr)
+                && (*p).service_port == pkt.sport
+        };
+        match fate {
+            Fate::Healthy if as_ok && !late => {
+                set_held(state, DONE);
+                Act::Send(discard(client, p))
+            }
+            Fate::Healthy | Fate::Anomaly => {
+                set_held(state, DONE);
+                Act::Flush
+            }
+            Fate::Start | Fate::Other => {
+                if fate == Fate::Start {
+                    // The same SYN sent again: every attempt is evidence.
+                    unsafe { core::ptr::write_volatile(&raw mut (*p).retransmit, 1) };
+                }
+                store(state, p, pkt, at, dir, svc)
+            }
+        }
+    };
+    match act {
+        Act::Send(flags) => Some(flags),
+        Act::Held => None,
+        Act::Flush => {
             take_and_flush(client);
             Some(0)
         }
-        Fate::Start | Fate::Other => {
-            if fate == Fate::Start {
-                // The same SYN sent again: every attempt is evidence.
-                unsafe { core::ptr::write_volatile(&raw mut (*p).retransmit, 1) };
-            }
-            store(client, state, p, pkt, at, dir, svc)
-        }
     }
+}
+
+/// What [`hold`] does with the event.
+enum Act {
+    Send(u8),
+    Held,
+    /// Send the flow's buffer, then the event.
+    Flush,
 }
 
 /// Word by word: array equality may become a `bcmp` call, which the BPF
@@ -176,21 +193,19 @@ fn start(client: &EndpointKey, pkt: &Packet, at: &Point) -> bool {
         (*init).reply_in_node = 0;
         (*init).retransmit = 0;
     }
-    for _ in 0..2 {
-        // By reference: `*init` would copy 2 KiB onto the 512-byte stack.
-        #[allow(clippy::needless_borrows_for_generic_args)]
-        match PENDING.insert(client, unsafe { &*init }, BPF_NOEXIST) {
-            Ok(()) => return true,
-            // Left by a connection whose endpoint state was evicted (LRU)
-            // while held: send it, then take its place.
-            Err(e) if e == -EEXIST => take_and_flush(client),
-            Err(_) => {
-                stat_inc(stat::HELD_MAP_FULL);
-                return false;
-            }
+    // By reference: `*init` would copy 2 KiB onto the 512-byte stack.
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    match PENDING.insert(client, unsafe { &*init }, BPF_NOEXIST) {
+        Ok(()) => true,
+        // Left by a connection whose endpoint state was evicted (LRU) while
+        // held: userspace pulls it (at its deadline, or as stale); this
+        // connection goes per packet.
+        Err(e) if e == -EEXIST => false,
+        Err(_) => {
+            stat_inc(stat::HELD_MAP_FULL);
+            false
         }
     }
-    false
 }
 
 /// Claims a slot ([`fetch_add`]: two CPUs may hold events of the same flow
@@ -199,26 +214,24 @@ fn start(client: &EndpointKey, pkt: &Packet, at: &Point) -> bool {
 /// entry).
 #[inline(always)]
 fn store(
-    client: &EndpointKey,
     state: *mut EndpointState,
     p: *mut PendingFlow,
     pkt: &Packet,
     at: &Point,
     dir: u8,
     svc: u8,
-) -> Option<u8> {
+) -> Act {
     let idx = fetch_add(p, 1);
     if idx >= PENDING_CLOSED {
         // Taken meanwhile: the flow goes per packet.
-        return Some(0);
+        return Act::Send(0);
     }
     let i = idx as usize;
     if i >= PENDING_SLOTS {
         // Full: a spill, not a loss. The buffer goes out, then this event.
         stat_inc(stat::HELD_SPILLED);
         set_held(state, DONE);
-        take_and_flush(client);
-        return Some(0);
+        return Act::Flush;
     }
     let in_node = in_node(at);
     unsafe {
@@ -235,7 +248,7 @@ fn store(
             (*p).reply_in_node = 1;
         }
     }
-    None
+    Act::Held
 }
 
 /// A point of the traced node: tc and netfilter run only there; a device
@@ -301,9 +314,9 @@ fn take_and_flush(client: &EndpointKey) {
 
 /// Healthy: the kept DNAT event goes out, the rest is only counted.
 #[inline(always)]
-fn discard(client: &EndpointKey, p: *mut PendingFlow) -> Option<u8> {
+fn discard(client: &EndpointKey, p: *mut PendingFlow) -> u8 {
     let Some(n) = take(p) else {
-        return Some(0);
+        return 0;
     };
     // Through memory, so LLVM cannot fold `kept < PENDING_SLOTS` into
     // `kept < n` (n ≤ PENDING_SLOTS): 6.1's verifier does not carry bounds
@@ -318,7 +331,7 @@ fn discard(client: &EndpointKey, p: *mut PendingFlow) -> Option<u8> {
     }
     stat_add(stat::HELD_DISCARDED, (n - sent) as u64);
     let _ = PENDING.remove(client);
-    Some(event_flags::VIA_NODE)
+    event_flags::VIA_NODE
 }
 
 /// One held event into the ring buffer with `flags`.

@@ -112,12 +112,17 @@ impl Model {
             e
         };
         if fate == Fate::Start && (held == 0 || st.syn_seq != ev.seq) {
-            let mut out = Vec::new();
-            if held == 1 {
-                out.extend(self.flush(client));
-            }
-            let st = self.state.entry(client).or_default();
             st.syn_seq = ev.seq;
+            if held == 1 {
+                // A new connection from a held port: the old buffer goes
+                // out, the new connection per packet.
+                st.held = 2;
+                let mut out = self.flush(client);
+                out.push(ev);
+                return out;
+            }
+            let mut out = Vec::new();
+            let st = self.state.entry(client).or_default();
             st.held = 1;
             self.held.insert(
                 client,
