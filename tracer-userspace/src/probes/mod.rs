@@ -612,16 +612,17 @@ fn read_facts(facts: &mut NodeFacts) -> Result<BTreeSet<u32>, TraceError> {
 
 fn drain_ring(ring: &mut RingBuf<MapData>, out: &mut Vec<PacketEvent>, netns_inode: u32) {
     while let Some(item) = ring.next() {
-        if item.len() < size_of::<PacketEvent>() {
-            continue;
+        // One event, or a flushed flow buffer: several in one record
+        // (tracer-ebpf/src/pending.rs).
+        for chunk in item.chunks_exact(size_of::<PacketEvent>()) {
+            // SAFETY: the kernel wrote a PacketEvent (repr(C), any bit pattern valid).
+            let mut ev: PacketEvent = unsafe { std::ptr::read_unaligned(chunk.as_ptr().cast()) };
+            // tc and netfilter programs run only in the traced namespace and
+            // leave netns 0; a drop without a device has no namespace to report.
+            if ev.netns == 0 && !(ev.hook == hook::DROP && ev.ifindex == 0) {
+                ev.netns = netns_inode;
+            }
+            out.push(ev);
         }
-        // SAFETY: the kernel wrote a PacketEvent (repr(C), any bit pattern valid).
-        let mut ev: PacketEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
-        // tc and netfilter programs run only in the traced namespace and
-        // leave netns 0; a drop without a device has no namespace to report.
-        if ev.netns == 0 && !(ev.hook == hook::DROP && ev.ifindex == 0) {
-            ev.netns = netns_inode;
-        }
-        out.push(ev);
     }
 }
