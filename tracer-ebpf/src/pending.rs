@@ -308,6 +308,10 @@ fn take_and_flush(client: &EndpointKey) {
         // One record of n events (slots are stored flagged FLUSHED):
         // one helper call the verifier checks once, where a loop of
         // reservations was walked slot by slot. The reader splits it.
+        // Clamped after a read through memory: LLVM would otherwise keep
+        // n on the stack without the check, and 6.1's verifier loses a
+        // spilled scalar's bounds ("R3 min value is negative").
+        let n = unsafe { core::ptr::read_volatile(&n) }.min(PENDING_SLOTS);
         let held = unsafe { &(&(*p).events)[..n] };
         if EVENTS.output::<[PacketEvent]>(held, wakeup_flag()).is_ok() {
             stat_add(stat::EVENTS, n as u64);
