@@ -27,7 +27,7 @@ use tracer_common::{
 
 use crate::{
     EVENTS,
-    filter::{Packet, Point, fill, stat_add, stat_inc, wakeup_flag},
+    filter::{Packet, Point, copy_addr, fill, stat_add, stat_inc, wakeup_flag},
 };
 
 /// Held flows at once. A healthy handshake holds its entry for a round
@@ -187,7 +187,7 @@ fn start(client: &EndpointKey, pkt: &Packet, at: &Point) -> bool {
         (*init).syn_seq = pkt.seq;
         (*init).client_netns = at.netns;
         (*init).first_ts = bpf_ktime_get_ns();
-        (*init).service = pkt.daddr;
+        copy_addr(&raw mut (*init).service, &pkt.daddr);
         (*init).service_port = pkt.dport;
         (*init).dnat_slot = NO_SLOT;
         (*init).reply_in_node = 0;
