@@ -310,8 +310,10 @@ fn root_forced_ring_buffer_overflow_is_reported_and_marks_flows_incomplete() {
     let lab = seed000(true);
     let ports: Vec<u16> = (46200..46216).collect();
     let _lock = tracing_lock();
+    // -v: every packet. Without it 16 healthy connections cost 48 events
+    // (the kernel's per-flow buffer), which a 4 KiB ring buffer may hold.
     let mut t = start(
-        &args(&lab, &["--duration", "4", "--ringbuf-kib", "4"]),
+        &args(&lab, &["--duration", "4", "--ringbuf-kib", "4", "-v"]),
         &[("NATTRACE_TEST_STALL_MS", "400")],
     );
     assert_eq!(curls(&lab, &ports), ports.len());

@@ -81,6 +81,10 @@ fn record(lab: &Lab, node: &str, svc: &str, out: &Path, name: Option<&str>) -> N
         "json",
         "--write",
         &out.display().to_string(),
+        // Every packet: the merged `ok` flow below is asserted hop by hop
+        // on both nodes, and without -v the kernel keeps only 3 events of
+        // a healthy connection per node (docs/DESIGN.md, "Event budget").
+        "-v",
     ]
     .iter()
     .map(|s| s.to_string())

@@ -104,8 +104,12 @@ fn trace_for(
     .iter()
     .map(|s| s.to_string())
     .collect();
-    if !extra.contains(&"text") {
-        // -v: these tests assert the whole hop path, which `ok` flows carry only with -v.
+    if !extra
+        .iter()
+        .any(|a| *a == "text" || a.starts_with("--output="))
+    {
+        // -v: these tests assert the whole hop path, which `ok` flows carry
+        // only with -v (which also sends every packet: no kernel buffer).
         args.extend(["--output".to_string(), "json".to_string(), "-v".to_string()]);
     }
     args.extend(extra.iter().map(|s| s.to_string()));

@@ -101,13 +101,18 @@ pub(crate) fn start(args: &[String], envs: &[(&str, &str)]) -> Nattrace {
 
 /// Traces `svcs` on node-a for [`TRACE_SECS`] while `traffic` runs.
 fn trace(lab: &Lab, svcs: &[String], traffic: impl FnOnce()) -> Finished {
+    trace_with(lab, svcs, lab::tracer::record_args(None), traffic)
+}
+
+/// [`trace`] with more nattrace arguments.
+fn trace_with(lab: &Lab, svcs: &[String], more: Vec<String>, traffic: impl FnOnce()) -> Finished {
     let duration = TRACE_SECS.to_string();
     let mut args = args(
         lab,
         svcs,
         &["--duration", &duration, "--reply-timeout", REPLY_TIMEOUT_MS],
     );
-    args.extend(lab::tracer::record_args(None));
+    args.extend(more);
     let mut tracer = start(&args, &[]);
     traffic();
     tracer
@@ -229,7 +234,12 @@ fn seed000_healthy(mode: ProxyMode) {
     let lab = seed000(true, Backend::SameNode, mode);
     let ports = ports(42000, 5);
     let _lock = tracing_lock();
-    let done = trace(&lab, &[web_svc()], || {
+    let rec = std::env::temp_dir().join(format!(
+        "nattrace-healthy-{}-{mode:?}.rec",
+        std::process::id()
+    ));
+    let write = vec!["--write".to_string(), rec.display().to_string()];
+    let done = trace_with(&lab, &[web_svc()], write, || {
         assert_eq!(
             curls(&lab, presets::WEB_SERVICE_IP, 80, &ports),
             ports.len()
@@ -241,6 +251,59 @@ fn seed000_healthy(mode: ProxyMode) {
     for f in flows(&done) {
         assert!(f["cause"].is_null(), "{f}");
     }
+    assert_event_budget(&lab, &rec, &ports, &done);
+}
+
+/// Issue 15's event budget: the kernel held each healthy handshake and,
+/// once the reply reached the client reverse-NATed, sent only the SYN
+/// (BUFFERED), its DNAT (KEPT: the backend asserted above comes from it)
+/// and that reply (VIA_NODE) — counted in the recording, per connection.
+fn assert_event_budget(lab: &Lab, rec: &std::path::Path, ports: &[u16], done: &Finished) {
+    use std::os::unix::fs::MetadataExt;
+    let text = std::fs::read_to_string(rec).expect("the recording");
+    let _ = std::fs::remove_file(rec);
+    // This lab's namespaces only: another lab on this kernel may use the
+    // same addresses and ports (the tracepoints see every namespace).
+    let node = lab.node_netns(presets::NODE_A).expect("node-a").path();
+    let dir = node.parent().expect("the netns directory");
+    let ours: BTreeSet<u64> = lab
+        .netns_names()
+        .iter()
+        .filter_map(|n| std::fs::metadata(dir.join(n)).ok())
+        .map(|m| m.ino())
+        .collect();
+    let mut per_port: std::collections::BTreeMap<u64, Vec<u64>> = Default::default();
+    for ev in text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["kind"] == "event" && v["netns"].as_u64().is_some_and(|n| ours.contains(&n)))
+    {
+        let client = if ev["direction"] == 2 {
+            &ev["dport"]
+        } else {
+            &ev["sport"]
+        };
+        let port = client.as_u64().unwrap();
+        if ports.contains(&(port as u16)) {
+            per_port
+                .entry(port)
+                .or_default()
+                .push(ev["flags"].as_u64().unwrap_or(0));
+        }
+    }
+    assert_eq!(per_port.len(), ports.len(), "{}", done.describe());
+    for (port, flags) in &per_port {
+        assert_eq!(
+            flags,
+            &[1, 8, 16],
+            "port {port}: ≤ 3 events per healthy connection"
+        );
+    }
+    let s = summary(done);
+    assert!(
+        s["held_discarded"].as_u64().unwrap() >= 10 * ports.len() as u64,
+        "{s}"
+    );
 }
 
 both_modes!(cross_node_both_settings: root_cross_node_backend_is_ok_with_both_settings, root_cross_node_backend_is_ok_with_both_settings_nft);

@@ -188,8 +188,67 @@ pub struct PacketEvent {
     pub direction: u8,
     /// Index of the matched Service in the userspace service list.
     pub svc: u8,
-    #[cfg_attr(feature = "user", serde(skip))]
-    pub _pad: u8,
+    /// [`event_flags`]: how the kernel's per-flow buffer handled the event.
+    /// Recordings made before it existed read as 0 (sent as it happened).
+    #[cfg_attr(feature = "user", serde(default, skip_serializing_if = "is_zero"))]
+    pub flags: u8,
+}
+
+#[cfg(feature = "user")]
+fn is_zero(v: &u8) -> bool {
+    *v == 0
+}
+
+/// [`PacketEvent::flags`]: a TCP connection opened from a pod is held in
+/// the kernel's per-flow buffer (`PENDING`, tracer-ebpf/src/pending.rs)
+/// until it turns out healthy (the buffer is discarded) or not (it is sent).
+pub mod event_flags {
+    /// The first event of a flow whose next events the kernel holds back.
+    pub const BUFFERED: u8 = 1;
+    /// Held, then sent because the flow turned out a problem (un-reversed
+    /// reply, RST, drop, a late reply, the buffer full).
+    pub const FLUSHED: u8 = 2;
+    /// Held, then read by userspace at the flow's reply deadline or at exit.
+    pub const PULLED: u8 = 4;
+    /// Held, then sent from a discarded (healthy) buffer as the flow's DNAT
+    /// evidence: the first request event with the backend as destination.
+    pub const KEPT: u8 = 8;
+    /// On the reply that proved a held flow healthy: this reply packet
+    /// crossed the traced node (its events there were discarded).
+    pub const VIA_NODE: u8 = 16;
+}
+
+/// Events one `PENDING` entry holds; one more spills the buffer (sent).
+/// A healthy handshake through a bridged node is 17 events past the first.
+pub const PENDING_SLOTS: usize = 24;
+/// Added to [`PendingFlow::count`] by whoever takes the buffer (flush,
+/// discard): a writer that then claims a slot sees it taken.
+pub const PENDING_CLOSED: u64 = 1 << 32;
+
+/// One held flow (`PENDING` value, keyed by the client side's [`EndpointKey`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PendingFlow {
+    /// Slots claimed (atomic fetch-add; 64-bit, as the BPF target has no
+    /// 32-bit atomics without alu32); plus [`PENDING_CLOSED`] once taken.
+    pub count: u64,
+    /// `ts_ns` of the first (sent) event.
+    pub first_ts: u64,
+    /// ISN of the SYN that opened it.
+    pub syn_seq: u32,
+    /// Namespace the SYN left (the client's): the reply must reach that one.
+    pub client_netns: u32,
+    /// The Service the flow was opened to (its first event's destination).
+    pub service: Addr,
+    pub service_port: u16,
+    /// Slot of the first request event sent past DNAT; 0xff = none yet.
+    pub dnat_slot: u8,
+    /// A reply event of the flow was held at a point of the traced node.
+    pub reply_in_node: u8,
+    /// The opening SYN was sent again: its attempts are evidence (issue 11).
+    pub retransmit: u8,
+    pub _pad: [u8; 3],
+    pub events: [PacketEvent; PENDING_SLOTS],
 }
 
 /// Key of the in-kernel Service filter. `port` 0 matches every port.
@@ -224,7 +283,13 @@ pub struct EndpointState {
     /// ring-buffer event. Written by programs on any CPU and by userspace.
     pub muted: u32,
     pub svc: u8,
-    pub _pad: [u8; 3],
+    /// The per-flow buffer (`PENDING`): 0 never, 1 holding, 2 done (sent,
+    /// discarded or pulled) for the SYN `syn_seq`.
+    pub held: u8,
+    pub _pad: [u8; 2],
+    /// ISN of the last SYN the buffer rule saw at the client: a SYN with
+    /// another one is a new connection from a reused port.
+    pub syn_seq: u32,
 }
 
 /// What the kernel remembers about a matched `sk_buff`, so the same packet is
@@ -283,6 +348,13 @@ pub struct Config {
     /// every namespace but stand in for per-namespace attachments (kprobes on
     /// netfilter functions).
     pub node_netns: u32,
+    /// 1: hold the events of a TCP connection opened from a pod until it
+    /// turns out healthy or not (`PENDING`); 0 with `-v` (every packet).
+    pub buffer: u32,
+    /// `--reply-timeout`: a reply later than this (less a margin) flushes
+    /// the buffer instead of discarding it, since userspace pulls the
+    /// buffer before that deadline.
+    pub reply_timeout_ns: u64,
 }
 
 /// Indexes of the per-CPU counters in the `STATS` map. Summed by userspace.
@@ -301,7 +373,13 @@ pub mod stat {
     /// fragments, or extension headers not followed (ESP, AH, more than the
     /// programs walk). Counted before any filtering: they cannot be matched.
     pub const IPV6_UNFOLLOWED: u32 = 5;
-    pub const COUNT: u32 = 8;
+    /// Held events of healthy flows, discarded in the kernel (never sent).
+    pub const HELD_DISCARDED: u32 = 8;
+    /// Flow buffers that filled up and were sent (a spill, not a loss).
+    pub const HELD_SPILLED: u32 = 9;
+    /// TCP connections sent per packet because `PENDING` was full.
+    pub const HELD_MAP_FULL: u32 = 10;
+    pub const COUNT: u32 = 12;
 }
 
 /// Addresses in recordings and fixtures read as `100.96.54.240` or
@@ -337,6 +415,7 @@ mod user {
     unsafe impl aya::Pod for EndpointKey {}
     unsafe impl aya::Pod for EndpointState {}
     unsafe impl aya::Pod for InflightPacket {}
+    unsafe impl aya::Pod for PendingFlow {}
     unsafe impl aya::Pod for KernelOffsets {}
     unsafe impl aya::Pod for Config {}
 }
@@ -352,9 +431,13 @@ mod tests {
         assert_eq!(core::mem::size_of::<PacketEvent>(), 88);
         assert_eq!(core::mem::size_of::<ServiceKey>(), 20);
         assert_eq!(core::mem::size_of::<EndpointKey>(), 20);
-        assert_eq!(core::mem::size_of::<EndpointState>(), 8);
+        assert_eq!(core::mem::size_of::<EndpointState>(), 12);
         assert_eq!(core::mem::size_of::<KernelOffsets>(), 72);
-        assert_eq!(core::mem::size_of::<Config>(), 76);
+        assert_eq!(core::mem::size_of::<Config>(), 88);
+        assert_eq!(
+            core::mem::size_of::<PendingFlow>(),
+            48 + PENDING_SLOTS * core::mem::size_of::<PacketEvent>()
+        );
     }
 
     #[test]

@@ -11,7 +11,11 @@ use tracer_common::{
     direction, hook, nat_stage, proto, stat, tcp_flags, v4_mapped,
 };
 
-use crate::{ENDPOINTS, EVENTS, INFLIGHT, SERVICES, STATS, prefilter};
+use crate::{
+    ENDPOINTS, EVENTS, INFLIGHT, SERVICES, STATS,
+    pending::{self, Fate},
+    prefilter,
+};
 
 /// BPF_NOEXIST: a concurrent first packet of the same flow on another CPU must
 /// not reset the other's counters.
@@ -207,6 +211,13 @@ pub fn stat_inc(index: u32) {
 }
 
 #[inline(always)]
+pub fn stat_add(index: u32, n: u64) {
+    if let Some(counter) = STATS.get_ptr_mut(index) {
+        unsafe { *counter += n };
+    }
+}
+
+#[inline(always)]
 fn key(addr: Addr, port: u16, proto: u8) -> EndpointKey {
     EndpointKey {
         addr,
@@ -239,10 +250,12 @@ fn endpoint(client: &EndpointKey, svc: u8) -> Option<*mut EndpointState> {
     if let Some(state) = ENDPOINTS.get_ptr_mut(client) {
         return Some(state);
     }
-    let fresh = EndpointState {
-        svc,
-        ..Default::default()
-    };
+    // As three words (muted 0; svc, held 0, pad; syn_seq 0), little-endian:
+    // `..Default::default()` zeroed the 7 bytes after `svc` with a call to
+    // `memset`, a BPF-to-BPF call whose frame pushed 6.1's combined stack
+    // past 512 bytes in the kprobe programs.
+    // SAFETY: EndpointState is repr(C), 12 bytes, every bit pattern valid.
+    let fresh: EndpointState = unsafe { core::mem::transmute([0u32, u32::from(svc), 0u32]) };
     if let Err(err) = ENDPOINTS.insert(client, fresh, BPF_NOEXIST)
         && err != -EEXIST
     {
@@ -359,13 +372,19 @@ pub fn observe(
         return;
     }
 
+    let mut flags = 0;
+    let mut hold_for = None;
     if let Some(state) = m.state {
         let mut mute_now = false;
+        let mut fate = Fate::Other;
         if pkt.proto == proto::TCP && !is_drop {
             let syn_ack = pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK);
             if m.dir == direction::REQUEST && syn_ack == tcp_flags::SYN {
                 // A new connection from this client port: trace it afresh.
                 set_muted(state, false);
+                if at.hook == hook::DEV_TX && at_client(at) {
+                    fate = Fate::Start;
+                }
             } else if m.dir == direction::REPLY && at.hook == hook::DEV_RX && at_client(at) {
                 // The reply reached the client's namespace. Reverse-NATed
                 // (source = a Service) means the collector's verdict is `ok`
@@ -374,17 +393,31 @@ pub fn observe(
                 // is an anomaly and the flow is reported per packet again.
                 if service_at(pkt.saddr, pkt.sport, pkt.proto).is_some() {
                     mute_now = true;
+                    fate = Fate::Healthy;
                 } else {
                     set_muted(state, false);
+                    fate = Fate::Anomaly;
                 }
             }
         }
-        if muted(state) && control == 0 && !is_drop {
+        if is_drop || pkt.tcp_flags & tcp_flags::RST != 0 {
+            fate = Fate::Anomaly;
+        }
+        // A deviceless "drop" of a muted flow is a delivered packet purged
+        // from a closing socket's queue (net/core/stream.c
+        // sk_stream_kill_queues → __skb_queue_purge, reason QUEUE_PURGE;
+        // NOT_SPECIFIED on 6.1): one per connection, never evidence, since
+        // an `ok` verdict stands once the reply reached the client.
+        let purged = is_drop && at.ifindex == 0;
+        if muted(state) && ((control == 0 && !is_drop) || purged) {
             stat_inc(stat::MUTED_PACKETS);
             return;
         }
         if mute_now {
             set_muted(state, true);
+        }
+        if pkt.proto == proto::TCP {
+            hold_for = Some((state, fate));
         }
     }
 
@@ -404,7 +437,20 @@ pub fn observe(
         }
     }
 
-    emit(pkt, at, m.dir, m.svc);
+    if let Some((state, fate)) = hold_for {
+        // The client side the state belongs to, whichever rule matched.
+        let client = if m.dir == direction::REPLY {
+            key(pkt.daddr, pkt.dport, pkt.proto)
+        } else {
+            key(pkt.saddr, pkt.sport, pkt.proto)
+        };
+        match pending::hold(&client, state, pkt, at, m.dir, m.svc, fate) {
+            Some(f) => flags = f,
+            None => return,
+        }
+    }
+
+    emit(pkt, at, m.dir, m.svc, flags);
 }
 
 /// A device event outside the traced node namespace (the pods' side).
@@ -417,21 +463,40 @@ fn at_client(at: &Point) -> bool {
 /// stack next to the packet and the map keys would pass the 512-byte BPF
 /// stack limit.
 #[inline(always)]
-fn emit(pkt: &Packet, at: &Point, dir: u8, svc: u8) {
+fn emit(pkt: &Packet, at: &Point, dir: u8, svc: u8, flags: u8) {
     let Some(mut entry) = EVENTS.reserve::<PacketEvent>(0) else {
         stat_inc(stat::RINGBUF_FULL);
         return;
     };
-    let ev = entry.as_mut_ptr();
-    // SAFETY: the reservation is sizeof(PacketEvent) bytes, ours until submit;
-    // every field is written (no uninitialised bytes reach userspace).
+    fill(entry.as_mut_ptr(), pkt, at, dir, svc, flags);
+    entry.submit(wakeup_flag());
+    stat_inc(stat::EVENTS);
+}
+
+/// Word by word, volatile: into a map value (a `PENDING` slot) LLVM cannot
+/// rule out overlap and emits a call to `memmove`, a BPF-to-BPF call whose
+/// frame pushed 6.1's combined stack limit past 512 bytes (kprobe programs).
+#[inline(always)]
+pub fn copy_addr(dst: *mut tracer_common::Addr, src: &tracer_common::Addr) {
+    let dst = dst.cast::<u32>();
+    for (i, w) in src.iter().enumerate() {
+        // SAFETY: `dst` points at an Addr, four u32 words.
+        unsafe { core::ptr::write_volatile(dst.add(i), *w) };
+    }
+}
+
+/// Writes every field of the event at `ev` (a ring-buffer reservation or a
+/// `PENDING` slot), so no uninitialised bytes reach userspace.
+#[inline(always)]
+pub fn fill(ev: *mut PacketEvent, pkt: &Packet, at: &Point, dir: u8, svc: u8, flags: u8) {
+    // SAFETY: `ev` points at sizeof(PacketEvent) bytes the caller owns.
     unsafe {
         (*ev).ts_ns = bpf_ktime_get_ns();
         (*ev).skb = at.skb;
         (*ev).netns = at.netns;
         (*ev).ifindex = at.ifindex;
-        (*ev).saddr = pkt.saddr;
-        (*ev).daddr = pkt.daddr;
+        copy_addr(&raw mut (*ev).saddr, &pkt.saddr);
+        copy_addr(&raw mut (*ev).daddr, &pkt.daddr);
         (*ev).sport = pkt.sport;
         (*ev).dport = pkt.dport;
         (*ev).seq = pkt.seq;
@@ -447,10 +512,8 @@ fn emit(pkt: &Packet, at: &Point, dir: u8, svc: u8) {
         (*ev).tcp_flags = pkt.tcp_flags;
         (*ev).direction = dir;
         (*ev).svc = svc;
-        (*ev)._pad = 0;
+        (*ev).flags = flags;
     }
-    entry.submit(wakeup_flag());
-    stat_inc(stat::EVENTS);
 }
 
 const BPF_RB_NO_WAKEUP: u64 = 1;
@@ -461,7 +524,7 @@ const BPF_RB_RING_SIZE: u64 = 1;
 /// A wakeup per event costs an irq_work and a reader context switch each;
 /// the reader polls every few ms anyway, so only a filling buffer wakes it.
 #[inline(always)]
-fn wakeup_flag() -> u64 {
+pub fn wakeup_flag() -> u64 {
     let avail = EVENTS.query(BPF_RB_AVAIL_DATA);
     let size = EVENTS.query(BPF_RB_RING_SIZE);
     if avail >= size / 4 {

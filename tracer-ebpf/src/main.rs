@@ -8,6 +8,7 @@ mod config;
 mod filter;
 mod kprobes;
 mod netfilter;
+mod pending;
 mod prefilter;
 mod skb;
 mod tc;

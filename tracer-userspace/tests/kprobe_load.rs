@@ -70,6 +70,9 @@ fn forced_kprobe_backend_without_kprobes_is_one_line() {
         ringbuf_bytes: 1 << 16,
         backend: BackendChoice::Kprobe,
         all_services: false,
+        // Every packet: these tests check each observation point.
+        buffer: false,
+        reply_timeout_ns: 3_000_000_000,
     };
     match Tracer::start(&opts) {
         Err(e @ TraceError::Unsupported(_)) => assert_eq!(

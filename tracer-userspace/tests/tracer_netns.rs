@@ -188,6 +188,9 @@ fn events_carry_correct_kernel_fields() {
         ringbuf_bytes: 1 << 20,
         backend: Default::default(),
         all_services: false,
+        // Every packet: these tests check each observation point.
+        buffer: false,
+        reply_timeout_ns: 3_000_000_000,
     };
     let mut tracer = start_checked(&opts);
     let (node_inode, client_inode) = (lab.inode(&lab.node), lab.inode(&lab.client));

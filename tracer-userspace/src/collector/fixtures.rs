@@ -163,7 +163,7 @@ impl Builder {
                 tcp_flags: p.flags,
                 direction: p.dir,
                 svc: 0,
-                _pad: 0,
+                flags: 0,
             });
             ts += 3 * US;
         }

@@ -1,7 +1,7 @@
 //! One flow (client ip:port + Service ip:port + proto) across the NAT: its
 //! packets, each with the events seen at every observation point, and what
 //! those events taught us (backend, masquerade address, where the client is).
-use tracer_common::{PacketEvent, hook, nat_stage, nf_hook, proto, tcp_flags};
+use tracer_common::{PacketEvent, event_flags, hook, nat_stage, nf_hook, proto, tcp_flags};
 
 use super::{
     drop_reason::KnownReasons,
@@ -123,6 +123,9 @@ pub(crate) struct Flow {
     pub truncated: bool,
     /// Pushed out by the live-flow limit before its verdict was certain.
     pub evicted: bool,
+    /// The kernel holds its next events (event_flags::BUFFERED) until the
+    /// flow proves healthy or not, or userspace pulls them at its deadline.
+    pub buffered: bool,
     pub packets: Vec<Packet>,
     pub obs: Vec<Obs>,
 }
@@ -153,6 +156,7 @@ impl Flow {
             reported: false,
             truncated: false,
             evicted: false,
+            buffered: false,
             packets: Vec::with_capacity(4),
             // Grown as needed (4, 8, 16, ...): a healthy flow whose hops the
             // kernel buffers sends 2 events, a full path ~32.
@@ -257,7 +261,9 @@ impl Flow {
             packet: idx,
             ..probe
         };
-        if observed_in_node(&obs, ctx) {
+        // A healthy held flow's reply arrives alone: the kernel discarded
+        // its events in the node and says that it crossed it.
+        if observed_in_node(&obs, ctx) || ev.flags & event_flags::VIA_NODE != 0 {
             self.packets[idx as usize].in_node = true;
             self.seen_in_node = true;
         }

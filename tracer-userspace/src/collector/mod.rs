@@ -11,6 +11,7 @@ mod backend_rules;
 mod causes;
 mod drop_reason;
 mod flow;
+mod held;
 mod ifnames;
 mod ip6_rules;
 mod path_rules;
@@ -27,6 +28,8 @@ pub(crate) mod fixtures;
 pub mod testing;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_buffered;
 #[cfg(test)]
 mod tests_ipv6;
 #[cfg(test)]
@@ -56,6 +59,7 @@ use tracer_common::{EndpointKey, PacketEvent, proto, tcp_flags};
 pub use self::{
     causes::{Cause, CauseId, markdown_table},
     drop_reason::{DropReasons, DropReasonsError},
+    held::PULL_AHEAD_NS,
     report::{Attempt, FlowReport, Hop, PacketEvidence},
     summary::{Summary, VerdictCounts},
     types::{Dir, Endpoint, Name, Proto, packet_kind},
@@ -172,6 +176,11 @@ pub struct Collector {
     /// request's fate (neighbour resolution): (until, slot, generation).
     hold_q: BinaryHeap<Reverse<(u64, u32, u32)>>,
     age_q: VecDeque<FlowRef>,
+    /// Flows the kernel holds, by reply deadline (see `take_due_buffered`).
+    buffered_q: VecDeque<(u64, FlowRef)>,
+    /// Flows the kernel held, by (proto, client): held events arrive late,
+    /// when their skb entry is gone and a DNATed one matches no pair yet.
+    held_by_client: HashMap<(u8, Endpoint), FlowRef>,
     ready: Vec<FlowReport>,
     mute: Vec<EndpointKey>,
     lost_total: u64,
@@ -203,6 +212,8 @@ impl Collector {
             timeout_q: VecDeque::new(),
             hold_q: BinaryHeap::new(),
             age_q: VecDeque::new(),
+            buffered_q: VecDeque::new(),
+            held_by_client: HashMap::new(),
             ready: Vec::new(),
             mute: Vec::new(),
             lost_total: 0,
@@ -223,7 +234,9 @@ impl Collector {
     pub fn push(&mut self, ev: PacketEvent) {
         if ev.ts_ns < self.horizon {
             // Past the reorder window: still worth attaching to its flow.
-            self.summary.late_events += 1;
+            if ev.flags & held::HELD == 0 {
+                self.summary.late_events += 1;
+            }
             self.process(&ev);
             return;
         }
@@ -260,6 +273,14 @@ impl Collector {
         self.decide_due(self.horizon);
         self.evict_idle();
         self.purge_skbs();
+        // Past their deadline nobody will pull them (`analyze` never does).
+        while self
+            .buffered_q
+            .front()
+            .is_some_and(|&(deadline, _)| deadline < self.horizon)
+        {
+            self.buffered_q.pop_front();
+        }
         self.take_ready()
     }
 
@@ -311,6 +332,10 @@ impl Collector {
         }
     }
 
+    pub fn reply_timeout_ns(&self) -> u64 {
+        self.cfg.reply_timeout_ns
+    }
+
     /// How many Service ports (IP:port, or IP for every port) open flows.
     pub fn traced_services(&self) -> usize {
         self.services.len()
@@ -341,10 +366,15 @@ impl Collector {
             + evidence
             + self.pairs.heap_bytes()
             + table(self.skbs.capacity(), size_of::<(u64, SkbEntry)>())
+            + table(
+                self.held_by_client.capacity(),
+                size_of::<((u8, Endpoint), FlowRef)>(),
+            )
             + self.pending.capacity() * size_of::<PacketEvent>()
             + (self.decide_q.capacity() + self.timeout_q.capacity()) * size_of::<(u64, FlowRef)>()
             + self.hold_q.capacity() * size_of::<(u64, u32, u32)>()
             + self.age_q.capacity() * size_of::<FlowRef>()
+            + self.buffered_q.capacity() * size_of::<(u64, FlowRef)>()
             + self.free.capacity() * 4
     }
 
@@ -444,6 +474,13 @@ impl Collector {
                     Some(FlowRef { idx, generation })
                 });
         }
+        if found.is_none() && ev.flags & held::HELD != 0 {
+            found = self
+                .held_by_client
+                .get(&(ev.proto, held::client_of(ev)))
+                .copied()
+                .filter(|&r| self.flow(r).is_some());
+        }
         let syn_only = ev.proto == proto::TCP
             && ev.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN;
         if syn_only
@@ -478,6 +515,18 @@ impl Collector {
         let Some(flow) = slot.flow.as_mut() else {
             return;
         };
+        if ev.flags & tracer_common::event_flags::BUFFERED != 0 {
+            self.held_by_client.insert((ev.proto, flow.client), r);
+        }
+        if ev.flags != 0 {
+            held::note_flags(
+                flow,
+                ev.flags,
+                (r, self.cfg.reply_timeout_ns),
+                &mut self.buffered_q,
+                &mut self.summary,
+            );
+        }
         let added = flow.add_event(ev, key, &ctx);
         let pair_idx = flow.pair_count() - 1;
         if added.duplicate {
@@ -542,6 +591,10 @@ impl Collector {
         self.live -= 1;
         for (i, p) in flow.pairs().enumerate() {
             self.pairs.remove(&p, r.idx, i);
+        }
+        let client = (flow.proto, flow.client);
+        if self.held_by_client.get(&client) == Some(&r) {
+            self.held_by_client.remove(&client);
         }
     }
 

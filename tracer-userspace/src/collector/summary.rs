@@ -53,4 +53,30 @@ pub struct Summary {
     /// Flows seen only in other namespaces of this kernel (raw tracepoints
     /// are global: another node of a kind cluster, a parallel lab), not reported.
     pub foreign_flows: u64,
+    /// TCP connections whose events the kernel held until they proved
+    /// healthy or not (tracer-ebpf/src/pending.rs).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub buffered_flows: u64,
+    /// Held events sent by the kernel because the flow was a problem.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub flushed_events: u64,
+    /// Held events read by userspace at a flow's reply deadline or at exit.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub pulled_events: u64,
+    /// Held events of healthy connections discarded in the kernel (filled in
+    /// by the caller, like `muted_packets`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub held_discarded: u64,
+    /// Held flows whose buffer filled and was sent (caller).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub held_spilled: u64,
+    /// Connections sent per packet because the kernel's held-flow map was full (caller).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub held_map_full: u64,
+}
+
+/// The per-flow buffer's counts are left out where nothing was held (-v,
+/// recordings made before it existed), so those summaries read as before.
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }

@@ -19,11 +19,11 @@ use crate::{
     recording::{Reader, replay::decide_all},
 };
 
-fn recorded_dir() -> PathBuf {
+pub(super) fn recorded_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("src/collector/fixtures/recorded")
 }
 
-fn recordings() -> Vec<PathBuf> {
+pub(super) fn recordings() -> Vec<PathBuf> {
     let mut recs: Vec<PathBuf> = std::fs::read_dir(recorded_dir())
         .map(|d| {
             d.filter_map(|e| e.ok().map(|e| e.path()))

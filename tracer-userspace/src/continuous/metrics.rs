@@ -38,6 +38,14 @@ struct TcLabels {
     state: String,
 }
 
+/// What became of events the kernel held (tracer-ebpf/src/pending.rs).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HeldLabels {
+    /// `discarded` (healthy, never sent), `flushed` (sent: a problem
+    /// flow), `pulled` (read at a flow's reply deadline or at exit).
+    outcome: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
     result: String,
@@ -54,6 +62,10 @@ struct Totals {
     evicted: AtomicU64,
     processed: AtomicU64,
     dropped_lines: AtomicU64,
+    held_flows: AtomicU64,
+    held: [AtomicU64; 3],
+    held_spilled: AtomicU64,
+    held_map_full: AtomicU64,
 }
 
 fn advance(counter: &Counter, last: &AtomicU64, now: u64) {
@@ -74,6 +86,10 @@ pub struct Metrics {
     map_full: Counter,
     evicted: Counter,
     dropped_lines: Counter,
+    held_flows: Counter,
+    held_events: Family<HeldLabels, Counter>,
+    held_spilled: Counter,
+    held_map_full: Counter,
     live_flows: Gauge,
     services: Gauge,
     services_untraced: Gauge,
@@ -97,6 +113,10 @@ impl Metrics {
             map_full: Counter::default(),
             evicted: Counter::default(),
             dropped_lines: Counter::default(),
+            held_flows: Counter::default(),
+            held_events: Family::default(),
+            held_spilled: Counter::default(),
+            held_map_full: Counter::default(),
             live_flows: Gauge::default(),
             services: Gauge::default(),
             services_untraced: Gauge::default(),
@@ -152,6 +172,26 @@ impl Metrics {
             "flow_map_full",
             "New flows the kernel could not track (its flow map was full)",
             self.map_full.clone(),
+        );
+        r.register(
+            "held_flows",
+            "TCP connections whose events the kernel held until they proved healthy or not",
+            self.held_flows.clone(),
+        );
+        r.register(
+            "held_events",
+            "Held events by outcome: discarded (healthy), flushed (a problem flow), pulled (at the reply deadline)",
+            self.held_events.clone(),
+        );
+        r.register(
+            "held_spilled",
+            "Held flows whose buffer filled up and was sent (not a loss)",
+            self.held_spilled.clone(),
+        );
+        r.register(
+            "held_map_full",
+            "TCP connections traced per packet because the kernel's held-flow map was full",
+            self.held_map_full.clone(),
         );
         r.register(
             "evicted_flows",
@@ -241,12 +281,25 @@ impl Metrics {
         advance(&self.events, &t.events, stats.events);
         advance(&self.muted, &t.muted, stats.muted);
         advance(&self.map_full, &t.map_full, stats.flow_map_full);
+        advance(&self.held_spilled, &t.held_spilled, stats.held_spilled);
+        advance(&self.held_map_full, &t.held_map_full, stats.held_map_full);
+        self.held("discarded", &t.held[0], stats.held_discarded);
+    }
+
+    fn held(&self, outcome: &str, last: &AtomicU64, now: u64) {
+        let counter = self.held_events.get_or_create(&HeldLabels {
+            outcome: outcome.to_owned(),
+        });
+        advance(&counter, last, now);
     }
 
     pub fn collector(&self, summary: &Summary, live: usize) {
         let t = &self.totals;
         advance(&self.evicted, &t.evicted, summary.evicted_flows);
         advance(&self.processed, &t.processed, summary.events);
+        advance(&self.held_flows, &t.held_flows, summary.buffered_flows);
+        self.held("flushed", &t.held[1], summary.flushed_events);
+        self.held("pulled", &t.held[2], summary.pulled_events);
         self.live_flows.set(live as i64);
     }
 

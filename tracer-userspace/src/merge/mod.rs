@@ -112,6 +112,12 @@ pub fn merge(nodes: &[NodeFlows]) -> (Vec<FlowReport>, Summary) {
         summary.unmatched_events += s.unmatched_events;
         summary.evicted_flows += s.evicted_flows;
         summary.foreign_flows += s.foreign_flows;
+        summary.buffered_flows += s.buffered_flows;
+        summary.flushed_events += s.flushed_events;
+        summary.pulled_events += s.pulled_events;
+        summary.held_discarded += s.held_discarded;
+        summary.held_spilled += s.held_spilled;
+        summary.held_map_full += s.held_map_full;
     }
     for r in &out {
         summary.flows += 1;

@@ -197,6 +197,18 @@ impl<W: io::Write> TextOutput<W> {
                 s.events, s.duplicate_events, s.late_events, s.unmatched_events, s.evicted_flows, s.muted_packets
             ));
         }
+        if s.buffered_flows + s.held_map_full > 0 {
+            // The kernel's per-flow buffer (DESIGN.md, "Event budget").
+            line.push_str(&format!(
+                "; held flows {} (events discarded {}, sent {}, pulled {}; spilled {}; map full {})",
+                s.buffered_flows,
+                s.held_discarded,
+                s.flushed_events,
+                s.pulled_events,
+                s.held_spilled,
+                s.held_map_full
+            ));
+        }
         writeln!(self.out, "{line}")?;
         self.out.flush()
     }

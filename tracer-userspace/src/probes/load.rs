@@ -60,6 +60,7 @@ pub(super) fn load_object(
         .load(OBJECT)
         .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;
     write_config(&mut ebpf, offsets, node_netns, &opts.services)?;
+    set_buffering(&mut ebpf, opts)?;
     Ok(ebpf)
 }
 
@@ -69,9 +70,11 @@ pub(super) fn write_config(
     node_netns: u32,
     services: &[Service],
 ) -> Result<(), TraceError> {
+    // Buffering off until `set_buffering` (a load check attaches nothing).
     let config = Config {
         offsets,
         node_netns,
+        ..Config::default()
     };
     let mut array: Array<&mut MapData, Config> = Array::try_from(
         ebpf.map_mut("CONFIG")
@@ -106,4 +109,17 @@ pub(super) fn write_config(
         }
     }
     Ok(())
+}
+
+/// The per-flow buffer's knobs (tracer-ebpf/src/pending.rs), in CONFIG.
+fn set_buffering(ebpf: &mut Ebpf, opts: &TraceOptions) -> Result<(), TraceError> {
+    let mut array: Array<&mut MapData, Config> = Array::try_from(
+        ebpf.map_mut("CONFIG")
+            .ok_or_else(|| TraceError::Kernel("map CONFIG missing".into()))?,
+    )
+    .map_err(kernel_err("CONFIG"))?;
+    let mut config = array.get(&0, 0).map_err(kernel_err("CONFIG"))?;
+    config.buffer = u32::from(opts.buffer);
+    config.reply_timeout_ns = opts.reply_timeout_ns;
+    array.set(0, config, 0).map_err(kernel_err("CONFIG"))
 }

@@ -10,6 +10,7 @@ mod load;
 pub mod netns;
 pub mod nf_link;
 mod node;
+mod pending;
 pub mod services;
 pub mod table;
 mod tc;
@@ -54,6 +55,12 @@ pub struct TraceOptions {
     /// `--all-services`: SERVICES is sized for every Service of a cluster
     /// and `services` may be empty (see [`Tracer::sync_services`]).
     pub all_services: bool,
+    /// Hold a pod's TCP handshake in the kernel until it proves healthy or
+    /// not (off with `-v`: every packet); see tracer-ebpf/src/pending.rs.
+    pub buffer: bool,
+    /// `--reply-timeout` in ns: the kernel sends a held flow whose reply
+    /// comes later than userspace pulls it.
+    pub reply_timeout_ns: u64,
 }
 
 /// A program of the table that is not running, and why (one line for the CLI).
@@ -75,6 +82,12 @@ pub struct KernelStats {
     /// IPv6 packets whose TCP/UDP header the programs could not reach
     /// (non-first fragments, ESP/AH, more extension headers than walked).
     pub ipv6_unfollowed: u64,
+    /// Held events of healthy connections discarded in the kernel.
+    pub held_discarded: u64,
+    /// Held flows whose buffer filled up and was sent (not a loss).
+    pub held_spilled: u64,
+    /// Connections sent per packet because the held-flow map was full.
+    pub held_map_full: u64,
 }
 
 /// See [`Tracer::tc_state`].
@@ -138,6 +151,7 @@ pub struct Tracer {
     async_ring: Option<AsyncFd<RingBuf<MapData>>>,
     stats: PerCpuArray<MapData, u64>,
     endpoints: HashMap<MapData, EndpointKey, EndpointState>,
+    pending: pending::PendingMap,
     /// Interfaces with tc attached, for the device tracepoints (main.rs, TC_IFACES).
     tc_ifaces: HashMap<MapData, u32, u8>,
     /// The Service filter, for `--all-services` updates.
@@ -212,6 +226,9 @@ impl Tracer {
             PerCpuArray::try_from(take_map(&mut ebpf, "STATS")?).map_err(kernel_err("STATS"))?;
         let endpoints = HashMap::try_from(take_map(&mut ebpf, "ENDPOINTS")?)
             .map_err(kernel_err("ENDPOINTS"))?;
+        let pending = pending::PendingMap::new(
+            HashMap::try_from(take_map(&mut ebpf, "PENDING")?).map_err(kernel_err("PENDING"))?,
+        );
         let tc_ifaces = HashMap::try_from(take_map(&mut ebpf, "TC_IFACES")?)
             .map_err(kernel_err("TC_IFACES"))?;
         let services = services::ServiceMap::new(
@@ -252,6 +269,7 @@ impl Tracer {
             async_ring: None,
             stats,
             endpoints,
+            pending,
             tc_ifaces,
             services,
             ebpf,
@@ -407,6 +425,9 @@ impl Tracer {
             flow_map_full: sum(stat::FLOW_MAP_FULL),
             read_errors: sum(stat::READ_ERRORS),
             ipv6_unfollowed: sum(stat::IPV6_UNFOLLOWED),
+            held_discarded: sum(stat::HELD_DISCARDED),
+            held_spilled: sum(stat::HELD_SPILLED),
+            held_map_full: sum(stat::HELD_MAP_FULL),
         }
     }
 
@@ -568,16 +589,17 @@ fn take_map(ebpf: &mut Ebpf, name: &str) -> Result<aya::maps::Map, TraceError> {
 
 fn drain_ring(ring: &mut RingBuf<MapData>, out: &mut Vec<PacketEvent>, netns_inode: u32) {
     while let Some(item) = ring.next() {
-        if item.len() < size_of::<PacketEvent>() {
-            continue;
+        // One event, or a flushed flow buffer: several in one record
+        // (tracer-ebpf/src/pending.rs).
+        for chunk in item.chunks_exact(size_of::<PacketEvent>()) {
+            // SAFETY: the kernel wrote a PacketEvent (repr(C), any bit pattern valid).
+            let mut ev: PacketEvent = unsafe { std::ptr::read_unaligned(chunk.as_ptr().cast()) };
+            // tc and netfilter programs run only in the traced namespace and
+            // leave netns 0; a drop without a device has no namespace to report.
+            if ev.netns == 0 && !(ev.hook == hook::DROP && ev.ifindex == 0) {
+                ev.netns = netns_inode;
+            }
+            out.push(ev);
         }
-        // SAFETY: the kernel wrote a PacketEvent (repr(C), any bit pattern valid).
-        let mut ev: PacketEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
-        // tc and netfilter programs run only in the traced namespace and
-        // leave netns 0; a drop without a device has no namespace to report.
-        if ev.netns == 0 && !(ev.hook == hook::DROP && ev.ifindex == 0) {
-            ev.netns = netns_inode;
-        }
-        out.push(ev);
     }
 }

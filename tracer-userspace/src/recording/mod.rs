@@ -177,6 +177,15 @@ pub struct StatsLine {
     /// be reached: non-first fragments, ESP/AH, too many extension headers.
     #[serde(default)]
     pub ipv6_unfollowed: u64,
+    /// The kernel's per-flow buffer: held events of healthy connections
+    /// discarded, buffers that filled and were sent, connections not held
+    /// because its map was full (cumulative).
+    #[serde(default)]
+    pub held_discarded: u64,
+    #[serde(default)]
+    pub held_spilled: u64,
+    #[serde(default)]
+    pub held_map_full: u64,
 }
 
 impl StatsLine {
@@ -188,6 +197,9 @@ impl StatsLine {
             muted_packets: s.muted,
             flow_map_full: s.flow_map_full,
             ipv6_unfollowed: s.ipv6_unfollowed,
+            held_discarded: s.held_discarded,
+            held_spilled: s.held_spilled,
+            held_map_full: s.held_map_full,
         }
     }
 }
@@ -408,6 +420,9 @@ impl RecordingWriter {
         line.kernel_events = line.kernel_events.saturating_sub(base.kernel_events);
         line.muted_packets = line.muted_packets.saturating_sub(base.muted_packets);
         line.flow_map_full = line.flow_map_full.saturating_sub(base.flow_map_full);
+        line.held_discarded = line.held_discarded.saturating_sub(base.held_discarded);
+        line.held_spilled = line.held_spilled.saturating_sub(base.held_spilled);
+        line.held_map_full = line.held_map_full.saturating_sub(base.held_map_full);
         line.lost_events += self.dropped_lines();
         line
     }

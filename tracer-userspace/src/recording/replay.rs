@@ -72,6 +72,8 @@ pub fn replay<E>(
     };
     // (now, muted packets) of the end line, or of the stop.
     let mut end = None;
+    // The kernel's per-flow buffer counters, as last recorded.
+    let mut held = super::StatsLine::default();
     let (mut capped, mut rotated) = (None, None);
     // The kernel's loss count as recorded, and lines skipped as unreadable:
     // both are events missing from the flows around them.
@@ -99,6 +101,7 @@ pub fn replay<E>(
                 }
                 last_ts = last_ts.max(s.now_ns);
                 lost = lost.max(s.lost_events);
+                held = s;
                 c.note_lost(lost + skipped);
                 let reports = c.tick(s.now_ns);
                 if !reports.is_empty() {
@@ -110,6 +113,7 @@ pub fn replay<E>(
             Record::Rules(rules) => c.update_rules(*rules),
             Record::End(s) => {
                 lost = lost.max(s.lost_events);
+                held = s;
                 end = Some((s.now_ns, s.muted_packets));
             }
         }
@@ -131,6 +135,9 @@ pub fn replay<E>(
     }
     summary.lost_events = lost;
     summary.muted_packets = muted;
+    summary.held_discarded = held.held_discarded;
+    summary.held_spilled = held.held_spilled;
+    summary.held_map_full = held.held_map_full;
     if !reports.is_empty() {
         decided(reports)?;
     }

@@ -10,7 +10,7 @@ use super::{
     SessionError, SessionOptions, Stop, finish, header, push, second_signal, start_gathering,
     steps::{
         detach, drain_outputs, interface_names, on_tick, open_output_files, open_outputs,
-        release_deleted_netns, remove_leftovers, say_start_notes, until,
+        pull_held, release_deleted_netns, remove_leftovers, say_start_notes, until,
     },
     watch::{NetnsWatch, Notices},
 };
@@ -56,6 +56,8 @@ impl Live {
             ringbuf_bytes: options.ringbuf_bytes,
             backend: options.backend,
             all_services: options.continuous.all_services,
+            buffer: !options.verbose,
+            reply_timeout_ns: options.reply_timeout.as_nanos() as u64,
         })?;
         drop(_t);
         let watch = NetnsWatch::new(options.netns.as_deref());
@@ -134,6 +136,8 @@ impl Live {
                     // filling: read what is there before deciding by the clock.
                     tracer.drain(events);
                     push(collector, recorder.as_mut(), ifnames.as_mut(), events);
+                    // Every 5 s also buffers nobody asked for.
+                    pull_held(tracer, collector, recorder.as_mut(), ifnames.as_mut(), ticks.is_multiple_of(25));
                     on_tick(
                         tracer,
                         collector,
@@ -180,6 +184,9 @@ impl Live {
         // threads, which write them while we detach (with hundreds of tcx
         // links detaching takes seconds, see probes/tc.rs).
         tracer.drain(&mut events);
+        // And what it holds (buffered flows not yet decided), before the
+        // last verdicts: a no_reply flow cut short keeps its hops.
+        tracer.pull_older(u64::MAX, &mut events);
         push(
             &mut collector,
             recorder.as_mut(),

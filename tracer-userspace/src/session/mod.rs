@@ -174,6 +174,9 @@ async fn finish(
     let (mut reports, mut summary) = collector.finish(now);
     summary.lost_events = summary.lost_events.max(stats.ringbuf_full);
     summary.muted_packets = stats.muted;
+    summary.held_discarded = stats.held_discarded;
+    summary.held_spilled = stats.held_spilled;
+    summary.held_map_full = stats.held_map_full;
     while !reports.is_empty() {
         let rest = reports.split_off(reports.len().min(256));
         outputs.flows(reports).map_err(SessionError::Output)?;

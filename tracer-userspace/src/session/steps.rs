@@ -189,6 +189,33 @@ pub(super) fn on_tick(
     Ok(())
 }
 
+/// Held flows whose reply deadline comes (the collector's
+/// `take_due_buffered`): their events are read from the kernel and go to
+/// the collector and the recording like ring-buffer events. `sweep` also
+/// pulls buffers nobody asked for (their first event was lost), once they
+/// are well past any deadline.
+pub(super) fn pull_held(
+    tracer: &mut Tracer,
+    collector: &mut Collector,
+    recorder: Option<&mut RecordingWriter>,
+    ifnames: Option<&mut IfNameResolver>,
+    sweep: bool,
+) {
+    let now = monotonic_ns();
+    let due = collector.take_due_buffered(now);
+    let mut events = Vec::new();
+    if !due.is_empty() {
+        tracer.pull(&due, &mut events);
+    }
+    if sweep {
+        let stale = collector.reply_timeout_ns() * 2 + 1_000_000_000;
+        tracer.pull_older(now.saturating_sub(stale), &mut events);
+    }
+    if !events.is_empty() {
+        super::push(collector, recorder, ifnames, &mut events);
+    }
+}
+
 /// The traced namespace was deleted: let go of it first, since our
 /// descriptors are what keeps the deleted node alive.
 pub(super) fn release_deleted_netns(

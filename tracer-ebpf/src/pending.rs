@@ -1,0 +1,363 @@
+//! The per-flow buffer (docs/DESIGN.md, "Event budget"). A TCP connection
+//! opened from a pod sends its first event (flag BUFFERED); its next events
+//! are held in `PENDING` until the flow shows what it is:
+//! - healthy (the reply reaches the client reverse-NATed, the point where
+//!   the filter mutes it): the buffer is discarded except the first request
+//!   event past DNAT (KEPT, the backend's evidence), and the reply is sent
+//!   with VIA_NODE;
+//! - a problem (un-reversed reply, RST, drop, a reply later than the
+//!   deadline userspace pulls at, a retransmitted SYN, a reply that never
+//!   crossed the node, the buffer full): the buffer is sent in order
+//!   (FLUSHED), then the event, and the flow goes per packet;
+//! - no reply: userspace pulls the buffer at the flow's reply deadline and
+//!   at exit (tracer-userspace/src/probes/pending.rs).
+//!
+//! A userspace model of these rules is run over every recorded fixture
+//! (tracer-userspace/src/collector/tests_buffered.rs): change both together.
+
+use aya_ebpf::{
+    helpers::bpf_ktime_get_ns,
+    macros::map,
+    maps::{HashMap, PerCpuArray},
+};
+use tracer_common::{
+    EndpointKey, EndpointState, PENDING_CLOSED, PENDING_SLOTS, PacketEvent, PendingFlow, direction,
+    event_flags, hook, stat,
+};
+
+use crate::{
+    EVENTS,
+    filter::{Packet, Point, copy_addr, fill, stat_add, stat_inc, wakeup_flag},
+};
+
+/// Held flows at once. A healthy handshake holds its entry for a round
+/// trip; an unanswered one for the reply timeout. Preallocated (2.1 KiB
+/// each, ~4.4 MiB): kernels before 6.1 refuse run-time allocated hash maps
+/// in tracing programs. Full → the new flow goes per packet (counted).
+const PENDING_FLOWS: u32 = 2048;
+
+#[map]
+static PENDING: HashMap<EndpointKey, PendingFlow> = HashMap::with_max_entries(PENDING_FLOWS, 0);
+
+/// The template a new entry is copied from: a 2 KiB value cannot be built
+/// on the 512-byte BPF stack.
+#[map]
+static PENDING_INIT: PerCpuArray<PendingFlow> = PerCpuArray::with_max_entries(1, 0);
+
+const BPF_NOEXIST: u64 = 1;
+const EEXIST: i32 = 17;
+
+/// [`EndpointState::held`].
+const HOLDING: u8 = 1;
+const DONE: u8 = 2;
+/// No DNAT event held yet ([`PendingFlow::dnat_slot`]).
+const NO_SLOT: u8 = 0xff;
+/// Userspace pulls a buffer this long before its reply deadline at the
+/// latest (its tick, 200 ms, plus slack): a reply later than that may find
+/// the buffer already pulled, so it is sent instead of discarded.
+const PULL_AHEAD_NS: u64 = 500_000_000;
+
+/// What the event is to the buffer rule.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Fate {
+    /// Nothing decisive: hold it if the flow is held.
+    Other,
+    /// A SYN without ACK leaving the client's device in its namespace.
+    Start,
+    /// The reply reached the client reverse-NATed.
+    Healthy,
+    /// Un-reversed reply at the client, RST or drop.
+    Anomaly,
+}
+
+/// Applies the buffer rule to an event the filter would send. Returns the
+/// flags to send it with, or None when it is held.
+#[inline(always)]
+pub fn hold(
+    client: &EndpointKey,
+    state: *mut EndpointState,
+    pkt: &Packet,
+    at: &Point,
+    dir: u8,
+    svc: u8,
+    fate: Fate,
+) -> Option<u8> {
+    let Some(cfg) = crate::config::config() else {
+        return Some(0);
+    };
+    let held = unsafe { core::ptr::read_volatile(&raw const (*state).held) };
+    // One flush site per program: each is a 24-iteration loop the verifier
+    // walks (6.1 under emulation took seconds per program with several).
+    let act = 'act: {
+        if fate == Fate::Start && cfg.buffer != 0 {
+            let same_syn =
+                unsafe { core::ptr::read_volatile(&raw const (*state).syn_seq) } == pkt.seq;
+            if held == 0 || !same_syn {
+                unsafe { core::ptr::write_volatile(&raw mut (*state).syn_seq, pkt.seq) };
+                if held == HOLDING {
+                    // A new connection from the same port while the old one
+                    // is held: the old one never finished, send what it
+                    // holds; the new one goes per packet.
+                    set_held(state, DONE);
+                    break 'act Act::Flush;
+                }
+                if start(client, pkt, at) {
+                    set_held(state, HOLDING);
+                    break 'act Act::Send(event_flags::BUFFERED);
+                }
+                set_held(state, DONE);
+                break 'act Act::Send(0);
+            }
+        }
+        if held != HOLDING {
+            break 'act Act::Send(0);
+        }
+        let Some(p) = PENDING.get_ptr_mut(client) else {
+            // Pulled by userspace (reply deadline) or taken on another CPU.
+            set_held(state, DONE);
+            break 'act Act::Send(0);
+        };
+        let age = unsafe { bpf_ktime_get_ns().saturating_sub((*p).first_ts) };
+        let late = age + PULL_AHEAD_NS >= cfg.reply_timeout_ns;
+        // As the collector's `ok`: the reply reached the namespace the SYN
+        // left, from the Service it was sent to, and it crossed this node.
+        let as_ok = unsafe {
+            (*p).retransmit == 0
+                && (*p).reply_in_node != 0
+                && (*p).client_netns == at.netns
+                && same_addr(&(*p).service, &pkt.saddr)
+                && (*p).service_port == pkt.sport
+        };
+        match fate {
+            Fate::Healthy if as_ok && !late => {
+                set_held(state, DONE);
+                Act::Send(discard(client, p))
+            }
+            Fate::Healthy | Fate::Anomaly => {
+                set_held(state, DONE);
+                Act::Flush
+            }
+            Fate::Start | Fate::Other => {
+                if fate == Fate::Start {
+                    // The same SYN sent again: every attempt is evidence.
+                    unsafe { core::ptr::write_volatile(&raw mut (*p).retransmit, 1) };
+                }
+                store(state, p, pkt, at, dir, svc)
+            }
+        }
+    };
+    match act {
+        Act::Send(flags) => Some(flags),
+        Act::Held => None,
+        Act::Flush => {
+            take_and_flush(client);
+            Some(0)
+        }
+    }
+}
+
+/// What [`hold`] does with the event.
+enum Act {
+    Send(u8),
+    Held,
+    /// Send the flow's buffer, then the event.
+    Flush,
+}
+
+/// Word by word: array equality may become a `bcmp` call, which the BPF
+/// target cannot link (bpf-linker crashed on it).
+#[inline(always)]
+fn same_addr(a: &tracer_common::Addr, b: &tracer_common::Addr) -> bool {
+    a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3]
+}
+
+#[inline(always)]
+fn set_held(state: *mut EndpointState, v: u8) {
+    unsafe { core::ptr::write_volatile(&raw mut (*state).held, v) }
+}
+
+/// A fresh entry for the connection opened by `pkt` (its first event).
+#[inline(always)]
+fn start(client: &EndpointKey, pkt: &Packet, at: &Point) -> bool {
+    let Some(init) = PENDING_INIT.get_ptr_mut(0) else {
+        return false;
+    };
+    unsafe {
+        (*init).count = 0;
+        (*init).syn_seq = pkt.seq;
+        (*init).client_netns = at.netns;
+        (*init).first_ts = bpf_ktime_get_ns();
+        copy_addr(&raw mut (*init).service, &pkt.daddr);
+        (*init).service_port = pkt.dport;
+        (*init).dnat_slot = NO_SLOT;
+        (*init).reply_in_node = 0;
+        (*init).retransmit = 0;
+    }
+    // By reference: `*init` would copy 2 KiB onto the 512-byte stack.
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    match PENDING.insert(client, unsafe { &*init }, BPF_NOEXIST) {
+        Ok(()) => true,
+        // Left by a connection whose endpoint state was evicted (LRU) while
+        // held: userspace pulls it (at its deadline, or as stale); this
+        // connection goes per packet.
+        Err(e) if e == -EEXIST => false,
+        Err(_) => {
+            stat_inc(stat::HELD_MAP_FULL);
+            false
+        }
+    }
+}
+
+/// Claims a slot ([`fetch_add`]: two CPUs may hold events of the same flow
+/// at once only in a rare race). A writer racing the CPU that takes the
+/// buffer can lose its one event (written after the copy, or into a freed
+/// entry).
+#[inline(always)]
+fn store(
+    state: *mut EndpointState,
+    p: *mut PendingFlow,
+    pkt: &Packet,
+    at: &Point,
+    dir: u8,
+    svc: u8,
+) -> Act {
+    let idx = fetch_add(p, 1);
+    if idx >= PENDING_CLOSED {
+        // Taken meanwhile: the flow goes per packet.
+        return Act::Send(0);
+    }
+    let i = idx as usize;
+    if i >= PENDING_SLOTS {
+        // Full: a spill, not a loss. The buffer goes out, then this event.
+        stat_inc(stat::HELD_SPILLED);
+        set_held(state, DONE);
+        return Act::Flush;
+    }
+    let in_node = in_node(at);
+    unsafe {
+        let slot = &raw mut (*p).events[i];
+        // Flagged as it will be sent if the flow turns out a problem.
+        fill(slot, pkt, at, dir, svc, event_flags::FLUSHED);
+        if dir == direction::REQUEST
+            && in_node
+            && (*p).dnat_slot == NO_SLOT
+            && (!same_addr(&pkt.daddr, &(*p).service) || pkt.dport != (*p).service_port)
+        {
+            (*p).dnat_slot = i as u8;
+        }
+        if dir == direction::REPLY && in_node {
+            (*p).reply_in_node = 1;
+        }
+    }
+    Act::Held
+}
+
+/// A point of the traced node: tc and netfilter run only there; a device
+/// event counts when its namespace is the node's (as the collector's
+/// `observed_in_node`).
+#[inline(always)]
+fn in_node(at: &Point) -> bool {
+    match at.hook {
+        hook::TC_INGRESS | hook::TC_EGRESS | hook::NETFILTER | hook::BR_FORWARD => true,
+        hook::DEV_RX | hook::DEV_TX => {
+            at.netns != 0 && crate::config::config().is_some_and(|c| at.netns == c.node_netns)
+        }
+        _ => false,
+    }
+}
+
+/// Claims `n` on the entry's count and returns what it was. Not atomic:
+/// a fetch-add needs BPF_ATOMIC | BPF_FETCH, which LLVM emits only for
+/// `-mcpu=v3`, and aya-build compiles for the generic CPU (LLVM refuses
+/// "Invalid usage of the XADD return value"); the core atomics are not
+/// offered for this target. Safe enough because a flow's held events are
+/// causally ordered: a packet crosses the node's points one after the
+/// other on one CPU, and the reply exists only after the request arrived.
+/// Two CPUs meet only when a retransmitted SYN overlaps the reply: then
+/// one event can be overwritten (a hop missing from a problem flow's
+/// evidence) or a buffer sent twice (the collector drops duplicate events).
+#[inline(always)]
+fn fetch_add(p: *mut PendingFlow, n: u64) -> u64 {
+    unsafe {
+        let count = &raw mut (*p).count;
+        let old = core::ptr::read_volatile(count);
+        core::ptr::write_volatile(count, old + n);
+        old
+    }
+}
+
+/// Takes the buffer: the number of events held, or None if another CPU
+/// took it first.
+#[inline(always)]
+fn take(p: *mut PendingFlow) -> Option<usize> {
+    let n = fetch_add(p, PENDING_CLOSED);
+    (n < PENDING_CLOSED).then_some((n as usize).min(PENDING_SLOTS))
+}
+
+/// Sends the held events in order (FLUSHED) and deletes the entry. A full
+/// ring buffer loses them like any event (STATS[RINGBUF_FULL]), so the
+/// collector marks the flow incomplete as it does for any loss.
+#[inline(always)]
+fn take_and_flush(client: &EndpointKey) {
+    let Some(p) = PENDING.get_ptr_mut(client) else {
+        return;
+    };
+    if let Some(n) = take(p)
+        && n > 0
+    {
+        // One record of n events (slots are stored flagged FLUSHED):
+        // one helper call the verifier checks once, where a loop of
+        // reservations was walked slot by slot. The reader splits it.
+        // Clamped after a read through memory: LLVM would otherwise keep
+        // n on the stack without the check, and 6.1's verifier loses a
+        // spilled scalar's bounds ("R3 min value is negative").
+        let n = unsafe { core::ptr::read_volatile(&n) }.min(PENDING_SLOTS);
+        let held = unsafe { &(&(*p).events)[..n] };
+        if EVENTS.output::<[PacketEvent]>(held, wakeup_flag()).is_ok() {
+            stat_add(stat::EVENTS, n as u64);
+        } else {
+            stat_add(stat::RINGBUF_FULL, n as u64);
+        }
+    }
+    let _ = PENDING.remove(client);
+}
+
+/// Healthy: the kept DNAT event goes out, the rest is only counted.
+#[inline(always)]
+fn discard(client: &EndpointKey, p: *mut PendingFlow) -> u8 {
+    let Some(n) = take(p) else {
+        return 0;
+    };
+    // Through memory, so LLVM cannot fold `kept < PENDING_SLOTS` into
+    // `kept < n` (n ≤ PENDING_SLOTS): 6.1's verifier does not carry bounds
+    // across a comparison of two registers ("R9 max value is outside of the
+    // allowed memory range"), so the slot index needs the constant one.
+    let n = unsafe { core::ptr::read_volatile(&n) };
+    let kept = unsafe { (*p).dnat_slot } as usize;
+    let mut sent = 0;
+    if kept < PENDING_SLOTS && kept < n {
+        send_copy(unsafe { &raw const (*p).events[kept] }, event_flags::KEPT);
+        sent = 1;
+    }
+    stat_add(stat::HELD_DISCARDED, (n - sent) as u64);
+    let _ = PENDING.remove(client);
+    event_flags::VIA_NODE
+}
+
+/// One held event into the ring buffer with `flags`.
+#[inline(always)]
+fn send_copy(src: *const PacketEvent, flags: u8) {
+    let Some(mut entry) = EVENTS.reserve::<PacketEvent>(0) else {
+        stat_inc(stat::RINGBUF_FULL);
+        return;
+    };
+    let ev = entry.as_mut_ptr();
+    // SAFETY: the reservation is sizeof(PacketEvent) bytes, ours until
+    // submit; the slot was filled completely by `fill`.
+    unsafe {
+        core::ptr::copy_nonoverlapping(src, ev, 1);
+        (*ev).flags = flags;
+    }
+    entry.submit(wakeup_flag());
+    stat_inc(stat::EVENTS);
+}
