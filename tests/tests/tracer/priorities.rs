@@ -323,7 +323,11 @@ fn root_two_instances_on_one_node_report_the_same_flows() {
         let before = node_state(&lab);
         let local_ports = ports(base, 4);
         let extra = |secs: &'static str| ["--duration", secs, "--reply-timeout", "1000"];
-        let (mut first, first_start) = start_json(&args(&lab, &[web_svc()], &extra("5")), envs);
+        // The first is stopped by SIGTERM once the traffic is done, not by a
+        // --duration: on a loaded machine the second's start alone can take
+        // seconds, and a first that had already left would free its
+        // priorities for the second and see none of the flows.
+        let (mut first, first_start) = start_json(&args(&lab, &[web_svc()], &extra("60")), envs);
         // The second one's leftover cleanup runs while the first traces,
         // from another PID namespace (another container on the node): it
         // cannot see the first one's process, only its claim (cleanup.rs).
@@ -347,8 +351,10 @@ fn root_two_instances_on_one_node_report_the_same_flows() {
         // The first (which created the clsact qdiscs) leaves first: the
         // qdiscs stay for the second's filters, and the second, leaving
         // last, removes them.
+        std::thread::sleep(Duration::from_millis(1500));
+        first.terminate();
         let first = first
-            .wait(Duration::from_secs(5) + ATTACH_TIMEOUT)
+            .wait(ATTACH_TIMEOUT)
             .unwrap_or_else(|e| panic!("{e:#}"));
         if mode == "clsact" {
             let still = lab
