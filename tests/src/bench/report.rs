@@ -364,8 +364,10 @@ fn conn_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
         w,
         "\nEvents per connection (all traced runs): **{per_conn:.2}** ({events} events, {conns} connections).\n"
     );
+    // Two decimals alone would print 3.00 for a run a few events over.
+    let over = events.saturating_sub(3 * conns);
     targets.push(format!(
-        "≤ 3 events per healthy connection: {per_conn:.2} — {}",
+        "≤ 3 events per healthy connection: {per_conn:.2} ({over} events over 3 per connection in {conns} connections) — {}",
         verdict(per_conn <= 3.0)
     ));
     if !dump_v.is_empty() {
