@@ -12,7 +12,9 @@
 //! probes read from kernel structs (ifindex, netns inode, addresses, conntrack
 //! tuples) are what the lab configured — a wrong BTF offset must fail here, not
 //! silently produce no events; and that all backends agree flow for flow.
-//! Then seed 000 over IPv6 on a dual-stack node (`vm-guest/ipv6.rs`).
+//! Each seed 000 case runs again without `-v`, with the kernel's per-flow
+//! buffer on (`vm-guest/buffered.rs`). Then seed 000 over IPv6 on a
+//! dual-stack node (`vm-guest/ipv6.rs`).
 //! One `vm-guest: PASS|FAIL` line per check; exit 0 only if all pass.
 //!
 //! `--record-fixtures` also has each seed 000 run `--write` its recording and
@@ -21,6 +23,8 @@
 //! record nothing (auto fallback, IPv6) to spare the emulated guest.
 
 // Not tests/src/bin/facts.rs: cargo would take that for a binary of its own.
+#[path = "vm-guest/buffered.rs"]
+mod buffered;
 #[path = "vm-guest/facts.rs"]
 mod facts;
 #[path = "vm-guest/ipv6.rs"]
@@ -182,7 +186,7 @@ fn run() -> anyhow::Result<bool> {
             let name = format!("{} {backend}", sc.name);
             let fixture = record_fixtures.then(|| record::name(&release, backend, sc.name));
             let write = fixture.as_deref().map(record::path);
-            match trace(&nattrace, backend, &facts, write.as_deref()) {
+            match trace(&nattrace, backend, &facts, write.as_deref(), true) {
                 Ok(run) => {
                     let flows = judge(&mut checks, &name, sc, backend, &facts, &run);
                     runs.push((backend, flows));
@@ -195,6 +199,11 @@ fn run() -> anyhow::Result<bool> {
         }
         if runs.len() > 1 {
             checks.record(&format!("{} backends agree", sc.name), compare(&runs));
+        }
+        if !record_fixtures {
+            for &backend in &backends {
+                buffered::check(&mut checks, &nattrace, sc, backend, &facts);
+            }
         }
         if !record_fixtures && backends.contains(&"kprobe") && backends.contains(&"netfilter") {
             let name = format!("{} auto falls back to kprobe", sc.name);
@@ -374,7 +383,7 @@ fn auto_with_netfilter_window_full(nattrace: &Path, facts: &LabFacts) -> anyhow:
     }
     rules.push_str("}\n");
     nft_in(&facts.node_path, &["-f", "-"], Some(&rules))?;
-    let run = trace(nattrace, "auto", facts, None);
+    let run = trace(nattrace, "auto", facts, None, true);
     nft_in(
         &facts.node_path,
         &["delete", "table", "ip", "nattrace-vm-fill"],
@@ -415,12 +424,14 @@ fn nft_in(ns: &Path, args: &[&str], stdin: Option<&str>) -> anyhow::Result<()> {
 }
 
 /// One nattrace run: attach, make the connections, wait for the summary;
-/// `--write` the recording to `write` if given.
+/// `--write` the recording to `write` if given. `every_packet` passes `-v`
+/// (every hop of every flow, the kernel's per-flow buffer off).
 fn trace(
     nattrace: &Path,
     backend: &str,
     facts: &LabFacts,
     write: Option<&Path>,
+    every_packet: bool,
 ) -> anyhow::Result<Run> {
     let mut args: Vec<String> = [
         "--backend",
@@ -433,11 +444,13 @@ fn trace(
         &TRACE_SECS.to_string(),
         "--output",
         "json",
-        "-v",
     ]
     .iter()
     .map(|s| s.to_string())
     .collect();
+    if every_packet {
+        args.push("-v".to_string());
+    }
     if let Some(w) = write {
         args.extend(["--write".to_string(), w.display().to_string()]);
     }
