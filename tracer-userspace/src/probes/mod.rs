@@ -587,6 +587,14 @@ fn take_map(ebpf: &mut Ebpf, name: &str) -> Result<aya::maps::Map, TraceError> {
         .ok_or_else(|| TraceError::Kernel(format!("map {name} missing from the eBPF object")))
 }
 
+/// tc and netfilter programs run only in the traced namespace and leave
+/// netns 0; a drop without a device has no namespace to report.
+fn fill_node_netns(ev: &mut PacketEvent, netns_inode: u32) {
+    if ev.netns == 0 && !(ev.hook == hook::DROP && ev.ifindex == 0) {
+        ev.netns = netns_inode;
+    }
+}
+
 fn drain_ring(ring: &mut RingBuf<MapData>, out: &mut Vec<PacketEvent>, netns_inode: u32) {
     while let Some(item) = ring.next() {
         // One event, or a flushed flow buffer: several in one record
@@ -594,11 +602,7 @@ fn drain_ring(ring: &mut RingBuf<MapData>, out: &mut Vec<PacketEvent>, netns_ino
         for chunk in item.chunks_exact(size_of::<PacketEvent>()) {
             // SAFETY: the kernel wrote a PacketEvent (repr(C), any bit pattern valid).
             let mut ev: PacketEvent = unsafe { std::ptr::read_unaligned(chunk.as_ptr().cast()) };
-            // tc and netfilter programs run only in the traced namespace and
-            // leave netns 0; a drop without a device has no namespace to report.
-            if ev.netns == 0 && !(ev.hook == hook::DROP && ev.ifindex == 0) {
-                ev.netns = netns_inode;
-            }
+            fill_node_netns(&mut ev, netns_inode);
             out.push(ev);
         }
     }

@@ -4,7 +4,7 @@
 //! the ring buffer (flag PULLED), so a `no_reply` flow keeps every hop.
 use aya::maps::{HashMap, MapData, MapError};
 use tracer_common::{
-    EndpointKey, PENDING_CLOSED, PENDING_SLOTS, PacketEvent, PendingFlow, event_flags, hook,
+    EndpointKey, PENDING_CLOSED, PENDING_SLOTS, PacketEvent, PendingFlow, event_flags,
 };
 
 impl super::Tracer {
@@ -81,9 +81,7 @@ fn take_events(flow: &PendingFlow, out: &mut Vec<PacketEvent>, inode: u32) {
     for ev in &flow.events[..n] {
         let mut ev = *ev;
         ev.flags = event_flags::PULLED;
-        if ev.netns == 0 && !(ev.hook == hook::DROP && ev.ifindex == 0) {
-            ev.netns = inode;
-        }
+        super::fill_node_netns(&mut ev, inode);
         out.push(ev);
     }
     // Slots are claimed in order, but two CPUs may have written them out of order.
