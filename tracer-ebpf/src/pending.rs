@@ -13,7 +13,7 @@
 //!   at exit (tracer-userspace/src/probes/pending.rs).
 //!
 //! A userspace model of these rules is run over every recorded fixture
-//! (tracer-userspace/src/collector/tests_buffered.rs): change both together.
+//! (tracer-userspace/tests/held.rs): change both together.
 
 use aya_ebpf::{
     helpers::bpf_ktime_get_ns,

@@ -167,17 +167,23 @@ pub const RECORDED: &[(&str, &str)] = &[
 ];
 
 /// Where the recordings and their golden `analyze` output live.
-pub const RECORDED_DIR: &str = "tracer-userspace/src/collector/fixtures/recorded";
+/// The one home of the tracer's fixture data, from the workspace root.
+pub const FIXTURES_DIR: &str = "tracer-userspace/fixtures";
+
+/// Where the seed recordings and their goldens live.
+pub fn recorded_dir() -> PathBuf {
+    workspace_root().join(FIXTURES_DIR).join("recorded")
+}
 
 /// `cargo xtask fixtures`: runs the seed scenarios' root lab tests on this
-/// kernel with `--write` into [`RECORDED_DIR`] (`NAME.rec`), then writes
+/// kernel with `--write` into [`recorded_dir`] (`NAME.rec`), then writes
 /// each recording's `nattrace analyze NAME.rec --output json -v` next to it
 /// (`NAME.json`), which the collector's tests compare against.
 pub fn fixtures() -> anyhow::Result<()> {
     if !setup::is_root() {
         bail!("fixtures runs the root lab tests (network namespaces, eBPF): run it as root");
     }
-    let dir = workspace_root().join(RECORDED_DIR);
+    let dir = recorded_dir();
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let dir_arg = dir.display().to_string();
     for binary in ["tracer", "scenarios"] {

@@ -4,7 +4,7 @@
 //!
 //! What the kernel shows for a request DNATed to a deleted pod on a bridged
 //! node (measured on 6.18 with `tests/tests/scenarios/stale.rs`, recordings in
-//! `fixtures/stale_*.rec`):
+//! `tracer-userspace/fixtures/stale_*.rec`):
 //! - No neighbour entry for the pod's address (never talked to, or already
 //!   failed): br_netfilter's PREROUTING DNATs it, and as the new route leads
 //!   back out of the bridge the packet is re-bridged ("bridged_dnat" in

@@ -22,32 +22,14 @@ mod summary;
 mod types;
 mod verdict;
 
-#[cfg(test)]
-pub(crate) mod fixtures;
-#[doc(hidden)]
+/// Hand-built event sequences and the node they were built for: for the
+/// unit tests, and (feature `testkit`) for the bench and integration tests.
+#[cfg(any(test, feature = "testkit"))]
+pub mod fixtures;
+#[cfg(any(test, feature = "testkit"))]
 pub mod testing;
 #[cfg(test)]
-mod tests;
-#[cfg(test)]
-mod tests_buffered;
-#[cfg(test)]
-mod tests_ipv6;
-#[cfg(test)]
-mod tests_paths;
-#[cfg(test)]
-mod tests_recorded;
-#[cfg(test)]
-mod tests_routed;
-#[cfg(test)]
-mod tests_scenarios;
-#[cfg(test)]
-pub(crate) mod tests_stale;
-#[cfg(test)]
-mod tests_store;
-#[cfg(test)]
-mod tests_tracepoints;
-#[cfg(test)]
-mod tests_watch;
+pub(crate) mod tests;
 
 use std::{
     cmp::Reverse,

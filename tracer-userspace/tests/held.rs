@@ -10,8 +10,11 @@ use std::collections::HashMap;
 
 use tracer_common::{PENDING_SLOTS, PacketEvent, direction, event_flags, hook, proto, tcp_flags};
 
-use super::{Collector, FlowReport, Verdict, tests_recorded::recordings};
-use crate::{
+use nattrace::{
+    collector::{
+        Collector, FlowReport, Verdict,
+        testing::{fixtures_dir, recordings},
+    },
     recording::{Reader, Record, replay::decide_all},
     service::{ServiceSet, ip_of, traced_ports},
 };
@@ -337,8 +340,7 @@ fn every_recording_is_decided_alike_with_the_kernel_buffer() {
 /// no backend, is not held for the neighbour failure, and ends `no_reply`.
 #[test]
 fn pulled_dnat_hop_joins_its_flow_after_its_skb_entry_is_gone() {
-    let rec = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("src/collector/fixtures/buffered/stale_deleted_cold.rec");
+    let rec = fixtures_dir().join("buffered/stale_deleted_cold.rec");
     let (mut reader, header) = Reader::open(&rec).unwrap();
     let (reports, summary) = decide_all(&mut reader, &header, None);
     let f = reports
