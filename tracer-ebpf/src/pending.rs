@@ -27,7 +27,7 @@ use tracer_common::{
 
 use crate::{
     EVENTS,
-    filter::{Packet, Point, copy_addr, fill, stat_add, stat_inc, wakeup_flag},
+    emit::{Packet, Point, copy_addr, fill, stat_add, stat_inc, wakeup_flag},
 };
 
 /// Held flows at once. A healthy handshake holds its entry for a round

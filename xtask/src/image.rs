@@ -145,7 +145,7 @@ fn rootfs(nattrace: &Path) -> Result<Tree> {
 fn configure(working: &str) -> Result<()> {
     let revision = Command::new("git")
         .args(["rev-parse", "HEAD"])
-        .current_dir(crate::tasks::workspace_root())
+        .current_dir(crate::workspace::workspace_root())
         .output()
         .ok()
         .filter(|o| o.status.success())
