@@ -200,11 +200,11 @@ fn is_zero(v: &u8) -> bool {
 }
 
 /// [`PacketEvent::flags`]: a TCP connection opened from a pod is held in
-/// the kernel's per-flow buffer (`PENDING`, tracer-ebpf/src/pending.rs)
+/// the kernel's per-flow buffer (`HELD`, tracer-ebpf/src/held.rs)
 /// until it turns out healthy (the buffer is discarded) or not (it is sent).
 pub mod event_flags {
     /// The first event of a flow whose next events the kernel holds back.
-    pub const BUFFERED: u8 = 1;
+    pub const HOLDING: u8 = 1;
     /// Held, then sent because the flow turned out a problem (un-reversed
     /// reply, RST, drop, a late reply, the buffer full).
     pub const FLUSHED: u8 = 2;
@@ -218,19 +218,19 @@ pub mod event_flags {
     pub const VIA_NODE: u8 = 16;
 }
 
-/// Events one `PENDING` entry holds; one more spills the buffer (sent).
+/// Events one `HELD` entry holds; one more spills the buffer (sent).
 /// A healthy handshake through a bridged node is 17 events past the first.
-pub const PENDING_SLOTS: usize = 24;
-/// Added to [`PendingFlow::count`] by whoever takes the buffer (flush,
+pub const HELD_SLOTS: usize = 24;
+/// Added to [`HeldFlow::count`] by whoever takes the buffer (flush,
 /// discard): a writer that then claims a slot sees it taken.
-pub const PENDING_CLOSED: u64 = 1 << 32;
+pub const HELD_CLOSED: u64 = 1 << 32;
 
-/// One held flow (`PENDING` value, keyed by the client side's [`EndpointKey`]).
+/// One held flow (`HELD` value, keyed by the client side's [`EndpointKey`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct PendingFlow {
+pub struct HeldFlow {
     /// Slots claimed (atomic fetch-add; 64-bit, as the BPF target has no
-    /// 32-bit atomics without alu32); plus [`PENDING_CLOSED`] once taken.
+    /// 32-bit atomics without alu32); plus [`HELD_CLOSED`] once taken.
     pub count: u64,
     /// `ts_ns` of the first (sent) event.
     pub first_ts: u64,
@@ -248,7 +248,7 @@ pub struct PendingFlow {
     /// The opening SYN was sent again: its attempts are evidence (issue 11).
     pub retransmit: u8,
     pub _pad: [u8; 3],
-    pub events: [PacketEvent; PENDING_SLOTS],
+    pub events: [PacketEvent; HELD_SLOTS],
 }
 
 /// Key of the in-kernel Service filter. `port` 0 matches every port.
@@ -283,7 +283,7 @@ pub struct EndpointState {
     /// ring-buffer event. Written by programs on any CPU and by userspace.
     pub muted: u32,
     pub svc: u8,
-    /// The per-flow buffer (`PENDING`): 0 never, 1 holding, 2 done (sent,
+    /// The per-flow buffer (`HELD`): 0 never, 1 holding, 2 done (sent,
     /// discarded or pulled) for the SYN `syn_seq`.
     pub held: u8,
     pub _pad: [u8; 2],
@@ -349,7 +349,7 @@ pub struct Config {
     /// netfilter functions).
     pub node_netns: u32,
     /// 1: hold the events of a TCP connection opened from a pod until it
-    /// turns out healthy or not (`PENDING`); 0 with `-v` (every packet).
+    /// turns out healthy or not (`HELD`); 0 with `-v` (every packet).
     pub buffer: u32,
     /// `--reply-timeout`: a reply later than this (less a margin) flushes
     /// the buffer instead of discarding it, since userspace pulls the
@@ -377,7 +377,7 @@ pub mod stat {
     pub const HELD_DISCARDED: u32 = 8;
     /// Flow buffers that filled up and were sent (a spill, not a loss).
     pub const HELD_SPILLED: u32 = 9;
-    /// TCP connections sent per packet because `PENDING` was full.
+    /// TCP connections sent per packet because `HELD` was full.
     pub const HELD_MAP_FULL: u32 = 10;
     pub const COUNT: u32 = 12;
 }
@@ -415,7 +415,7 @@ mod user {
     unsafe impl aya::Pod for EndpointKey {}
     unsafe impl aya::Pod for EndpointState {}
     unsafe impl aya::Pod for InflightPacket {}
-    unsafe impl aya::Pod for PendingFlow {}
+    unsafe impl aya::Pod for HeldFlow {}
     unsafe impl aya::Pod for KernelOffsets {}
     unsafe impl aya::Pod for Config {}
 }
@@ -435,8 +435,8 @@ mod tests {
         assert_eq!(core::mem::size_of::<KernelOffsets>(), 72);
         assert_eq!(core::mem::size_of::<Config>(), 88);
         assert_eq!(
-            core::mem::size_of::<PendingFlow>(),
-            48 + PENDING_SLOTS * core::mem::size_of::<PacketEvent>()
+            core::mem::size_of::<HeldFlow>(),
+            48 + HELD_SLOTS * core::mem::size_of::<PacketEvent>()
         );
     }
 

@@ -1,6 +1,6 @@
 //! What an event is made of (the packet, where it was seen) and how it
 //! leaves the kernel: the ring buffer and the per-CPU counters. The Service
-//! filter (`filter.rs`) and the per-flow buffer (`pending.rs`) both emit
+//! filter (`filter.rs`) and the per-flow buffer (`held.rs`) both emit
 //! through here.
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use network_types::{
@@ -143,7 +143,7 @@ pub fn emit(pkt: &Packet, at: &Point, dir: u8, svc: u8, flags: u8) {
     stat_inc(stat::EVENTS);
 }
 
-/// Word by word, volatile: into a map value (a `PENDING` slot) LLVM cannot
+/// Word by word, volatile: into a map value (a `HELD` slot) LLVM cannot
 /// rule out overlap and emits a call to `memmove`, a BPF-to-BPF call whose
 /// frame pushed 6.1's combined stack limit past 512 bytes (kprobe programs).
 #[inline(always)]
@@ -156,7 +156,7 @@ pub fn copy_addr(dst: *mut tracer_common::Addr, src: &tracer_common::Addr) {
 }
 
 /// Writes every field of the event at `ev` (a ring-buffer reservation or a
-/// `PENDING` slot), so no uninitialised bytes reach userspace.
+/// `HELD` slot), so no uninitialised bytes reach userspace.
 #[inline(always)]
 pub fn fill(ev: *mut PacketEvent, pkt: &Packet, at: &Point, dir: u8, svc: u8, flags: u8) {
     // SAFETY: `ev` points at sizeof(PacketEvent) bytes the caller owns.

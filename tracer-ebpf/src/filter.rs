@@ -12,7 +12,7 @@ use tracer_common::{
 use crate::{
     ENDPOINTS, INFLIGHT, SERVICES,
     emit::{Packet, Point, emit, stat_inc},
-    pending::{self, Fate},
+    held::{self, Fate},
     prefilter,
 };
 
@@ -325,7 +325,7 @@ pub fn observe(
         } else {
             key(pkt.saddr, pkt.sport, pkt.proto)
         };
-        match pending::hold(&client, state, pkt, at, m.dir, m.svc, fate) {
+        match held::hold(&client, state, pkt, at, m.dir, m.svc, fate) {
             Some(f) => flags = f,
             None => return,
         }

@@ -7,9 +7,9 @@
 mod config;
 mod emit;
 mod filter;
+mod held;
 mod kprobes;
 mod netfilter;
-mod pending;
 mod prefilter;
 mod skb;
 mod tc;

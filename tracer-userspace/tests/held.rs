@@ -1,14 +1,14 @@
-//! The kernel's per-flow buffer (tracer-ebpf/src/pending.rs) modelled in
+//! The kernel's per-flow buffer (tracer-ebpf/src/held.rs) modelled in
 //! userspace and applied to every recorded fixture (real kernels, both
 //! backends): the recorded events are what the kernel sent per packet; the
 //! model holds them as the kernel now does, and the live session's pull
-//! (`take_due_buffered` at each tick, everything at the end) brings the
+//! (`take_due_held` at each tick, everything at the end) brings the
 //! held ones back. Verdicts, causes and backends must be the same both
 //! ways, and a problem flow must keep every hop. Keep it in step with
-//! pending.rs (and filter.rs `observe`, which decides the event's fate).
+//! held.rs (and filter.rs `observe`, which decides the event's fate).
 use std::collections::HashMap;
 
-use tracer_common::{PENDING_SLOTS, PacketEvent, direction, event_flags, hook, proto, tcp_flags};
+use tracer_common::{HELD_SLOTS, PacketEvent, direction, event_flags, hook, proto, tcp_flags};
 
 use nattrace::{
     collector::{
@@ -19,7 +19,7 @@ use nattrace::{
     service::{ServiceSet, ip_of, traced_ports},
 };
 
-/// pending.rs PULL_AHEAD_NS.
+/// held.rs PULL_AHEAD_NS.
 const KERNEL_PULL_AHEAD_NS: u64 = 500_000_000;
 
 type Key = (tracer_common::Addr, u16);
@@ -97,7 +97,7 @@ impl Model {
         fate
     }
 
-    /// pending.rs `hold`: the events to send now, in order.
+    /// held.rs `hold`: the events to send now, in order.
     fn apply(&mut self, ev: PacketEvent) -> Vec<PacketEvent> {
         if ev.proto != proto::TCP {
             return vec![ev];
@@ -139,7 +139,7 @@ impl Model {
                     retransmit: false,
                 },
             );
-            out.push(flagged(ev, event_flags::BUFFERED));
+            out.push(flagged(ev, event_flags::HOLDING));
             return out;
         }
         if held != 1 {
@@ -179,7 +179,7 @@ impl Model {
                 if fate == Fate::Start {
                     h.retransmit = true;
                 }
-                if h.events.len() >= PENDING_SLOTS {
+                if h.events.len() >= HELD_SLOTS {
                     self.state.entry(client).or_default().held = 2;
                     let mut out = self.flush(client);
                     out.push(ev);
@@ -212,7 +212,7 @@ impl Model {
             .collect()
     }
 
-    /// probes/pending.rs `pull`.
+    /// probes/held.rs `pull`.
     fn pull(&mut self, keys: impl IntoIterator<Item = Key>) -> Vec<PacketEvent> {
         let mut out = Vec::new();
         for k in keys {
@@ -229,7 +229,7 @@ impl Model {
 
 /// A recording decided the way the live session decides with the buffer:
 /// the modelled kernel's events, pulls at every tick and at the end.
-fn decide_buffered(rec: &std::path::Path) -> (Vec<FlowReport>, u64, u64) {
+fn decide_held(rec: &std::path::Path) -> (Vec<FlowReport>, u64, u64) {
     let (reader, header) = Reader::open(rec).expect("a nattrace recording");
     let cfg = header.collector_config().unwrap();
     let mut model = Model {
@@ -258,7 +258,7 @@ fn decide_buffered(rec: &std::path::Path) -> (Vec<FlowReport>, u64, u64) {
             Record::Rules(r) => c.update_rules(*r),
             Record::Stats(s) => {
                 let due: Vec<Key> = c
-                    .take_due_buffered(s.now_ns)
+                    .take_due_held(s.now_ns)
                     .into_iter()
                     .map(|k| (k.addr, k.port))
                     .collect();
@@ -297,7 +297,7 @@ fn every_recording_is_decided_alike_with_the_kernel_buffer() {
     for rec in recordings() {
         let (mut reader, header) = Reader::open(&rec).unwrap();
         let (mut want, _) = decide_all(&mut reader, &header, None);
-        let (mut got, sent, discarded) = decide_buffered(&rec);
+        let (mut got, sent, discarded) = decide_held(&rec);
         want.sort_by_key(key);
         got.sort_by_key(key);
         let name = rec.display();
@@ -340,7 +340,7 @@ fn every_recording_is_decided_alike_with_the_kernel_buffer() {
 /// no backend, is not held for the neighbour failure, and ends `no_reply`.
 #[test]
 fn pulled_dnat_hop_joins_its_flow_after_its_skb_entry_is_gone() {
-    let rec = fixtures_dir().join("buffered/stale_deleted_cold.rec");
+    let rec = fixtures_dir().join("held/stale_deleted_cold.rec");
     let (mut reader, header) = Reader::open(&rec).unwrap();
     let (reports, summary) = decide_all(&mut reader, &header, None);
     let f = reports

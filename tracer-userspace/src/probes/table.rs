@@ -87,7 +87,7 @@ pub const AFTER_DNAT: Window = Window {
 /// FORWARD (no NAT there): before the filter table (0) where KUBE-FORWARD,
 /// NetworkPolicy and firewall DROPs live, and before kube-proxy's nftables
 /// `filter-forward` (-110) and mangle (-150), so every such drop is
-/// reported "after netfilter FORWARD" (collector/rules.rs, drop_place). The
+/// reported "after netfilter FORWARD" (collector/checks/mod.rs, drop_place). The
 /// classic 0 is the filter table's own priority: taken on every node.
 pub const FORWARD: Window = Window {
     min: -199,
