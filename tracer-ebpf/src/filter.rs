@@ -5,15 +5,14 @@ use network_types::{
     udp::UdpHdr,
 };
 use tracer_common::{
-    Addr, EndpointKey, EndpointState, InflightPacket, ServiceKey, direction, hook, nat_stage,
-    proto, stat, tcp_flags,
+    Addr, EndpointKey, EndpointState, InflightPacket, ServiceKey, direction, held::Fate, hook,
+    nat_stage, proto, stat, tcp_flags,
 };
 
 use crate::{
     ENDPOINTS, INFLIGHT, SERVICES,
     emit::{Packet, Point, emit, stat_inc},
-    held::{self, Fate},
-    prefilter,
+    held, prefilter,
 };
 
 /// BPF_NOEXIST: a concurrent first packet of the same flow on another CPU must

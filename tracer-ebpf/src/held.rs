@@ -22,7 +22,9 @@ use aya_ebpf::{
 };
 use tracer_common::{
     EndpointKey, EndpointState, HELD_CLOSED, HELD_SLOTS, HeldFlow, PacketEvent, direction,
-    event_flags, hook, stat,
+    event_flags,
+    held::{DONE, Fate, HOLDING, NEVER, NO_SLOT, is_late},
+    hook, stat,
 };
 
 use crate::{
@@ -47,29 +49,6 @@ static HELD_INIT: PerCpuArray<HeldFlow> = PerCpuArray::with_max_entries(1, 0);
 const BPF_NOEXIST: u64 = 1;
 const EEXIST: i32 = 17;
 
-/// [`EndpointState::held`].
-const HOLDING: u8 = 1;
-const DONE: u8 = 2;
-/// No DNAT event held yet ([`HeldFlow::dnat_slot`]).
-const NO_SLOT: u8 = 0xff;
-/// Userspace pulls a buffer this long before its reply deadline at the
-/// latest (its tick, 200 ms, plus slack): a reply later than that may find
-/// the buffer already pulled, so it is sent instead of discarded.
-const PULL_AHEAD_NS: u64 = 500_000_000;
-
-/// What the event is to the buffer rule.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Fate {
-    /// Nothing decisive: hold it if the flow is held.
-    Other,
-    /// A SYN without ACK leaving the client's device in its namespace.
-    Start,
-    /// The reply reached the client reverse-NATed.
-    Healthy,
-    /// Un-reversed reply at the client, RST or drop.
-    Anomaly,
-}
-
 /// Applies the buffer rule to an event the filter would send. Returns the
 /// flags to send it with, or None when it is held.
 #[inline(always)]
@@ -92,7 +71,7 @@ pub fn hold(
         if fate == Fate::Start && cfg.buffer != 0 {
             let same_syn =
                 unsafe { core::ptr::read_volatile(&raw const (*state).syn_seq) } == pkt.seq;
-            if held == 0 || !same_syn {
+            if held == NEVER || !same_syn {
                 unsafe { core::ptr::write_volatile(&raw mut (*state).syn_seq, pkt.seq) };
                 if held == HOLDING {
                     // A new connection from the same port while the old one
@@ -118,7 +97,7 @@ pub fn hold(
             break 'act Act::Send(0);
         };
         let age = unsafe { bpf_ktime_get_ns().saturating_sub((*p).first_ts) };
-        let late = age + PULL_AHEAD_NS >= cfg.reply_timeout_ns;
+        let late = is_late(age, cfg.reply_timeout_ns);
         // As the collector's `ok`: the reply reached the namespace the SYN
         // left, from the Service it was sent to, and it crossed this node.
         let as_ok = unsafe {

@@ -4,11 +4,18 @@
 //! model holds them as the kernel now does, and the live session's pull
 //! (`take_due_held` at each tick, everything at the end) brings the
 //! held ones back. Verdicts, causes and backends must be the same both
-//! ways, and a problem flow must keep every hop. Keep it in step with
-//! held.rs (and filter.rs `observe`, which decides the event's fate).
+//! ways, and a problem flow must keep every hop. The buffer's states, its
+//! timing (`is_late`), slot count and `Fate` are tracer-common's, the same
+//! the eBPF program uses; what is stated here is the rule's control flow
+//! over them, as held.rs `hold` (and filter.rs `observe`, which decides
+//! the event's fate) runs it.
 use std::collections::HashMap;
 
-use tracer_common::{HELD_SLOTS, PacketEvent, direction, event_flags, hook, proto, tcp_flags};
+use tracer_common::{
+    HELD_SLOTS, PacketEvent, direction, event_flags,
+    held::{DONE, Fate, HOLDING, NEVER, is_late},
+    hook, proto, tcp_flags,
+};
 
 use nattrace::{
     collector::{
@@ -18,9 +25,6 @@ use nattrace::{
     recording::{Reader, Record, replay::decide_all},
     service::{ServiceSet, ip_of, traced_ports},
 };
-
-/// held.rs PULL_AHEAD_NS.
-const KERNEL_PULL_AHEAD_NS: u64 = 500_000_000;
 
 type Key = (tracer_common::Addr, u16);
 
@@ -38,14 +42,6 @@ struct Held {
     dnat_slot: Option<usize>,
     reply_in_node: bool,
     retransmit: bool,
-}
-
-#[derive(PartialEq)]
-enum Fate {
-    Other,
-    Start,
-    Healthy,
-    Anomaly,
 }
 
 struct Model {
@@ -114,19 +110,19 @@ impl Model {
             e.flags = f;
             e
         };
-        if fate == Fate::Start && (held == 0 || st.syn_seq != ev.seq) {
+        if fate == Fate::Start && (held == NEVER || st.syn_seq != ev.seq) {
             st.syn_seq = ev.seq;
-            if held == 1 {
+            if held == HOLDING {
                 // A new connection from a held port: the old buffer goes
                 // out, the new connection per packet.
-                st.held = 2;
+                st.held = DONE;
                 let mut out = self.flush(client);
                 out.push(ev);
                 return out;
             }
             let mut out = Vec::new();
             let st = self.state.entry(client).or_default();
-            st.held = 1;
+            st.held = HOLDING;
             self.held.insert(
                 client,
                 Held {
@@ -142,15 +138,15 @@ impl Model {
             out.push(flagged(ev, event_flags::HOLDING));
             return out;
         }
-        if held != 1 {
+        if held != HOLDING {
             return vec![ev];
         }
         let (in_node, timeout) = (self.in_node(&ev), self.reply_timeout_ns);
         let Some(h) = self.held.get_mut(&client) else {
-            self.state.entry(client).or_default().held = 2;
+            self.state.entry(client).or_default().held = DONE;
             return vec![ev];
         };
-        let late = ev.ts_ns.saturating_sub(h.first_ts) + KERNEL_PULL_AHEAD_NS >= timeout;
+        let late = is_late(ev.ts_ns.saturating_sub(h.first_ts), timeout);
         match fate {
             Fate::Healthy
                 if !h.retransmit
@@ -160,7 +156,7 @@ impl Model {
                     && !late =>
             {
                 let h = self.held.remove(&client).unwrap();
-                self.state.entry(client).or_default().held = 2;
+                self.state.entry(client).or_default().held = DONE;
                 let mut out = Vec::new();
                 if let Some(k) = h.dnat_slot {
                     out.push(flagged(h.events[k], event_flags::KEPT));
@@ -170,7 +166,7 @@ impl Model {
                 out
             }
             Fate::Healthy | Fate::Anomaly => {
-                self.state.entry(client).or_default().held = 2;
+                self.state.entry(client).or_default().held = DONE;
                 let mut out = self.flush(client);
                 out.push(ev);
                 out
@@ -180,7 +176,7 @@ impl Model {
                     h.retransmit = true;
                 }
                 if h.events.len() >= HELD_SLOTS {
-                    self.state.entry(client).or_default().held = 2;
+                    self.state.entry(client).or_default().held = DONE;
                     let mut out = self.flush(client);
                     out.push(ev);
                     return out;

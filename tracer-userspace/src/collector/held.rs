@@ -10,8 +10,10 @@ use super::{Collector, Endpoint, FlowRef, MS, flow::Flow, summary::Summary};
 /// A held flow is pulled this long before its reply deadline: more than a
 /// tick of the live session (200 ms), so its events are in before the
 /// collector's clock reaches the deadline; less than the kernel's
-/// PULL_AHEAD_NS (500 ms), past which the kernel sends a late reply's buffer.
+/// [`tracer_common::held::PULL_AHEAD_NS`] (500 ms), past which the kernel
+/// sends a late reply's buffer.
 pub const PULL_AHEAD_NS: u64 = 400 * MS;
+const _: () = assert!(PULL_AHEAD_NS < tracer_common::held::PULL_AHEAD_NS);
 
 /// Events that were held in the kernel: older than the events around them
 /// by design, not late.
