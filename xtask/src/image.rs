@@ -17,7 +17,7 @@ use crate::vm::{self, initramfs::Tree};
 /// Where the entrypoint lives; PATH covers it and the tools.
 const BIN: &str = "/usr/bin/nattrace";
 
-/// What nattrace runs (tracer-userspace/src/ruleset.rs, ruleset/dataplane.rs).
+/// What nattrace runs (tracer-userspace/src/ruleset/mod.rs, ruleset/dataplane.rs).
 const TOOLS: &[&str] = &[
     "/usr/sbin/xtables-nft-multi",
     "/usr/sbin/xtables-legacy-multi",
