@@ -36,6 +36,12 @@ mod topology;
 mod topology6;
 pub mod tracer;
 
+/// `tracer-userspace/fixtures/`: the one home of the tracer's fixture data,
+/// which some lab tests compare against the live lab (and rewrite on demand).
+pub fn fixtures_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tracer-userspace/fixtures")
+}
+
 pub use cidr::{Ipv4Cidr, Ipv6Cidr, cidr};
 pub use error::{LabError, Result};
 pub use lab::{EXEC_TIMEOUT, Lab};

@@ -7,7 +7,7 @@
 //! nodes with flannel host-gw. About 20 s. Needs root.
 //!
 //! `NATTRACE_WRITE_FIXTURE=1` also copies the vxlan run's three recordings to
-//! `tracer-userspace/src/merge/fixtures/` (the merge unit tests' input).
+//! `tracer-userspace/fixtures/merge/` (the merge unit tests' input).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -249,8 +249,7 @@ fn record_seed003(dir: &Path, spec: LabSpec, fixtures: bool) -> Recordings {
     // alone it says nothing about seed 003.
     done.truncate(2);
     if fixtures && std::env::var_os("NATTRACE_WRITE_FIXTURE").is_some() {
-        let fixtures =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tracer-userspace/src/merge/fixtures");
+        let fixtures = lab::fixtures_dir().join("merge");
         std::fs::create_dir_all(&fixtures).expect("fixtures dir");
         for (from, to) in [
             (&b_rec, "seed003_node_b.rec"),

@@ -256,7 +256,7 @@ fn seed000_healthy(mode: ProxyMode) {
 
 /// Issue 15's event budget: the kernel held each healthy handshake and,
 /// once the reply reached the client reverse-NATed, sent only the SYN
-/// (BUFFERED), its DNAT (KEPT: the backend asserted above comes from it)
+/// (HOLDING), its DNAT (KEPT: the backend asserted above comes from it)
 /// and that reply (VIA_NODE) — counted in the recording, per connection.
 fn assert_event_budget(lab: &Lab, rec: &std::path::Path, ports: &[u16], done: &Finished) {
     use std::os::unix::fs::MetadataExt;

@@ -200,11 +200,11 @@ fn is_zero(v: &u8) -> bool {
 }
 
 /// [`PacketEvent::flags`]: a TCP connection opened from a pod is held in
-/// the kernel's per-flow buffer (`PENDING`, tracer-ebpf/src/pending.rs)
+/// the kernel's per-flow buffer (`HELD`, tracer-ebpf/src/held.rs)
 /// until it turns out healthy (the buffer is discarded) or not (it is sent).
 pub mod event_flags {
     /// The first event of a flow whose next events the kernel holds back.
-    pub const BUFFERED: u8 = 1;
+    pub const HOLDING: u8 = 1;
     /// Held, then sent because the flow turned out a problem (un-reversed
     /// reply, RST, drop, a late reply, the buffer full).
     pub const FLUSHED: u8 = 2;
@@ -218,19 +218,60 @@ pub mod event_flags {
     pub const VIA_NODE: u8 = 16;
 }
 
-/// Events one `PENDING` entry holds; one more spills the buffer (sent).
-/// A healthy handshake through a bridged node is 17 events past the first.
-pub const PENDING_SLOTS: usize = 24;
-/// Added to [`PendingFlow::count`] by whoever takes the buffer (flush,
-/// discard): a writer that then claims a slot sees it taken.
-pub const PENDING_CLOSED: u64 = 1 << 32;
+/// The kernel's per-flow buffer (tracer-ebpf/src/held.rs, docs/DESIGN.md
+/// "Event budget"): its states, its timing and what an event is to it,
+/// defined once for the eBPF program and the model test that replays the
+/// recordings through it (tracer-userspace/tests/held.rs).
+pub mod held {
+    /// [`EndpointState::held`](super::EndpointState::held): never held.
+    pub const NEVER: u8 = 0;
+    /// Its events are held in the flow's `HELD` entry.
+    pub const HOLDING: u8 = 1;
+    /// Sent, discarded or pulled, for the SYN `syn_seq`.
+    pub const DONE: u8 = 2;
+    /// [`HeldFlow::dnat_slot`](super::HeldFlow::dnat_slot): no DNAT event
+    /// held yet.
+    pub const NO_SLOT: u8 = 0xff;
+    /// Userspace pulls a buffer this long before its reply deadline at the
+    /// latest (its tick, 200 ms, plus slack): a reply later than that may
+    /// find the buffer already pulled, so it is sent instead of discarded.
+    pub const PULL_AHEAD_NS: u64 = 500_000_000;
 
-/// One held flow (`PENDING` value, keyed by the client side's [`EndpointKey`]).
+    /// A healthy reply `age_ns` after the flow's first event came too late
+    /// to discard the buffer (see [`PULL_AHEAD_NS`]).
+    #[inline(always)]
+    pub fn is_late(age_ns: u64, reply_timeout_ns: u64) -> bool {
+        age_ns + PULL_AHEAD_NS >= reply_timeout_ns
+    }
+
+    /// What an event is to the buffer rule (decided by the filter,
+    /// tracer-ebpf/src/filter.rs `observe`).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Fate {
+        /// Nothing decisive: hold it if the flow is held.
+        Other,
+        /// A SYN without ACK leaving the client's device in its namespace.
+        Start,
+        /// The reply reached the client reverse-NATed.
+        Healthy,
+        /// Un-reversed reply at the client, RST or drop.
+        Anomaly,
+    }
+}
+
+/// Events one `HELD` entry holds; one more spills the buffer (sent).
+/// A healthy handshake through a bridged node is 17 events past the first.
+pub const HELD_SLOTS: usize = 24;
+/// Added to [`HeldFlow::count`] by whoever takes the buffer (flush,
+/// discard): a writer that then claims a slot sees it taken.
+pub const HELD_CLOSED: u64 = 1 << 32;
+
+/// One held flow (`HELD` value, keyed by the client side's [`EndpointKey`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct PendingFlow {
+pub struct HeldFlow {
     /// Slots claimed (atomic fetch-add; 64-bit, as the BPF target has no
-    /// 32-bit atomics without alu32); plus [`PENDING_CLOSED`] once taken.
+    /// 32-bit atomics without alu32); plus [`HELD_CLOSED`] once taken.
     pub count: u64,
     /// `ts_ns` of the first (sent) event.
     pub first_ts: u64,
@@ -248,7 +289,7 @@ pub struct PendingFlow {
     /// The opening SYN was sent again: its attempts are evidence (issue 11).
     pub retransmit: u8,
     pub _pad: [u8; 3],
-    pub events: [PacketEvent; PENDING_SLOTS],
+    pub events: [PacketEvent; HELD_SLOTS],
 }
 
 /// Key of the in-kernel Service filter. `port` 0 matches every port.
@@ -283,8 +324,8 @@ pub struct EndpointState {
     /// ring-buffer event. Written by programs on any CPU and by userspace.
     pub muted: u32,
     pub svc: u8,
-    /// The per-flow buffer (`PENDING`): 0 never, 1 holding, 2 done (sent,
-    /// discarded or pulled) for the SYN `syn_seq`.
+    /// The per-flow buffer (`HELD`): [`held::NEVER`], [`held::HOLDING`] or
+    /// [`held::DONE`] for the SYN `syn_seq`.
     pub held: u8,
     pub _pad: [u8; 2],
     /// ISN of the last SYN the buffer rule saw at the client: a SYN with
@@ -349,7 +390,7 @@ pub struct Config {
     /// netfilter functions).
     pub node_netns: u32,
     /// 1: hold the events of a TCP connection opened from a pod until it
-    /// turns out healthy or not (`PENDING`); 0 with `-v` (every packet).
+    /// turns out healthy or not (`HELD`); 0 with `-v` (every packet).
     pub buffer: u32,
     /// `--reply-timeout`: a reply later than this (less a margin) flushes
     /// the buffer instead of discarding it, since userspace pulls the
@@ -377,7 +418,7 @@ pub mod stat {
     pub const HELD_DISCARDED: u32 = 8;
     /// Flow buffers that filled up and were sent (a spill, not a loss).
     pub const HELD_SPILLED: u32 = 9;
-    /// TCP connections sent per packet because `PENDING` was full.
+    /// TCP connections sent per packet because `HELD` was full.
     pub const HELD_MAP_FULL: u32 = 10;
     pub const COUNT: u32 = 12;
 }
@@ -415,7 +456,7 @@ mod user {
     unsafe impl aya::Pod for EndpointKey {}
     unsafe impl aya::Pod for EndpointState {}
     unsafe impl aya::Pod for InflightPacket {}
-    unsafe impl aya::Pod for PendingFlow {}
+    unsafe impl aya::Pod for HeldFlow {}
     unsafe impl aya::Pod for KernelOffsets {}
     unsafe impl aya::Pod for Config {}
 }
@@ -435,8 +476,8 @@ mod tests {
         assert_eq!(core::mem::size_of::<KernelOffsets>(), 72);
         assert_eq!(core::mem::size_of::<Config>(), 88);
         assert_eq!(
-            core::mem::size_of::<PendingFlow>(),
-            48 + PENDING_SLOTS * core::mem::size_of::<PacketEvent>()
+            core::mem::size_of::<HeldFlow>(),
+            48 + HELD_SLOTS * core::mem::size_of::<PacketEvent>()
         );
     }
 

@@ -15,7 +15,8 @@ use tracer_common::{Addr, as_v4, hook, nat_stage, nf_hook, stat, v4_mapped};
 
 use crate::{
     config,
-    filter::{Packet, Point, observe, stat_inc},
+    emit::{Packet, Point, stat_inc},
+    filter::observe,
     skb::{self, L3, read},
 };
 

@@ -1,14 +1,15 @@
 //! nattrace's kernel programs. One module per hook family; all of them parse
-//! the packet into a [`filter::Packet`] and hand it to [`filter::observe`],
+//! the packet into a [`emit::Packet`] and hand it to [`filter::observe`],
 //! which applies the shared Service filter (docs/DESIGN.md) and emits events.
 #![no_std]
 #![no_main]
 
 mod config;
+mod emit;
 mod filter;
+mod held;
 mod kprobes;
 mod netfilter;
-mod pending;
 mod prefilter;
 mod skb;
 mod tc;

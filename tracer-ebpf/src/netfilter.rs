@@ -20,7 +20,8 @@ use tracer_common::{hook, nat_stage, nf_hook};
 
 use crate::{
     config,
-    filter::{Point, observe},
+    emit::Point,
+    filter::observe,
     skb::{self, L3},
 };
 

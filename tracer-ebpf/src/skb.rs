@@ -9,7 +9,10 @@ use network_types::{
 };
 use tracer_common::{KernelOffsets, proto, stat};
 
-use crate::filter::{Packet, UDP_HDR_LEN, ipv6_l4, stat_inc};
+use crate::{
+    emit::{Packet, stat_inc},
+    filter::{UDP_HDR_LEN, ipv6_l4},
+};
 
 /// Where the IP header of this skb is at this observation point.
 #[derive(Clone, Copy, PartialEq, Eq)]

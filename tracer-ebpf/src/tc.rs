@@ -9,7 +9,10 @@ use network_types::{
 };
 use tracer_common::{hook, proto};
 
-use crate::filter::{Packet, Point, UDP_HDR_LEN, ipv6_l4, observe};
+use crate::{
+    emit::{Packet, Point},
+    filter::{UDP_HDR_LEN, ipv6_l4, observe},
+};
 
 // TC_ACT_UNSPEC (-1) is also TCX_NEXT: "continue with the next program".
 // TC_ACT_PIPE / TC_ACT_OK would end a tcx chain and skip the programs

@@ -6,7 +6,8 @@ use tracer_common::hook;
 
 use crate::{
     TC_IFACES, config,
-    filter::{Point, observe},
+    emit::Point,
+    filter::observe,
     skb::{self, L3},
 };
 

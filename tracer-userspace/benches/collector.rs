@@ -24,14 +24,14 @@ const FLOW_SPACING_NS: u64 = 10_000;
 const TICK_EVERY: usize = 4096;
 const RSS_CHILD_ENV: &str = "NATTRACE_COLLECTOR_RSS_CHILD";
 
-const HEALTHY: &str = include_str!("../src/collector/fixtures/seed000_healthy.jsonl");
+const HEALTHY: &str = include_str!(nattrace::fixture!("seed000_healthy.jsonl"));
 const MIXED: &[&str] = &[
     HEALTHY,
-    include_str!("../src/collector/fixtures/seed000_broken.jsonl"),
-    include_str!("../src/collector/fixtures/cross_node_ok.jsonl"),
-    include_str!("../src/collector/fixtures/dns_ok.jsonl"),
-    include_str!("../src/collector/fixtures/no_reply.jsonl"),
-    include_str!("../src/collector/fixtures/reply_dropped.jsonl"),
+    include_str!(nattrace::fixture!("seed000_broken.jsonl")),
+    include_str!(nattrace::fixture!("cross_node_ok.jsonl")),
+    include_str!(nattrace::fixture!("dns_ok.jsonl")),
+    include_str!(nattrace::fixture!("no_reply.jsonl")),
+    include_str!(nattrace::fixture!("reply_dropped.jsonl")),
 ];
 
 /// The collector tests' fixture node, which the templates were built for.

@@ -165,45 +165,8 @@ fn parse_duration_secs(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
-/// A Service cluster IP is a unicast address: the unspecified, "this
-/// network", broadcast, multicast and reserved (240/4) ranges are mistakes;
-/// for IPv6 also link-local and IPv4-mapped ones (give the IPv4 address).
 fn parse_service(s: &str) -> Result<Service, String> {
-    let svc: Service = s.parse().map_err(|e| format!("{e}"))?;
-    let why = match svc.addr {
-        std::net::IpAddr::V4(a) => {
-            if a.is_unspecified() || a.octets()[0] == 0 {
-                Some("an unspecified (0.0.0.0/8) address")
-            } else if a.is_broadcast() {
-                Some("the broadcast address")
-            } else if a.is_multicast() {
-                Some("a multicast address")
-            } else if a.octets()[0] >= 240 {
-                Some("a reserved (240.0.0.0/4) address")
-            } else {
-                None
-            }
-        }
-        std::net::IpAddr::V6(a) => {
-            if a.is_unspecified() {
-                Some("the unspecified address ::")
-            } else if a.is_multicast() {
-                Some("a multicast (ff00::/8) address")
-            } else if a.is_unicast_link_local() {
-                Some("a link-local (fe80::/10) address")
-            } else if a.to_ipv4_mapped().is_some() {
-                Some("an IPv4-mapped address (give the IPv4 address itself)")
-            } else {
-                None
-            }
-        }
-    };
-    match why {
-        Some(why) => Err(format!(
-            "{why}, not a Service's unicast cluster IP (e.g. 100.67.30.133:80 or [fd00:10:96::a]:80)"
-        )),
-        None => Ok(svc),
-    }
+    Service::cluster_ip(s).map_err(|e| e.to_string())
 }
 
 /// Refuses what is certainly not a network namespace (a directory, a
@@ -408,20 +371,13 @@ fn main() -> ExitCode {
             matches!(output, Format::Json),
         ));
     }
-    let color = match cli.color {
-        Color::Always => true,
-        Color::Never => false,
-        Color::Auto => std::io::stdout().is_terminal(),
-    };
+    let color = color_on(cli.color);
     let options = SessionOptions {
         services: cli.services,
         netns: cli.netns,
         duration: cli.duration,
         reply_timeout: Duration::from_millis(cli.reply_timeout),
-        format: match cli.output {
-            Format::Text => OutputFormat::Text,
-            Format::Json => OutputFormat::Json,
-        },
+        format: format_of(cli.output),
         verbose: cli.verbose,
         color,
         ringbuf_bytes: cli.ringbuf_kib * 1024,

@@ -41,6 +41,10 @@ pub enum ServiceParseError {
     BadAddress(String),
     #[error("'{0}' is not a port number 1-65535 (expected IP or IP:PORT, {EXAMPLE})")]
     BadPort(String),
+    #[error(
+        "{0}, not a Service's unicast cluster IP (e.g. 100.67.30.133:80 or [fd00:10:96::a]:80)"
+    )]
+    NotUnicast(&'static str),
 }
 
 impl FromStr for Service {
@@ -81,6 +85,49 @@ impl FromStr for Service {
             },
         };
         Ok(Service { addr, port })
+    }
+}
+
+impl Service {
+    /// A Service given on the command line: parsed as [`FromStr`] does, and
+    /// a cluster IP is a unicast address: the unspecified, "this network",
+    /// broadcast, multicast and reserved (240/4) ranges are mistakes; for
+    /// IPv6 also link-local and IPv4-mapped ones (give the IPv4 address).
+    /// (Recordings' services are read with plain [`FromStr`].)
+    pub fn cluster_ip(s: &str) -> Result<Service, ServiceParseError> {
+        let svc: Service = s.parse()?;
+        let why = match svc.addr {
+            IpAddr::V4(a) => {
+                if a.is_unspecified() || a.octets()[0] == 0 {
+                    Some("an unspecified (0.0.0.0/8) address")
+                } else if a.is_broadcast() {
+                    Some("the broadcast address")
+                } else if a.is_multicast() {
+                    Some("a multicast address")
+                } else if a.octets()[0] >= 240 {
+                    Some("a reserved (240.0.0.0/4) address")
+                } else {
+                    None
+                }
+            }
+            IpAddr::V6(a) => {
+                if a.is_unspecified() {
+                    Some("the unspecified address ::")
+                } else if a.is_multicast() {
+                    Some("a multicast (ff00::/8) address")
+                } else if a.is_unicast_link_local() {
+                    Some("a link-local (fe80::/10) address")
+                } else if a.to_ipv4_mapped().is_some() {
+                    Some("an IPv4-mapped address (give the IPv4 address itself)")
+                } else {
+                    None
+                }
+            }
+        };
+        match why {
+            Some(why) => Err(ServiceParseError::NotUnicast(why)),
+            None => Ok(svc),
+        }
     }
 }
 

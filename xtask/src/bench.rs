@@ -7,7 +7,7 @@ use std::process::Command;
 
 use anyhow::{Context as _, bail};
 
-use crate::tasks::{cargo_with_env as cargo, workspace_root};
+use crate::workspace::{cargo_with_env as cargo, workspace_root};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {

@@ -17,7 +17,7 @@ use crate::vm::{self, initramfs::Tree};
 /// Where the entrypoint lives; PATH covers it and the tools.
 const BIN: &str = "/usr/bin/nattrace";
 
-/// What nattrace runs (tracer-userspace/src/ruleset.rs, ruleset/dataplane.rs).
+/// What nattrace runs (tracer-userspace/src/ruleset/mod.rs, ruleset/dataplane.rs).
 const TOOLS: &[&str] = &[
     "/usr/sbin/xtables-nft-multi",
     "/usr/sbin/xtables-legacy-multi",
@@ -145,7 +145,7 @@ fn rootfs(nattrace: &Path) -> Result<Tree> {
 fn configure(working: &str) -> Result<()> {
     let revision = Command::new("git")
         .args(["rev-parse", "HEAD"])
-        .current_dir(crate::tasks::workspace_root())
+        .current_dir(crate::workspace::workspace_root())
         .output()
         .ok()
         .filter(|o| o.status.success())

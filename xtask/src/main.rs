@@ -4,6 +4,7 @@ mod image;
 mod setup;
 mod tasks;
 mod vm;
+mod workspace;
 
 use clap::{Parser, Subcommand};
 

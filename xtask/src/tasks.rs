@@ -1,38 +1,12 @@
 //! `cargo xtask test` and `cargo xtask demo`: the README's two commands.
-use std::{
-    path::{Path, PathBuf},
-    process::Command,
-};
+use std::process::Command;
 
 use anyhow::{Context as _, bail};
 
-use crate::{image, setup, vm};
-
-/// Root of the workspace (xtask lives one level below it).
-pub fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask sits inside the workspace")
-        .to_path_buf()
-}
-
-pub fn cargo(args: &[&str]) -> anyhow::Result<()> {
-    cargo_with_env(args, &[])
-}
-
-pub fn cargo_with_env(args: &[&str], envs: &[(&str, &str)]) -> anyhow::Result<()> {
-    eprintln!("xtask: cargo {}", args.join(" "));
-    let status = Command::new(env!("CARGO"))
-        .args(args)
-        .envs(envs.iter().copied())
-        .current_dir(workspace_root())
-        .status()
-        .context("could not run cargo")?;
-    if !status.success() {
-        bail!("cargo {} failed ({status})", args.join(" "));
-    }
-    Ok(())
-}
+use crate::{
+    image, setup, vm,
+    workspace::{cargo, cargo_with_env, recorded_dir, workspace_root, write_golden},
+};
 
 #[derive(clap::Args)]
 pub struct TestArgs {
@@ -166,18 +140,15 @@ pub const RECORDED: &[(&str, &str)] = &[
     ),
 ];
 
-/// Where the recordings and their golden `analyze` output live.
-pub const RECORDED_DIR: &str = "tracer-userspace/src/collector/fixtures/recorded";
-
 /// `cargo xtask fixtures`: runs the seed scenarios' root lab tests on this
-/// kernel with `--write` into [`RECORDED_DIR`] (`NAME.rec`), then writes
+/// kernel with `--write` into [`recorded_dir`] (`NAME.rec`), then writes
 /// each recording's `nattrace analyze NAME.rec --output json -v` next to it
 /// (`NAME.json`), which the collector's tests compare against.
 pub fn fixtures() -> anyhow::Result<()> {
     if !setup::is_root() {
         bail!("fixtures runs the root lab tests (network namespaces, eBPF): run it as root");
     }
-    let dir = workspace_root().join(RECORDED_DIR);
+    let dir = recorded_dir();
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let dir_arg = dir.display().to_string();
     for binary in ["tracer", "scenarios"] {
@@ -203,31 +174,5 @@ pub fn fixtures() -> anyhow::Result<()> {
     for (_, name) in RECORDED {
         write_golden(&nattrace, &dir.join(format!("{name}.rec")))?;
     }
-    Ok(())
-}
-
-/// Writes `NAME.json`, the recording `NAME.rec`'s `nattrace analyze
-/// --output json -v`, next to it: the golden the collector's tests compare
-/// against.
-pub fn write_golden(nattrace: &Path, rec: &Path) -> anyhow::Result<()> {
-    let out = Command::new(nattrace)
-        .args(["analyze"])
-        .arg(rec)
-        .args(["--output", "json", "-v"])
-        .output()
-        .with_context(|| format!("running nattrace analyze {}", rec.display()))?;
-    // 0: every flow ok, 1: a flow was not; 2: the recording is unusable.
-    if !matches!(out.status.code(), Some(0 | 1)) {
-        bail!(
-            "nattrace analyze {} failed ({}): {}",
-            rec.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let golden = rec.with_extension("json");
-    std::fs::write(&golden, &out.stdout)
-        .with_context(|| format!("writing {}", golden.display()))?;
-    eprintln!("xtask: {} and its golden analyze output", rec.display());
     Ok(())
 }

@@ -231,7 +231,7 @@ fn boot_all(args: &VmTestArgs, ready: &[Ready], cache: &Path) -> Vec<Result<qemu
 /// The recordings in a guest's console log, into `dir` with their goldens
 /// (analyzed by this host's debug nattrace, as `cargo xtask fixtures` does).
 fn record(log: &Path, dir: &Path) -> Result<usize> {
-    crate::tasks::cargo(&["build", "--bin", "nattrace"])?;
+    crate::workspace::cargo(&["build", "--bin", "nattrace"])?;
     let nattrace = target_dir().join("debug/nattrace");
     let written = fixtures::write(log, dir, &nattrace)?;
     if written.is_empty() {
@@ -261,16 +261,10 @@ fn describe(o: &qemu::Outcome) -> String {
     }
 }
 
-fn repo_root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-}
-
 fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("target"))
+        .unwrap_or_else(|| crate::workspace::workspace_root().join("target"))
 }
 
 /// The release nattrace linked statically against musl: what the guests run,
@@ -285,8 +279,12 @@ pub fn build_static_nattrace() -> Result<PathBuf> {
 pub fn build_payload(bins: &[String]) -> Result<Vec<PathBuf>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
-    cmd.current_dir(repo_root())
-        .args(["build", "--release", "--target", deps::PAYLOAD_TARGET]);
+    cmd.current_dir(crate::workspace::workspace_root()).args([
+        "build",
+        "--release",
+        "--target",
+        deps::PAYLOAD_TARGET,
+    ]);
     let mut paths = Vec::new();
     for spec in bins {
         let (pkg, bin) = spec

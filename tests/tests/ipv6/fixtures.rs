@@ -8,8 +8,8 @@ use super::*;
 use lab::{IptablesBackend, Protocol, ServiceSpec};
 use serde_json::Value;
 
-const IP6TABLES_FIXTURE: &str = "tracer-userspace/src/ruleset/fixtures/lab_node6.txt";
-const NFT6_FIXTURE: &str = "tracer-userspace/src/ruleset/fixtures/lab_nft6.json";
+const IP6TABLES_FIXTURE: &str = "ruleset/lab_node6.txt";
+const NFT6_FIXTURE: &str = "ruleset/lab_nft6.json";
 const WRITE_FIXTURE_ENV: &str = "NATTRACE_WRITE_FIXTURE";
 
 /// Seed 000, kube-dns and a Service without endpoints, dual-stack.
@@ -41,9 +41,7 @@ fn fixture_spec(mode: ProxyMode, backend: IptablesBackend) -> LabSpec {
 }
 
 fn path(fixture: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(fixture)
+    lab::fixtures_dir().join(fixture)
 }
 
 /// A save without its `#` lines and packet counters (whatever the lab's

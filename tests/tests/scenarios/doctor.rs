@@ -93,14 +93,11 @@ fn ruleset_fixture_matches_the_lab_renderer() {
         .endpoint(presets::BACKEND_POD, 53),
     );
     let rendered = render(&spec);
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tracer-userspace/src/ruleset/fixtures/lab_nat.txt"
-    );
+    let path = lab::fixtures_dir().join("ruleset/lab_nat.txt");
     if std::env::var_os("NATTRACE_REGEN_FIXTURES").is_some() {
-        std::fs::write(path, &rendered).expect("writing the fixture");
+        std::fs::write(&path, &rendered).expect("writing the fixture");
     }
-    let fixture = include_str!("../../../tracer-userspace/src/ruleset/fixtures/lab_nat.txt");
+    let fixture = std::fs::read_to_string(&path).unwrap_or_default();
     assert_eq!(
         rendered, fixture,
         "regenerate with NATTRACE_REGEN_FIXTURES=1 cargo test -p nattrace-tests --test scenarios ruleset_fixture"
@@ -120,12 +117,9 @@ fn node_ruleset_fixture_matches_the_lab_renderer() {
             cluster_network: presets::CLUSTER_CIDR,
         },
     );
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tracer-userspace/src/ruleset/fixtures/lab_node.txt"
-    );
+    let path = lab::fixtures_dir().join("ruleset/lab_node.txt");
     if std::env::var_os("NATTRACE_REGEN_FIXTURES").is_some() {
-        std::fs::write(path, &rendered).expect("writing the fixture");
+        std::fs::write(&path, &rendered).expect("writing the fixture");
     }
     let fixture = std::fs::read_to_string(path).unwrap_or_default();
     assert_eq!(

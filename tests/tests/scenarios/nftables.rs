@@ -37,7 +37,7 @@ fn fixture_spec() -> LabSpec {
     spec
 }
 
-const FIXTURE: &str = "tracer-userspace/src/ruleset/fixtures/lab_nft.json";
+const FIXTURE: &str = "ruleset/lab_nft.json";
 /// Set to rewrite the fixture from the live lab instead of comparing.
 const WRITE_FIXTURE_ENV: &str = "NATTRACE_WRITE_FIXTURE";
 
@@ -78,9 +78,7 @@ fn root_nft_reader_fixture_is_the_labs_nft_json() {
     let live = lab
         .run(presets::NODE_A, &["nft", "-j", "list", "ruleset"])
         .expect("nft -j list ruleset");
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(FIXTURE);
+    let path = lab::fixtures_dir().join(FIXTURE);
     if std::env::var_os(WRITE_FIXTURE_ENV).is_some() {
         let pretty = serde_json::to_string_pretty(&serde_json::from_str::<Value>(&live).unwrap());
         std::fs::write(&path, pretty.unwrap() + "\n").expect("writing the fixture");

@@ -8,7 +8,7 @@ fn empty_svc() -> String {
 }
 
 /// Traces the empty Service while the client curls it; the recording goes
-/// to `write` when given (how `collector/fixtures/no_endpoints.rec` was made).
+/// to `write` when given (how `tracer-userspace/fixtures/no_endpoints.rec` was made).
 pub(super) fn no_endpoints_trace(lab: &Lab, write: Option<&std::path::Path>) -> Finished {
     let write_arg = write.map(|p| p.display().to_string());
     let mut extra: Vec<&str> = Vec::new();

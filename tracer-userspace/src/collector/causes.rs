@@ -3,13 +3,13 @@
 //! behind it (README's "What nattrace recognises") and its fix. The rows
 //! are tried in order and the first whose check matches wins, so more
 //! specific rows come first. A new incident adds a `CauseId` variant and a
-//! row; the checks live in `rules.rs`, `path_rules.rs` and `backend_rules.rs`.
+//! row; the checks live in `checks/`.
 use serde::{Serialize, Serializer};
 
 use super::{
-    backend_rules::{backend_port_closed, backend_unreachable},
-    path_rules::{hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
-    rules::{
+    checks::backend::{backend_port_closed, backend_unreachable},
+    checks::path::{hairpin_mode_off, hairpin_not_masqueraded, reply_bypasses_dnat_node},
+    checks::{
         Found, RuleCtx, bridged_reply_sysctl_off, bridged_reply_sysctl_on, dropped_by_netfilter,
         dropped_by_rp_filter, no_endpoints, no_reply_through_node, not_dnated,
         service_not_netfilter,
@@ -115,7 +115,7 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         id: CauseId::BridgeNfCallIp6tablesOff,
         name: "bridge_nf_call_ip6tables_off",
         verdicts: &[Verdict::ReplyNotReverseNated],
-        check: super::ip6_rules::bridged_reply6_sysctl_off,
+        check: super::checks::ip6::bridged_reply6_sysctl_off,
         incident: "seed 000/001 over IPv6: same-node reply bridged past ip6tables (bridge-nf-call-ip6tables=0), TCP or DNS",
         fix: "load br_netfilter and set net.bridge.bridge-nf-call-ip6tables=1 in the node namespace (before kubelet starts)",
     },

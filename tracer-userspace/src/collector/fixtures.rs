@@ -1,11 +1,11 @@
 //! Hand-built event sequences for the collector tests, shaped like what the
 //! live reader emits at DESIGN.md's observation points (every event carries
 //! the inode of the namespace it was seen in; tc and netfilter ones the
-//! node's). They are also written as JSON lines under `fixtures/` (see
+//! node's). They are also written as JSON lines under `tracer-userspace/fixtures/` (see
 //! `fixture_files_match_builders`).
 //!
-//! The seed incidents themselves are real recordings (`fixtures/recorded/`,
-//! `tests_recorded.rs`). Builders stay for what a recording on this host
+//! The seed incidents themselves are real recordings (`tracer-userspace/fixtures/recorded/`,
+//! `tests/recorded.rs`). Builders stay for what a recording on this host
 //! cannot produce, or not on demand: events reordered or lost on the way
 //! from the kernel, eviction and evidence caps, the kprobe backend's
 //! `BR_FORWARD` without tc beside it and NAT-only netfilter events (the
@@ -462,7 +462,7 @@ pub fn to_jsonl(events: &[PacketEvent]) -> String {
         .collect()
 }
 
-/// (file name, builder): the fixture files under `fixtures/`.
+/// (file name, builder): the fixture files under `tracer-userspace/fixtures/`.
 pub fn all() -> Vec<(&'static str, Vec<PacketEvent>)> {
     vec![
         ("seed000_broken.jsonl", seed000_same_node(false)),

@@ -123,9 +123,9 @@ pub(crate) struct Flow {
     pub truncated: bool,
     /// Pushed out by the live-flow limit before its verdict was certain.
     pub evicted: bool,
-    /// The kernel holds its next events (event_flags::BUFFERED) until the
+    /// The kernel holds its next events (event_flags::HOLDING) until the
     /// flow proves healthy or not, or userspace pulls them at its deadline.
-    pub buffered: bool,
+    pub held: bool,
     pub packets: Vec<Packet>,
     pub obs: Vec<Obs>,
 }
@@ -156,7 +156,7 @@ impl Flow {
             reported: false,
             truncated: false,
             evicted: false,
-            buffered: false,
+            held: false,
             packets: Vec::with_capacity(4),
             // Grown as needed (4, 8, 16, ...): a healthy flow whose hops the
             // kernel buffers sends 2 events, a full path ~32.
@@ -303,7 +303,7 @@ impl Flow {
         ctx: &FlowCtx<'_>,
     ) -> Result<Option<u8>, Duplicate> {
         // A packet queued on a neighbour entry is freed (NEIGH_FAILED) only
-        // when resolution gives up, seconds later (backend_rules.rs): its
+        // when resolution gives up, seconds later (checks/backend.rs): its
         // drop still belongs to it.
         let late_gap = if ev.hook == hook::DROP {
             ctx.packet_gap_ns.max(NEIGH_FAIL_WAIT_NS)

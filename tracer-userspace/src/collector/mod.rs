@@ -7,47 +7,26 @@
 //! the reports, `take_mute_candidates()` → mute those endpoints in the
 //! kernel. At exit: drain, `note_lost`, `finish(now)`. Offline: `push` all,
 //! `finish(last ts)`.
-mod backend_rules;
 mod causes;
+mod checks;
 mod drop_reason;
 mod flow;
 mod held;
 mod ifnames;
-mod ip6_rules;
-mod path_rules;
 mod report;
-mod rules;
 mod store;
 mod summary;
 mod types;
 mod verdict;
 
-#[cfg(test)]
-pub(crate) mod fixtures;
-#[doc(hidden)]
+/// Hand-built event sequences and the node they were built for: for the
+/// unit tests, and (feature `testkit`) for the bench and integration tests.
+#[cfg(any(test, feature = "testkit"))]
+pub mod fixtures;
+#[cfg(any(test, feature = "testkit"))]
 pub mod testing;
 #[cfg(test)]
-mod tests;
-#[cfg(test)]
-mod tests_buffered;
-#[cfg(test)]
-mod tests_ipv6;
-#[cfg(test)]
-mod tests_paths;
-#[cfg(test)]
-mod tests_recorded;
-#[cfg(test)]
-mod tests_routed;
-#[cfg(test)]
-mod tests_scenarios;
-#[cfg(test)]
-pub(crate) mod tests_stale;
-#[cfg(test)]
-mod tests_store;
-#[cfg(test)]
-mod tests_tracepoints;
-#[cfg(test)]
-mod tests_watch;
+pub(crate) mod tests;
 
 use std::{
     cmp::Reverse,
@@ -176,8 +155,8 @@ pub struct Collector {
     /// request's fate (neighbour resolution): (until, slot, generation).
     hold_q: BinaryHeap<Reverse<(u64, u32, u32)>>,
     age_q: VecDeque<FlowRef>,
-    /// Flows the kernel holds, by reply deadline (see `take_due_buffered`).
-    buffered_q: VecDeque<(u64, FlowRef)>,
+    /// Flows the kernel holds, by reply deadline (see `take_due_held`).
+    held_due_q: VecDeque<(u64, FlowRef)>,
     /// Flows the kernel held, by (proto, client): held events arrive late,
     /// when their skb entry is gone and a DNATed one matches no pair yet.
     held_by_client: HashMap<(u8, Endpoint), FlowRef>,
@@ -212,7 +191,7 @@ impl Collector {
             timeout_q: VecDeque::new(),
             hold_q: BinaryHeap::new(),
             age_q: VecDeque::new(),
-            buffered_q: VecDeque::new(),
+            held_due_q: VecDeque::new(),
             held_by_client: HashMap::new(),
             ready: Vec::new(),
             mute: Vec::new(),
@@ -275,11 +254,11 @@ impl Collector {
         self.purge_skbs();
         // Past their deadline nobody will pull them (`analyze` never does).
         while self
-            .buffered_q
+            .held_due_q
             .front()
             .is_some_and(|&(deadline, _)| deadline < self.horizon)
         {
-            self.buffered_q.pop_front();
+            self.held_due_q.pop_front();
         }
         self.take_ready()
     }
@@ -374,7 +353,7 @@ impl Collector {
             + (self.decide_q.capacity() + self.timeout_q.capacity()) * size_of::<(u64, FlowRef)>()
             + self.hold_q.capacity() * size_of::<(u64, u32, u32)>()
             + self.age_q.capacity() * size_of::<FlowRef>()
-            + self.buffered_q.capacity() * size_of::<(u64, FlowRef)>()
+            + self.held_due_q.capacity() * size_of::<(u64, FlowRef)>()
             + self.free.capacity() * 4
     }
 
@@ -515,7 +494,7 @@ impl Collector {
         let Some(flow) = slot.flow.as_mut() else {
             return;
         };
-        if ev.flags & tracer_common::event_flags::BUFFERED != 0 {
+        if ev.flags & tracer_common::event_flags::HOLDING != 0 {
             self.held_by_client.insert((ev.proto, flow.client), r);
         }
         if ev.flags != 0 {
@@ -523,7 +502,7 @@ impl Collector {
                 flow,
                 ev.flags,
                 (r, self.cfg.reply_timeout_ns),
-                &mut self.buffered_q,
+                &mut self.held_due_q,
                 &mut self.summary,
             );
         }
@@ -631,7 +610,7 @@ impl Collector {
             };
             // A request still queued for neighbour resolution: its drop
             // (a stale endpoint) may come after the reply timeout, and would
-            // change the cause (backend_rules.rs). Wait for it.
+            // change the cause (checks/backend.rs). Wait for it.
             if let Some(until) = verdict::hold_until(f, self.cfg.facts.netns_inode, &self.known)
                 && until > deadline
                 && !f.reported

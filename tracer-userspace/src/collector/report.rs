@@ -7,10 +7,10 @@ use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
 
 use super::{
     causes::{self, Cause},
+    checks::RuleCtx,
     drop_reason::{DropReasons, KnownReasons},
     flow::{ClientReply, Flow},
     ifnames::IfNames,
-    rules::RuleCtx,
     types::{Dir, Name, Obs, Proto, in_node, packet_kind},
     verdict::{Verdict, drop_place, first_drop, packet_backend, reply_backend, verdict_of},
 };
@@ -444,7 +444,7 @@ fn no_reply_detail(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> String {
             "; no reply before tracing stopped ({} ms after the request)",
             d.decided_ts.saturating_sub(flow.first_ts) / 1_000_000
         )),
-        // Held past the reply timeout for a neighbour failure (backend_rules.rs).
+        // Held past the reply timeout for a neighbour failure (checks/backend.rs).
         None => s.push_str(&format!(
             "; no reply within {} ms",
             d.decided_ts

@@ -54,7 +54,7 @@ pub struct Summary {
     /// are global: another node of a kind cluster, a parallel lab), not reported.
     pub foreign_flows: u64,
     /// TCP connections whose events the kernel held until they proved
-    /// healthy or not (tracer-ebpf/src/pending.rs).
+    /// healthy or not (tracer-ebpf/src/held.rs).
     #[serde(skip_serializing_if = "is_zero")]
     pub buffered_flows: u64,
     /// Held events sent by the kernel because the flow was a problem.

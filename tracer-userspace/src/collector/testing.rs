@@ -1,6 +1,9 @@
-//! The node the collector fixtures were built for. Public (but hidden) only
-//! because the collector benchmark replays those fixtures and, as a bench
-//! target, sees nothing else of the crate.
+//! The node the collector fixtures were built for, and where the crate's
+//! fixture data lives. Behind the `testkit` feature: the bench and the
+//! integration tests under `tests/` enable it through the crate's
+//! dev-dependency on itself.
+use std::path::{Path, PathBuf};
+
 use tracer_common::PacketEvent;
 
 use super::CollectorConfig;
@@ -8,6 +11,40 @@ use crate::{
     facts::{Interface, NodeFacts},
     service::Service,
 };
+
+/// The path of a file under `tracer-userspace/fixtures/` as a literal, for
+/// `include_str!`/`include_bytes!`: `include_str!(fixture!("dns_ok.jsonl"))`.
+#[macro_export]
+macro_rules! fixture {
+    ($name:literal) => {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/", $name)
+    };
+}
+
+/// `tracer-userspace/fixtures/`: the one home of the crate's fixture data
+/// (xtask names it as `FIXTURES_DIR`, the lab tests as `lab::fixtures_dir`).
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+/// The seed recordings made on real kernels, each beside its golden
+/// `NAME.json` (`cargo xtask fixtures`, `cargo xtask vm-test --record-fixtures`).
+pub fn recorded_dir() -> PathBuf {
+    fixtures_dir().join("recorded")
+}
+
+/// Every `recorded/*.rec`, sorted.
+pub fn recordings() -> Vec<PathBuf> {
+    let mut recs: Vec<PathBuf> = std::fs::read_dir(recorded_dir())
+        .map(|d| {
+            d.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "rec"))
+                .collect()
+        })
+        .unwrap_or_default();
+    recs.sort();
+    recs
+}
 
 pub const NODE_NS: u32 = 4026531840;
 

@@ -133,7 +133,7 @@ pub(crate) fn reply_backend(flow: &Flow, packet: u8) -> Option<Endpoint> {
 
 /// The first time a request of the flow was DNATed in the node and then
 /// vanished: no hook after NAT saw it leave, deliver it, or drop it. That is
-/// a packet held on a neighbour entry's queue (see backend_rules.rs), whose
+/// a packet held on a neighbour entry's queue (see checks/backend.rs), whose
 /// fate the kernel reports only when resolution fails.
 pub(crate) fn vanished_since(flow: &Flow, node_netns: u32) -> Option<u64> {
     flow.packets

@@ -38,7 +38,7 @@ struct TcLabels {
     state: String,
 }
 
-/// What became of events the kernel held (tracer-ebpf/src/pending.rs).
+/// What became of events the kernel held (tracer-ebpf/src/held.rs).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct HeldLabels {
     /// `discarded` (healthy, never sent), `flushed` (sent: a problem

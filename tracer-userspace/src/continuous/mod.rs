@@ -5,7 +5,7 @@
 //! it does lives here.
 mod http;
 mod metrics;
-mod rules;
+mod reread;
 
 use std::{
     collections::BTreeSet,
@@ -15,7 +15,7 @@ use std::{
 };
 
 pub use self::metrics::Metrics;
-use self::rules::RulesWatch;
+use self::reread::RulesWatch;
 use crate::{
     collector::{Collector, FlowReport},
     probes::{KernelStats, Tracer},

@@ -30,7 +30,7 @@ fn healthy() -> Inputs {
         rp_filter: vec![("all".into(), 0), ("eth0".into(), 2)],
         conntrack_count: Some(10),
         conntrack_max: Some(1000),
-        kube_proxy: parse_nat(include_str!("../ruleset/fixtures/lab_nat.txt")),
+        kube_proxy: parse_nat(include_str!(crate::fixture!("ruleset/lab_nat.txt"))),
         ..Inputs::default()
     }
 }
@@ -138,8 +138,10 @@ fn the_one_line_stays_short_with_hundreds_of_interfaces() {
 #[test]
 fn nftables_mode_reports_services_rejects_and_cluster_cidr_masquerade() {
     let r = assess(&Inputs {
-        kube_proxy: crate::ruleset::nft::parse(include_str!("../ruleset/fixtures/lab_nft.json"))
-            .unwrap(),
+        kube_proxy: crate::ruleset::nft::parse(include_str!(crate::fixture!(
+            "ruleset/lab_nft.json"
+        )))
+        .unwrap(),
         ..healthy()
     });
     let mode = r
@@ -281,9 +283,10 @@ fn a_missing_tool_is_reported_as_missing_never_as_no_rules() {
 /// A dual-stack node: the IPv4 checks plus the IPv6 ones.
 fn dual_stack() -> Inputs {
     let mut i = healthy();
-    i.kube_proxy.merge(crate::ruleset::parse_save(include_str!(
-        "../ruleset/fixtures/lab_node6.txt"
-    )));
+    i.kube_proxy
+        .merge(crate::ruleset::parse_save(include_str!(crate::fixture!(
+            "ruleset/lab_node6.txt"
+        ))));
     i.ipv6 = super::ipv6::Ipv6Facts {
         global_on: vec!["cni0".into(), "eth0".into()],
         bridge_nf_call_ip6tables: Some(true),

@@ -12,8 +12,8 @@ use crate::{
     recording::{Reader, Record, replay::InMemory},
 };
 
-const NODE_B: &str = include_str!("fixtures/seed003_node_b.rec");
-const NODE_A: &str = include_str!("fixtures/seed003_node_a.rec");
+const NODE_B: &str = include_str!(crate::fixture!("merge/seed003_node_b.rec"));
+const NODE_A: &str = include_str!(crate::fixture!("merge/seed003_node_a.rec"));
 
 /// One node's flows; `shift` moves its clock (another machine's).
 fn node(text: &str, name: &str, shift: u64) -> NodeFlows {
@@ -270,7 +270,7 @@ fn an_unreadable_line_in_one_nodes_recording_is_counted_as_loss() {
 
 #[test]
 fn older_recordings_without_a_node_name_still_read() {
-    let old = include_str!("../collector/fixtures/no_endpoints.rec");
+    let old = include_str!(crate::fixture!("no_endpoints.rec"));
     assert!(!old.lines().next().expect("header").contains("\"node\""));
     let (_, header) = Reader::new(Cursor::new(old.as_bytes())).expect("recording");
     assert_eq!(header.node, None);
@@ -278,7 +278,7 @@ fn older_recordings_without_a_node_name_still_read() {
     assert_eq!(header.node.as_deref(), Some("node-b"));
 }
 
-const NODE_A_BACKEND: &str = include_str!("fixtures/seed003_node_a_backend.rec");
+const NODE_A_BACKEND: &str = include_str!(crate::fixture!("merge/seed003_node_a_backend.rec"));
 
 /// A recording reduced to what a separate machine records: its own
 /// namespace (tc, netfilter, its devices), none of the router's, the

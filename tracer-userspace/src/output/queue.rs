@@ -13,6 +13,14 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// Tests shrink the queues to make them overflow with little traffic.
+pub fn queue_bytes(default: usize) -> usize {
+    std::env::var("NATTRACE_TEST_QUEUE_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// What happens to a chunk that does not fit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Overflow {

@@ -14,7 +14,7 @@ use std::{
 use super::{
     json::JsonOutput,
     pcapng::PcapngOutput,
-    queue::{self, Overflow, QueueWriter, WriteQueue},
+    queue::{self, Overflow, QueueWriter, WriteQueue, queue_bytes},
     text::TextOutput,
 };
 use crate::{
@@ -53,14 +53,6 @@ impl Outcome {
 pub const STDOUT_QUEUE_BYTES: usize = 16 << 20;
 /// pcapng blocks carry every hop of every packet: more per flow.
 pub const PCAP_QUEUE_BYTES: usize = 64 << 20;
-
-/// Tests shrink the queues to make them overflow with little traffic.
-pub fn queue_bytes(default: usize) -> usize {
-    std::env::var("NATTRACE_TEST_QUEUE_BYTES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 enum Stdout {
     Text(TextOutput<QueueWriter>),

@@ -411,7 +411,7 @@ fn dropped_output_lines_are_in_the_summary() {
 /// recording): JSON carries every attempt, the text line lists them.
 #[test]
 fn attempts_in_json_and_text() {
-    let (reports, summary) = crate::collector::tests_stale::replay("retransmit", None);
+    let (reports, summary) = crate::collector::tests::stale::replay("retransmit", None);
     let mut json = JsonOutput::new(Vec::new(), false);
     json.flow(&reports[0]).unwrap();
     let v: serde_json::Value = serde_json::from_slice(&json.into_inner()).unwrap();

@@ -111,7 +111,7 @@ pub(super) fn write_config(
     Ok(())
 }
 
-/// The per-flow buffer's knobs (tracer-ebpf/src/pending.rs), in CONFIG.
+/// The per-flow buffer's knobs (tracer-ebpf/src/held.rs), in CONFIG.
 fn set_buffering(ebpf: &mut Ebpf, opts: &TraceOptions) -> Result<(), TraceError> {
     let mut array: Array<&mut MapData, Config> = Array::try_from(
         ebpf.map_mut("CONFIG")

@@ -4,13 +4,13 @@
 //! everything it attached and removes what it created, nothing else.
 mod attach;
 pub mod cleanup;
+mod held;
 pub mod ifnames;
 mod kprobes;
 mod load;
 pub mod netns;
 pub mod nf_link;
 mod node;
-mod pending;
 pub mod services;
 pub mod table;
 mod tc;
@@ -56,7 +56,7 @@ pub struct TraceOptions {
     /// and `services` may be empty (see [`Tracer::sync_services`]).
     pub all_services: bool,
     /// Hold a pod's TCP handshake in the kernel until it proves healthy or
-    /// not (off with `-v`: every packet); see tracer-ebpf/src/pending.rs.
+    /// not (off with `-v`: every packet); see tracer-ebpf/src/held.rs.
     pub buffer: bool,
     /// `--reply-timeout` in ns: the kernel sends a held flow whose reply
     /// comes later than userspace pulls it.
@@ -151,7 +151,7 @@ pub struct Tracer {
     async_ring: Option<AsyncFd<RingBuf<MapData>>>,
     stats: PerCpuArray<MapData, u64>,
     endpoints: HashMap<MapData, EndpointKey, EndpointState>,
-    pending: pending::PendingMap,
+    held: held::HeldMap,
     /// Interfaces with tc attached, for the device tracepoints (main.rs, TC_IFACES).
     tc_ifaces: HashMap<MapData, u32, u8>,
     /// The Service filter, for `--all-services` updates.
@@ -226,8 +226,8 @@ impl Tracer {
             PerCpuArray::try_from(take_map(&mut ebpf, "STATS")?).map_err(kernel_err("STATS"))?;
         let endpoints = HashMap::try_from(take_map(&mut ebpf, "ENDPOINTS")?)
             .map_err(kernel_err("ENDPOINTS"))?;
-        let pending = pending::PendingMap::new(
-            HashMap::try_from(take_map(&mut ebpf, "PENDING")?).map_err(kernel_err("PENDING"))?,
+        let held = held::HeldMap::new(
+            HashMap::try_from(take_map(&mut ebpf, "HELD")?).map_err(kernel_err("HELD"))?,
         );
         let tc_ifaces = HashMap::try_from(take_map(&mut ebpf, "TC_IFACES")?)
             .map_err(kernel_err("TC_IFACES"))?;
@@ -269,7 +269,7 @@ impl Tracer {
             async_ring: None,
             stats,
             endpoints,
-            pending,
+            held,
             tc_ifaces,
             services,
             ebpf,
@@ -598,7 +598,7 @@ fn fill_node_netns(ev: &mut PacketEvent, netns_inode: u32) {
 fn drain_ring(ring: &mut RingBuf<MapData>, out: &mut Vec<PacketEvent>, netns_inode: u32) {
     while let Some(item) = ring.next() {
         // One event, or a flushed flow buffer: several in one record
-        // (tracer-ebpf/src/pending.rs).
+        // (tracer-ebpf/src/held.rs).
         for chunk in item.chunks_exact(size_of::<PacketEvent>()) {
             // SAFETY: the kernel wrote a PacketEvent (repr(C), any bit pattern valid).
             let mut ev: PacketEvent = unsafe { std::ptr::read_unaligned(chunk.as_ptr().cast()) };

@@ -38,7 +38,6 @@ use std::{
 
 use aya::{Ebpf, maps::Map};
 
-use super::table::Window;
 use aya_obj::generated::{bpf_attach_type, bpf_attr, bpf_cmd, bpf_insn, bpf_prog_type};
 
 pub const NFPROTO_IPV4: u32 = 2;
@@ -47,6 +46,37 @@ pub const NFPROTO_IPV4: u32 = 2;
 /// include/uapi/linux/netfilter_ipv6.h), so the same programs and windows
 /// serve both; only the links are per family.
 pub const NFPROTO_IPV6: u32 = 10;
+
+/// The priorities a netfilter observation point may take (inclusive) and
+/// the one it tries first. Since 6.4 a BPF netfilter link may not share its
+/// priority with any hook already registered on that hook in the namespace
+/// (see this module's notes), so a fixed value fails on nodes where iptables,
+/// nftables or another tracer already sit there; the loader walks
+/// [`Window::candidates`] until the kernel accepts one.
+///
+/// Landmarks (enum nf_ip_hook_priorities, include/uapi/linux/netfilter_ipv4.h):
+/// raw -300, conntrack -200, mangle -150, nat DNAT -100, filter 0,
+/// security 50, nat SNAT 100, conntrack helper 300, confirm INT_MAX. Others
+/// seen on nodes: kube-proxy nftables mode's filter chains at -110 (and
+/// -90 on OUTPUT), firewalld at the table priorities + 10.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub min: i32,
+    pub max: i32,
+    pub preferred: i32,
+}
+
+impl Window {
+    /// Deterministic search order: the preferred value, then upwards to
+    /// `max`, then downwards from just below the preferred value to `min`.
+    pub fn candidates(self) -> impl Iterator<Item = i32> {
+        (self.preferred..=self.max).chain((self.min..self.preferred).rev())
+    }
+
+    pub fn contains(self, priority: i32) -> bool {
+        (self.min..=self.max).contains(&priority)
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum NfLinkError {

@@ -6,7 +6,10 @@ use std::path::Path;
 use aya::{programs::TcAttachType, util::KernelVersion};
 use tracer_common::nf_hook;
 
-use super::Skipped;
+use super::{
+    Skipped,
+    nf_link::{Window, probe_support},
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
@@ -65,37 +68,6 @@ const BOTH: &[Backend] = &[Backend::Netfilter, Backend::Kprobe];
 const NF: &[Backend] = &[Backend::Netfilter];
 const KP: &[Backend] = &[Backend::Kprobe];
 
-/// The priorities a netfilter observation point may take (inclusive) and
-/// the one it tries first. Since 6.4 a BPF netfilter link may not share its
-/// priority with any hook already registered on that hook in the namespace
-/// (see [`super::nf_link`]), so a fixed value fails on nodes where iptables,
-/// nftables or another tracer already sit there; the loader walks
-/// [`Window::candidates`] until the kernel accepts one.
-///
-/// Landmarks (enum nf_ip_hook_priorities, include/uapi/linux/netfilter_ipv4.h):
-/// raw -300, conntrack -200, mangle -150, nat DNAT -100, filter 0,
-/// security 50, nat SNAT 100, conntrack helper 300, confirm INT_MAX. Others
-/// seen on nodes: kube-proxy nftables mode's filter chains at -110 (and
-/// -90 on OUTPUT), firewalld at the table priorities + 10.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Window {
-    pub min: i32,
-    pub max: i32,
-    pub preferred: i32,
-}
-
-impl Window {
-    /// Deterministic search order: the preferred value, then upwards to
-    /// `max`, then downwards from just below the preferred value to `min`.
-    pub fn candidates(self) -> impl Iterator<Item = i32> {
-        (self.preferred..=self.max).chain((self.min..self.preferred).rev())
-    }
-
-    pub fn contains(self, priority: i32) -> bool {
-        (self.min..=self.max).contains(&priority)
-    }
-}
-
 /// PREROUTING/OUTPUT before DNAT: after conntrack (-200), before nat (-100).
 /// -175 is before mangle (-150), firewalld (-140) and kube-proxy's nftables
 /// filter chains (-110), so a drop by any of them shows after this hop; no
@@ -115,7 +87,7 @@ pub const AFTER_DNAT: Window = Window {
 /// FORWARD (no NAT there): before the filter table (0) where KUBE-FORWARD,
 /// NetworkPolicy and firewall DROPs live, and before kube-proxy's nftables
 /// `filter-forward` (-110) and mangle (-150), so every such drop is
-/// reported "after netfilter FORWARD" (collector/rules.rs, drop_place). The
+/// reported "after netfilter FORWARD" (collector/checks/mod.rs, drop_place). The
 /// classic 0 is the filter table's own priority: taken on every node.
 pub const FORWARD: Window = Window {
     min: -199,
@@ -388,7 +360,7 @@ impl KernelFeatures {
         );
         // Distributions backport BPF netfilter links: ask the kernel rather
         // than trust the version.
-        if let Some(loads) = super::nf_link::probe_support() {
+        if let Some(loads) = probe_support() {
             features.netfilter_links = loads;
         }
         features

@@ -326,7 +326,7 @@ impl RecordingWriter {
         let queue = WriteQueue::spawn(
             "recording",
             Box::new(file),
-            crate::output::sink::queue_bytes(QUEUE_BYTES),
+            queue::queue_bytes(QUEUE_BYTES),
             Overflow::Drop,
         )
         .map_err(RecordingError::Write)?;
@@ -443,7 +443,7 @@ impl RecordingWriter {
             return Some(format!(
                 "recording {} is not being written fast enough: dropping events beyond {} KiB queued (recorded as lost events)",
                 self.path.display(),
-                crate::output::sink::queue_bytes(QUEUE_BYTES) >> 10
+                queue::queue_bytes(QUEUE_BYTES) >> 10
             ));
         }
         self.warning.take()
@@ -532,7 +532,7 @@ impl RecordingWriter {
                 WriteQueue::spawn(
                     "recording",
                     Box::new(file),
-                    crate::output::sink::queue_bytes(QUEUE_BYTES),
+                    queue::queue_bytes(QUEUE_BYTES),
                     Overflow::Drop,
                 )
             });

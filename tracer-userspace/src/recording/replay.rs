@@ -151,9 +151,9 @@ pub fn replay<E>(
 }
 
 /// Every report of a recording and its summary, for the tests that replay
-/// recorded fixtures.
-#[cfg(test)]
-pub(crate) fn decide_all<R: BufRead>(
+/// recorded fixtures (feature `testkit` for the integration tests).
+#[cfg(any(test, feature = "testkit"))]
+pub fn decide_all<R: BufRead>(
     reader: &mut Reader<R>,
     header: &super::Header,
     stop_after: Option<u64>,

@@ -284,7 +284,7 @@ mod tests {
 
     #[test]
     fn services_with_kube_proxy_nat_rules_are_netfilter() {
-        let kube = parse_nat(include_str!("fixtures/lab_nat.txt"));
+        let kube = parse_nat(include_str!(crate::fixture!("ruleset/lab_nat.txt")));
         let d = Dataplane {
             ebpf_lb_maps: vec!["cilium_lb4_services_v2".into()],
             ..Dataplane::default()
@@ -403,7 +403,8 @@ mod tests {
 
     #[test]
     fn ebpf_service_maps_count_for_their_own_family() {
-        let v6_nat = crate::ruleset::parse_save(include_str!("fixtures/lab_node6.txt"));
+        let v6_nat =
+            crate::ruleset::parse_save(include_str!(crate::fixture!("ruleset/lab_node6.txt")));
         let svc6: IpAddr = "fd00:10:96::1e85".parse().unwrap();
         assert!(v6_nat.services.iter().any(|s| s.cluster_ip == svc6));
         let other6: IpAddr = "fd00:10:96::1".parse().unwrap();

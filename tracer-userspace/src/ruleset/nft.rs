@@ -297,7 +297,7 @@ mod tests {
     /// `root_nft_reader_fixture_is_the_labs_nft_json` checks it against the
     /// lab; regenerate it (as root) with
     /// `NATTRACE_WRITE_FIXTURE=1 cargo test -p nattrace-tests --test scenarios root_nft_reader_fixture_is_the_labs_nft_json`.
-    const LAB_NFT: &str = include_str!("fixtures/lab_nft.json");
+    const LAB_NFT: &str = include_str!(crate::fixture!("ruleset/lab_nft.json"));
 
     fn ep(s: &str) -> SocketAddr {
         s.parse().unwrap()
@@ -423,7 +423,7 @@ mod tests {
 
     /// `nft -j list table ip6 kube-proxy` of a dual-stack lab node (the
     /// ipv6 test `root_ipv6_reader_fixtures_are_the_labs` keeps it in sync).
-    const LAB_NFT6: &str = include_str!("fixtures/lab_nft6.json");
+    const LAB_NFT6: &str = include_str!(crate::fixture!("ruleset/lab_nft6.json"));
 
     #[test]
     fn ip6_table_names_ipv6_services_and_chains() {

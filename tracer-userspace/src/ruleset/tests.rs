@@ -2,7 +2,7 @@ use super::*;
 
 /// Rendered by the lab's kube-proxy (tests/src/kube_proxy.rs `render_nat`);
 /// the scenarios test `ruleset_fixture_matches_the_lab_renderer` keeps it in sync.
-const LAB_NAT: &str = include_str!("fixtures/lab_nat.txt");
+const LAB_NAT: &str = include_str!(crate::fixture!("ruleset/lab_nat.txt"));
 
 fn ep(s: &str) -> std::net::SocketAddr {
     s.parse().unwrap()
@@ -106,7 +106,7 @@ fn words_keep_quoted_text_together() {
 
 /// A whole node as the lab renders it (tests/src/kube_proxy/node.rs; kept
 /// in sync by `node_ruleset_fixture_matches_the_lab_renderer`).
-const LAB_NODE: &str = include_str!("fixtures/lab_node.txt");
+const LAB_NODE: &str = include_str!(crate::fixture!("ruleset/lab_node.txt"));
 
 #[test]
 fn whole_dump_gives_services_from_nat_and_rejects_from_filter() {
@@ -202,7 +202,7 @@ fn missing_tools_are_noted_once_with_the_search_path() {
 /// `ip6tables-nft-save` of a dual-stack lab node (seed 000, kube-dns and a
 /// Service without endpoints); the ipv6 test `root_ipv6_reader_fixtures_are_the_labs`
 /// keeps it equal to the lab's (and checks legacy's nat table reads the same).
-const LAB_NODE6: &str = include_str!("fixtures/lab_node6.txt");
+const LAB_NODE6: &str = include_str!(crate::fixture!("ruleset/lab_node6.txt"));
 
 #[test]
 fn ip6tables_save_names_ipv6_services_and_chains() {
@@ -246,7 +246,7 @@ fn ip6tables_rejects_are_no_endpoint_services() {
 
 #[test]
 fn both_families_merge_into_one_ruleset() {
-    let mut rules = parse_save(include_str!("fixtures/lab_node.txt"));
+    let mut rules = parse_save(include_str!(crate::fixture!("ruleset/lab_node.txt")));
     let v4 = rules.services.len();
     rules.merge(parse_save(LAB_NODE6));
     assert_eq!(rules.services.len(), v4 + 2);

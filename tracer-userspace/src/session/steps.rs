@@ -190,7 +190,7 @@ pub(super) fn on_tick(
 }
 
 /// Held flows whose reply deadline comes (the collector's
-/// `take_due_buffered`): their events are read from the kernel and go to
+/// `take_due_held`): their events are read from the kernel and go to
 /// the collector and the recording like ring-buffer events. `sweep` also
 /// pulls buffers nobody asked for (their first event was lost), once they
 /// are well past any deadline.
@@ -202,7 +202,7 @@ pub(super) fn pull_held(
     sweep: bool,
 ) {
     let now = monotonic_ns();
-    let due = collector.take_due_buffered(now);
+    let due = collector.take_due_held(now);
     let mut events = Vec::new();
     if !due.is_empty() {
         tracer.pull(&due, &mut events);

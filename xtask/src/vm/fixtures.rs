@@ -72,7 +72,7 @@ pub fn write(log: &Path, dir: &Path, nattrace: &Path) -> Result<Vec<PathBuf>> {
         let rec = dir.join(format!("{name}.rec"));
         std::fs::write(&rec, lines.join("\n") + "\n")
             .with_context(|| format!("writing {}", rec.display()))?;
-        crate::tasks::write_golden(nattrace, &rec)?;
+        crate::workspace::write_golden(nattrace, &rec)?;
         written.push(rec);
     }
     Ok(written)

@@ -1,7 +1,7 @@
 //! Seed 000 with the kernel's per-flow buffer on (no `-v`), the way a user
 //! runs nattrace: the other runs pass `-v` to check every hop, which turns
 //! the buffer off, so without this the guests' kernels would verify
-//! `tracer-ebpf/src/pending.rs` but never run it.
+//! `tracer-ebpf/src/held.rs` but never run it.
 //!
 //! Checks the verdicts and causes are those of the `-v` runs and the event
 //! budget of docs/DESIGN.md: a healthy connection costs at most 3 events

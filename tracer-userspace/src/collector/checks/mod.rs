@@ -1,8 +1,12 @@
 //! The checks behind the causes in `causes.rs`: each looks at one decided
 //! flow (its evidence plus the node facts) and either names the cause, as a
 //! short clause and a full sentence, or passes. This file has the context
-//! they share and the checks about sysctls, rules and drops; path and
-//! backend checks live in `path_rules.rs` and `backend_rules.rs`.
+//! they share and the checks about sysctls, rules and drops; path, backend
+//! and IPv6 checks live in `path.rs`, `backend.rs` and `ip6.rs`.
+pub(super) mod backend;
+pub(super) mod ip6;
+pub(super) mod path;
+
 use tracer_common::{hook, nat_stage, nf_hook};
 
 use super::{

@@ -4,7 +4,7 @@
 //!
 //! What the kernel shows for a request DNATed to a deleted pod on a bridged
 //! node (measured on 6.18 with `tests/tests/scenarios/stale.rs`, recordings in
-//! `fixtures/stale_*.rec`):
+//! `tracer-userspace/fixtures/stale_*.rec`):
 //! - No neighbour entry for the pod's address (never talked to, or already
 //!   failed): br_netfilter's PREROUTING DNATs it, and as the new route leads
 //!   back out of the bridge the packet is re-bridged ("bridged_dnat" in
@@ -36,11 +36,11 @@
 
 use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
 
-use super::{
+use super::{Found, RuleCtx};
+use crate::collector::{
     drop_reason::KnownReasons,
     flow::Flow,
     flow::NEIGH_FAIL_WAIT_NS,
-    rules::{Found, RuleCtx},
     types::{Dir, Endpoint, Obs, Proto, in_node},
     verdict::{packet_backend, reply_backend, vanished_since},
 };
@@ -97,7 +97,7 @@ fn sep_of(ctx: &RuleCtx<'_>, backend: Endpoint) -> String {
         .unwrap_or_default()
 }
 
-pub(super) fn backend_unreachable(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(in crate::collector) fn backend_unreachable(ctx: &RuleCtx<'_>) -> Option<Found> {
     let flow = ctx.flow;
     let drop = flow.obs.iter().find(|o| {
         flow.packets[o.packet as usize].dir == Dir::Request
@@ -192,7 +192,7 @@ pub(super) fn backend_unreachable(ctx: &RuleCtx<'_>) -> Option<Found> {
 }
 
 /// The first reply the client got was a RST from the backend itself.
-pub(super) fn backend_port_closed(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(in crate::collector) fn backend_port_closed(ctx: &RuleCtx<'_>) -> Option<Found> {
     let flow = ctx.flow;
     let reply = flow.client_reply?;
     let p = &flow.packets[reply.packet as usize];

@@ -4,7 +4,7 @@
 //! port, and a retransmit load-balanced to a live backend.
 use std::io::Cursor;
 
-use super::{CauseId, Collector, FlowReport, Summary, Verdict};
+use crate::collector::{CauseId, Collector, FlowReport, Summary, Verdict};
 use crate::recording::{Header, Reader, Record};
 
 const DEAD: &str = "100.96.54.247:80";
@@ -15,13 +15,13 @@ const S: u64 = 1_000_000_000;
 
 fn recording(name: &str) -> &'static [u8] {
     match name {
-        "cold" => include_bytes!("fixtures/stale_deleted_cold.rec"),
-        "warm" => include_bytes!("fixtures/stale_deleted_warm.rec"),
-        "flooded" => include_bytes!("fixtures/stale_deleted_flooded.rec"),
-        "port_closed" => include_bytes!("fixtures/stale_port_closed.rec"),
-        "retransmit" => include_bytes!("fixtures/stale_retransmit.rec"),
-        "other_node" => include_bytes!("fixtures/stale_deleted_other_node.rec"),
-        "blackhole" => include_bytes!("fixtures/stale_blackhole.rec"),
+        "cold" => include_bytes!(crate::fixture!("stale_deleted_cold.rec")),
+        "warm" => include_bytes!(crate::fixture!("stale_deleted_warm.rec")),
+        "flooded" => include_bytes!(crate::fixture!("stale_deleted_flooded.rec")),
+        "port_closed" => include_bytes!(crate::fixture!("stale_port_closed.rec")),
+        "retransmit" => include_bytes!(crate::fixture!("stale_retransmit.rec")),
+        "other_node" => include_bytes!(crate::fixture!("stale_deleted_other_node.rec")),
+        "blackhole" => include_bytes!(crate::fixture!("stale_blackhole.rec")),
         other => panic!("no recording {other}"),
     }
 }
@@ -206,7 +206,7 @@ fn deleted_backend_on_other_node_stopped_early_names_no_cause() {
 /// bridge lost carrier.
 #[test]
 fn queued_request_flushed_on_the_backends_node() {
-    use super::fixtures::*;
+    use crate::collector::fixtures::*;
     use tracer_common::{direction, tcp_flags};
     const NODE_B_NS: u32 = 4026532597;
     let cfg = config(Some(true));
@@ -228,7 +228,7 @@ fn queued_request_flushed_on_the_backends_node() {
         t + 200 * 1_000_000,
         &[(drop(NODE_B_NS, 3, purge), CLIENT, REMOTE_BACKEND)],
     );
-    let (reports, _) = super::tests::run_with(cfg, &b.events, T0 + 10 * S);
+    let (reports, _) = super::run_with(cfg, &b.events, T0 + 10 * S);
     let r = only(&reports);
     assert_unreachable_because(r, &["QUEUE_PURGE", "100.96.12.5"]);
 }
@@ -249,7 +249,7 @@ fn deleted_backend_behind_a_blackhole_route() {
 /// nothing about the backend.
 #[test]
 fn unspecified_drop_in_a_pod_is_not_a_stale_endpoint() {
-    use super::fixtures::*;
+    use crate::collector::fixtures::*;
     use tracer_common::{direction, tcp_flags};
     let cfg = config(Some(true));
     let unspecified = cfg.drop_reasons.code("NOT_SPECIFIED").unwrap();
@@ -269,7 +269,7 @@ fn unspecified_drop_in_a_pod_is_not_a_stale_endpoint() {
         t,
         &[(drop(BACKEND_NS, POD_ETH0, unspecified), CLIENT, BACKEND)],
     );
-    let (reports, _) = super::tests::run_with(cfg, &b.events, T0 + 10 * S);
+    let (reports, _) = super::run_with(cfg, &b.events, T0 + 10 * S);
     let r = only(&reports);
     assert_eq!(r.verdict, Verdict::Dropped, "{r:#?}");
     assert_ne!(cause(r), Some(CauseId::BackendUnreachable), "{r:#?}");

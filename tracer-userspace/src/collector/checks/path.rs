@@ -2,10 +2,8 @@
 //! on a sysctl: replies that bypass the DNATing node, and hairpin flows.
 use tracer_common::hook;
 
-use super::{
-    rules::{Found, RuleCtx, bridge_of},
-    types::{Dir, Obs, in_node, node_egress, node_ingress},
-};
+use super::{Found, RuleCtx, bridge_of};
+use crate::collector::types::{Dir, Obs, in_node, node_egress, node_ingress};
 
 fn node_obs<'a>(ctx: &'a RuleCtx<'_>, dir: Dir) -> impl Iterator<Item = &'a Obs> + 'a {
     let flow = ctx.flow;
@@ -18,7 +16,7 @@ fn node_obs<'a>(ctx: &'a RuleCtx<'_>, dir: Dir) -> impl Iterator<Item = &'a Obs>
 /// This node saw the request only after another node had DNATed it, and the
 /// reply left here with the backend's address: the node holding the
 /// conntrack entry never sees the reply.
-pub(super) fn reply_bypasses_dnat_node(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(in crate::collector) fn reply_bypasses_dnat_node(ctx: &RuleCtx<'_>) -> Option<Found> {
     let backend = ctx.flow.backend?;
     let mut requests = node_obs(ctx, Dir::Request).peekable();
     requests.peek()?;
@@ -53,7 +51,7 @@ pub(super) fn reply_bypasses_dnat_node(ctx: &RuleCtx<'_>) -> Option<Found> {
     ))
 }
 
-pub(super) fn hairpin_not_masqueraded(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(in crate::collector) fn hairpin_not_masqueraded(ctx: &RuleCtx<'_>) -> Option<Found> {
     if !ctx.flow.is_hairpin() || ctx.flow.snat.is_some() {
         return None;
     }
@@ -74,7 +72,7 @@ pub(super) fn hairpin_not_masqueraded(ctx: &RuleCtx<'_>) -> Option<Found> {
         .kube
         .lookup(
             ctx.flow.service.socket_addr(),
-            super::types::Proto::from_raw(ctx.flow.proto)?.as_str(),
+            crate::collector::types::Proto::from_raw(ctx.flow.proto)?.as_str(),
             Some(backend.socket_addr()),
         )
         .and_then(|m| Some((m.sep_chain?, m.hairpin_masq?)))
@@ -102,7 +100,7 @@ pub(super) fn hairpin_not_masqueraded(ctx: &RuleCtx<'_>) -> Option<Found> {
     ))
 }
 
-pub(super) fn hairpin_mode_off(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(in crate::collector) fn hairpin_mode_off(ctx: &RuleCtx<'_>) -> Option<Found> {
     if !ctx.flow.is_hairpin() {
         return None;
     }

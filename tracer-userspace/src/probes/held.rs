@@ -1,33 +1,30 @@
-//! Userspace's side of the kernel's per-flow buffer (`PENDING`,
-//! tracer-ebpf/src/pending.rs): a held flow whose reply deadline comes is
+//! Userspace's side of the kernel's per-flow buffer (`HELD`,
+//! tracer-ebpf/src/held.rs): a held flow whose reply deadline comes is
 //! read and deleted here, its events handed on as if they had come through
 //! the ring buffer (flag PULLED), so a `no_reply` flow keeps every hop.
 use aya::maps::{HashMap, MapData, MapError};
-use tracer_common::{
-    EndpointKey, PENDING_CLOSED, PENDING_SLOTS, PacketEvent, PendingFlow, event_flags,
-};
+use tracer_common::{EndpointKey, HELD_CLOSED, HELD_SLOTS, HeldFlow, PacketEvent, event_flags};
 
 impl super::Tracer {
     /// The held events of these flows (the collector's
-    /// `take_due_buffered`), read and deleted in the kernel.
+    /// `take_due_held`), read and deleted in the kernel.
     pub fn pull(&mut self, clients: &[EndpointKey], out: &mut Vec<PacketEvent>) {
-        self.pending.pull(clients, out, self.facts.netns_inode);
+        self.held.pull(clients, out, self.facts.netns_inode);
     }
 
     /// The held events of every flow opened before `before_ns`
     /// (CLOCK_MONOTONIC; u64::MAX: all, at exit).
     pub fn pull_older(&mut self, before_ns: u64, out: &mut Vec<PacketEvent>) {
-        self.pending
-            .pull_older(before_ns, out, self.facts.netns_inode);
+        self.held.pull_older(before_ns, out, self.facts.netns_inode);
     }
 }
 
-pub(super) struct PendingMap {
-    map: HashMap<MapData, EndpointKey, PendingFlow>,
+pub(super) struct HeldMap {
+    map: HashMap<MapData, EndpointKey, HeldFlow>,
 }
 
-impl PendingMap {
-    pub(super) fn new(map: HashMap<MapData, EndpointKey, PendingFlow>) -> Self {
+impl HeldMap {
+    pub(super) fn new(map: HashMap<MapData, EndpointKey, HeldFlow>) -> Self {
         Self { map }
     }
 
@@ -39,7 +36,7 @@ impl PendingMap {
                 Ok(flow) => flow,
                 Err(MapError::KeyNotFound) => continue,
                 Err(e) => {
-                    log::warn!("PENDING lookup: {e}");
+                    log::warn!("HELD lookup: {e}");
                     continue;
                 }
             };
@@ -48,7 +45,7 @@ impl PendingMap {
             if let Err(e) = self.map.remove(key)
                 && !matches!(e, MapError::KeyNotFound)
             {
-                log::warn!("PENDING delete: {e}");
+                log::warn!("HELD delete: {e}");
             }
             take_events(&flow, out, inode);
         }
@@ -71,12 +68,12 @@ impl PendingMap {
 
 /// The held events of one flow, flagged PULLED, with the node namespace
 /// filled in as the ring-buffer reader does.
-fn take_events(flow: &PendingFlow, out: &mut Vec<PacketEvent>, inode: u32) {
-    if flow.count >= PENDING_CLOSED {
+fn take_events(flow: &HeldFlow, out: &mut Vec<PacketEvent>, inode: u32) {
+    if flow.count >= HELD_CLOSED {
         // Being sent by the kernel right now.
         return;
     }
-    let n = (flow.count as usize).min(PENDING_SLOTS);
+    let n = (flow.count as usize).min(HELD_SLOTS);
     let start = out.len();
     for ev in &flow.events[..n] {
         let mut ev = *ev;

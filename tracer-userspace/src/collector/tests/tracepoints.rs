@@ -4,8 +4,9 @@
 //! the same verdicts, causes and backends.
 use tracer_common::hook;
 
-use super::{fixtures, tests::run, *};
+use super::run;
 use crate::collector::testing::{NODE_NS, VETH_BACKEND, VETH_CLIENT, VETH_DNS};
+use crate::collector::{fixtures, *};
 
 /// tc on a pod veth → `netif_receive_skb`/`net_dev_start_xmit` on the same
 /// device; device events carry the device's namespace, tc events 0.

@@ -7,11 +7,8 @@ use tracer_common::{
     tcp_flags,
 };
 
-use super::{
-    fixtures::*,
-    tests::{only, run},
-    *,
-};
+use super::{only, run};
+use crate::collector::{fixtures::*, *};
 
 const MS: u64 = 1_000_000;
 

@@ -2,7 +2,8 @@
 //! appear and disappear while tracing (`--all-services`).
 use tracer_common::{PacketEvent, direction::REQUEST};
 
-use super::{fixtures::*, tests::fixture, *};
+use super::fixture;
+use crate::collector::{fixtures::*, *};
 use crate::ruleset::SvcRule;
 
 const MS: u64 = 1_000_000;

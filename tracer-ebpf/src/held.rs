@@ -1,6 +1,6 @@
 //! The per-flow buffer (docs/DESIGN.md, "Event budget"). A TCP connection
-//! opened from a pod sends its first event (flag BUFFERED); its next events
-//! are held in `PENDING` until the flow shows what it is:
+//! opened from a pod sends its first event (flag HOLDING); its next events
+//! are held in `HELD` until the flow shows what it is:
 //! - healthy (the reply reaches the client reverse-NATed, the point where
 //!   the filter mutes it): the buffer is discarded except the first request
 //!   event past DNAT (KEPT, the backend's evidence), and the reply is sent
@@ -10,10 +10,10 @@
 //!   crossed the node, the buffer full): the buffer is sent in order
 //!   (FLUSHED), then the event, and the flow goes per packet;
 //! - no reply: userspace pulls the buffer at the flow's reply deadline and
-//!   at exit (tracer-userspace/src/probes/pending.rs).
+//!   at exit (tracer-userspace/src/probes/held.rs).
 //!
 //! A userspace model of these rules is run over every recorded fixture
-//! (tracer-userspace/src/collector/tests_buffered.rs): change both together.
+//! (tracer-userspace/tests/held.rs): change both together.
 
 use aya_ebpf::{
     helpers::bpf_ktime_get_ns,
@@ -21,54 +21,33 @@ use aya_ebpf::{
     maps::{HashMap, PerCpuArray},
 };
 use tracer_common::{
-    EndpointKey, EndpointState, PENDING_CLOSED, PENDING_SLOTS, PacketEvent, PendingFlow, direction,
-    event_flags, hook, stat,
+    EndpointKey, EndpointState, HELD_CLOSED, HELD_SLOTS, HeldFlow, PacketEvent, direction,
+    event_flags,
+    held::{DONE, Fate, HOLDING, NEVER, NO_SLOT, is_late},
+    hook, stat,
 };
 
 use crate::{
     EVENTS,
-    filter::{Packet, Point, copy_addr, fill, stat_add, stat_inc, wakeup_flag},
+    emit::{Packet, Point, copy_addr, fill, stat_add, stat_inc, wakeup_flag},
 };
 
 /// Held flows at once. A healthy handshake holds its entry for a round
 /// trip; an unanswered one for the reply timeout. Preallocated (2.1 KiB
 /// each, ~4.4 MiB): kernels before 6.1 refuse run-time allocated hash maps
 /// in tracing programs. Full → the new flow goes per packet (counted).
-const PENDING_FLOWS: u32 = 2048;
+const HELD_FLOWS: u32 = 2048;
 
 #[map]
-static PENDING: HashMap<EndpointKey, PendingFlow> = HashMap::with_max_entries(PENDING_FLOWS, 0);
+static HELD: HashMap<EndpointKey, HeldFlow> = HashMap::with_max_entries(HELD_FLOWS, 0);
 
 /// The template a new entry is copied from: a 2 KiB value cannot be built
 /// on the 512-byte BPF stack.
 #[map]
-static PENDING_INIT: PerCpuArray<PendingFlow> = PerCpuArray::with_max_entries(1, 0);
+static HELD_INIT: PerCpuArray<HeldFlow> = PerCpuArray::with_max_entries(1, 0);
 
 const BPF_NOEXIST: u64 = 1;
 const EEXIST: i32 = 17;
-
-/// [`EndpointState::held`].
-const HOLDING: u8 = 1;
-const DONE: u8 = 2;
-/// No DNAT event held yet ([`PendingFlow::dnat_slot`]).
-const NO_SLOT: u8 = 0xff;
-/// Userspace pulls a buffer this long before its reply deadline at the
-/// latest (its tick, 200 ms, plus slack): a reply later than that may find
-/// the buffer already pulled, so it is sent instead of discarded.
-const PULL_AHEAD_NS: u64 = 500_000_000;
-
-/// What the event is to the buffer rule.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Fate {
-    /// Nothing decisive: hold it if the flow is held.
-    Other,
-    /// A SYN without ACK leaving the client's device in its namespace.
-    Start,
-    /// The reply reached the client reverse-NATed.
-    Healthy,
-    /// Un-reversed reply at the client, RST or drop.
-    Anomaly,
-}
 
 /// Applies the buffer rule to an event the filter would send. Returns the
 /// flags to send it with, or None when it is held.
@@ -92,7 +71,7 @@ pub fn hold(
         if fate == Fate::Start && cfg.buffer != 0 {
             let same_syn =
                 unsafe { core::ptr::read_volatile(&raw const (*state).syn_seq) } == pkt.seq;
-            if held == 0 || !same_syn {
+            if held == NEVER || !same_syn {
                 unsafe { core::ptr::write_volatile(&raw mut (*state).syn_seq, pkt.seq) };
                 if held == HOLDING {
                     // A new connection from the same port while the old one
@@ -103,7 +82,7 @@ pub fn hold(
                 }
                 if start(client, pkt, at) {
                     set_held(state, HOLDING);
-                    break 'act Act::Send(event_flags::BUFFERED);
+                    break 'act Act::Send(event_flags::HOLDING);
                 }
                 set_held(state, DONE);
                 break 'act Act::Send(0);
@@ -112,13 +91,13 @@ pub fn hold(
         if held != HOLDING {
             break 'act Act::Send(0);
         }
-        let Some(p) = PENDING.get_ptr_mut(client) else {
+        let Some(p) = HELD.get_ptr_mut(client) else {
             // Pulled by userspace (reply deadline) or taken on another CPU.
             set_held(state, DONE);
             break 'act Act::Send(0);
         };
         let age = unsafe { bpf_ktime_get_ns().saturating_sub((*p).first_ts) };
-        let late = age + PULL_AHEAD_NS >= cfg.reply_timeout_ns;
+        let late = is_late(age, cfg.reply_timeout_ns);
         // As the collector's `ok`: the reply reached the namespace the SYN
         // left, from the Service it was sent to, and it crossed this node.
         let as_ok = unsafe {
@@ -179,7 +158,7 @@ fn set_held(state: *mut EndpointState, v: u8) {
 /// A fresh entry for the connection opened by `pkt` (its first event).
 #[inline(always)]
 fn start(client: &EndpointKey, pkt: &Packet, at: &Point) -> bool {
-    let Some(init) = PENDING_INIT.get_ptr_mut(0) else {
+    let Some(init) = HELD_INIT.get_ptr_mut(0) else {
         return false;
     };
     unsafe {
@@ -195,7 +174,7 @@ fn start(client: &EndpointKey, pkt: &Packet, at: &Point) -> bool {
     }
     // By reference: `*init` would copy 2 KiB onto the 512-byte stack.
     #[allow(clippy::needless_borrows_for_generic_args)]
-    match PENDING.insert(client, unsafe { &*init }, BPF_NOEXIST) {
+    match HELD.insert(client, unsafe { &*init }, BPF_NOEXIST) {
         Ok(()) => true,
         // Left by a connection whose endpoint state was evicted (LRU) while
         // held: userspace pulls it (at its deadline, or as stale); this
@@ -215,19 +194,19 @@ fn start(client: &EndpointKey, pkt: &Packet, at: &Point) -> bool {
 #[inline(always)]
 fn store(
     state: *mut EndpointState,
-    p: *mut PendingFlow,
+    p: *mut HeldFlow,
     pkt: &Packet,
     at: &Point,
     dir: u8,
     svc: u8,
 ) -> Act {
     let idx = fetch_add(p, 1);
-    if idx >= PENDING_CLOSED {
+    if idx >= HELD_CLOSED {
         // Taken meanwhile: the flow goes per packet.
         return Act::Send(0);
     }
     let i = idx as usize;
-    if i >= PENDING_SLOTS {
+    if i >= HELD_SLOTS {
         // Full: a spill, not a loss. The buffer goes out, then this event.
         stat_inc(stat::HELD_SPILLED);
         set_held(state, DONE);
@@ -277,7 +256,7 @@ fn in_node(at: &Point) -> bool {
 /// one event can be overwritten (a hop missing from a problem flow's
 /// evidence) or a buffer sent twice (the collector drops duplicate events).
 #[inline(always)]
-fn fetch_add(p: *mut PendingFlow, n: u64) -> u64 {
+fn fetch_add(p: *mut HeldFlow, n: u64) -> u64 {
     unsafe {
         let count = &raw mut (*p).count;
         let old = core::ptr::read_volatile(count);
@@ -289,9 +268,9 @@ fn fetch_add(p: *mut PendingFlow, n: u64) -> u64 {
 /// Takes the buffer: the number of events held, or None if another CPU
 /// took it first.
 #[inline(always)]
-fn take(p: *mut PendingFlow) -> Option<usize> {
-    let n = fetch_add(p, PENDING_CLOSED);
-    (n < PENDING_CLOSED).then_some((n as usize).min(PENDING_SLOTS))
+fn take(p: *mut HeldFlow) -> Option<usize> {
+    let n = fetch_add(p, HELD_CLOSED);
+    (n < HELD_CLOSED).then_some((n as usize).min(HELD_SLOTS))
 }
 
 /// Sends the held events in order (FLUSHED) and deletes the entry. A full
@@ -299,7 +278,7 @@ fn take(p: *mut PendingFlow) -> Option<usize> {
 /// collector marks the flow incomplete as it does for any loss.
 #[inline(always)]
 fn take_and_flush(client: &EndpointKey) {
-    let Some(p) = PENDING.get_ptr_mut(client) else {
+    let Some(p) = HELD.get_ptr_mut(client) else {
         return;
     };
     if let Some(n) = take(p)
@@ -311,7 +290,7 @@ fn take_and_flush(client: &EndpointKey) {
         // Clamped after a read through memory: LLVM would otherwise keep
         // n on the stack without the check, and 6.1's verifier loses a
         // spilled scalar's bounds ("R3 min value is negative").
-        let n = unsafe { core::ptr::read_volatile(&n) }.min(PENDING_SLOTS);
+        let n = unsafe { core::ptr::read_volatile(&n) }.min(HELD_SLOTS);
         let held = unsafe { &(&(*p).events)[..n] };
         if EVENTS.output::<[PacketEvent]>(held, wakeup_flag()).is_ok() {
             stat_add(stat::EVENTS, n as u64);
@@ -319,28 +298,28 @@ fn take_and_flush(client: &EndpointKey) {
             stat_add(stat::RINGBUF_FULL, n as u64);
         }
     }
-    let _ = PENDING.remove(client);
+    let _ = HELD.remove(client);
 }
 
 /// Healthy: the kept DNAT event goes out, the rest is only counted.
 #[inline(always)]
-fn discard(client: &EndpointKey, p: *mut PendingFlow) -> u8 {
+fn discard(client: &EndpointKey, p: *mut HeldFlow) -> u8 {
     let Some(n) = take(p) else {
         return 0;
     };
-    // Through memory, so LLVM cannot fold `kept < PENDING_SLOTS` into
-    // `kept < n` (n ≤ PENDING_SLOTS): 6.1's verifier does not carry bounds
+    // Through memory, so LLVM cannot fold `kept < HELD_SLOTS` into
+    // `kept < n` (n ≤ HELD_SLOTS): 6.1's verifier does not carry bounds
     // across a comparison of two registers ("R9 max value is outside of the
     // allowed memory range"), so the slot index needs the constant one.
     let n = unsafe { core::ptr::read_volatile(&n) };
     let kept = unsafe { (*p).dnat_slot } as usize;
     let mut sent = 0;
-    if kept < PENDING_SLOTS && kept < n {
+    if kept < HELD_SLOTS && kept < n {
         send_copy(unsafe { &raw const (*p).events[kept] }, event_flags::KEPT);
         sent = 1;
     }
     stat_add(stat::HELD_DISCARDED, (n - sent) as u64);
-    let _ = PENDING.remove(client);
+    let _ = HELD.remove(client);
     event_flags::VIA_NODE
 }
 

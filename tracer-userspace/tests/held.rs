@@ -1,23 +1,30 @@
-//! The kernel's per-flow buffer (tracer-ebpf/src/pending.rs) modelled in
+//! The kernel's per-flow buffer (tracer-ebpf/src/held.rs) modelled in
 //! userspace and applied to every recorded fixture (real kernels, both
 //! backends): the recorded events are what the kernel sent per packet; the
 //! model holds them as the kernel now does, and the live session's pull
-//! (`take_due_buffered` at each tick, everything at the end) brings the
+//! (`take_due_held` at each tick, everything at the end) brings the
 //! held ones back. Verdicts, causes and backends must be the same both
-//! ways, and a problem flow must keep every hop. Keep it in step with
-//! pending.rs (and filter.rs `observe`, which decides the event's fate).
+//! ways, and a problem flow must keep every hop. The buffer's states, its
+//! timing (`is_late`), slot count and `Fate` are tracer-common's, the same
+//! the eBPF program uses; what is stated here is the rule's control flow
+//! over them, as held.rs `hold` (and filter.rs `observe`, which decides
+//! the event's fate) runs it.
 use std::collections::HashMap;
 
-use tracer_common::{PENDING_SLOTS, PacketEvent, direction, event_flags, hook, proto, tcp_flags};
+use tracer_common::{
+    HELD_SLOTS, PacketEvent, direction, event_flags,
+    held::{DONE, Fate, HOLDING, NEVER, is_late},
+    hook, proto, tcp_flags,
+};
 
-use super::{Collector, FlowReport, Verdict, tests_recorded::recordings};
-use crate::{
+use nattrace::{
+    collector::{
+        Collector, FlowReport, Verdict,
+        testing::{fixtures_dir, recordings},
+    },
     recording::{Reader, Record, replay::decide_all},
     service::{ServiceSet, ip_of, traced_ports},
 };
-
-/// pending.rs PULL_AHEAD_NS.
-const KERNEL_PULL_AHEAD_NS: u64 = 500_000_000;
 
 type Key = (tracer_common::Addr, u16);
 
@@ -35,14 +42,6 @@ struct Held {
     dnat_slot: Option<usize>,
     reply_in_node: bool,
     retransmit: bool,
-}
-
-#[derive(PartialEq)]
-enum Fate {
-    Other,
-    Start,
-    Healthy,
-    Anomaly,
 }
 
 struct Model {
@@ -94,7 +93,7 @@ impl Model {
         fate
     }
 
-    /// pending.rs `hold`: the events to send now, in order.
+    /// held.rs `hold`: the events to send now, in order.
     fn apply(&mut self, ev: PacketEvent) -> Vec<PacketEvent> {
         if ev.proto != proto::TCP {
             return vec![ev];
@@ -111,19 +110,19 @@ impl Model {
             e.flags = f;
             e
         };
-        if fate == Fate::Start && (held == 0 || st.syn_seq != ev.seq) {
+        if fate == Fate::Start && (held == NEVER || st.syn_seq != ev.seq) {
             st.syn_seq = ev.seq;
-            if held == 1 {
+            if held == HOLDING {
                 // A new connection from a held port: the old buffer goes
                 // out, the new connection per packet.
-                st.held = 2;
+                st.held = DONE;
                 let mut out = self.flush(client);
                 out.push(ev);
                 return out;
             }
             let mut out = Vec::new();
             let st = self.state.entry(client).or_default();
-            st.held = 1;
+            st.held = HOLDING;
             self.held.insert(
                 client,
                 Held {
@@ -136,18 +135,18 @@ impl Model {
                     retransmit: false,
                 },
             );
-            out.push(flagged(ev, event_flags::BUFFERED));
+            out.push(flagged(ev, event_flags::HOLDING));
             return out;
         }
-        if held != 1 {
+        if held != HOLDING {
             return vec![ev];
         }
         let (in_node, timeout) = (self.in_node(&ev), self.reply_timeout_ns);
         let Some(h) = self.held.get_mut(&client) else {
-            self.state.entry(client).or_default().held = 2;
+            self.state.entry(client).or_default().held = DONE;
             return vec![ev];
         };
-        let late = ev.ts_ns.saturating_sub(h.first_ts) + KERNEL_PULL_AHEAD_NS >= timeout;
+        let late = is_late(ev.ts_ns.saturating_sub(h.first_ts), timeout);
         match fate {
             Fate::Healthy
                 if !h.retransmit
@@ -157,7 +156,7 @@ impl Model {
                     && !late =>
             {
                 let h = self.held.remove(&client).unwrap();
-                self.state.entry(client).or_default().held = 2;
+                self.state.entry(client).or_default().held = DONE;
                 let mut out = Vec::new();
                 if let Some(k) = h.dnat_slot {
                     out.push(flagged(h.events[k], event_flags::KEPT));
@@ -167,7 +166,7 @@ impl Model {
                 out
             }
             Fate::Healthy | Fate::Anomaly => {
-                self.state.entry(client).or_default().held = 2;
+                self.state.entry(client).or_default().held = DONE;
                 let mut out = self.flush(client);
                 out.push(ev);
                 out
@@ -176,8 +175,8 @@ impl Model {
                 if fate == Fate::Start {
                     h.retransmit = true;
                 }
-                if h.events.len() >= PENDING_SLOTS {
-                    self.state.entry(client).or_default().held = 2;
+                if h.events.len() >= HELD_SLOTS {
+                    self.state.entry(client).or_default().held = DONE;
                     let mut out = self.flush(client);
                     out.push(ev);
                     return out;
@@ -209,7 +208,7 @@ impl Model {
             .collect()
     }
 
-    /// probes/pending.rs `pull`.
+    /// probes/held.rs `pull`.
     fn pull(&mut self, keys: impl IntoIterator<Item = Key>) -> Vec<PacketEvent> {
         let mut out = Vec::new();
         for k in keys {
@@ -226,7 +225,7 @@ impl Model {
 
 /// A recording decided the way the live session decides with the buffer:
 /// the modelled kernel's events, pulls at every tick and at the end.
-fn decide_buffered(rec: &std::path::Path) -> (Vec<FlowReport>, u64, u64) {
+fn decide_held(rec: &std::path::Path) -> (Vec<FlowReport>, u64, u64) {
     let (reader, header) = Reader::open(rec).expect("a nattrace recording");
     let cfg = header.collector_config().unwrap();
     let mut model = Model {
@@ -255,7 +254,7 @@ fn decide_buffered(rec: &std::path::Path) -> (Vec<FlowReport>, u64, u64) {
             Record::Rules(r) => c.update_rules(*r),
             Record::Stats(s) => {
                 let due: Vec<Key> = c
-                    .take_due_buffered(s.now_ns)
+                    .take_due_held(s.now_ns)
                     .into_iter()
                     .map(|k| (k.addr, k.port))
                     .collect();
@@ -294,7 +293,7 @@ fn every_recording_is_decided_alike_with_the_kernel_buffer() {
     for rec in recordings() {
         let (mut reader, header) = Reader::open(&rec).unwrap();
         let (mut want, _) = decide_all(&mut reader, &header, None);
-        let (mut got, sent, discarded) = decide_buffered(&rec);
+        let (mut got, sent, discarded) = decide_held(&rec);
         want.sort_by_key(key);
         got.sort_by_key(key);
         let name = rec.display();
@@ -337,8 +336,7 @@ fn every_recording_is_decided_alike_with_the_kernel_buffer() {
 /// no backend, is not held for the neighbour failure, and ends `no_reply`.
 #[test]
 fn pulled_dnat_hop_joins_its_flow_after_its_skb_entry_is_gone() {
-    let rec = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("src/collector/fixtures/buffered/stale_deleted_cold.rec");
+    let rec = fixtures_dir().join("held/stale_deleted_cold.rec");
     let (mut reader, header) = Reader::open(&rec).unwrap();
     let (reports, summary) = decide_all(&mut reader, &header, None);
     let f = reports

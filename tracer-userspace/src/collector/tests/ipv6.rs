@@ -8,7 +8,8 @@ use std::net::{IpAddr, Ipv6Addr};
 
 use tracer_common::{PacketEvent, addr_from_bytes, as_v4};
 
-use super::{fixtures::*, tests::run_with, *};
+use super::run_with;
+use crate::collector::{fixtures::*, *};
 use crate::service::{Service, ip_of};
 
 const MS: u64 = 1_000_000;
@@ -103,7 +104,7 @@ fn every_fixture_gives_the_same_verdicts_over_ipv6() {
 fn seed000_over_ipv6_names_the_un_reverse_nated_reply_in_brackets() {
     let events = to_v6(&seed000_same_node(false));
     let (reports, _) = run_with(config_v6(Some(false)), &events, T0 + 10_000 * MS);
-    let r = tests::only(&reports);
+    let r = super::only(&reports);
     assert_eq!(r.verdict, Verdict::ReplyNotReverseNated);
     // 100.67.30.133 as fd00:100:67::30:133 in hex.
     assert_eq!(r.service.to_string(), "[fd00:64:43::1e:85]:80");
@@ -136,7 +137,7 @@ fn seed000_over_ipv6_names_the_un_reverse_nated_reply_in_brackets() {
 fn ipv6_flows_in_json_text_and_pcapng() {
     let events = to_v6(&seed000_same_node(true));
     let (reports, summary) = run_with(config_v6(Some(true)), &events, T0 + 10_000 * MS);
-    let r = tests::only(&reports);
+    let r = super::only(&reports);
     let mut json = crate::output::json::JsonOutput::new(Vec::new(), true);
     json.flow(r).unwrap();
     let line = String::from_utf8(json.into_inner()).unwrap();

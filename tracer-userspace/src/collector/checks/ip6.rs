@@ -4,11 +4,11 @@
 //! `net.bridge.bridge-nf-call-ip6tables=1` (net/bridge/br_netfilter_hooks.c,
 //! br_nf_pre_routing: `if (!brnet->call_ip6tables && !br_opt_get(br,
 //! BROPT_NF_CALL_IP6TABLES)) return NF_ACCEPT;`), whatever the IPv4 one says.
-use super::rules::{Found, RuleCtx, bridged_past_netfilter};
+use super::{Found, RuleCtx, bridged_past_netfilter};
 
 /// The reply of an IPv6 flow was bridged without netfilter while
 /// bridge-nf-call-ip6tables was 0 (or br_netfilter absent).
-pub(super) fn bridged_reply6_sysctl_off(ctx: &RuleCtx<'_>) -> Option<Found> {
+pub(in crate::collector) fn bridged_reply6_sysctl_off(ctx: &RuleCtx<'_>) -> Option<Found> {
     if !ctx.flow.service.addr.is_ipv6() {
         return None;
     }

@@ -8,6 +8,15 @@ use tracer_common::{
 
 use super::{fixtures::*, *};
 
+mod ipv6;
+mod paths;
+mod routed;
+mod scenarios;
+pub(crate) mod stale;
+mod store;
+mod tracepoints;
+mod watch;
+
 const MS: u64 = 1_000_000;
 
 pub(super) fn run_with(
@@ -32,13 +41,13 @@ pub(super) fn run(events: &[PacketEvent], bridge_nf: Option<bool>) -> (Vec<FlowR
 
 pub(super) fn fixture(name: &str) -> Vec<PacketEvent> {
     let text = match name {
-        "seed000_broken.jsonl" => include_str!("fixtures/seed000_broken.jsonl"),
-        "seed000_healthy.jsonl" => include_str!("fixtures/seed000_healthy.jsonl"),
-        "cross_node_ok.jsonl" => include_str!("fixtures/cross_node_ok.jsonl"),
-        "dns_broken.jsonl" => include_str!("fixtures/dns_broken.jsonl"),
-        "dns_ok.jsonl" => include_str!("fixtures/dns_ok.jsonl"),
-        "no_reply.jsonl" => include_str!("fixtures/no_reply.jsonl"),
-        "reply_dropped.jsonl" => include_str!("fixtures/reply_dropped.jsonl"),
+        "seed000_broken.jsonl" => include_str!(crate::fixture!("seed000_broken.jsonl")),
+        "seed000_healthy.jsonl" => include_str!(crate::fixture!("seed000_healthy.jsonl")),
+        "cross_node_ok.jsonl" => include_str!(crate::fixture!("cross_node_ok.jsonl")),
+        "dns_broken.jsonl" => include_str!(crate::fixture!("dns_broken.jsonl")),
+        "dns_ok.jsonl" => include_str!(crate::fixture!("dns_ok.jsonl")),
+        "no_reply.jsonl" => include_str!(crate::fixture!("no_reply.jsonl")),
+        "reply_dropped.jsonl" => include_str!(crate::fixture!("reply_dropped.jsonl")),
         other => panic!("no fixture {other}"),
     };
     from_jsonl(text)
@@ -55,7 +64,7 @@ fn cause_id(r: &FlowReport) -> Option<CauseId> {
 
 #[test]
 fn fixture_files_match_builders() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/collector/fixtures");
+    let dir = fixtures_dir();
     for (name, events) in all() {
         let path = dir.join(name);
         if std::env::var_os("NATTRACE_REGEN_FIXTURES").is_some() {
@@ -239,7 +248,7 @@ fn no_reply_through_node_after_timeout() {
     // Not at the reply timeout: with no reply seen anywhere, a neighbour
     // failure on the way to the backend (a stale endpoint) could still be
     // reported, and would make the routing cause wrong (issue 11).
-    let due = T0 + super::flow::NEIGH_FAIL_WAIT_NS + cfg.reorder_window_ns;
+    let due = T0 + crate::collector::flow::NEIGH_FAIL_WAIT_NS + cfg.reorder_window_ns;
     assert!(
         c.tick(T0 + cfg.reply_timeout_ns + cfg.reorder_window_ns)
             .is_empty()
@@ -555,7 +564,7 @@ fn flow_state_stays_small() {
 
 /// The kprobe backend's `br_forward` alone proves a reply was bridged when
 /// no tc egress saw it leave by the client's port. Hand-built: the guests'
-/// recordings (`vm*_kprobe_*`, tests_recorded.rs) carry BR_FORWARD, but
+/// recordings (`vm*_kprobe_*`, tests/recorded.rs) carry BR_FORWARD, but
 /// always next to tc egress on the client's port, which nattrace attaches
 /// wherever it can; only a builder can take that away.
 #[test]

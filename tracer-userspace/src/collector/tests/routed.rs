@@ -2,11 +2,8 @@
 //! no bridge, so the causes that speak of a bridge must never be named, even
 //! when the evidence looks like seed 000's (a reply that passed no netfilter
 //! hook) or seed 004's (a hairpin SYN that never came back).
-use super::{
-    fixtures::*,
-    tests::{fixture, only, run_with},
-    *,
-};
+use super::{fixture, only, run_with};
+use crate::collector::{fixtures::*, *};
 use crate::facts::Interface;
 
 const MS: u64 = 1_000_000;

@@ -7,11 +7,8 @@ use tracer_common::{
     tcp_flags,
 };
 
-use super::{
-    fixtures::*,
-    tests::{fixture, only, run},
-    *,
-};
+use super::{fixture, only, run};
+use crate::collector::{fixtures::*, *};
 
 const OTHER_NODE_NS: u32 = 4026539999;
 const OUTSIDE_NS: u32 = 4026538888;
@@ -212,7 +209,7 @@ fn readme_table_matches_the_cause_table() {
     if std::env::var_os("NATTRACE_README_TABLE").is_some() {
         println!("{table}");
     }
-    let readme = include_str!("../../../README.md");
+    let readme = include_str!("../../../../README.md");
     let section = readme
         .split("## What nattrace recognises")
         .nth(1)
@@ -241,7 +238,7 @@ fn decide_recording(text: &str) -> Vec<FlowReport> {
 /// endpoints; kube-proxy's filter REJECT dropped the SYN after FORWARD.
 #[test]
 fn recorded_service_without_endpoints_is_no_endpoints() {
-    let flows = decide_recording(include_str!("fixtures/no_endpoints.rec"));
+    let flows = decide_recording(include_str!(crate::fixture!("no_endpoints.rec")));
     assert_eq!(flows.len(), 1, "{flows:?}");
     let f = &flows[0];
     assert_eq!(f.verdict, Verdict::Dropped);
@@ -264,7 +261,7 @@ fn recorded_service_without_endpoints_is_no_endpoints() {
 /// The same events without the ruleset's REJECT: only the generic cause.
 #[test]
 fn netfilter_drop_without_a_no_endpoints_reject_stays_generic() {
-    let text = include_str!("fixtures/no_endpoints.rec");
+    let text = include_str!(crate::fixture!("no_endpoints.rec"));
     let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
     let mut header: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
     header["kube_proxy"]["no_endpoints"] = serde_json::json!([]);

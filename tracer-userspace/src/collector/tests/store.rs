@@ -2,7 +2,7 @@
 //! from the flows.
 use tracer_common::PacketEvent;
 
-use super::{
+use crate::collector::{
     Collector,
     flow::Flow,
     store::{PairIndex, Slots},
@@ -10,7 +10,7 @@ use super::{
     types::PairKey,
 };
 
-const HEALTHY: &str = include_str!("fixtures/seed000_healthy.jsonl");
+const HEALTHY: &str = include_str!(crate::fixture!("seed000_healthy.jsonl"));
 
 fn opening(port: u16) -> PacketEvent {
     let mut ev = from_jsonl(HEALTHY)[0];
@@ -63,9 +63,9 @@ fn recorded_pairs_lead_back_to_their_flow() {
     // One collector each: the fixtures share client ports.
     for text in [
         HEALTHY,
-        include_str!("fixtures/seed000_broken.jsonl"),
-        include_str!("fixtures/cross_node_ok.jsonl"),
-        include_str!("fixtures/reply_dropped.jsonl"),
+        include_str!(crate::fixture!("seed000_broken.jsonl")),
+        include_str!(crate::fixture!("cross_node_ok.jsonl")),
+        include_str!(crate::fixture!("reply_dropped.jsonl")),
     ] {
         let mut c = Collector::new(config(Some(true)));
         let events = from_jsonl(text);

@@ -7,33 +7,18 @@
 //! - `vm*_kprobe_*`: seed 000 in the Debian 6.1/6.12 guests with the kprobe
 //!   backend, the one this host cannot run; regenerate with `cargo xtask
 //!   vm-test --kernel 6.12 --kernel 6.1 --record-fixtures
-//!   tracer-userspace/src/collector/fixtures/recorded` (QEMU, several minutes).
-use std::path::{Path, PathBuf};
+//!   tracer-userspace/fixtures/recorded` (QEMU, several minutes).
+use std::path::Path;
 
 use serde_json::Value;
 
 use tracer_common::{direction, hook};
 
-use crate::{
+use nattrace::{
+    collector::testing::{recorded_dir, recordings},
     output::json::JsonOutput,
     recording::{Reader, replay::decide_all},
 };
-
-pub(super) fn recorded_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("src/collector/fixtures/recorded")
-}
-
-pub(super) fn recordings() -> Vec<PathBuf> {
-    let mut recs: Vec<PathBuf> = std::fs::read_dir(recorded_dir())
-        .map(|d| {
-            d.filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "rec"))
-                .collect()
-        })
-        .unwrap_or_default();
-    recs.sort();
-    recs
-}
 
 /// The flow and summary lines the collector gives for a recording, the way
 /// `analyze --output json -v` writes them (its preamble aside).
