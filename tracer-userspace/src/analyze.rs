@@ -62,21 +62,21 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
         }
         let node = crate::merge::decide_node(&name, &header, &mut reader)?;
         if let Some(first) = &reader.first_skipped {
-            eprintln!(
-                "nattrace: warning: recording {} has {} unreadable line(s), skipped (first at line {}: {})",
+            crate::output::clean::warn(format_args!(
+                "recording {} has {} unreadable line(s), skipped (first at line {}: {})",
                 path.display(),
                 reader.skipped_lines,
                 first.line,
                 first.why
-            );
+            ));
         }
         if let Some(p) = reader.problem() {
-            eprintln!(
-                "nattrace: warning: recording {} is truncated (line {}: {}); its flows still open at the cut may lack evidence",
+            crate::output::clean::warn(format_args!(
+                "recording {} is truncated (line {}: {}); its flows still open at the cut may lack evidence",
                 path.display(),
                 p.line,
                 p.why
-            );
+            ));
         }
         nodes.push(node);
         headers.push(header);
@@ -106,10 +106,10 @@ pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
     let (mut reader, header) = Reader::open(&opts.path)?;
     let config = header.collector_config()?;
     if let Some(v) = reader.newer_version {
-        eprintln!(
-            "nattrace: warning: {} is format version {v}, newer than this nattrace's; reading what it understands",
+        crate::output::clean::warn(format_args!(
+            "{} is format version {v}, newer than this nattrace's; reading what it understands",
             opts.path.display()
-        );
+        ));
     }
     // Opened at the first decided flow: a file with no event is refused in
     // one line (no preamble on stdout, no empty pcap).
@@ -159,7 +159,7 @@ fn close(out: &mut Outputs) -> Outcome {
     let forever = std::time::Instant::now() + std::time::Duration::from_secs(365 * 24 * 3600);
     out.drain(forever, std::time::Duration::from_secs(365 * 24 * 3600));
     for w in out.take_warnings() {
-        eprintln!("nattrace: warning: {w}");
+        crate::output::clean::warn(w);
     }
     std::mem::take(&mut out.outcome)
 }
@@ -167,13 +167,13 @@ fn close(out: &mut Outputs) -> Outcome {
 /// Lines skipped as unreadable, and a recording that stops without `end`.
 fn warn_read<R: std::io::BufRead>(path: &Path, reader: &Reader<R>, done: &Replayed) {
     if let Some(first) = &reader.first_skipped {
-        eprintln!(
-            "nattrace: warning: recording {} has {} unreadable line(s), skipped (first at line {}: {}); flows around them are marked incomplete",
+        crate::output::clean::warn(format_args!(
+            "recording {} has {} unreadable line(s), skipped (first at line {}: {}); flows around them are marked incomplete",
             path.display(),
             reader.skipped_lines,
             first.line,
             first.why
-        );
+        ));
     }
     if done.ended {
         return;
@@ -189,11 +189,11 @@ fn warn_read<R: std::io::BufRead>(path: &Path, reader: &Reader<R>, done: &Replay
         (None, None, Some(p)) => format!("line {}: {}", p.line, p.why),
         (None, None, None) => "no end record".to_owned(),
     };
-    eprintln!(
-        "nattrace: warning: recording {} is truncated ({why}); read {} lines, flows still open at the cut are marked incomplete",
+    crate::output::clean::warn(format_args!(
+        "recording {} is truncated ({why}); read {} lines, flows still open at the cut are marked incomplete",
         path.display(),
         reader.lines_read()
-    );
+    ));
 }
 
 /// The file a rotated recording continues in: FILE.(i-1), or FILE for FILE.1.

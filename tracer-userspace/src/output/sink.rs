@@ -271,9 +271,9 @@ impl Outputs {
                 let priorities = crate::probes::table::priorities_note(&h.nf_priorities)
                     .map(|note| format!("; {note}"))
                     .unwrap_or_default();
-                writeln!(
-                    stdout,
-                    "nattrace: tracing {} in netns {} (inode {}) with the {} backend ({}) on {} interfaces; bridge-nf-call-iptables={}{priorities}",
+                // Every part may come from a recording: sanitized whole.
+                let mut text = format!(
+                    "nattrace: tracing {} in netns {} (inode {}) with the {} backend ({}) on {} interfaces; bridge-nf-call-iptables={}{priorities}\n",
                     traced_text(h),
                     facts.netns_name,
                     facts.netns_inode,
@@ -281,11 +281,11 @@ impl Outputs {
                     h.backend_reason,
                     facts.interfaces.len(),
                     bridge_nf,
-                )?;
-                match &h.checks_line {
-                    Some(line) => writeln!(stdout, "nattrace: {line}"),
-                    None => Ok(()),
+                );
+                if let Some(line) = &h.checks_line {
+                    text.push_str(&format!("nattrace: {line}\n"));
                 }
+                stdout.write_all(super::clean::sanitize(&text).as_bytes())
             }
             OutputFormat::Json => writeln!(
                 stdout,
