@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use crate::{
     output::{
+        files::{Named, check_distinct},
         queue::Overflow,
         sink::{Outcome, OutputFormat, Outputs},
     },
@@ -29,6 +30,9 @@ pub enum AnalyzeError {
     Recording(#[from] RecordingError),
     #[error("{0}")]
     Output(std::io::Error),
+    /// `--pcap` names a recording being read.
+    #[error("{0}")]
+    SameFile(String),
     /// A header, but not one event that can be read.
     #[error(
         "{path} holds no readable event: {skipped} line(s) after the header are not valid records (first at line {line}: {why}); is it a nattrace recording?"
@@ -44,6 +48,7 @@ pub enum AnalyzeError {
 /// `nattrace analyze b.rec a.rec …`: every node's recording decided by its
 /// own collector, then the flows merged across nodes (`crate::merge`).
 pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, AnalyzeError> {
+    check_outputs(opts, paths)?;
     let mut nodes = Vec::new();
     let mut headers = Vec::new();
     for path in paths {
@@ -103,6 +108,7 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
 }
 
 pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
+    check_outputs(opts, std::slice::from_ref(&opts.path))?;
     let (mut reader, header) = Reader::open(&opts.path)?;
     let config = header.collector_config()?;
     if let Some(v) = reader.newer_version {
@@ -133,6 +139,29 @@ pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
     warn_read(&opts.path, &reader, &done);
     out.summary(&done.summary).map_err(AnalyzeError::Output)?;
     Ok(close(out))
+}
+
+/// `analyze X.rec --pcap X.rec` would turn the evidence into a pcapng:
+/// refused before anything is opened for writing.
+fn check_outputs(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<(), AnalyzeError> {
+    let Some(pcap) = &opts.pcap else {
+        return Ok(());
+    };
+    let inputs: Vec<Named<'_>> = paths
+        .iter()
+        .map(|path| Named {
+            what: "the recording",
+            path,
+        })
+        .collect();
+    check_distinct(
+        &[Named {
+            what: "--pcap",
+            path: pcap,
+        }],
+        &inputs,
+    )
+    .map_err(AnalyzeError::SameFile)
 }
 
 /// The outputs, opened (preamble, pcap) the first time they are needed.

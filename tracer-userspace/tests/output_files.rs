@@ -20,10 +20,11 @@ fn fixture(name: &str) -> PathBuf {
             if path.file_name().is_some_and(|n| n == name) {
                 return Some(path);
             }
-            if path.is_dir() && !path.ends_with("target") {
-                if let Some(found) = find(&path, name) {
-                    return Some(found);
-                }
+            if path.is_dir()
+                && !path.ends_with("target")
+                && let Some(found) = find(&path, name)
+            {
+                return Some(found);
             }
         }
         None
@@ -118,4 +119,167 @@ fn analyze_prints_no_terminal_escapes_from_names_in_a_recording() {
         bad.extend(control_bytes(&out.stderr));
         assert!(bad.is_empty(), "raw control characters printed: {bad:#?}");
     }
+}
+
+fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+/// Exit 2 with one line on stderr containing each of `want`.
+fn assert_one_line_exit_2(out: &Output, want: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "stderr: {stderr}");
+    for w in want {
+        assert!(stderr.contains(w), "{w:?} not in: {stderr}");
+    }
+}
+
+/// Runs `args` as `nobody` (only as root).
+fn as_nobody(args: &[&str]) {
+    let status = Command::new("runuser")
+        .args(["-u", "nobody", "--"])
+        .args(args)
+        .status()
+        .expect("runuser");
+    assert!(status.success(), "as nobody: {args:?}");
+}
+
+/// Issue 26 item 2: `analyze X.rec --pcap X.rec` turned the incident's
+/// recording into a pcapng; a hard link or symlink to it is the same file.
+#[test]
+fn analyze_refuses_a_pcap_over_its_recording() {
+    let dir = TempDir::new("over");
+    let rec = dir.path("x.rec");
+    std::fs::copy(fixture("root_hairpin_mode_off_is_named.rec"), &rec).unwrap();
+    let before = std::fs::read(&rec).unwrap();
+    let hard = dir.path("hard.rec");
+    std::fs::hard_link(&rec, &hard).unwrap();
+    for pcap in [&rec, &hard] {
+        let out = nattrace()
+            .arg("analyze")
+            .arg(&rec)
+            .arg("--pcap")
+            .arg(pcap)
+            .output()
+            .unwrap();
+        assert_one_line_exit_2(&out, &["is the same file as the recording"]);
+        assert!(out.stdout.is_empty());
+    }
+    // Several nodes' recordings: none may be the pcap either.
+    let other = dir.path("b.rec");
+    std::fs::copy(&rec, &other).unwrap();
+    let out = nattrace()
+        .arg("analyze")
+        .arg(&other)
+        .arg(&rec)
+        .arg("--pcap")
+        .arg(&hard)
+        .output()
+        .unwrap();
+    assert_one_line_exit_2(&out, &["is the same file as the recording"]);
+    assert_eq!(
+        std::fs::read(&rec).unwrap(),
+        before,
+        "the recording changed"
+    );
+}
+
+/// Issue 26 item 2, live: `--write F --pcap F` (also spelled differently,
+/// and F.1 of a rotation) is refused before anything is attached.
+#[test]
+fn live_refuses_outputs_that_are_one_file() {
+    let dir = TempDir::new("live-same");
+    let f = dir.path("f");
+    let spelled = dir.0.join(".").join("f");
+    let rotated = dir.path("f.1");
+    for (pcap, keep) in [(&f, "1"), (&spelled, "1"), (&rotated, "3")] {
+        let out = nattrace()
+            .args(["--svc", "192.0.2.1:80", "--duration", "1", "--write"])
+            .arg(&f)
+            .arg("--pcap")
+            .arg(pcap)
+            .args(["--write-keep", keep])
+            .output()
+            .unwrap();
+        assert_one_line_exit_2(&out, &["is the same file as --write"]);
+    }
+    assert!(!f.exists(), "refused, yet created");
+}
+
+/// Issue 26 item 3: as `nobody`, plant a symlink to root's file where root
+/// will `--write`/`--pcap`, and a world-writable file, and a file of
+/// nobody's own: each is refused in one line, the target untouched.
+#[test]
+fn root_output_files_do_not_follow_planted_symlinks_or_write_others_files() {
+    if !is_root() {
+        eprintln!("skipped: needs root (to plant files as nobody)");
+        return;
+    }
+    let dir = TempDir::new("planted");
+    // Everyone may create here. Not sticky: in a sticky directory (/tmp)
+    // fs.protected_regular/protected_symlinks may refuse some of these
+    // opens already; nattrace must not depend on those sysctls.
+    std::fs::set_permissions(&dir.0, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let secret = dir.path("secret");
+    std::fs::write(&secret, "root's").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let s = |p: &Path| p.to_str().unwrap().to_owned();
+    let link = dir.path("incident.rec");
+    as_nobody(&["ln", "-s", &s(&secret), &s(&link)]);
+    let open = dir.path("open.pcapng");
+    as_nobody(&["sh", "-c", &format!("umask 0; : > {}", s(&open))]);
+    let theirs = dir.path("theirs.rec");
+    as_nobody(&["touch", &s(&theirs)]);
+    let cases: [(&str, &Path, &str); 5] = [
+        ("--write", &link, "symbolic link"),
+        ("--pcap", &link, "symbolic link"),
+        ("--pcap", &open, "owned by uid 65534"),
+        ("--write", &theirs, "owned by uid 65534"),
+        ("--write", Path::new("/proc/version"), "/proc/version"),
+    ];
+    for (flag, path, why) in cases {
+        let out = nattrace()
+            .args(["--svc", "192.0.2.1:80", "--duration", "1", flag])
+            .arg(path)
+            .output()
+            .unwrap();
+        assert_one_line_exit_2(&out, &[why]);
+    }
+    let out = nattrace()
+        .arg("analyze")
+        .arg(fixture("root_hairpin_mode_off_is_named.rec"))
+        .arg("--pcap")
+        .arg(&link)
+        .output()
+        .unwrap();
+    assert_one_line_exit_2(&out, &["symbolic link"]);
+    assert_eq!(std::fs::read_to_string(&secret).unwrap(), "root's");
+    assert_eq!(std::fs::metadata(&open).unwrap().len(), 0);
+    // A device and a FIFO of someone else's are not files to write either.
+    let out = nattrace()
+        .args(["analyze"])
+        .arg(fixture("root_hairpin_mode_off_is_named.rec"))
+        .args(["--pcap", "/dev/null"])
+        .output()
+        .unwrap();
+    assert_one_line_exit_2(&out, &["not a regular file"]);
+}
+
+/// Issue 26 items 3 and 4: what nattrace writes is 0600 whatever the umask
+/// (a recording names the node's addresses and rules).
+#[test]
+fn analyze_pcap_is_created_0600_under_umask_022() {
+    use std::os::unix::fs::MetadataExt as _;
+    let dir = TempDir::new("mode");
+    let pcap = dir.path("out.pcapng");
+    let out = nattrace()
+        .arg("analyze")
+        .arg(fixture("root_hairpin_mode_off_is_named.rec"))
+        .arg("--pcap")
+        .arg(&pcap)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_eq!(std::fs::metadata(&pcap).unwrap().mode() & 0o777, 0o600);
 }

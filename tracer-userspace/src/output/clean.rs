@@ -126,7 +126,8 @@ mod tests {
     #[test]
     fn the_writer_sanitizes() {
         let mut w = Clean::new(Vec::new(), &[]);
-        write!(w, "if {}", "\x1b[2Jevil\r").unwrap();
+        let name = "\x1b[2Jevil\r";
+        write!(w, "if {name}").unwrap();
         assert_eq!(w.into_inner(), b"if \\x1b[2Jevil\\x0d");
     }
 }

@@ -16,6 +16,7 @@ use crate::{
     collector::Collector,
     continuous::Continuous,
     output::{
+        files,
         queue::{self, Overflow},
         sink::Outputs,
     },
@@ -91,6 +92,33 @@ pub(super) fn interface_names(options: &SessionOptions, tracer: &Tracer) -> Opti
 pub(super) fn open_output_files(
     options: &SessionOptions,
 ) -> Result<(Option<std::fs::File>, Option<std::fs::File>), SessionError> {
+    // `--write F --pcap F` would leave F unreadable; with `--write-keep`
+    // the rotated names F.1 … are outputs too.
+    let rotated: Vec<std::path::PathBuf> = match &options.write {
+        Some(path) => (1..options.continuous.write_keep)
+            .map(|i| crate::recording::rotate::rotated_name(path, i))
+            .collect(),
+        None => Vec::new(),
+    };
+    let mut outputs: Vec<files::Named<'_>> = Vec::new();
+    if let Some(path) = &options.write {
+        outputs.push(files::Named {
+            what: "--write",
+            path,
+        });
+    }
+    outputs.extend(rotated.iter().map(|path| files::Named {
+        what: "--write's rotated file",
+        path,
+    }));
+    if let Some(path) = &options.pcap {
+        outputs.push(files::Named {
+            what: "--pcap",
+            path,
+        });
+    }
+    files::check_distinct(&outputs, &[])
+        .map_err(|why| SessionError::CreateOutput(io::Error::other(why)))?;
     let record_file = match &options.write {
         Some(path) => Some(
             queue::create_output(path).map_err(|error| RecordingError::Create {
