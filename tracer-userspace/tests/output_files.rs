@@ -283,3 +283,86 @@ fn analyze_pcap_is_created_0600_under_umask_022() {
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     assert_eq!(std::fs::metadata(&pcap).unwrap().mode() & 0o777, 0o600);
 }
+
+/// Every recorded fixture (real kernel runs: `skb` is a kernel address).
+fn recorded_fixtures() -> Vec<PathBuf> {
+    let dir = fixture("root_hairpin_mode_off_is_named.rec")
+        .parent()
+        .unwrap()
+        .to_owned();
+    let mut all: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "rec"))
+        .collect();
+    all.sort();
+    all
+}
+
+/// Issue 26 item 4: a recording written now carries per-run numbers where
+/// the kernel's `sk_buff` addresses were, and decides exactly as the
+/// addresses did (same packet, same number); old recordings still read.
+#[test]
+fn recordings_carry_no_kernel_address_and_decide_the_same() {
+    use nattrace::recording::{Reader, Record, RecordingWriter};
+    use std::os::unix::fs::MetadataExt as _;
+    let dir = TempDir::new("skb");
+    let fixtures = recorded_fixtures();
+    assert!(fixtures.len() >= 5, "{fixtures:?}");
+    for path in fixtures {
+        let (reader, header) = Reader::open(&path).unwrap();
+        let out = dir.path(path.file_name().unwrap().to_str().unwrap());
+        let mut w = RecordingWriter::create(&out, &header, None).unwrap();
+        let mut addresses = std::collections::HashSet::new();
+        for record in reader {
+            match record {
+                Record::Event(ev) => {
+                    if ev.skb != 0 {
+                        addresses.insert(ev.skb);
+                    }
+                    w.event(&ev)
+                }
+                Record::Interface(i) => w.interface(i.netns, i.ifindex, &i.name),
+                Record::Stats(s) => w.stats(s),
+                Record::Rules(r) => w.rules(&r),
+                Record::End(s) => w.end(s),
+                Record::Capped { .. } | Record::Rotated { .. } => {}
+            }
+        }
+        let forever = std::time::Duration::from_secs(60);
+        assert!(w.drain(std::time::Instant::now() + forever, forever));
+        assert!(
+            addresses.iter().any(|a| *a > u32::MAX as u64),
+            "{path:?}: the fixture has kernel addresses"
+        );
+        assert_eq!(std::fs::metadata(&out).unwrap().mode() & 0o777, 0o600);
+        let text = std::fs::read_to_string(&out).unwrap();
+        for line in text
+            .lines()
+            .filter(|l| l.starts_with("{\"kind\":\"event\""))
+        {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            let skb = v["skb"].as_u64().unwrap();
+            assert!(
+                skb < 1 << 32 && !addresses.contains(&skb) || skb == 0,
+                "{path:?}: a kernel address was written: {line}"
+            );
+        }
+        let analyze = |p: &Path| {
+            nattrace()
+                .args(["analyze", "-v", "--output", "json"])
+                .arg(p)
+                .output()
+                .unwrap()
+        };
+        let (old, new) = (analyze(&path), analyze(&out));
+        assert_eq!(old.status.code(), new.status.code(), "{path:?}");
+        assert!(!old.stdout.is_empty(), "{path:?}: {old:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&old.stdout),
+            String::from_utf8_lossy(&new.stdout),
+            "{path:?}: decided differently"
+        );
+    }
+}

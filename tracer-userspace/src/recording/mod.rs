@@ -12,6 +12,7 @@ mod kube;
 mod reader;
 pub mod replay;
 pub mod rotate;
+mod skb_ids;
 #[cfg(test)]
 mod tests;
 
@@ -277,6 +278,8 @@ pub struct RecordingWriter {
     warning: Option<String>,
     warned_drops: bool,
     rotation: Rotation,
+    /// Kernel addresses never reach the file: see [`skb_ids`].
+    skb_ids: skb_ids::SkbIds,
 }
 
 /// What a rotated-to file needs to stand on its own (see [`rotate`]).
@@ -345,6 +348,7 @@ impl RecordingWriter {
                 files: 1,
                 ..Rotation::default()
             },
+            skb_ids: skb_ids::SkbIds::default(),
         };
         w.line(&Line::Header(Box::new(header.clone())));
         w.rotation.start_bytes = w.written;
@@ -357,7 +361,9 @@ impl RecordingWriter {
     }
 
     pub fn event(&mut self, ev: &PacketEvent) {
-        self.line(&Line::Event(*ev));
+        let mut ev = *ev;
+        ev.skb = self.skb_ids.id(ev.skb, ev.ts_ns);
+        self.line(&Line::Event(ev));
     }
 
     /// `--write-keep N`: at the cap, rotate (keeping N files in all)
