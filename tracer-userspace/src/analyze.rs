@@ -51,6 +51,7 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
     check_outputs(opts, paths)?;
     let mut nodes = Vec::new();
     let mut headers = Vec::new();
+    let mut unreadable_lines = false;
     for path in paths {
         let (mut reader, header) = Reader::open(path)?;
         let stem = path.file_stem().map_or_else(
@@ -66,6 +67,7 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
             name = format!("{name}#{}", nodes.len() + 1);
         }
         let node = crate::merge::decide_node(&name, &header, &mut reader)?;
+        unreadable_lines |= reader.skipped_lines > 0;
         if let Some(first) = &reader.first_skipped {
             crate::output::clean::warn(format_args!(
                 "recording {} has {} unreadable line(s), skipped (first at line {}: {})",
@@ -104,7 +106,9 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
     }
     out.flows(reports).map_err(AnalyzeError::Output)?;
     out.summary(&summary).map_err(AnalyzeError::Output)?;
-    Ok(close(&mut out))
+    let mut outcome = close(&mut out);
+    outcome.output_lost |= unreadable_lines;
+    Ok(outcome)
 }
 
 pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
@@ -125,20 +129,28 @@ pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
             .flows(reports)
             .map_err(AnalyzeError::Output)
     })?;
+    // A header and then a cut-off first event is no readable event either.
+    let unreadable = reader
+        .first_skipped
+        .clone()
+        .or_else(|| reader.problem().filter(|_| reader.cut_off).cloned());
     if done.events == 0
-        && let Some(first) = &reader.first_skipped
+        && let Some(first) = unreadable
     {
         return Err(AnalyzeError::Unreadable {
             path: opts.path.clone(),
             skipped: reader.skipped_lines,
             line: first.line,
-            why: first.why.clone(),
+            why: first.why,
         });
     }
     let out = open(opts, &header, &mut outputs)?;
     warn_read(&opts.path, &reader, &done);
     out.summary(&done.summary).map_err(AnalyzeError::Output)?;
-    Ok(close(out))
+    let mut outcome = close(out);
+    // Lines that could not be read are evidence missing from the verdicts.
+    outcome.output_lost |= reader.skipped_lines > 0;
+    Ok(outcome)
 }
 
 /// `analyze X.rec --pcap X.rec` would turn the evidence into a pcapng:
@@ -186,8 +198,8 @@ fn open<'a>(
 /// what the outputs made of the run.
 fn close(out: &mut Outputs) -> Outcome {
     let forever = std::time::Instant::now() + std::time::Duration::from_secs(365 * 24 * 3600);
-    out.drain(forever, std::time::Duration::from_secs(365 * 24 * 3600));
-    for w in out.take_warnings() {
+    let drained = out.drain(forever, std::time::Duration::from_secs(365 * 24 * 3600));
+    for w in drained.into_iter().chain(out.take_warnings()) {
         crate::output::clean::warn(w);
     }
     std::mem::take(&mut out.outcome)

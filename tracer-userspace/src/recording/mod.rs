@@ -280,6 +280,8 @@ pub struct RecordingWriter {
     rotation: Rotation,
     /// Kernel addresses never reach the file: see [`skb_ids`].
     skb_ids: skb_ids::SkbIds,
+    /// A write or rotation failed: the recording misses what followed.
+    lost: bool,
 }
 
 /// What a rotated-to file needs to stand on its own (see [`rotate`]).
@@ -349,6 +351,7 @@ impl RecordingWriter {
                 ..Rotation::default()
             },
             skb_ids: skb_ids::SkbIds::default(),
+            lost: false,
         };
         w.line(&Line::Header(Box::new(header.clone())));
         w.rotation.start_bytes = w.written;
@@ -469,6 +472,24 @@ impl RecordingWriter {
         done
     }
 
+    /// Whether part of the session is missing from the recording: a write
+    /// or rotation failed (a full disk), or lines were dropped. Call after
+    /// [`drain`](Self::drain): the last write's error shows only then.
+    pub fn lost_output(&mut self) -> bool {
+        for out in [self.out.as_ref(), self.retired.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            if out.queue().check().is_err() {
+                self.lost = true;
+            }
+        }
+        if let Some(Err(e)) = self.out.as_ref().map(|o| o.queue().check()) {
+            self.fail(e);
+        }
+        self.lost || self.dropped_lines() > 0
+    }
+
     pub fn bytes_written(&self) -> u64 {
         self.written
     }
@@ -545,6 +566,7 @@ impl RecordingWriter {
         let queue = match started {
             Ok(queue) => queue,
             Err(e) => {
+                self.lost = true;
                 self.warning = Some(format!(
                     "rotating recording {} failed ({e}): no longer recording, still tracing",
                     self.path.display()
@@ -584,6 +606,7 @@ impl RecordingWriter {
     }
 
     fn fail(&mut self, e: io::Error) {
+        self.lost = true;
         self.retired = self.out.take();
         self.warning = Some(format!(
             "writing recording {} failed ({e}): no longer recording, still tracing",

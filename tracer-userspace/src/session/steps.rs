@@ -281,10 +281,18 @@ pub(super) fn drain_outputs(
         Stop::Duration | Stop::NetnsGone if interrupted => Instant::now(),
         Stop::Duration | Stop::NetnsGone => Instant::now() + Duration::from_secs(24 * 3600),
     };
-    if let Some(rec) = recorder
-        && !rec.drain(drain_until, OUTPUT_STALL)
-    {
-        notices.warn("the --write target is not being read: the recording is incomplete");
+    if let Some(rec) = recorder {
+        if !rec.drain(drain_until, OUTPUT_STALL) {
+            outputs.outcome.output_lost = true;
+            notices.warn("the --write target is not being read: the recording is incomplete");
+        }
+        if rec.lost_output() {
+            outputs.outcome.output_lost = true;
+        }
+        // A write error of the last lines (a full disk) shows only now.
+        if let Some(w) = rec.take_warning() {
+            notices.warn(w);
+        }
     }
     for w in outputs
         .take_warnings()
@@ -295,6 +303,7 @@ pub(super) fn drain_outputs(
     }
     let dropped = outputs.dropped_lines();
     if dropped > 0 {
+        outputs.outcome.output_lost = true;
         notices.warn(format_args!(
             "{dropped} output lines were dropped because stdout was not read fast enough"
         ));
