@@ -1,7 +1,11 @@
 //! `nattrace analyze FILE`: the collector over a recording, with the live
 //! run's outputs. Feeding order is the live order (events as read, a tick
 //! at every `stats` line, finish at `end`), so verdicts match the live run's.
-use std::path::{Path, PathBuf};
+use std::{
+    fs::File,
+    io::BufReader,
+    path::{Path, PathBuf},
+};
 
 use crate::{
     output::{
@@ -11,7 +15,8 @@ use crate::{
     },
     recording::{
         Header, Reader, RecordingError,
-        replay::{Replayed, replay},
+        chain::{self, Chain},
+        replay::{Records as _, Replayed, replay},
     },
 };
 
@@ -45,19 +50,79 @@ pub enum AnalyzeError {
     },
 }
 
+/// One run's files (one file, or the files of one rotation) read as one.
+struct Run {
+    paths: Vec<PathBuf>,
+    /// The first file's.
+    header: Header,
+    chain: Chain<BufReader<File>>,
+}
+
+/// Opens `paths` and joins the files of one rotated run (same `run_id`).
+fn open_runs(paths: &[PathBuf]) -> Result<Vec<Run>, AnalyzeError> {
+    let mut readers = Vec::new();
+    let mut headers = Vec::new();
+    for path in paths {
+        let (reader, header) = Reader::open(path)?;
+        if let Some(v) = reader.newer_version {
+            crate::output::clean::warn(format_args!(
+                "{} is format version {v}, newer than this nattrace's; reading what it understands",
+                path.display()
+            ));
+        }
+        readers.push(Some(reader));
+        headers.push(header);
+    }
+    let groups = chain::group(&headers);
+    Ok(groups
+        .into_iter()
+        .map(|g| Run {
+            paths: g.iter().map(|&i| paths[i].clone()).collect(),
+            header: headers[g[0]].clone(),
+            chain: Chain::new(
+                g.iter()
+                    .map(|&i| readers[i].take().expect("each file in one group"))
+                    .collect(),
+            ),
+        })
+        .collect())
+}
+
+/// Unreadable lines of each file but the newest (whose end [`warn_read`] tells).
+fn warn_skipped_before_last(run: &Run) {
+    let n = run.paths.len();
+    for (path, reader) in run.paths.iter().zip(run.chain.readers()).take(n - 1) {
+        if let Some(first) = &reader.first_skipped {
+            crate::output::clean::warn(format_args!(
+                "recording {} has {} unreadable line(s), skipped (first at line {}: {}); flows around them are marked incomplete",
+                path.display(),
+                reader.skipped_lines,
+                first.line,
+                first.why
+            ));
+        }
+    }
+}
+
 /// `nattrace analyze b.rec a.rec …`: every node's recording decided by its
-/// own collector, then the flows merged across nodes (`crate::merge`).
+/// own collector, then the flows merged across nodes (`crate::merge`). The
+/// files of one rotated run are one node's one recording.
 pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, AnalyzeError> {
     check_outputs(opts, paths)?;
+    let mut runs = open_runs(paths)?;
+    if runs.len() == 1 {
+        return run_one(opts, runs.pop().expect("one"));
+    }
     let mut nodes = Vec::new();
     let mut headers = Vec::new();
     let mut unreadable_lines = false;
-    for path in paths {
-        let (mut reader, header) = Reader::open(path)?;
-        let stem = path.file_stem().map_or_else(
+    for mut run in runs {
+        let path = run.paths.last().expect("a file").clone();
+        let stem = run.paths[0].file_stem().map_or_else(
             || path.display().to_string(),
             |s| s.to_string_lossy().into_owned(),
         );
+        let header = run.header.clone();
         let mut name = header.node.clone().unwrap_or(stem);
         // Two recordings of one node name (copies, or old files): tell them apart.
         if nodes
@@ -66,8 +131,10 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
         {
             name = format!("{name}#{}", nodes.len() + 1);
         }
-        let node = crate::merge::decide_node(&name, &header, &mut reader)?;
-        unreadable_lines |= reader.skipped_lines > 0;
+        let node = crate::merge::decide_node(&name, &header, &mut run.chain)?;
+        unreadable_lines |= run.chain.skipped_lines() > 0;
+        warn_skipped_before_last(&run);
+        let reader = run.chain.newest();
         if let Some(first) = &reader.first_skipped {
             crate::output::clean::warn(format_args!(
                 "recording {} has {} unreadable line(s), skipped (first at line {}: {})",
@@ -113,43 +180,60 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
 
 pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
     check_outputs(opts, std::slice::from_ref(&opts.path))?;
-    let (mut reader, header) = Reader::open(&opts.path)?;
+    let mut runs = open_runs(std::slice::from_ref(&opts.path))?;
+    run_one(opts, runs.pop().expect("one file, one run"))
+}
+
+/// One node's run: one file, or a rotation's files in order.
+fn run_one(opts: &AnalyzeOptions, mut run: Run) -> Result<Outcome, AnalyzeError> {
+    let header = run.header.clone();
     let config = header.collector_config()?;
-    if let Some(v) = reader.newer_version {
-        crate::output::clean::warn(format_args!(
-            "{} is format version {v}, newer than this nattrace's; reading what it understands",
-            opts.path.display()
+    if run.paths.len() > 1 {
+        crate::output::clean::say(format_args!(
+            "reading {} as one rotated recording (run {})",
+            run.paths
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            header.run_id.as_deref().unwrap_or("?")
         ));
     }
     // Opened at the first decided flow: a file with no event is refused in
     // one line (no preamble on stdout, no empty pcap).
     let mut outputs: Option<Outputs> = None;
-    let done = replay(config, &mut reader, None, |reports| {
+    let done = replay(config, &mut run.chain, None, |reports| {
         open(opts, &header, &mut outputs)?
             .flows(reports)
             .map_err(AnalyzeError::Output)
     })?;
+    let path = run.paths.last().expect("a file").clone();
+    let skipped = run.chain.skipped_lines();
+    let reader = run.chain.newest();
     // A header and then a cut-off first event is no readable event either.
-    let unreadable = reader
-        .first_skipped
-        .clone()
+    let unreadable = run
+        .chain
+        .readers()
+        .iter()
+        .find_map(|r| r.first_skipped.clone())
         .or_else(|| reader.problem().filter(|_| reader.cut_off).cloned());
     if done.events == 0
         && let Some(first) = unreadable
     {
         return Err(AnalyzeError::Unreadable {
-            path: opts.path.clone(),
-            skipped: reader.skipped_lines,
+            path,
+            skipped,
             line: first.line,
             why: first.why,
         });
     }
     let out = open(opts, &header, &mut outputs)?;
-    warn_read(&opts.path, &reader, &done);
+    warn_skipped_before_last(&run);
+    warn_read(&path, run.chain.newest(), &done);
     out.summary(&done.summary).map_err(AnalyzeError::Output)?;
     let mut outcome = close(out);
     // Lines that could not be read are evidence missing from the verdicts.
-    outcome.output_lost |= reader.skipped_lines > 0;
+    outcome.output_lost |= skipped > 0;
     Ok(outcome)
 }
 

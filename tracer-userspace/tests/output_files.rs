@@ -505,3 +505,74 @@ fn root_recording_on_a_full_disk_exits_3() {
         "{stderr}"
     );
 }
+
+/// Re-records `path` through the writer (as a live session writes it),
+/// with `limit` bytes per file and `keep` files when rotating.
+fn rerecord(path: &Path, out: &Path, limit: Option<u64>, keep: usize) {
+    use nattrace::recording::{Reader, Record, RecordingWriter};
+    let (reader, header) = Reader::open(path).unwrap();
+    let mut w = RecordingWriter::create(out, &header, limit).unwrap();
+    w.keep_files(keep);
+    for record in reader {
+        match record {
+            Record::Event(ev) => w.event(&ev),
+            Record::Interface(i) => w.interface(i.netns, i.ifindex, &i.name),
+            Record::Stats(s) => w.stats(s),
+            Record::Rules(r) => w.rules(&r),
+            Record::End(s) => w.end(s),
+            Record::Capped { .. } | Record::Rotated { .. } => {}
+        }
+    }
+    let forever = std::time::Duration::from_secs(60);
+    assert!(w.drain(std::time::Instant::now() + forever, forever));
+    assert_eq!(w.take_warning(), None);
+}
+
+/// Issue 26 item 11: `analyze r.rec.2 r.rec.1 r.rec` is one node's one run
+/// (same `run_id`, in `file_seq` order, whatever order they are given in),
+/// decided as if never rotated: flows crossing a rotation are decided whole.
+#[test]
+fn rotated_files_are_read_as_one_recording() {
+    let dir = TempDir::new("rotated");
+    let src = fixture("root_seed000_broken_every_same_node_connection_is_not_reverse_nated.rec");
+    let whole = dir.path("whole.rec");
+    rerecord(&src, &whole, None, 1);
+    let size = std::fs::metadata(&whole).unwrap().len();
+    let rec = dir.path("r.rec");
+    rerecord(&src, &rec, Some(size / 3), 8);
+    let files: Vec<PathBuf> = (0..8)
+        .map(|i| {
+            if i == 0 {
+                rec.clone()
+            } else {
+                dir.path(&format!("r.rec.{i}"))
+            }
+        })
+        .filter(|p| p.exists())
+        .collect();
+    assert!(files.len() >= 3, "{files:?}");
+    let analyze = |paths: &[PathBuf]| {
+        nattrace()
+            .args(["analyze", "-v", "--output", "json"])
+            .args(paths)
+            .output()
+            .unwrap()
+    };
+    let one = analyze(std::slice::from_ref(&whole));
+    let oldest_first: Vec<PathBuf> = files.iter().rev().cloned().collect();
+    for order in [oldest_first, files.clone()] {
+        let rotated = analyze(&order);
+        let stderr = String::from_utf8_lossy(&rotated.stderr);
+        assert!(stderr.contains("as one rotated recording"), "{stderr}");
+        assert!(!stderr.contains("truncated"), "{stderr}");
+        assert_eq!(rotated.status.code(), one.status.code(), "{stderr}");
+        assert_eq!(
+            String::from_utf8_lossy(&rotated.stdout),
+            String::from_utf8_lossy(&one.stdout),
+            "the rotated files decided differently"
+        );
+    }
+    // Each file alone still reads (and says it goes on elsewhere).
+    let alone = analyze(&files[1..2]);
+    assert!(String::from_utf8_lossy(&alone.stderr).contains("rotated at"));
+}

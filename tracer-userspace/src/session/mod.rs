@@ -282,6 +282,8 @@ fn header(
         node: Some(node_name(options)),
         all_services: options.continuous.all_services,
         max_flows: Some(options.continuous.max_flows),
+        run_id: None,
+        file_seq: None,
     }
 }
 
