@@ -576,3 +576,57 @@ fn rotated_files_are_read_as_one_recording() {
     let alone = analyze(&files[1..2]);
     assert!(String::from_utf8_lossy(&alone.stderr).contains("rotated at"));
 }
+
+/// The `run_id` in a recording's header.
+fn run_id(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap();
+    let header: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    header["run_id"].as_str().unwrap().to_owned()
+}
+
+/// A restart with `--write-keep` (a DaemonSet's pod restarting) keeps the
+/// previous run's newest file as FILE.1 instead of truncating it.
+#[test]
+fn root_a_restart_with_write_keep_rotates_the_previous_run() {
+    if !is_root() {
+        eprintln!("skipped: needs root (a trace in a network namespace of its own)");
+        return;
+    }
+    let dir = TempDir::new("restart");
+    let rec = dir.path("r.rec");
+    let trace = || {
+        // Only lo, in a network namespace of its own: nothing of the node's.
+        let out = Command::new("unshare")
+            .args(["-n", env!("CARGO_BIN_EXE_nattrace")])
+            .args([
+                "--svc",
+                "192.0.2.1:80",
+                "--duration",
+                "1",
+                "--write-keep",
+                "3",
+            ])
+            .arg("--write")
+            .arg(&rec)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{out:?}");
+    };
+    trace();
+    let first = run_id(&rec);
+    trace();
+    let older = dir.path("r.rec.1");
+    assert_eq!(run_id(&older), first, "the first run's file was not kept");
+    assert_ne!(run_id(&rec), first);
+    // Two runs: two recordings, not one rotation.
+    let out = nattrace()
+        .args(["analyze", "--output", "json"])
+        .arg(&older)
+        .arg(&rec)
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("as one rotated recording"),
+        "{out:?}"
+    );
+}

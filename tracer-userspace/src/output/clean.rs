@@ -22,7 +22,8 @@ pub fn sanitize(text: &str) -> Cow<'_, str> {
 }
 
 /// [`sanitize`], except that the exact escape sequences in `keep` (the
-/// text output's own colours) are left as they are.
+/// text output's own colours) are left as they are: a name that holds one
+/// of those can only colour text, never move the cursor or set a title.
 pub fn sanitize_keeping<'a>(text: &'a str, keep: &[&str]) -> Cow<'a, str> {
     if !text.chars().any(is_unsafe) {
         return Cow::Borrowed(text);

@@ -119,6 +119,14 @@ pub(super) fn open_output_files(
     }
     files::check_distinct(&outputs, &[])
         .map_err(|why| SessionError::CreateOutput(io::Error::other(why)))?;
+    if let Some(path) = &options.write {
+        keep_previous_run(path, options.continuous.write_keep).map_err(|error| {
+            RecordingError::Create {
+                path: path.clone(),
+                error,
+            }
+        })?;
+    }
     let record_file = match &options.write {
         Some(path) => Some(
             queue::create_output(path).map_err(|error| RecordingError::Create {
@@ -138,6 +146,25 @@ pub(super) fn open_output_files(
         None => None,
     };
     Ok((record_file, pcap_file))
+}
+
+/// A restart with `--write-keep` (a DaemonSet's pod restarted) rotates the
+/// previous run's FILE to FILE.1 instead of truncating it: the files kept
+/// are the newest N whoever wrote them. Only a non-empty regular file of
+/// ours is moved (never a symlink or someone else's file: those are
+/// refused when FILE is opened).
+fn keep_previous_run(path: &std::path::Path, keep: usize) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt as _;
+    if keep < 2 {
+        return Ok(());
+    }
+    let ours = std::fs::symlink_metadata(path).is_ok_and(|m| {
+        m.file_type().is_file() && m.len() > 0 && m.uid() == nix::unistd::geteuid().as_raw()
+    });
+    if ours {
+        crate::recording::rotate::shift(path, keep)?;
+    }
+    Ok(())
 }
 
 pub(super) fn remove_leftovers(netns: Option<&str>, notices: &mut Notices) {
