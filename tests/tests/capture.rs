@@ -505,7 +505,8 @@ fn root_analyze_skips_corrupt_lines_and_refuses_a_file_without_events() {
     std::fs::write(&corrupt_path, &corrupt).unwrap();
     let out = analyze(&corrupt_path, &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    // Evidence was skipped: exit 3 (README's table), over the flows' 1.
+    assert_eq!(out.status.code(), Some(3), "{}", describe(&out));
     assert_eq!(stderr.lines().count(), 1, "one warning: {}", describe(&out));
     assert!(
         stderr.contains("2 unreadable line(s), skipped"),

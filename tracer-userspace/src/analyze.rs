@@ -1,16 +1,22 @@
 //! `nattrace analyze FILE`: the collector over a recording, with the live
 //! run's outputs. Feeding order is the live order (events as read, a tick
 //! at every `stats` line, finish at `end`), so verdicts match the live run's.
-use std::path::{Path, PathBuf};
+use std::{
+    fs::File,
+    io::BufReader,
+    path::{Path, PathBuf},
+};
 
 use crate::{
     output::{
+        files::{Named, check_distinct},
         queue::Overflow,
         sink::{Outcome, OutputFormat, Outputs},
     },
     recording::{
         Header, Reader, RecordingError,
-        replay::{Replayed, replay},
+        chain::{self, Chain},
+        replay::{Records as _, Replayed, replay},
     },
 };
 
@@ -29,6 +35,9 @@ pub enum AnalyzeError {
     Recording(#[from] RecordingError),
     #[error("{0}")]
     Output(std::io::Error),
+    /// `--pcap` names a recording being read.
+    #[error("{0}")]
+    SameFile(String),
     /// A header, but not one event that can be read.
     #[error(
         "{path} holds no readable event: {skipped} line(s) after the header are not valid records (first at line {line}: {why}); is it a nattrace recording?"
@@ -41,17 +50,79 @@ pub enum AnalyzeError {
     },
 }
 
-/// `nattrace analyze b.rec a.rec …`: every node's recording decided by its
-/// own collector, then the flows merged across nodes (`crate::merge`).
-pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, AnalyzeError> {
-    let mut nodes = Vec::new();
+/// One run's files (one file, or the files of one rotation) read as one.
+struct Run {
+    paths: Vec<PathBuf>,
+    /// The first file's.
+    header: Header,
+    chain: Chain<BufReader<File>>,
+}
+
+/// Opens `paths` and joins the files of one rotated run (same `run_id`).
+fn open_runs(paths: &[PathBuf]) -> Result<Vec<Run>, AnalyzeError> {
+    let mut readers = Vec::new();
     let mut headers = Vec::new();
     for path in paths {
-        let (mut reader, header) = Reader::open(path)?;
-        let stem = path.file_stem().map_or_else(
+        let (reader, header) = Reader::open(path)?;
+        if let Some(v) = reader.newer_version {
+            crate::output::clean::warn(format_args!(
+                "{} is format version {v}, newer than this nattrace's; reading what it understands",
+                path.display()
+            ));
+        }
+        readers.push(Some(reader));
+        headers.push(header);
+    }
+    let groups = chain::group(&headers);
+    Ok(groups
+        .into_iter()
+        .map(|g| Run {
+            paths: g.iter().map(|&i| paths[i].clone()).collect(),
+            header: headers[g[0]].clone(),
+            chain: Chain::new(
+                g.iter()
+                    .map(|&i| readers[i].take().expect("each file in one group"))
+                    .collect(),
+            ),
+        })
+        .collect())
+}
+
+/// Unreadable lines of each file but the newest (whose end [`warn_read`] tells).
+fn warn_skipped_before_last(run: &Run) {
+    let n = run.paths.len();
+    for (path, reader) in run.paths.iter().zip(run.chain.readers()).take(n - 1) {
+        if let Some(first) = &reader.first_skipped {
+            crate::output::clean::warn(format_args!(
+                "recording {} has {} unreadable line(s), skipped (first at line {}: {}); flows around them are marked incomplete",
+                path.display(),
+                reader.skipped_lines,
+                first.line,
+                first.why
+            ));
+        }
+    }
+}
+
+/// `nattrace analyze b.rec a.rec …`: every node's recording decided by its
+/// own collector, then the flows merged across nodes (`crate::merge`). The
+/// files of one rotated run are one node's one recording.
+pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, AnalyzeError> {
+    check_outputs(opts, paths)?;
+    let mut runs = open_runs(paths)?;
+    if runs.len() == 1 {
+        return run_one(opts, runs.pop().expect("one"));
+    }
+    let mut nodes = Vec::new();
+    let mut headers = Vec::new();
+    let mut unreadable_lines = false;
+    for mut run in runs {
+        let path = run.paths.last().expect("a file").clone();
+        let stem = run.paths[0].file_stem().map_or_else(
             || path.display().to_string(),
             |s| s.to_string_lossy().into_owned(),
         );
+        let header = run.header.clone();
         let mut name = header.node.clone().unwrap_or(stem);
         // Two recordings of one node name (copies, or old files): tell them apart.
         if nodes
@@ -60,23 +131,26 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
         {
             name = format!("{name}#{}", nodes.len() + 1);
         }
-        let node = crate::merge::decide_node(&name, &header, &mut reader)?;
+        let node = crate::merge::decide_node(&name, &header, &mut run.chain)?;
+        unreadable_lines |= run.chain.skipped_lines() > 0;
+        warn_skipped_before_last(&run);
+        let reader = run.chain.newest();
         if let Some(first) = &reader.first_skipped {
-            eprintln!(
-                "nattrace: warning: recording {} has {} unreadable line(s), skipped (first at line {}: {})",
+            crate::output::clean::warn(format_args!(
+                "recording {} has {} unreadable line(s), skipped (first at line {}: {})",
                 path.display(),
                 reader.skipped_lines,
                 first.line,
                 first.why
-            );
+            ));
         }
         if let Some(p) = reader.problem() {
-            eprintln!(
-                "nattrace: warning: recording {} is truncated (line {}: {}); its flows still open at the cut may lack evidence",
+            crate::output::clean::warn(format_args!(
+                "recording {} is truncated (line {}: {}); its flows still open at the cut may lack evidence",
                 path.display(),
                 p.line,
                 p.why
-            );
+            ));
         }
         nodes.push(node);
         headers.push(header);
@@ -99,40 +173,91 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
     }
     out.flows(reports).map_err(AnalyzeError::Output)?;
     out.summary(&summary).map_err(AnalyzeError::Output)?;
-    Ok(close(&mut out))
+    let mut outcome = close(&mut out);
+    outcome.output_lost |= unreadable_lines;
+    Ok(outcome)
 }
 
 pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
-    let (mut reader, header) = Reader::open(&opts.path)?;
+    check_outputs(opts, std::slice::from_ref(&opts.path))?;
+    let mut runs = open_runs(std::slice::from_ref(&opts.path))?;
+    run_one(opts, runs.pop().expect("one file, one run"))
+}
+
+/// One node's run: one file, or a rotation's files in order.
+fn run_one(opts: &AnalyzeOptions, mut run: Run) -> Result<Outcome, AnalyzeError> {
+    let header = run.header.clone();
     let config = header.collector_config()?;
-    if let Some(v) = reader.newer_version {
-        eprintln!(
-            "nattrace: warning: {} is format version {v}, newer than this nattrace's; reading what it understands",
-            opts.path.display()
-        );
+    if run.paths.len() > 1 {
+        crate::output::clean::say(format_args!(
+            "reading {} as one rotated recording (run {})",
+            run.paths
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            header.run_id.as_deref().unwrap_or("?")
+        ));
     }
     // Opened at the first decided flow: a file with no event is refused in
     // one line (no preamble on stdout, no empty pcap).
     let mut outputs: Option<Outputs> = None;
-    let done = replay(config, &mut reader, None, |reports| {
+    let done = replay(config, &mut run.chain, None, |reports| {
         open(opts, &header, &mut outputs)?
             .flows(reports)
             .map_err(AnalyzeError::Output)
     })?;
+    let path = run.paths.last().expect("a file").clone();
+    let skipped = run.chain.skipped_lines();
+    let reader = run.chain.newest();
+    // A header and then a cut-off first event is no readable event either.
+    let unreadable = run
+        .chain
+        .readers()
+        .iter()
+        .find_map(|r| r.first_skipped.clone())
+        .or_else(|| reader.problem().filter(|_| reader.cut_off).cloned());
     if done.events == 0
-        && let Some(first) = &reader.first_skipped
+        && let Some(first) = unreadable
     {
         return Err(AnalyzeError::Unreadable {
-            path: opts.path.clone(),
-            skipped: reader.skipped_lines,
+            path,
+            skipped,
             line: first.line,
-            why: first.why.clone(),
+            why: first.why,
         });
     }
     let out = open(opts, &header, &mut outputs)?;
-    warn_read(&opts.path, &reader, &done);
+    warn_skipped_before_last(&run);
+    warn_read(&path, run.chain.newest(), &done);
     out.summary(&done.summary).map_err(AnalyzeError::Output)?;
-    Ok(close(out))
+    let mut outcome = close(out);
+    // Lines that could not be read are evidence missing from the verdicts.
+    outcome.output_lost |= skipped > 0;
+    Ok(outcome)
+}
+
+/// `analyze X.rec --pcap X.rec` would turn the evidence into a pcapng:
+/// refused before anything is opened for writing.
+fn check_outputs(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<(), AnalyzeError> {
+    let Some(pcap) = &opts.pcap else {
+        return Ok(());
+    };
+    let inputs: Vec<Named<'_>> = paths
+        .iter()
+        .map(|path| Named {
+            what: "the recording",
+            path,
+        })
+        .collect();
+    check_distinct(
+        &[Named {
+            what: "--pcap",
+            path: pcap,
+        }],
+        &inputs,
+    )
+    .map_err(AnalyzeError::SameFile)
 }
 
 /// The outputs, opened (preamble, pcap) the first time they are needed.
@@ -157,9 +282,9 @@ fn open<'a>(
 /// what the outputs made of the run.
 fn close(out: &mut Outputs) -> Outcome {
     let forever = std::time::Instant::now() + std::time::Duration::from_secs(365 * 24 * 3600);
-    out.drain(forever, std::time::Duration::from_secs(365 * 24 * 3600));
-    for w in out.take_warnings() {
-        eprintln!("nattrace: warning: {w}");
+    let drained = out.drain(forever, std::time::Duration::from_secs(365 * 24 * 3600));
+    for w in drained.into_iter().chain(out.take_warnings()) {
+        crate::output::clean::warn(w);
     }
     std::mem::take(&mut out.outcome)
 }
@@ -167,13 +292,13 @@ fn close(out: &mut Outputs) -> Outcome {
 /// Lines skipped as unreadable, and a recording that stops without `end`.
 fn warn_read<R: std::io::BufRead>(path: &Path, reader: &Reader<R>, done: &Replayed) {
     if let Some(first) = &reader.first_skipped {
-        eprintln!(
-            "nattrace: warning: recording {} has {} unreadable line(s), skipped (first at line {}: {}); flows around them are marked incomplete",
+        crate::output::clean::warn(format_args!(
+            "recording {} has {} unreadable line(s), skipped (first at line {}: {}); flows around them are marked incomplete",
             path.display(),
             reader.skipped_lines,
             first.line,
             first.why
-        );
+        ));
     }
     if done.ended {
         return;
@@ -189,11 +314,11 @@ fn warn_read<R: std::io::BufRead>(path: &Path, reader: &Reader<R>, done: &Replay
         (None, None, Some(p)) => format!("line {}: {}", p.line, p.why),
         (None, None, None) => "no end record".to_owned(),
     };
-    eprintln!(
-        "nattrace: warning: recording {} is truncated ({why}); read {} lines, flows still open at the cut are marked incomplete",
+    crate::output::clean::warn(format_args!(
+        "recording {} is truncated ({why}); read {} lines, flows still open at the cut are marked incomplete",
         path.display(),
         reader.lines_read()
-    );
+    ));
 }
 
 /// The file a rotated recording continues in: FILE.(i-1), or FILE for FILE.1.

@@ -323,7 +323,7 @@ fn usage_error(err: clap::Error) -> ExitCode {
         .collect();
     let message = message.join(" ");
     let message = message.trim_start_matches("error: ");
-    eprintln!("nattrace: {message} (see nattrace --help)");
+    nattrace::output::clean::say(format_args!("{message} (see nattrace --help)"));
     ExitCode::from(2)
 }
 
@@ -357,7 +357,7 @@ fn main() -> ExitCode {
             return match result {
                 Ok(outcome) => ExitCode::from(outcome.exit_status()),
                 Err(err) => {
-                    eprintln!("nattrace: {err}");
+                    nattrace::output::clean::say(err);
                     ExitCode::from(2)
                 }
             };
@@ -401,7 +401,7 @@ fn main() -> ExitCode {
     match session::run(options) {
         Ok(outcome) => ExitCode::from(outcome.exit_status()),
         Err(err) => {
-            eprintln!("nattrace: {err}");
+            nattrace::output::clean::say(err);
             ExitCode::from(2)
         }
     }
@@ -419,12 +419,15 @@ fn cleanup(netns: Option<&str>) -> ExitCode {
         }
         Ok(removed) => {
             for r in removed {
-                println!("nattrace: removed {r}");
+                println!(
+                    "nattrace: removed {}",
+                    nattrace::output::clean::sanitize(&r.to_string())
+                );
             }
             ExitCode::SUCCESS
         }
         Err(err) => {
-            eprintln!("nattrace: {err}");
+            nattrace::output::clean::say(err);
             ExitCode::from(2)
         }
     }

@@ -515,7 +515,7 @@ pub fn run(netns: Option<&str>, json: bool) -> u8 {
     let inputs = match gather(netns) {
         Ok(i) => i,
         Err(err) => {
-            eprintln!("nattrace: {err}");
+            crate::output::clean::say(err);
             return 2;
         }
     };
@@ -531,7 +531,8 @@ pub fn run(netns: Option<&str>, json: bool) -> u8 {
             })
         );
     } else {
-        print!("{}", report.text());
+        // Interface and Service names are the node's: sanitized.
+        print!("{}", crate::output::clean::sanitize(&report.text()));
     }
     u8::from(report.breaks_services())
 }

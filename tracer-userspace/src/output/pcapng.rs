@@ -317,3 +317,184 @@ mod tests {
         assert_eq!(checksum(&[&hdr]), 0xb861);
     }
 }
+
+/// The pcapng file's writer-thread target: it never leaves a partial block
+/// behind. A full disk fails a write(2) in the middle of a block (tshark:
+/// "cut short in the middle of a packet"), and a pcapng given up because
+/// its reader fell behind stops wherever the last chunk ended; either way
+/// the file is cut back to the end of its last complete block, so it reads
+/// cleanly up to there. Every block starts with its type and total length
+/// (32 bits each, in the section's byte order: native, see
+/// [`PcapngOutput::new`]), which is all it needs to find the block ends.
+pub struct WholeBlocks<F: io::Write + SetLen> {
+    file: F,
+    /// Bytes written so far.
+    written: u64,
+    /// Where the block being written started (= end of the last complete one).
+    block_start: u64,
+    /// The first 8 bytes of that block, as far as written.
+    head: Vec<u8>,
+}
+
+/// What [`WholeBlocks`] needs besides writing: cutting the file back.
+pub trait SetLen {
+    fn set_len(&mut self, len: u64) -> io::Result<()>;
+}
+
+impl SetLen for std::fs::File {
+    fn set_len(&mut self, len: u64) -> io::Result<()> {
+        use std::io::Seek as _;
+        std::fs::File::set_len(self, len)?;
+        self.seek(io::SeekFrom::Start(len)).map(|_| ())
+    }
+}
+
+impl<F: io::Write + SetLen> WholeBlocks<F> {
+    pub fn new(file: F) -> Self {
+        Self {
+            file,
+            written: 0,
+            block_start: 0,
+            head: Vec::with_capacity(8),
+        }
+    }
+
+    /// Follows the block boundaries through bytes that reached the file.
+    fn account(&mut self, mut data: &[u8]) {
+        while !data.is_empty() {
+            if self.head.len() < 8 {
+                let take = (8 - self.head.len()).min(data.len());
+                self.head.extend_from_slice(&data[..take]);
+                self.written += take as u64;
+                data = &data[take..];
+                if self.head.len() < 8 {
+                    return;
+                }
+            }
+            let len = u64::from(u32::from_ne_bytes(
+                self.head[4..8].try_into().expect("4 bytes"),
+            ));
+            let end = self.block_start + len.max(8);
+            let take = (end - self.written).min(data.len() as u64);
+            self.written += take;
+            data = &data[take as usize..];
+            if self.written == end {
+                self.block_start = end;
+                self.head.clear();
+            }
+        }
+    }
+
+    /// Cuts a partly written block off (no-op when none is).
+    fn cut_back(&mut self) {
+        if self.written != self.block_start && self.file.set_len(self.block_start).is_ok() {
+            self.written = self.block_start;
+            self.head.clear();
+        }
+    }
+}
+
+impl<F: io::Write + SetLen> io::Write for WholeBlocks<F> {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        match self.file.write(data) {
+            Ok(n) => {
+                self.account(&data[..n]);
+                Ok(n)
+            }
+            Err(e) => {
+                self.cut_back();
+                Err(e)
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.file.flush().inspect_err(|_| self.cut_back())
+    }
+}
+
+impl<F: io::Write + SetLen> Drop for WholeBlocks<F> {
+    fn drop(&mut self) {
+        self.cut_back();
+    }
+}
+
+#[cfg(test)]
+mod whole_blocks_tests {
+    use std::io::Write as _;
+
+    use super::*;
+
+    /// A "disk" that fills after `room` bytes, like ENOSPC mid-write.
+    struct Disk {
+        bytes: std::rc::Rc<std::cell::RefCell<Vec<u8>>>,
+        room: usize,
+    }
+
+    impl io::Write for Disk {
+        fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+            let mut bytes = self.bytes.borrow_mut();
+            let n = data.len().min(self.room.saturating_sub(bytes.len()));
+            if n == 0 {
+                return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+            }
+            bytes.extend_from_slice(&data[..n]);
+            Ok(n)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl SetLen for Disk {
+        fn set_len(&mut self, len: u64) -> io::Result<()> {
+            self.bytes.borrow_mut().truncate(len as usize);
+            Ok(())
+        }
+    }
+
+    /// Issue 26 item 10: a full disk cut the pcapng mid-packet.
+    #[test]
+    fn a_full_disk_leaves_only_whole_blocks() {
+        use crate::collector::{Collector, CollectorConfig, fixtures};
+        let mut c = Collector::new(CollectorConfig {
+            services: fixtures::services(),
+            facts: fixtures::facts(Some(false)),
+            ..CollectorConfig::default()
+        });
+        for ev in fixtures::seed000_same_node(false) {
+            c.push(ev);
+        }
+        let (reports, _) = c.finish(fixtures::T0 + 10_000_000_000);
+        let mut whole = Vec::new();
+        {
+            let mut out = PcapngOutput::new(&mut whole, None, "test").unwrap();
+            for r in &reports {
+                out.flow(r).unwrap();
+            }
+            out.flush().unwrap();
+        }
+        assert!(whole.len() > 600, "{}", whole.len());
+        for room in [100, 333, whole.len() / 2 + 7, whole.len() - 3] {
+            let bytes = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+            let disk = Disk {
+                bytes: bytes.clone(),
+                room,
+            };
+            let mut w = WholeBlocks::new(disk);
+            assert!(w.write_all(&whole).is_err());
+            drop(w);
+            let cut = bytes.borrow().clone();
+            assert!(cut.len() <= room && whole.starts_with(&cut), "room {room}");
+            if room == 100 {
+                // Less than the section header: nothing complete to keep.
+                assert!(cut.is_empty());
+                continue;
+            }
+            let mut reader = pcap_file::pcapng::PcapNgReader::new(&cut[..]).unwrap();
+            while let Some(block) = reader.next_block() {
+                block.unwrap_or_else(|e| panic!("room {room}: {e}"));
+            }
+        }
+    }
+}

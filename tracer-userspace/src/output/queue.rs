@@ -5,9 +5,8 @@
 //! does not fit in the queue is dropped and counted, never silently.
 use std::{
     collections::VecDeque,
-    fs::{File, OpenOptions},
+    fs::File,
     io::{self, Write},
-    os::unix::fs::OpenOptionsExt as _,
     path::Path,
     sync::{Arc, Condvar, Mutex, MutexGuard},
     time::{Duration, Instant},
@@ -286,34 +285,9 @@ pub fn stdout_file() -> io::Result<File> {
     Ok(File::from(io::stdout().as_fd().try_clone_to_owned()?))
 }
 
-/// Creates (truncates) an output file (errors do not name it: callers do). A FIFO is opened non-blocking, so a
-/// FIFO nobody has open for reading is an error now instead of an open(2)
-/// that never returns; the writes are blocking again (on the writer thread).
+/// Creates (truncates) an output file: see [`super::files::create_output`].
 pub fn create_output(path: &Path) -> io::Result<File> {
-    let file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            // fs/fifo.c fifo_open: O_WRONLY|O_NONBLOCK without a reader is ENXIO.
-            Some(libc::ENXIO) => {
-                io::Error::new(e.kind(), "it is a FIFO no process has open for reading")
-            }
-            _ => e,
-        })?;
-    use std::os::fd::AsRawFd as _;
-    let fd = file.as_raw_fd();
-    // SAFETY: F_GETFL/F_SETFL on a descriptor we own.
-    let cleared = unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
-    };
-    if !cleared {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(file)
+    super::files::create_output(path)
 }
 
 /// [`stdout_file`] for stderr.

@@ -36,13 +36,26 @@ pub struct Outcome {
     /// Tracing stopped because it could not go on (the namespace was
     /// deleted); what was decided until then was printed.
     pub aborted: bool,
+    /// Something the user asked for was not (all) written: the recording or
+    /// pcapng failed, stdout was closed, or (`analyze`) recording lines
+    /// could not be read. Each was warned about once.
+    pub output_lost: bool,
 }
 
+/// `traced, but output was lost` (README's exit-status table).
+pub const EXIT_OUTPUT_LOST: u8 = 3;
+
 impl Outcome {
-    /// 0 = every flow fine, 1 = at least one flow not `ok`, 2 = aborted.
+    /// 0 = every flow fine, 1 = at least one flow not `ok`, 2 = aborted,
+    /// 3 = output lost. 2 wins over 3 (nothing more could be traced), 3
+    /// over 1: with evidence or verdicts missing, "a flow failed" is not
+    /// the whole answer, and the warnings on stderr say what was lost.
     pub fn exit_status(&self) -> u8 {
         if self.aborted {
             return 2;
+        }
+        if self.output_lost {
+            return EXIT_OUTPUT_LOST;
         }
         u8::from(self.problem_flows > 0)
     }
@@ -76,6 +89,8 @@ pub struct Outputs {
     pub outcome: Outcome,
     warned_drops: bool,
     warnings: Vec<String>,
+    /// stdout failed (closed: EPIPE): nothing more goes there.
+    stdout_lost: bool,
 }
 
 impl Outputs {
@@ -102,6 +117,7 @@ impl Outputs {
             outcome: Outcome::default(),
             warned_drops: false,
             warnings: Vec::new(),
+            stdout_lost: false,
         })
     }
 
@@ -123,7 +139,7 @@ impl Outputs {
         };
         let queue = WriteQueue::spawn(
             "pcap",
-            Box::new(file),
+            Box::new(super::pcapng::WholeBlocks::new(file)),
             queue_bytes(PCAP_QUEUE_BYTES),
             overflow,
         )?;
@@ -155,9 +171,12 @@ impl Outputs {
             if report.verdict != Verdict::Ok {
                 self.outcome.problem_flows += 1;
             }
-            match &mut self.stdout {
-                Stdout::Text(out) => out.flow(report)?,
-                Stdout::Json(out) => out.flow(report)?,
+            if !self.stdout_lost {
+                let written = match &mut self.stdout {
+                    Stdout::Text(out) => out.flow(report),
+                    Stdout::Json(out) => out.flow(report),
+                };
+                self.stdout_result(written);
             }
             self.pcap_flow(report);
         }
@@ -166,9 +185,33 @@ impl Outputs {
         {
             self.pcap_failed(&e.to_string());
         }
-        match &mut self.stdout {
+        self.flush_stdout();
+        Ok(())
+    }
+
+    fn flush_stdout(&mut self) {
+        if self.stdout_lost {
+            return;
+        }
+        let flushed = match &mut self.stdout {
             Stdout::Text(out) => out.flush(),
             Stdout::Json(out) => out.flush(),
+        };
+        self.stdout_result(flushed);
+    }
+
+    /// A closed stdout (`| head`, a reader that died: EPIPE) must not stop
+    /// the trace or the recording: warned once, counted as output lost.
+    fn stdout_result(&mut self, result: io::Result<()>) {
+        let result = result.and_then(|()| self.stdout.writer().queue().check());
+        if let Err(e) = result
+            && !self.stdout_lost
+        {
+            self.stdout_lost = true;
+            self.outcome.output_lost = true;
+            self.warnings.push(format!(
+                "writing to stdout failed ({e}); no longer printing flows, still tracing"
+            ));
         }
     }
 
@@ -179,10 +222,15 @@ impl Outputs {
             self.pcap_failed(&e.to_string());
         }
         let dropped = self.dropped_lines();
-        match &mut self.stdout {
+        if self.stdout_lost {
+            return Ok(());
+        }
+        let written = match &mut self.stdout {
             Stdout::Text(out) => out.summary(summary, dropped),
             Stdout::Json(out) => out.summary(summary, dropped),
-        }
+        };
+        self.stdout_result(written);
+        Ok(())
     }
 
     /// Output lines dropped so far because stdout was not read fast enough.
@@ -210,6 +258,9 @@ impl Outputs {
         let mut warnings = Vec::new();
         let _ = self.stdout.writer().flush();
         let d = self.stdout.writer().queue().drain(deadline, stall);
+        // The last lines' write failing (EPIPE) shows only now.
+        self.stdout_result(Ok(()));
+        warnings.append(&mut self.warnings);
         if !d.done {
             warnings.push(format!(
                 "stdout is not being read: {} output lines were not written",
@@ -219,8 +270,15 @@ impl Outputs {
         if let Some((path, out)) = self.pcap.as_mut() {
             let _ = out.flush();
             if !out.writer().queue().drain(deadline, stall).done {
+                self.outcome.output_lost = true;
                 warnings.push(format!(
                     "{} is not being read: the pcapng file is incomplete",
+                    path.display()
+                ));
+            } else if let Err(e) = out.writer().queue().check() {
+                self.outcome.output_lost = true;
+                warnings.push(format!(
+                    "writing {} failed ({e}); it holds what was written before",
                     path.display()
                 ));
             }
@@ -239,6 +297,7 @@ impl Outputs {
 
     fn pcap_failed(&mut self, why: &str) {
         if let Some((path, _)) = self.pcap.take() {
+            self.outcome.output_lost = true;
             self.warnings.push(format!(
                 "writing {} failed ({why}); no longer writing it",
                 path.display()
@@ -263,9 +322,9 @@ impl Outputs {
                 let priorities = crate::probes::table::priorities_note(&h.nf_priorities)
                     .map(|note| format!("; {note}"))
                     .unwrap_or_default();
-                writeln!(
-                    stdout,
-                    "nattrace: tracing {} in netns {} (inode {}) with the {} backend ({}) on {} interfaces; bridge-nf-call-iptables={}{priorities}",
+                // Every part may come from a recording: sanitized whole.
+                let mut text = format!(
+                    "nattrace: tracing {} in netns {} (inode {}) with the {} backend ({}) on {} interfaces; bridge-nf-call-iptables={}{priorities}\n",
                     traced_text(h),
                     facts.netns_name,
                     facts.netns_inode,
@@ -273,11 +332,11 @@ impl Outputs {
                     h.backend_reason,
                     facts.interfaces.len(),
                     bridge_nf,
-                )?;
-                match &h.checks_line {
-                    Some(line) => writeln!(stdout, "nattrace: {line}"),
-                    None => Ok(()),
+                );
+                if let Some(line) = &h.checks_line {
+                    text.push_str(&format!("nattrace: {line}\n"));
                 }
+                stdout.write_all(super::clean::sanitize(&text).as_bytes())
             }
             OutputFormat::Json => writeln!(
                 stdout,

@@ -1,8 +1,9 @@
 //! One line per decided flow, optionally each packet's hook path under it,
 //! and a summary line. Colour only when asked (the CLI asks when stdout is
 //! a terminal), so piped output stays plain.
-use std::io;
+use std::io::{self, Write as _};
 
+use super::clean::Clean;
 use crate::collector::{FlowReport, Hop, PacketEvidence, Summary, Verdict};
 
 const GREEN: &str = "\x1b[32m";
@@ -11,9 +12,13 @@ const YELLOW: &str = "\x1b[33m";
 const DIM: &str = "\x1b[2m";
 const BOLD: &str = "\x1b[1m";
 const RESET: &str = "\x1b[0m";
+/// The only escape sequences that reach the terminal: the colours above.
+const OURS: &[&str] = &[GREEN, RED, YELLOW, DIM, BOLD, RESET];
 
+/// Everything it writes goes through [`Clean`]: names in a flow (interfaces,
+/// Services, chains) come from the node or a recording, not from us.
 pub struct TextOutput<W: io::Write> {
-    out: W,
+    out: Clean<W>,
     color: bool,
     verbose: bool,
 }
@@ -21,19 +26,20 @@ pub struct TextOutput<W: io::Write> {
 impl<W: io::Write> TextOutput<W> {
     pub fn new(out: W, color: bool, verbose: bool) -> Self {
         Self {
-            out,
+            out: Clean::new(out, if color { OURS } else { &[] }),
             color,
             verbose,
         }
     }
 
-    /// The target, for lines that are not flows (the preamble).
+    /// The target, for lines that are not flows (the preamble: it
+    /// sanitizes its own).
     pub fn writer(&mut self) -> &mut W {
-        &mut self.out
+        self.out.get_mut()
     }
 
     pub fn into_inner(self) -> W {
-        self.out
+        self.out.into_inner()
     }
 
     fn paint(&self, code: &'static str) -> &'static str {

@@ -85,7 +85,8 @@ pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<KubeProxyRu
             .services
             .into_iter()
             .map(|s| SvcRule {
-                name: s.name,
+                // Recordings before the label was fixed carry `ns/name:`.
+                name: crate::ruleset::port_label(&s.name, s.port),
                 cluster_ip: s.cluster_ip,
                 port: s.port,
                 proto: s.proto,
@@ -109,7 +110,7 @@ pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<KubeProxyRu
                 ip: n.ip,
                 port: n.port,
                 protocol: n.protocol,
-                port_name: n.port_name,
+                port_name: crate::ruleset::port_label(&n.port_name, n.port),
                 rule: n.rule,
             })
             .collect(),

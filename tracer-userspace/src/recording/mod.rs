@@ -8,10 +8,12 @@
 //! run did), and an `end` line on a clean exit. Nothing is ever rewritten, so
 //! a file cut anywhere (SIGKILL, full disk, size cap) is valid up to its last
 //! complete line.
+pub mod chain;
 mod kube;
 mod reader;
 pub mod replay;
 pub mod rotate;
+mod skb_ids;
 #[cfg(test)]
 mod tests;
 
@@ -111,6 +113,14 @@ pub struct Header {
     /// `--max-flows`: the collector's flow limit (evictions change verdicts).
     #[serde(default)]
     pub max_flows: Option<usize>,
+    /// One random id per run, the same in every file its rotation wrote
+    /// (`--write-keep`): `analyze r.rec.2 r.rec.1 r.rec` reads those as one
+    /// stream. Set by [`RecordingWriter`]; absent in older files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
+    /// This file's place in its run: 1 for the first, one more per rotation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_seq: Option<u64>,
 }
 
 impl Header {
@@ -277,7 +287,20 @@ pub struct RecordingWriter {
     warning: Option<String>,
     warned_drops: bool,
     rotation: Rotation,
+    /// Kernel addresses never reach the file: see [`skb_ids`].
+    skb_ids: skb_ids::SkbIds,
+    /// A write or rotation failed: the recording misses what followed.
+    lost: bool,
+    /// (stats time, bytes written) where the write rate is measured from.
+    rate_from: Option<(u64, u64)>,
+    warned_rate: bool,
 }
+
+/// The write rate is measured over this much session time…
+const RATE_WINDOW_NS: u64 = 5_000_000_000;
+/// …and a cap it predicts within this long is warned about (once): a flood
+/// fills the default 1024 MiB in about 36 s (issue 26).
+const CAP_WARN_NS: u64 = 600_000_000_000;
 
 /// What a rotated-to file needs to stand on its own (see [`rotate`]).
 #[derive(Default)]
@@ -297,6 +320,18 @@ struct Rotation {
     /// more than these is not rotated again (no loop on a huge line).
     start_bytes: u64,
     pub files: u64,
+}
+
+/// A run's id: random per process (std's hasher keys come from the OS),
+/// mixed with the pid and the time.
+fn new_run_id() -> String {
+    use std::hash::BuildHasher as _;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let id = std::collections::hash_map::RandomState::new().hash_one((std::process::id(), now));
+    format!("{id:016x}")
 }
 
 /// Interface names kept for rotation (pods come and go over days).
@@ -345,8 +380,16 @@ impl RecordingWriter {
                 files: 1,
                 ..Rotation::default()
             },
+            skb_ids: skb_ids::SkbIds::default(),
+            lost: false,
+            rate_from: None,
+            warned_rate: false,
         };
-        w.line(&Line::Header(Box::new(header.clone())));
+        let mut header = header.clone();
+        header.run_id.get_or_insert_with(new_run_id);
+        header.file_seq = Some(1);
+        w.rotation.header = Some(Box::new(header.clone()));
+        w.line(&Line::Header(Box::new(header)));
         w.rotation.start_bytes = w.written;
         // The header is what makes the file readable at all: out first.
         w.flush();
@@ -357,7 +400,9 @@ impl RecordingWriter {
     }
 
     pub fn event(&mut self, ev: &PacketEvent) {
-        self.line(&Line::Event(*ev));
+        let mut ev = *ev;
+        ev.skb = self.skb_ids.id(ev.skb, ev.ts_ns);
+        self.line(&Line::Event(ev));
     }
 
     /// `--write-keep N`: at the cap, rotate (keeping N files in all)
@@ -400,9 +445,46 @@ impl RecordingWriter {
         self.rotation.last = line;
         let line = self.with_dropped(line);
         self.line(&Line::Stats(line));
+        self.predict_cap(line.now_ns);
         if self.last_flush.elapsed() >= FLUSH_EVERY {
             self.flush();
         }
+    }
+
+    /// Without `--write-keep` the recording stops at `--write-max-mb`: say
+    /// so ahead, once, when the rate predicts it within minutes, so the
+    /// incident is not left unrecorded by surprise.
+    fn predict_cap(&mut self, now_ns: u64) {
+        let Some(limit) = self.limit else { return };
+        if self.warned_rate || self.rotation.keep > 1 || self.out.is_none() {
+            return;
+        }
+        let Some((t0, w0)) = self.rate_from else {
+            self.rate_from = Some((now_ns, self.written));
+            return;
+        };
+        let dt = now_ns.saturating_sub(t0);
+        if dt < RATE_WINDOW_NS {
+            return;
+        }
+        self.rate_from = Some((now_ns, self.written));
+        let grown = self.written.saturating_sub(w0);
+        if grown == 0 {
+            return;
+        }
+        let left = limit.saturating_sub(self.written);
+        let eta_ns = (left as u128 * dt as u128 / grown as u128) as u64;
+        if eta_ns >= CAP_WARN_NS || self.warning.is_some() {
+            return;
+        }
+        self.warned_rate = true;
+        let mib_s = grown as f64 / (1 << 20) as f64 / (dt as f64 / 1e9);
+        self.warning = Some(format!(
+            "recording {} grows {mib_s:.1} MiB/s: it reaches --write-max-mb ({} MiB) in about {} s and then stops recording (tracing goes on); raise --write-max-mb, or rotate with --write-keep N",
+            self.path.display(),
+            limit >> 20,
+            eta_ns / 1_000_000_000
+        ));
     }
 
     pub fn end(&mut self, line: StatsLine) {
@@ -461,6 +543,24 @@ impl RecordingWriter {
             done &= out.queue().drain(deadline, stall).done;
         }
         done
+    }
+
+    /// Whether part of the session is missing from the recording: a write
+    /// or rotation failed (a full disk), or lines were dropped. Call after
+    /// [`drain`](Self::drain): the last write's error shows only then.
+    pub fn lost_output(&mut self) -> bool {
+        for out in [self.out.as_ref(), self.retired.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            if out.queue().check().is_err() {
+                self.lost = true;
+            }
+        }
+        if let Some(Err(e)) = self.out.as_ref().map(|o| o.queue().check()) {
+            self.fail(e);
+        }
+        self.lost || self.dropped_lines() > 0
     }
 
     pub fn bytes_written(&self) -> u64 {
@@ -539,6 +639,7 @@ impl RecordingWriter {
         let queue = match started {
             Ok(queue) => queue,
             Err(e) => {
+                self.lost = true;
                 self.warning = Some(format!(
                     "rotating recording {} failed ({e}): no longer recording, still tracing",
                     self.path.display()
@@ -551,6 +652,9 @@ impl RecordingWriter {
         self.rotation.base = self.rotation.last;
         self.rotation.files += 1;
         self.rotation.starting = true;
+        if let Some(h) = self.rotation.header.as_mut() {
+            h.file_seq = Some(self.rotation.files);
+        }
         if let Some(header) = self.rotation.header.clone() {
             self.line(&Line::Header(header));
         }
@@ -578,6 +682,7 @@ impl RecordingWriter {
     }
 
     fn fail(&mut self, e: io::Error) {
+        self.lost = true;
         self.retired = self.out.take();
         self.warning = Some(format!(
             "writing recording {} failed ({e}): no longer recording, still tracing",

@@ -59,6 +59,8 @@ pub struct Reader<R> {
     pub first_skipped: Option<ReadProblem>,
     /// The header's format version when newer than [`VERSION`].
     pub newer_version: Option<u32>,
+    /// The file ends in the middle of a line.
+    pub cut_off: bool,
 }
 
 enum Raw {
@@ -102,6 +104,7 @@ impl<R: BufRead> Reader<R> {
             unknown_lines: 0,
             skipped_lines: 0,
             first_skipped: None,
+            cut_off: false,
             newer_version: None,
         };
         match r.raw_line() {
@@ -211,6 +214,7 @@ impl<R: BufRead> Reader<R> {
                     continue;
                 }
                 Ok(Raw::Partial) => {
+                    self.cut_off = true;
                     return self.stop("the last line is incomplete (the writer was cut off)");
                 }
                 Ok(Raw::Line) => {}
@@ -249,6 +253,12 @@ impl<R: BufRead> Reader<R> {
             return match line {
                 Line::Event(ev) if ev.ts_ns >= MAX_TS_NS => {
                     self.skip("event time out of range");
+                    continue;
+                }
+                // The collector has no place for a hook it does not know:
+                // counted and warned about, never dropped silently.
+                Line::Event(ev) if tracer_common::hook::name(ev.hook) == "unknown" => {
+                    self.skip(format!("event with unknown hook {}", ev.hook));
                     continue;
                 }
                 Line::Event(ev) => Some(Record::Event(ev)),

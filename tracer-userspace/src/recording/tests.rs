@@ -32,6 +32,8 @@ fn header() -> Header {
         node: None,
         all_services: false,
         max_flows: None,
+        run_id: None,
+        file_seq: None,
     }
 }
 
@@ -378,11 +380,16 @@ fn rotation_keeps_n_files_each_readable_on_its_own() {
     assert!(w.drain(deadline, std::time::Duration::from_secs(10)));
     assert_eq!(w.take_warning(), None);
     assert!(w.files_written() > 3, "{} files", w.files_written());
+    let mut run_ids = std::collections::HashSet::new();
     for i in 0..3 {
         let name = rotate::rotated_name(&path, i);
         let bytes = std::fs::read(&name).unwrap();
         assert!(bytes.len() as u64 <= limit + 4096, "{} bytes", bytes.len());
-        let (mut reader, h) = Reader::new(BufReader::new(Cursor::new(&bytes))).unwrap();
+        let (mut reader, mut h) = Reader::new(BufReader::new(Cursor::new(&bytes))).unwrap();
+        // One run: one id, and each file's place in it (newest = FILE).
+        assert!(h.run_id.is_some());
+        run_ids.insert(h.run_id.take());
+        assert_eq!(h.file_seq.take(), Some(w.files_written() - i as u64));
         assert_eq!(h, header());
         let records: Vec<Record> = reader.by_ref().collect();
         assert_eq!(reader.skipped_lines, 0);
@@ -418,6 +425,7 @@ fn rotation_keeps_n_files_each_readable_on_its_own() {
             bytes.len()
         );
     }
+    assert_eq!(run_ids.len(), 1, "{run_ids:?}");
     assert!(!rotate::rotated_name(&path, 3).exists());
     for i in 0..3 {
         let _ = std::fs::remove_file(rotate::rotated_name(&path, i));
@@ -464,4 +472,40 @@ fn rules_lines_rename_and_retrace_in_analyze() {
         reports[0].kube.as_ref().map(|k| k.service.as_str()),
         Some("default/web:http")
     );
+}
+
+/// Issue 26 item 11: a flood fills the default `--write-max-mb` in about
+/// 36 s, after which nothing more is recorded: the rate that predicts the
+/// cap within minutes is warned about once; rotating or a slow rate is not.
+#[test]
+fn a_rate_that_will_reach_the_cap_is_warned_about_ahead() {
+    let warnings = |per_tick: usize, keep: usize| {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = temp(&format!("rate-{n}"));
+        let mut w = RecordingWriter::create(&path, &header(), Some(10 << 20)).unwrap();
+        w.keep_files(keep);
+        let ev = fixtures::seed000_same_node(false)[0];
+        let mut said = Vec::new();
+        for tick in 0..40u64 {
+            for _ in 0..per_tick {
+                w.event(&ev);
+            }
+            w.stats(StatsLine {
+                now_ns: fixtures::T0 + tick * 200_000_000,
+                ..Default::default()
+            });
+            said.extend(w.take_warning());
+        }
+        let _ = std::fs::remove_file(&path);
+        said
+    };
+    let flood = warnings(100, 1);
+    assert_eq!(flood.len(), 1, "{flood:?}");
+    assert!(
+        flood[0].contains("reaches --write-max-mb (10 MiB) in about"),
+        "{flood:?}"
+    );
+    assert_eq!(warnings(100, 3), Vec::<String>::new());
+    assert_eq!(warnings(1, 1), Vec::<String>::new());
 }

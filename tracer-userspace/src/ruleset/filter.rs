@@ -46,7 +46,7 @@ pub fn parse_filter_rejects(filter_lines: &[&str]) -> Vec<RejectRule> {
             ip,
             port,
             protocol: proto.clone(),
-            port_name: port_name.to_string(),
+            port_name: super::port_label(port_name, port),
             rule: line.to_string(),
         });
     }

@@ -77,6 +77,22 @@ pub struct RejectRule {
     pub rule: String,
 }
 
+/// kube-proxy's name of a Service port as `namespace/name:port`
+/// (docs/METRICS.md). kube-proxy itself writes an unnamed port as
+/// `namespace/name` (ServicePortName.String() leaves the `:port` out) and
+/// the nftables proxier's chain names end `.../tcp/` for it: both become
+/// `namespace/name:NUMBER` here, so a label never ends in a bare colon.
+pub fn port_label(name: &str, port: u16) -> String {
+    if name.is_empty() {
+        return String::new();
+    }
+    match name.rsplit_once('/').map(|(_, n)| n.rsplit_once(':')) {
+        Some(Some((_, ""))) => format!("{name}{port}"),
+        Some(Some(_)) => name.to_owned(),
+        _ => format!("{name}:{port}"),
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct KubeProxyRules {
     pub mode: ProxyMode,
@@ -304,7 +320,7 @@ pub fn parse_nat(text: &str) -> KubeProxyRules {
         let name = r
             .comment
             .as_deref()
-            .map(|c| c.trim_end_matches(" cluster IP").to_string())
+            .map(|c| port_label(c.trim_end_matches(" cluster IP"), port))
             .unwrap_or_default();
         let chain_rules = by_chain
             .get(jump.as_str())

@@ -256,7 +256,7 @@ fn parse_table(t: &Table<'_>) -> KubeProxyRules {
             endpoints.extend(endpoint(c, rules));
         }
         out.services.push(SvcRule {
-            name,
+            name: super::port_label(&name, port),
             cluster_ip: ip,
             port,
             proto,
@@ -269,7 +269,7 @@ fn parse_table(t: &Table<'_>) -> KubeProxyRules {
         let Some((ip, protocol, port, comment, verdict)) = element(e) else {
             continue;
         };
-        let port_name = comment.unwrap_or_default().to_string();
+        let port_name = super::port_label(comment.unwrap_or_default(), port);
         out.no_endpoints.push(RejectRule {
             rule: format!(
                 "table {} {TABLE} map no-endpoint-services element {ip} . {protocol} . {port}{} : {}",
@@ -301,6 +301,18 @@ mod tests {
 
     fn ep(s: &str) -> SocketAddr {
         s.parse().unwrap()
+    }
+
+    /// Issue 26 item 12: the nftables proxier names an unnamed port's
+    /// chains `.../tcp/` (empty port name): labelled with the number.
+    #[test]
+    fn unnamed_port_is_labelled_with_its_number() {
+        let nft = LAB_NFT.replace("default/web/tcp/http", "prod/export/tcp/");
+        let rules = parse(&nft).expect("kube-proxy table");
+        let m = rules
+            .lookup(ep("100.67.30.133:80"), "tcp", Some(ep("100.96.54.247:80")))
+            .unwrap();
+        assert_eq!(m.service, "prod/export:80");
     }
 
     #[test]

@@ -266,3 +266,25 @@ fn host_addresses_of_both_families() {
     assert_eq!(host("fd00::/32"), None);
     assert_eq!(host("10.0.0.0/8"), None);
 }
+
+/// Issue 26 item 12: a Service port without a name was labelled
+/// `prod/export:`; docs/METRICS.md promises `namespace/name:port`.
+#[test]
+fn unnamed_service_port_is_labelled_with_its_number() {
+    assert_eq!(port_label("prod/export:", 8080), "prod/export:8080");
+    assert_eq!(port_label("prod/export", 8080), "prod/export:8080");
+    assert_eq!(port_label("default/web:http", 80), "default/web:http");
+    assert_eq!(port_label("", 80), "");
+    let nat = LAB_NAT
+        .replace("default/web:http cluster IP", "prod/export cluster IP")
+        .replace("default/web:http ->", "prod/export ->");
+    let rules = parse_nat(&nat);
+    let m = rules
+        .lookup(ep("100.67.30.133:80"), "tcp", Some(ep("100.96.54.247:80")))
+        .unwrap();
+    assert_eq!(m.service, "prod/export:80");
+    let rejects = filter::parse_filter_rejects(&[
+        "-A KUBE-SERVICES -d 100.67.40.7/32 -p tcp -m comment --comment \"prod/empty has no endpoints\" -m tcp --dport 9000 -j REJECT --reject-with icmp-port-unreachable",
+    ]);
+    assert_eq!(rejects[0].port_name, "prod/empty:9000");
+}

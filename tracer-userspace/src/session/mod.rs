@@ -243,11 +243,11 @@ fn header(
     // One line up front where the traced Services bypass netfilter NAT
     // (IPVS, eBPF): the verdicts that follow would otherwise mislead.
     if let Some(f) = checks.findings.iter().find(|f| f.check == "service_nat") {
-        eprintln!("nattrace: warning: {}", f.message);
+        crate::output::clean::warn(&f.message);
     }
     // Without the rules flows carry no Service name or chains: say why.
     for tool in &inputs.kube_proxy.missing_tools {
-        eprintln!("nattrace: warning: kube-proxy's rules not read: {tool}");
+        crate::output::clean::warn(format_args!("kube-proxy's rules not read: {tool}"));
     }
     let clock = Clock {
         monotonic_ns: monotonic_ns(),
@@ -282,6 +282,8 @@ fn header(
         node: Some(node_name(options)),
         all_services: options.continuous.all_services,
         max_flows: Some(options.continuous.max_flows),
+        run_id: None,
+        file_seq: None,
     }
 }
 

@@ -16,6 +16,7 @@ use crate::{
     collector::Collector,
     continuous::Continuous,
     output::{
+        files,
         queue::{self, Overflow},
         sink::Outputs,
     },
@@ -91,6 +92,41 @@ pub(super) fn interface_names(options: &SessionOptions, tracer: &Tracer) -> Opti
 pub(super) fn open_output_files(
     options: &SessionOptions,
 ) -> Result<(Option<std::fs::File>, Option<std::fs::File>), SessionError> {
+    // `--write F --pcap F` would leave F unreadable; with `--write-keep`
+    // the rotated names F.1 … are outputs too.
+    let rotated: Vec<std::path::PathBuf> = match &options.write {
+        Some(path) => (1..options.continuous.write_keep)
+            .map(|i| crate::recording::rotate::rotated_name(path, i))
+            .collect(),
+        None => Vec::new(),
+    };
+    let mut outputs: Vec<files::Named<'_>> = Vec::new();
+    if let Some(path) = &options.write {
+        outputs.push(files::Named {
+            what: "--write",
+            path,
+        });
+    }
+    outputs.extend(rotated.iter().map(|path| files::Named {
+        what: "--write's rotated file",
+        path,
+    }));
+    if let Some(path) = &options.pcap {
+        outputs.push(files::Named {
+            what: "--pcap",
+            path,
+        });
+    }
+    files::check_distinct(&outputs, &[])
+        .map_err(|why| SessionError::CreateOutput(io::Error::other(why)))?;
+    if let Some(path) = &options.write {
+        keep_previous_run(path, options.continuous.write_keep).map_err(|error| {
+            RecordingError::Create {
+                path: path.clone(),
+                error,
+            }
+        })?;
+    }
     let record_file = match &options.write {
         Some(path) => Some(
             queue::create_output(path).map_err(|error| RecordingError::Create {
@@ -110,6 +146,25 @@ pub(super) fn open_output_files(
         None => None,
     };
     Ok((record_file, pcap_file))
+}
+
+/// A restart with `--write-keep` (a DaemonSet's pod restarted) rotates the
+/// previous run's FILE to FILE.1 instead of truncating it: the files kept
+/// are the newest N whoever wrote them. Only a non-empty regular file of
+/// ours is moved (never a symlink or someone else's file: those are
+/// refused when FILE is opened).
+fn keep_previous_run(path: &std::path::Path, keep: usize) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt as _;
+    if keep < 2 {
+        return Ok(());
+    }
+    let ours = std::fs::symlink_metadata(path).is_ok_and(|m| {
+        m.file_type().is_file() && m.len() > 0 && m.uid() == nix::unistd::geteuid().as_raw()
+    });
+    if ours {
+        crate::recording::rotate::shift(path, keep)?;
+    }
+    Ok(())
 }
 
 pub(super) fn remove_leftovers(netns: Option<&str>, notices: &mut Notices) {
@@ -253,10 +308,18 @@ pub(super) fn drain_outputs(
         Stop::Duration | Stop::NetnsGone if interrupted => Instant::now(),
         Stop::Duration | Stop::NetnsGone => Instant::now() + Duration::from_secs(24 * 3600),
     };
-    if let Some(rec) = recorder
-        && !rec.drain(drain_until, OUTPUT_STALL)
-    {
-        notices.warn("the --write target is not being read: the recording is incomplete");
+    if let Some(rec) = recorder {
+        if !rec.drain(drain_until, OUTPUT_STALL) {
+            outputs.outcome.output_lost = true;
+            notices.warn("the --write target is not being read: the recording is incomplete");
+        }
+        if rec.lost_output() {
+            outputs.outcome.output_lost = true;
+        }
+        // A write error of the last lines (a full disk) shows only now.
+        if let Some(w) = rec.take_warning() {
+            notices.warn(w);
+        }
     }
     for w in outputs
         .take_warnings()
@@ -267,6 +330,7 @@ pub(super) fn drain_outputs(
     }
     let dropped = outputs.dropped_lines();
     if dropped > 0 {
+        outputs.outcome.output_lost = true;
         notices.warn(format_args!(
             "{dropped} output lines were dropped because stdout was not read fast enough"
         ));

@@ -77,8 +77,10 @@ impl Notices {
         Self { out }
     }
 
-    /// `nattrace: <line>` on stderr.
+    /// `nattrace: <line>` on stderr (sanitized: it may name an interface).
     pub fn say(&mut self, line: impl Display) {
+        let line = line.to_string();
+        let line = crate::output::clean::sanitize(&line);
         match self.out.as_mut() {
             Some(out) => {
                 let _ = writeln!(out, "nattrace: {line}");

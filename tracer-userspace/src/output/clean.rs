@@ -1,0 +1,134 @@
+//! The one place user-visible text is made safe for a terminal. Interface
+//! names (a pod may rename its own `eth0` to `"\e[2J"`), Service names and
+//! chains from kube-proxy's rules, and everything read back from a
+//! recording are not ours: printed raw, a control character would clear
+//! root's screen, set its title or overwrite a line with `\r`. Text output,
+//! `analyze`, `doctor` and the warnings all print through [`sanitize`] (or
+//! [`Clean`], the same as an `io::Write`); JSON needs none of this, serde
+//! escapes control characters itself.
+use std::{borrow::Cow, io};
+
+/// Whether `c` must not reach a terminal: C0 (ESC, `\r`, BEL, …) except a
+/// newline and a tab, DEL, and C1 (U+0080..U+009F, e.g. the one-character
+/// CSI U+009B).
+fn is_unsafe(c: char) -> bool {
+    (c.is_control() && c != '\n' && c != '\t') || ('\u{80}'..='\u{9f}').contains(&c)
+}
+
+/// `text` with each control character written out as `\xNN` (C0, DEL) or
+/// `\u{NN}` (C1), so what it was stays visible and nothing is interpreted.
+pub fn sanitize(text: &str) -> Cow<'_, str> {
+    sanitize_keeping(text, &[])
+}
+
+/// [`sanitize`], except that the exact escape sequences in `keep` (the
+/// text output's own colours) are left as they are: a name that holds one
+/// of those can only colour text, never move the cursor or set a title.
+pub fn sanitize_keeping<'a>(text: &'a str, keep: &[&str]) -> Cow<'a, str> {
+    if !text.chars().any(is_unsafe) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if let Some(k) = keep.iter().find(|k| rest.starts_with(**k)) {
+            out.push_str(k);
+            rest = &rest[k.len()..];
+            continue;
+        }
+        if is_unsafe(c) {
+            let n = u32::from(c);
+            if n < 0x80 {
+                out.push_str(&format!("\\x{n:02x}"));
+            } else {
+                out.push_str(&format!("\\u{{{n:x}}}"));
+            }
+        } else {
+            out.push(c);
+        }
+        rest = &rest[c.len_utf8()..];
+    }
+    Cow::Owned(out)
+}
+
+/// `nattrace: warning: <line>` on stderr, sanitized (for code that is not
+/// live: a live session's warnings go through `session::watch::Notices`,
+/// which sanitizes the same way).
+pub fn warn(line: impl std::fmt::Display) {
+    eprintln!("nattrace: warning: {}", sanitize(&line.to_string()));
+}
+
+/// `nattrace: <line>` on stderr, sanitized (errors quote paths and
+/// recordings).
+pub fn say(line: impl std::fmt::Display) {
+    eprintln!("nattrace: {}", sanitize(&line.to_string()));
+}
+
+/// An `io::Write` that sanitizes what goes through it. Formatters write
+/// whole `&str` fragments, so a write never splits a character; bytes that
+/// are not UTF-8 are written as the replacement character.
+pub struct Clean<W: io::Write> {
+    inner: W,
+    keep: &'static [&'static str],
+}
+
+impl<W: io::Write> Clean<W> {
+    pub fn new(inner: W, keep: &'static [&'static str]) -> Self {
+        Self { inner, keep }
+    }
+
+    pub fn get_mut(&mut self) -> &mut W {
+        &mut self.inner
+    }
+
+    pub fn into_inner(self) -> W {
+        self.inner
+    }
+}
+
+impl<W: io::Write> io::Write for Clean<W> {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        let text = String::from_utf8_lossy(data);
+        self.inner
+            .write_all(sanitize_keeping(&text, self.keep).as_bytes())?;
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write as _;
+
+    use super::*;
+
+    #[test]
+    fn control_characters_are_written_out() {
+        assert_eq!(sanitize("eth0"), "eth0");
+        assert_eq!(sanitize("\x1b[2J\x1b[41mX"), "\\x1b[2J\\x1b[41mX");
+        assert_eq!(sanitize("a\rb\x07\x7f"), "a\\x0db\\x07\\x7f");
+        assert_eq!(sanitize("\u{9b}31m"), "\\u{9b}31m");
+        assert_eq!(sanitize("two\nlines\tand a tab"), "two\nlines\tand a tab");
+        assert_eq!(sanitize("ünïcode → ok"), "ünïcode → ok");
+    }
+
+    #[test]
+    fn only_the_kept_sequences_pass() {
+        let keep = ["\x1b[31m", "\x1b[0m"];
+        assert_eq!(
+            sanitize_keeping("\x1b[31mred\x1b[0m \x1b]0;title\x07", &keep),
+            "\x1b[31mred\x1b[0m \\x1b]0;title\\x07"
+        );
+    }
+
+    #[test]
+    fn the_writer_sanitizes() {
+        let mut w = Clean::new(Vec::new(), &[]);
+        let name = "\x1b[2Jevil\r";
+        write!(w, "if {name}").unwrap();
+        assert_eq!(w.into_inner(), b"if \\x1b[2Jevil\\x0d");
+    }
+}
