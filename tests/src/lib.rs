@@ -35,6 +35,7 @@ mod spec;
 mod topology;
 mod topology6;
 pub mod tracer;
+pub mod wait;
 
 pub use cidr::{Ipv4Cidr, Ipv6Cidr, cidr};
 pub use error::{LabError, Result};

@@ -197,6 +197,42 @@ impl Nattrace {
         }
     }
 
+    /// Waits until `n` lines satisfying `pred` were printed in all (counting
+    /// those already read): the event a test stops on once its traffic is
+    /// done, instead of a `--duration` or a sleep the verdicts may outlast
+    /// on a loaded machine. An error on exit or after `fail_after` (a
+    /// broken run; a working one returns as soon as the line is out).
+    pub fn wait_lines(
+        &mut self,
+        n: usize,
+        fail_after: Duration,
+        pred: impl Fn(&str) -> bool,
+    ) -> anyhow::Result<()> {
+        let deadline = Instant::now() + fail_after;
+        let mut seen = self.stdout.iter().filter(|l| pred(l)).count();
+        while seen < n {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    seen += usize::from(pred(&line));
+                    self.stdout.push(line);
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    bail!("{seen} of {n} expected lines after {fail_after:?}")
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    bail!("nattrace exited after {seen} of {n} expected lines")
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Nattrace::wait_lines`] for `n` decided flows (`--output json`).
+    pub fn wait_flows(&mut self, n: usize, fail_after: Duration) -> anyhow::Result<()> {
+        self.wait_lines(n, fail_after, is_flow_line)
+    }
+
     /// Sends a signal (SIGINT, SIGKILL, ...).
     pub fn signal(&self, sig: i32) {
         if let Some(child) = &self.child {
@@ -244,6 +280,11 @@ impl Nattrace {
             stderr,
         })
     }
+}
+
+/// Whether a JSON output line is a decided flow.
+pub fn is_flow_line(line: &str) -> bool {
+    line.contains("\"kind\":\"flow\"")
 }
 
 impl Drop for Nattrace {
