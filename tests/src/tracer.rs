@@ -233,6 +233,26 @@ impl Nattrace {
         self.wait_lines(n, fail_after, is_flow_line)
     }
 
+    /// Stops nattrace (SIGTERM) once it printed `n` decided flows, and
+    /// returns what it printed: how a test ends a trace after its traffic
+    /// instead of by a `--duration` that a loaded machine's traffic can
+    /// outlast. Fewer flows (a broken run) are said on stderr, and the
+    /// caller's assertions on the output fail with all of it.
+    pub fn finish_after_flows(&mut self, n: usize) -> anyhow::Result<Finished> {
+        let waited = self.wait_flows(n, crate::wait::FAIL_AFTER);
+        self.terminate();
+        let done = self.wait(crate::wait::FAIL_AFTER)?;
+        if let Err(e) = waited {
+            eprintln!("waiting for {n} flows: {e:#}");
+        }
+        Ok(done)
+    }
+
+    /// The stdout lines read so far (by the waits above).
+    pub fn printed(&self) -> &[String] {
+        &self.stdout
+    }
+
     /// Sends a signal (SIGINT, SIGKILL, ...).
     pub fn signal(&self, sig: i32) {
         if let Some(child) = &self.child {
