@@ -248,6 +248,15 @@ impl Nattrace {
         Ok(done)
     }
 
+    /// Finishes a trace after its traffic: SIGUSR1, on which nattrace stops
+    /// once every flow it saw before has its verdict (README), and what it
+    /// printed. The event a test waits for instead of a `--duration` that
+    /// the traffic and its verdicts can outlast on a loaded machine.
+    pub fn finish(&mut self) -> anyhow::Result<Finished> {
+        self.signal(libc::SIGUSR1);
+        self.wait(crate::wait::FAIL_AFTER)
+    }
+
     /// The stdout lines read so far (by the waits above).
     pub fn printed(&self) -> &[String] {
         &self.stdout

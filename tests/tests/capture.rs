@@ -136,9 +136,9 @@ fn analyze(file: &Path, extra: &[&str]) -> Output {
 }
 
 fn trace_seed000(lab: &Lab, ports: &[u16], extra: &[&str]) -> Finished {
-    let mut t = start(&args(lab, &[&["--duration", "3.5"], extra].concat()), &[]);
+    let mut t = start(&args(lab, extra), &[]);
     assert_eq!(curls(lab, ports), 0, "seed 000: curl fails");
-    t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"))
+    t.finish().unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 #[test]

@@ -42,9 +42,6 @@ mod stalled;
 /// Loading and attaching (BTF, verifier) on a busy 2-core CI machine.
 pub(crate) const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
 const CURL_MAX_TIME: Duration = Duration::from_secs(1);
-/// From the start line: parallel curls (at most `CURL_MAX_TIME`) plus slack
-/// for the last events to be read.
-const TRACE_SECS: f64 = 3.5;
 const REPLY_TIMEOUT_MS: &str = "1000";
 
 fn seed000(bridge_nf_call_iptables: bool, backend: Backend, mode: ProxyMode) -> Lab {
@@ -99,25 +96,18 @@ pub(crate) fn start(args: &[String], envs: &[(&str, &str)]) -> Nattrace {
     tracer
 }
 
-/// Traces `svcs` on node-a for [`TRACE_SECS`] while `traffic` runs.
+/// Traces `svcs` on node-a while `traffic` runs, until its flows are decided.
 fn trace(lab: &Lab, svcs: &[String], traffic: impl FnOnce()) -> Finished {
     trace_with(lab, svcs, lab::tracer::record_args(None), traffic)
 }
 
 /// [`trace`] with more nattrace arguments.
 fn trace_with(lab: &Lab, svcs: &[String], more: Vec<String>, traffic: impl FnOnce()) -> Finished {
-    let duration = TRACE_SECS.to_string();
-    let mut args = args(
-        lab,
-        svcs,
-        &["--duration", &duration, "--reply-timeout", REPLY_TIMEOUT_MS],
-    );
+    let mut args = args(lab, svcs, &["--reply-timeout", REPLY_TIMEOUT_MS]);
     args.extend(more);
     let mut tracer = start(&args, &[]);
     traffic();
-    tracer
-        .wait(Duration::from_secs_f64(TRACE_SECS) + ATTACH_TIMEOUT)
-        .unwrap_or_else(|e| panic!("{e:#}"))
+    tracer.finish().unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// `curl` to `ip:port` from the client pod, one per source port; returns

@@ -248,23 +248,22 @@ impl Lab {
     /// Runs nattrace on the node while one connection is made; returns the
     /// client's result and nattrace's JSON flow lines.
     fn trace_one(&self) -> (String, Vec<serde_json::Value>) {
-        self.trace(&format!("[{SERVICE_IP}]:80"), 1, || self.connect())
+        self.trace(&format!("[{SERVICE_IP}]:80"), || self.connect())
     }
 
     /// Runs nattrace on the node (one `--svc` per space-separated value)
-    /// during `traffic`, and stops it (SIGTERM) once it printed `flows`
-    /// verdicts: on a loaded machine a fixed `--duration` can end before
-    /// the traffic is decided. The long one here only bounds a broken run.
+    /// during `traffic`, then finishes it with SIGUSR1: it exits once the
+    /// traffic's flows are decided. (A fixed `--duration` can end before
+    /// that on a loaded machine.)
     fn trace(
         &self,
         svc: &str,
-        flows: usize,
         traffic: impl FnOnce() -> String,
     ) -> (String, Vec<serde_json::Value>) {
         let mut child = Command::new(env!("CARGO_BIN_EXE_nattrace"))
             .args(svc.split(' ').flat_map(|s| ["--svc", s]))
             .args(["--netns", &self.node, "--output", "json"])
-            .args(["--duration", "120", "--reply-timeout", "1000"])
+            .args(["--reply-timeout", "1000"])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -278,28 +277,20 @@ impl Lab {
             child.wait_with_output()
         );
         let got = traffic();
-        let verdict = |l: &str| {
-            serde_json::from_str::<serde_json::Value>(l)
-                .ok()
-                .filter(|v| v.get("verdict").is_some())
-        };
-        let mut decided: Vec<serde_json::Value> = Vec::new();
-        for line in lines.by_ref().map_while(Result::ok) {
-            decided.extend(verdict(&line));
-            if decided.len() >= flows {
-                break;
-            }
-        }
         // SAFETY: kill(2) on our own child, which has not been reaped.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        decided.extend(lines.map_while(Result::ok).filter_map(|l| verdict(&l)));
+        unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) };
+        let flows: Vec<serde_json::Value> = lines
+            .map_while(Result::ok)
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(&l).ok())
+            .filter(|v| v.get("verdict").is_some())
+            .collect();
         let out = child.wait_with_output().expect("wait");
         assert!(
             out.status.code().is_some_and(|c| c <= 1),
             "nattrace failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        (got, decided)
+        (got, flows)
     }
 }
 
@@ -334,7 +325,7 @@ fn ipv6_service_healthy_then_reply_bridged_past_ip6tables() {
     // Healthy, and the Service dual-stack: both ClusterIPs in one run.
     lab.bridge_nf_call_ip6tables(true);
     let both = format!("[{SERVICE_IP}]:80 {SERVICE_V4}:80");
-    let (got, flows) = lab.trace(&both, 2, || {
+    let (got, flows) = lab.trace(&both, || {
         let v6 = lab.connect();
         let v4 = lab.connect_to("AF_INET", SERVICE_V4);
         format!("{v6} {v4}")
@@ -368,7 +359,7 @@ fn ipv6_service_healthy_then_reply_bridged_past_ip6tables() {
     // An extension header between IPv6 and UDP: the programs step over it
     // (tracer-ebpf ipv6_l4), so the flow is seen before and after DNAT.
     // Nothing listens on 5353: the verdict is not the point here.
-    let (sent, flows) = lab.trace(SERVICE_IP, 1, || lab.udp_with_dstopts());
+    let (sent, flows) = lab.trace(SERVICE_IP, || lab.udp_with_dstopts());
     assert_eq!(sent, "sent");
     let udp: Vec<_> = flows
         .iter()
