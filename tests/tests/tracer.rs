@@ -262,7 +262,7 @@ fn assert_event_budget(lab: &Lab, rec: &std::path::Path, ports: &[u16], done: &F
         .filter_map(|n| std::fs::metadata(dir.join(n)).ok())
         .map(|m| m.ino())
         .collect();
-    let mut per_port: std::collections::BTreeMap<u64, Vec<u64>> = Default::default();
+    let mut per_port: std::collections::BTreeMap<u64, Vec<Value>> = Default::default();
     for ev in text
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
@@ -275,18 +275,39 @@ fn assert_event_budget(lab: &Lab, rec: &std::path::Path, ports: &[u16], done: &F
         };
         let port = client.as_u64().unwrap();
         if ports.contains(&(port as u16)) {
-            per_port
-                .entry(port)
-                .or_default()
-                .push(ev["flags"].as_u64().unwrap_or(0));
+            per_port.entry(port).or_default().push(ev);
         }
     }
     assert_eq!(per_port.len(), ports.len(), "{}", done.describe());
-    for (port, flags) in &per_port {
+    for (port, events) in &per_port {
+        let flags: Vec<u64> = events
+            .iter()
+            .map(|e| e["flags"].as_u64().unwrap_or(0))
+            .collect();
+        // The events themselves in the message: an extra one (seen once
+        // beside stress-ng) says which packet escaped the budget.
+        let shown: Vec<String> = events
+            .iter()
+            .map(|e| {
+                format!(
+                    "hook {} nf_hook {} tcp_flags {:#04x} flags {} {}:{}->{}:{} ts {}",
+                    e["hook"],
+                    e["nf_hook"],
+                    e["tcp_flags"].as_u64().unwrap_or(0),
+                    e["flags"],
+                    e["saddr"],
+                    e["sport"],
+                    e["daddr"],
+                    e["dport"],
+                    e["ts_ns"]
+                )
+            })
+            .collect();
         assert_eq!(
             flags,
-            &[1, 8, 16],
-            "port {port}: ≤ 3 events per healthy connection"
+            [1, 8, 16],
+            "port {port}: ≤ 3 events per healthy connection:\n{}",
+            shown.join("\n")
         );
     }
     let s = summary(done);
