@@ -35,6 +35,7 @@ mod spec;
 mod topology;
 mod topology6;
 pub mod tracer;
+pub mod wait;
 
 /// `tracer-userspace/fixtures/`: the one home of the tracer's fixture data,
 /// which some lab tests compare against the live lab (and rewrite on demand).

@@ -197,6 +197,71 @@ impl Nattrace {
         }
     }
 
+    /// Waits until `n` lines satisfying `pred` were printed in all (counting
+    /// those already read): the event a test stops on once its traffic is
+    /// done, instead of a `--duration` or a sleep the verdicts may outlast
+    /// on a loaded machine. An error on exit or after `fail_after` (a
+    /// broken run; a working one returns as soon as the line is out).
+    pub fn wait_lines(
+        &mut self,
+        n: usize,
+        fail_after: Duration,
+        pred: impl Fn(&str) -> bool,
+    ) -> anyhow::Result<()> {
+        let deadline = Instant::now() + fail_after;
+        let mut seen = self.stdout.iter().filter(|l| pred(l)).count();
+        while seen < n {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    seen += usize::from(pred(&line));
+                    self.stdout.push(line);
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    bail!("{seen} of {n} expected lines after {fail_after:?}")
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    bail!("nattrace exited after {seen} of {n} expected lines")
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Nattrace::wait_lines`] for `n` decided flows (`--output json`).
+    pub fn wait_flows(&mut self, n: usize, fail_after: Duration) -> anyhow::Result<()> {
+        self.wait_lines(n, fail_after, is_flow_line)
+    }
+
+    /// Stops nattrace (SIGTERM) once it printed `n` decided flows, and
+    /// returns what it printed: how a test ends a trace after its traffic
+    /// instead of by a `--duration` that a loaded machine's traffic can
+    /// outlast. Fewer flows (a broken run) are said on stderr, and the
+    /// caller's assertions on the output fail with all of it.
+    pub fn finish_after_flows(&mut self, n: usize) -> anyhow::Result<Finished> {
+        let waited = self.wait_flows(n, crate::wait::FAIL_AFTER);
+        self.terminate();
+        let done = self.wait(crate::wait::FAIL_AFTER)?;
+        if let Err(e) = waited {
+            eprintln!("waiting for {n} flows: {e:#}");
+        }
+        Ok(done)
+    }
+
+    /// Finishes a trace after its traffic: SIGUSR1, on which nattrace stops
+    /// once every flow it saw before has its verdict (README), and what it
+    /// printed. The event a test waits for instead of a `--duration` that
+    /// the traffic and its verdicts can outlast on a loaded machine.
+    pub fn finish(&mut self) -> anyhow::Result<Finished> {
+        self.signal(libc::SIGUSR1);
+        self.wait(crate::wait::FAIL_AFTER)
+    }
+
+    /// The stdout lines read so far (by the waits above).
+    pub fn printed(&self) -> &[String] {
+        &self.stdout
+    }
+
     /// Sends a signal (SIGINT, SIGKILL, ...).
     pub fn signal(&self, sig: i32) {
         if let Some(child) = &self.child {
@@ -244,6 +309,11 @@ impl Nattrace {
             stderr,
         })
     }
+}
+
+/// Whether a JSON output line is a decided flow.
+pub fn is_flow_line(line: &str) -> bool {
+    line.contains("\"kind\":\"flow\"")
 }
 
 impl Drop for Nattrace {

@@ -136,9 +136,9 @@ fn analyze(file: &Path, extra: &[&str]) -> Output {
 }
 
 fn trace_seed000(lab: &Lab, ports: &[u16], extra: &[&str]) -> Finished {
-    let mut t = start(&args(lab, &[&["--duration", "3.5"], extra].concat()), &[]);
+    let mut t = start(&args(lab, extra), &[]);
     assert_eq!(curls(lab, ports), 0, "seed 000: curl fails");
-    t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"))
+    t.finish().unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 #[test]
@@ -269,7 +269,25 @@ fn root_sigkill_mid_run_then_analyze_keeps_completed_flows() {
             "flows are printed live"
         );
     }
-    std::thread::sleep(Duration::from_millis(1500));
+    // Killed only once the recording holds them: the writer flushes at a
+    // tick ≥ 1 s after its last flush, which a loaded machine can delay.
+    lab::wait::until_true(
+        "the recording holding every flow printed live",
+        lab::wait::FAIL_AFTER,
+        || {
+            let flows = json_lines(&analyze(&rec, &[]));
+            t.printed()
+                .iter()
+                .filter(|l| lab::tracer::is_flow_line(l))
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .all(|f| {
+                    kind(&flows, "flow")
+                        .iter()
+                        .any(|o| o["client"] == f["client"])
+                })
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
     t.signal(libc::SIGKILL);
     let killed = t
         .wait(ATTACH_TIMEOUT)

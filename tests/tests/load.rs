@@ -39,10 +39,9 @@ fn traced_connections(bridge_nf: bool, salt: u32, load: &ClientLoad) -> shared::
     let (tracer, _) = shared::start_nattrace(&bin, &lab, &[svc], &["--reply-timeout", "1000"])
         .unwrap_or_else(|e| panic!("{e:#}"));
     let run = shared::run_client(&lab, conn_bench, &addrs, load);
-    // Let the last replies and the client's reactions reach the ring buffer.
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    let done = shared::stop_nattrace(tracer).unwrap_or_else(|e| panic!("{e:#}"));
     let run = run.unwrap_or_else(|e| panic!("{e:#}"));
+    let done =
+        shared::stop_nattrace_after(tracer, run.attempted).unwrap_or_else(|e| panic!("{e:#}"));
     let check = shared::count_check(&done, &addrs, &run, bridge_nf);
     assert!(
         check.problems.is_empty(),

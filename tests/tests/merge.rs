@@ -21,9 +21,6 @@ use serde_json::Value;
 
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(1);
-/// After the broken request: long enough for node-b's collector to name
-/// its cause (it waits ~3.5 s for a neighbour failure before routing causes).
-const SETTLE: Duration = Duration::from_millis(4000);
 
 fn outside_curl(lab: &Lab) -> bool {
     lab.http_get(
@@ -234,10 +231,16 @@ fn record_seed003(dir: &Path, spec: LabSpec, fixtures: bool) -> Recordings {
             .unwrap_or_else(|e| panic!("{e:#}"));
     }
     assert!(!outside_curl(&lab), "seed 003: the connection fails");
-    std::thread::sleep(SETTLE);
+    // node-b decides the broken request (after its ~3.5 s wait for a
+    // neighbour failure) before masqueradeAll changes its rules.
+    b.wait_flows(1, lab::wait::FAIL_AFTER)
+        .unwrap_or_else(|e| panic!("node-b's first flow: {e:#}"));
     masquerade_all(&lab, presets::NODE_B);
     assert!(outside_curl(&lab), "masqueradeAll fixes seed 003");
-    std::thread::sleep(Duration::from_millis(500));
+    // Its `ok` decided on node-b: the reply has passed both nodes, so
+    // every event of it is in their ring buffers, which exit drains.
+    b.wait_flows(2, lab::wait::FAIL_AFTER)
+        .unwrap_or_else(|e| panic!("node-b's second flow: {e:#}"));
     for t in [&b, &a, &a_backend] {
         t.terminate();
     }

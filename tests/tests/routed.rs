@@ -24,7 +24,6 @@ macro_rules! require_root {
 }
 
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
-const TRACE_SECS: &str = "4";
 const REPLY_TIMEOUT_MS: &str = "1000";
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -67,8 +66,6 @@ fn trace(lab: &Lab, node: &str, svc: &str, extra: &[&str], traffic: impl FnOnce(
         svc,
         "--netns",
         &ns.display().to_string(),
-        "--duration",
-        TRACE_SECS,
         "--reply-timeout",
         REPLY_TIMEOUT_MS,
     ]
@@ -84,9 +81,7 @@ fn trace(lab: &Lab, node: &str, svc: &str, extra: &[&str], traffic: impl FnOnce(
         .wait_started(ATTACH_TIMEOUT)
         .unwrap_or_else(|e| panic!("{e:#}"));
     traffic();
-    tracer
-        .wait(Duration::from_secs(4) + ATTACH_TIMEOUT)
-        .unwrap_or_else(|e| panic!("{e:#}"))
+    tracer.finish().unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 fn curl_exit(lab: &Lab, from: &str, ip: Ipv4Addr) -> Option<i32> {

@@ -71,24 +71,12 @@ fn assert_chains(f: &Value, mode: ProxyMode, name: &str, proto: Protocol, endpoi
 }
 
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
-const TRACE_SECS: &str = "4";
 const REPLY_TIMEOUT_MS: &str = "1000";
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Traces `svc` on `node` (JSON, plus `extra`) while `traffic` runs.
+/// Traces `svc` on `node` (JSON, plus `extra`) while `traffic` runs, until
+/// its flows are decided ([`Nattrace::finish`]).
 fn trace(lab: &Lab, node: &str, svc: &str, extra: &[&str], traffic: impl FnOnce()) -> Finished {
-    trace_for(lab, node, svc, extra, TRACE_SECS, traffic)
-}
-
-/// [`trace`] for `secs` seconds.
-fn trace_for(
-    lab: &Lab,
-    node: &str,
-    svc: &str,
-    extra: &[&str],
-    secs: &str,
-    traffic: impl FnOnce(),
-) -> Finished {
     let bin = nattrace();
     let ns = lab.node_netns(node).expect("node").path();
     let mut args: Vec<String> = [
@@ -96,8 +84,6 @@ fn trace_for(
         svc,
         "--netns",
         &ns.display().to_string(),
-        "--duration",
-        secs,
         "--reply-timeout",
         REPLY_TIMEOUT_MS,
     ]
@@ -121,10 +107,7 @@ fn trace_for(
         .wait_started(ATTACH_TIMEOUT)
         .unwrap_or_else(|e| panic!("{e:#}"));
     traffic();
-    let secs: u64 = secs.parse().expect("whole seconds");
-    tracer
-        .wait(Duration::from_secs(secs) + ATTACH_TIMEOUT)
-        .unwrap_or_else(|e| panic!("{e:#}"))
+    tracer.finish().unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 fn flows(done: &Finished) -> Vec<Value> {

@@ -12,7 +12,6 @@
 use std::{
     io::{BufRead, BufReader},
     process::{Child, Command, Stdio},
-    time::Duration,
 };
 
 // Unique local addresses (RFC 4193), only ever used inside our namespaces.
@@ -199,8 +198,12 @@ impl Lab {
             .stdin(Stdio::null())
             .spawn()
             .expect("python3");
+        let pid = child.id();
         self.server = Some(child);
-        std::thread::sleep(Duration::from_millis(500));
+        // `ip netns exec` execs python3 in place: the same pid listens.
+        // (A fixed 500 ms here once lost the race on a loaded machine: the
+        // first connection timed out.)
+        lab::wait::listening(pid, BACKEND_PORT).unwrap_or_else(|e| panic!("the server: {e:#}"));
     }
 
     /// One TCP connection from the client pod to the Service; what it read or the error's name.
@@ -248,7 +251,10 @@ impl Lab {
         self.trace(&format!("[{SERVICE_IP}]:80"), || self.connect())
     }
 
-    /// Runs nattrace on the node (one `--svc` per space-separated value) during `traffic`.
+    /// Runs nattrace on the node (one `--svc` per space-separated value)
+    /// during `traffic`, then finishes it with SIGUSR1: it exits once the
+    /// traffic's flows are decided. (A fixed `--duration` can end before
+    /// that on a loaded machine.)
     fn trace(
         &self,
         svc: &str,
@@ -257,7 +263,7 @@ impl Lab {
         let mut child = Command::new(env!("CARGO_BIN_EXE_nattrace"))
             .args(svc.split(' ').flat_map(|s| ["--svc", s]))
             .args(["--netns", &self.node, "--output", "json"])
-            .args(["--duration", "6", "--reply-timeout", "1000"])
+            .args(["--reply-timeout", "1000"])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -271,6 +277,8 @@ impl Lab {
             child.wait_with_output()
         );
         let got = traffic();
+        // SAFETY: kill(2) on our own child, which has not been reaped.
+        unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) };
         let flows: Vec<serde_json::Value> = lines
             .map_while(Result::ok)
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(&l).ok())

@@ -7,7 +7,7 @@ use std::{
     net::Ipv4Addr,
     os::unix::fs::MetadataExt,
     process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use nattrace::{
@@ -109,8 +109,10 @@ impl Lab {
             .stdin(Stdio::null())
             .spawn()
             .expect("python3");
+        let pid = child.id();
         self.server = Some(child);
-        std::thread::sleep(Duration::from_millis(500));
+        // `ip netns exec` execs python3 in place: the same pid listens.
+        lab::wait::listening(pid, port).unwrap_or_else(|e| panic!("the server: {e:#}"));
     }
 
     /// `count` datagrams from CLIENT_IP:sport to NODE_IP:dport (nobody listens).
@@ -149,14 +151,28 @@ impl Drop for Lab {
     }
 }
 
-fn collect(tracer: &mut Tracer, rt: &tokio::runtime::Runtime, for_: Duration) -> Vec<PacketEvent> {
+/// Reads events until `done` holds for what was read so far (and the
+/// tracer's counters): the event a check waits for, not a time. The ring
+/// buffer wakes its reader only as it fills, so each round also drains it.
+fn collect_until(
+    tracer: &mut Tracer,
+    rt: &tokio::runtime::Runtime,
+    what: &str,
+    done: impl Fn(&Tracer, &[PacketEvent]) -> bool,
+) -> Vec<PacketEvent> {
     let mut out = Vec::new();
-    let deadline = Instant::now() + for_;
-    rt.block_on(async {
-        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-            let _ = tokio::time::timeout(left, tracer.next_events(&mut out)).await;
+    lab::wait::until_true(what, lab::wait::FAIL_AFTER, || {
+        tracer.drain(&mut out);
+        if done(tracer, &out) {
+            return true;
         }
-    });
+        rt.block_on(async {
+            let _ =
+                tokio::time::timeout(Duration::from_millis(50), tracer.next_events(&mut out)).await;
+        });
+        done(tracer, &out)
+    })
+    .unwrap_or_else(|e| panic!("{e:#}; read {} events", out.len()));
     out
 }
 
@@ -201,7 +217,11 @@ fn events_carry_correct_kernel_fields() {
     // A closed port: the node drops the SYN (no socket) and answers RST.
     let closed = port + 1;
     assert_eq!(lab.connect(closed), "ConnectionRefusedError");
-    let events = collect(&mut tracer, &rt, Duration::from_millis(1500));
+    // The closed port's drop is the last packet of the two connections.
+    let events = collect_until(&mut tracer, &rt, "the closed port's drop", |_, ev| {
+        ev.iter()
+            .any(|e| e.hook == hook::DROP && e.dport == closed && e.netns == node_inode)
+    });
     let ours: Vec<&PacketEvent> = events
         .iter()
         .filter(|e| e.netns == node_inode || e.netns == client_inode)
@@ -377,12 +397,10 @@ fn check_kernel_fields(
 fn check_muting(tracer: &mut Tracer, lab: &Lab, rt: &tokio::runtime::Runtime, port: u16) {
     let udp_port = 40000 + (std::process::id() % 1000) as u16;
     lab.udp_send(udp_port, port, 1);
-    let first = collect(tracer, rt, Duration::from_millis(500));
-    assert!(
-        first
-            .iter()
+    collect_until(tracer, rt, "the unmuted datagram", |_, ev| {
+        ev.iter()
             .any(|e| e.proto == tracer_common::proto::UDP && e.sport == udp_port)
-    );
+    });
     let client = EndpointKey {
         addr: v4_mapped(CLIENT_IP.octets()),
         port: udp_port,
@@ -392,7 +410,10 @@ fn check_muting(tracer: &mut Tracer, lab: &Lab, rt: &tokio::runtime::Runtime, po
     tracer.mute(client).unwrap();
     let muted_before = tracer.stats().muted;
     lab.udp_send(udp_port, port, 3);
-    let later = collect(tracer, rt, Duration::from_millis(500));
+    // The kernel counted the 3 datagrams as muted: what they emitted is in.
+    let later = collect_until(tracer, rt, "3 muted datagrams counted", |t, _| {
+        t.stats().muted >= muted_before + 3
+    });
     assert!(
         !later
             .iter()
@@ -453,11 +474,14 @@ fn check_clsact_path(
     assert!(tc_show(&lab.node, &["filter", "show", "dev", "n0", "ingress"]).contains("tc_ingress"));
     assert!(tc_show(&lab.node, &["qdisc", "show", "dev", "x0"]).contains("clsact"));
     assert_eq!(lab.connect(port), "hi");
-    let events = collect(&mut tracer, rt, Duration::from_millis(500));
-    assert!(
-        events
-            .iter()
-            .any(|e| e.hook == hook::TC_INGRESS && e.ifindex == n0 && e.dport == port)
+    collect_until(
+        &mut tracer,
+        rt,
+        "tc ingress on n0 through clsact",
+        |_, ev| {
+            ev.iter()
+                .any(|e| e.hook == hook::TC_INGRESS && e.ifindex == n0 && e.dport == port)
+        },
     );
     drop(tracer);
     assert!(

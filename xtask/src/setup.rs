@@ -39,6 +39,8 @@ const APT_PACKAGES: &[&str] = &[
     "prometheus",
     // `cargo xtask bench` profiles with perf record (cpu-clock: no PMU in these VMs)
     "linux-perf",
+    // the root tests are proved under load beside `stress-ng --cpu 2` (issue 26)
+    "stress-ng",
 ];
 
 /// Where the PyPI tools live: a venv of Debian's python3 (its pip refuses

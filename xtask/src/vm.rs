@@ -54,7 +54,8 @@ pub struct VmTestArgs {
     /// write the recordings, with golden `analyze` output, into DIR (instead of the smoke test).
     #[arg(long, value_name = "DIR", conflicts_with = "payload")]
     record_fixtures: Option<PathBuf>,
-    /// Seconds a VM may run (boot included) before it is killed and counted as failed.
+    /// Seconds a VM may go without a console line (boot included) before it
+    /// is killed as hung and counted as failed: progress, not total time.
     #[arg(long, default_value_t = DEFAULT_TIMEOUT_SECS)]
     timeout: u64,
 }

@@ -80,19 +80,10 @@ pub fn spec(addrs: &Addrs, bridge_nf: bool, extra_pods: usize) -> LabSpec {
     spec
 }
 
-/// Polls `ss` in `pod` until something listens on `port` (servers started
+/// Waits until something listens on `port` in `pod` (servers started
 /// with `Lab::spawn` print nothing we can read).
-pub fn wait_listening(lab: &Lab, pod: &str, port: u16, timeout: Duration) -> anyhow::Result<()> {
-    let deadline = Instant::now() + timeout;
-    let filter = format!("sport = :{port}");
-    while Instant::now() < deadline {
-        let out = lab.exec(pod, &["ss", "-Hltn", &filter])?;
-        if !String::from_utf8_lossy(&out.stdout).trim().is_empty() {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    bail!("nothing listens on {pod}:{port} after {timeout:?}")
+pub fn wait_listening(lab: &Lab, pod: &str, port: u16) -> anyhow::Result<()> {
+    lab::wait::lab_listening(lab, pod, port)
 }
 
 /// Starts the conn-bench server in the backend pod and waits until it listens.
@@ -100,7 +91,7 @@ pub fn start_conn_server(lab: &Lab, conn_bench: &Path) -> anyhow::Result<()> {
     let bin = conn_bench.to_string_lossy();
     let port = CONN_PORT.to_string();
     lab.spawn(BACKEND, &[&bin, "server", &port, "--max-secs", "3600"])?;
-    wait_listening(lab, BACKEND, CONN_PORT, Duration::from_secs(10))
+    wait_listening(lab, BACKEND, CONN_PORT)
 }
 
 /// What one conn-bench client run reported.
@@ -188,6 +179,17 @@ pub fn start_nattrace(
         bail!("nattrace's first line is not the start object: {first}");
     }
     Ok((tracer, took))
+}
+
+/// Stops nattrace once it decided `flows` connections (a client run's
+/// `attempted`): the last replies and the client's reactions are read by
+/// then, whatever the machine's load. Fewer are said on stderr; the count
+/// check names what is missing.
+pub fn stop_nattrace_after(mut tracer: Nattrace, flows: u64) -> anyhow::Result<Finished> {
+    if let Err(e) = tracer.wait_flows(flows as usize, lab::wait::FAIL_AFTER) {
+        eprintln!("{e:#}");
+    }
+    stop_nattrace(tracer)
 }
 
 /// Stops nattrace (SIGTERM) and returns what it printed.

@@ -208,7 +208,7 @@ fn bulk(ctx: &Ctx, loads: &mut Vec<f64>) -> anyhow::Result<Vec<(Cond, Vec<BulkSa
     let port = BULK_PORT.to_string();
     ctx.lab
         .spawn(shared::BACKEND, &["iperf3", "-s", "-p", &port])?;
-    shared::wait_listening(ctx.lab, shared::BACKEND, BULK_PORT, Duration::from_secs(10))?;
+    shared::wait_listening(ctx.lab, shared::BACKEND, BULK_PORT)?;
     let mut conds = vec![Cond::None, Cond::Other, Cond::This, Cond::Tcpdump];
     if ctx.opts.baseline.is_some() {
         conds.insert(1, Cond::OtherBaseline);
@@ -346,11 +346,8 @@ fn conn(ctx: &Ctx, loads: &mut Vec<f64>) -> anyhow::Result<ConnResults> {
         loads.push(load1());
         let plain = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load)?;
         let (tracer, _) = shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[svc], &[])?;
-        let traced = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load);
-        // The last replies and the client's reactions still have to be read.
-        std::thread::sleep(Duration::from_millis(300));
-        let done = shared::stop_nattrace(tracer)?;
-        let traced = traced?;
+        let traced = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load)?;
+        let done = shared::stop_nattrace_after(tracer, traced.attempted)?;
         let check = shared::count_check(&done, &ctx.addrs, &traced, true);
         let mut dump = start_tcpdump(ctx.lab, &file)?;
         let dumped = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load);
@@ -397,8 +394,10 @@ fn conn(ctx: &Ctx, loads: &mut Vec<f64>) -> anyhow::Result<ConnResults> {
         &["--reply-timeout", "1000"],
     )?;
     let run = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &small);
-    std::thread::sleep(Duration::from_millis(300));
-    let done = shared::stop_nattrace(tracer)?;
+    let done = match &run {
+        Ok(r) => shared::stop_nattrace_after(tracer, r.attempted),
+        Err(_) => shared::stop_nattrace(tracer),
+    }?;
     ctx.lab.run(
         NODE,
         &["sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1"],

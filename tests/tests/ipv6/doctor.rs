@@ -4,7 +4,7 @@
 //! address.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::*;
 use lab::tracer::doctor;
@@ -103,11 +103,10 @@ fn root_ipv6_doctor_checks() {
     // takes the router's RA and learns a default route from it.
     set(&lab, "ipv6/conf/eth0/accept_ra", "2");
     advertise(&lab, "1800");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while ra_routes(&lab).is_empty() {
-        assert!(Instant::now() < deadline, "the RA taught no default route");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    lab::wait::until_true("a default route from the RA", lab::wait::FAIL_AFTER, || {
+        !ra_routes(&lab).is_empty()
+    })
+    .unwrap();
     let (_, report) = doctor(&lab, presets::NODE_A);
     assert_eq!(severity(&report, "ipv6_accept_ra"), "ok", "{report}");
 
@@ -115,8 +114,16 @@ fn root_ipv6_doctor_checks() {
     // (a lifetime of 0 would withdraw the route), so the route is never
     // refreshed again — the pitfall doctor names.
     set(&lab, "ipv6/conf/eth0/accept_ra", "1");
+    let received = || lab::wait::snmp6(&lab, presets::NODE_A, "Icmp6InRouterAdvertisements");
+    let before = received().unwrap();
     advertise(&lab, "0");
-    std::thread::sleep(Duration::from_millis(300));
+    // The node received it: icmpv6_rcv counts it, then hands it to
+    // ndisc_rcv in the same softirq, which ignores it (accept_ra=1 while
+    // forwarding) — the route is then as the RA left it.
+    lab::wait::until_true("the node receiving the RA", lab::wait::FAIL_AFTER, || {
+        received().unwrap() > before
+    })
+    .unwrap();
     assert!(
         !ra_routes(&lab).is_empty(),
         "the ignored RA withdrew the route"
@@ -129,14 +136,12 @@ fn root_ipv6_doctor_checks() {
     // With accept_ra=2 the same RA is taken: lifetime 0 withdraws it.
     set(&lab, "ipv6/conf/eth0/accept_ra", "2");
     advertise(&lab, "0");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !ra_routes(&lab).is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "the accepted RA did not withdraw the route"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    lab::wait::until_true(
+        "the accepted RA withdrawing the route",
+        lab::wait::FAIL_AFTER,
+        || ra_routes(&lab).is_empty(),
+    )
+    .unwrap();
 }
 
 /// What a dual-stack node could have changed by doctor or a trace on the
@@ -182,8 +187,6 @@ fn root_ipv6_doctor_and_trace_change_nothing_on_a_dual_stack_legacy_node() {
         &svc,
         "--netns",
         &ns.display().to_string(),
-        "--duration",
-        "3",
         "--output",
         "json",
     ]
@@ -193,7 +196,11 @@ fn root_ipv6_doctor_and_trace_change_nothing_on_a_dual_stack_legacy_node() {
         .expect("starting nattrace");
     tracer.wait_started(Duration::from_secs(30)).unwrap();
     assert!(curl(&lab, presets::CLIENT_POD, web6()).is_some());
-    let done = tracer.wait(Duration::from_secs(33)).unwrap();
+    // Stopped once the connection is decided, not after a --duration it
+    // could outlast on a loaded machine.
+    tracer.wait_flows(1, lab::wait::FAIL_AFTER).unwrap();
+    tracer.terminate();
+    let done = tracer.wait(Duration::from_secs(30)).unwrap();
     assert_eq!(done.status.code(), Some(0), "{}", done.describe());
     assert_eq!(snapshot(), before, "a trace changed the node");
 }

@@ -15,7 +15,6 @@ use lab::{PodSpec, Protocol, ServiceSpec};
 use serde_json::Value;
 
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
-const TRACE_SECS: u64 = 4;
 
 fn dns6() -> IpAddr {
     service_ip6(presets::DNS_SERVICE_IP).into()
@@ -49,8 +48,6 @@ fn trace(lab: &Lab, node: &str, svcs: &[String], traffic: impl FnOnce()) -> Fini
         [
             "--netns",
             &ns.display().to_string(),
-            "--duration",
-            &TRACE_SECS.to_string(),
             "--reply-timeout",
             "1000",
             "--output",
@@ -64,9 +61,7 @@ fn trace(lab: &Lab, node: &str, svcs: &[String], traffic: impl FnOnce()) -> Fini
         .wait_started(ATTACH_TIMEOUT)
         .unwrap_or_else(|e| panic!("{e:#}"));
     traffic();
-    tracer
-        .wait(Duration::from_secs(TRACE_SECS) + ATTACH_TIMEOUT)
-        .unwrap_or_else(|e| panic!("{e:#}"))
+    tracer.finish().unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 fn flows(done: &Finished) -> Vec<Value> {

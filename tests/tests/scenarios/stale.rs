@@ -13,9 +13,6 @@ use super::*;
 const BACKEND_2_POD: &str = "backend-2";
 const BACKEND_2_IP: Ipv4Addr = Ipv4Addr::new(100, 96, 54, 248);
 
-/// The reply timeout of these traces (1 s) is shorter than neighbour
-/// resolution takes to fail (3 s): the situation.
-const STALE_TRACE_SECS: &str = "8";
 const CURL_MAX: Duration = Duration::from_secs(5);
 
 /// Traces the web Service on node-a while the client curls it once (at most
@@ -30,25 +27,18 @@ fn trace_curl_with(lab: &Lab, record: &str, args: &[&str]) -> (Finished, bool) {
     let mut extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     extra.extend(args);
     let mut worked = false;
-    let done = trace_for(
-        lab,
-        presets::NODE_A,
-        &web_svc(),
-        &extra,
-        STALE_TRACE_SECS,
-        || {
-            worked = lab
-                .http_get(
-                    presets::CLIENT_POD,
-                    presets::WEB_SERVICE_IP,
-                    presets::WEB_PORT,
-                    CURL_MAX,
-                )
-                .expect("running curl")
-                .status
-                .success();
-        },
-    );
+    let done = trace(lab, presets::NODE_A, &web_svc(), &extra, || {
+        worked = lab
+            .http_get(
+                presets::CLIENT_POD,
+                presets::WEB_SERVICE_IP,
+                presets::WEB_PORT,
+                CURL_MAX,
+            )
+            .expect("running curl")
+            .status
+            .success();
+    });
     (done, worked)
 }
 
@@ -333,12 +323,11 @@ fn root_retransmit_attempts_in_text() {
     alternate_endpoints(&lab, presets::NODE_A);
     lab.delete_pod(presets::BACKEND_POD)
         .expect("deleting the pod");
-    let done = trace_for(
+    let done = trace(
         &lab,
         presets::NODE_A,
         &web_svc(),
         &["--output", "text"],
-        STALE_TRACE_SECS,
         || {
             assert!(curl_max(&lab, CURL_MAX));
         },
@@ -407,24 +396,17 @@ fn root_deleted_dns_backend_neighbour_fails() {
     let extra = lab::tracer::record_args(Some("stale_dns"));
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let mut answered = true;
-    let done = trace_for(
-        &lab,
-        presets::NODE_A,
-        &svc,
-        &extra,
-        STALE_TRACE_SECS,
-        || {
-            let out = lab
-                .dig(
-                    presets::CLIENT_POD,
-                    presets::DNS_SERVICE_IP,
-                    presets::DNS_NAME,
-                    CURL_MAX,
-                )
-                .expect("running dig");
-            answered = String::from_utf8_lossy(&out.stdout).contains("ANSWER SECTION");
-        },
-    );
+    let done = trace(&lab, presets::NODE_A, &svc, &extra, || {
+        let out = lab
+            .dig(
+                presets::CLIENT_POD,
+                presets::DNS_SERVICE_IP,
+                presets::DNS_NAME,
+                CURL_MAX,
+            )
+            .expect("running dig");
+        answered = String::from_utf8_lossy(&out.stdout).contains("ANSWER SECTION");
+    });
     assert!(!answered, "the deleted DNS pod cannot answer");
     let f = done.only_flow();
     let dead = format!("{}:53", presets::DNS_POD_IP);

@@ -94,13 +94,8 @@ fn run_and_check(lab: &Lab, before: &str, stop: Stop, envs: &[(&str, &str)]) -> 
         Stop::Sigterm => &[],
     };
     let mut tracer: Nattrace = start(&args(lab, &[web_svc()], extra), envs);
-    // Some traffic, so the programs have run on real packets.
-    let _ = lab.http_get(
-        presets::CLIENT_POD,
-        presets::WEB_SERVICE_IP,
-        presets::WEB_PORT,
-        Duration::from_secs(1),
-    );
+    // Looked at first: with --duration 2, a loaded machine's curl could
+    // outlast the run.
     let objects = bpf_objects(tracer.pid());
     assert!(
         objects
@@ -115,6 +110,13 @@ fn run_and_check(lab: &Lab, before: &str, stop: Stop, envs: &[(&str, &str)]) -> 
             "{what}: the clsact fallback should show in tc while tracing"
         );
     }
+    // Some traffic, so the programs have run on real packets.
+    let _ = lab.http_get(
+        presets::CLIENT_POD,
+        presets::WEB_SERVICE_IP,
+        presets::WEB_PORT,
+        Duration::from_secs(1),
+    );
     if let Stop::Sigterm = stop {
         tracer.terminate();
     }

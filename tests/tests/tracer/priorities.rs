@@ -7,7 +7,6 @@
 //! decide every flow right; and it must not disturb the node's own rules.
 
 use std::collections::BTreeSet;
-use std::time::Duration;
 
 use lab::Lab;
 use lab::presets::{self, Backend, Seed000};
@@ -159,6 +158,14 @@ fn start_json_with(
     (t, start)
 }
 
+/// The one child of process `pid` (`/proc/PID/task/PID/children`).
+fn only_child(pid: u32) -> Option<u32> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).ok()?;
+    let mut kids = text.split_whitespace().filter_map(|p| p.parse().ok());
+    let first = kids.next()?;
+    kids.next().is_none().then_some(first)
+}
+
 /// point → (priority, default) from a start line.
 fn priorities(start: &Value) -> Vec<(String, i64, i64)> {
     start["nf_priorities"]
@@ -266,14 +273,8 @@ fn root_attaches_beside_hooks_at_every_default_priority_and_verdicts_hold() {
     for (broken, base) in [(true, 46000), (false, 46100)] {
         let lab = busy_node(!broken);
         let local_ports = ports(base, 4);
-        let (mut t, start) = start_json(
-            &args(
-                &lab,
-                &[web_svc()],
-                &["--duration", "4", "--reply-timeout", "1000"],
-            ),
-            &[],
-        );
+        let (mut t, start) =
+            start_json(&args(&lab, &[web_svc()], &["--reply-timeout", "1000"]), &[]);
         let prios = priorities(&start);
         assert_between_landmarks(&prios, &start);
         let busy: BTreeSet<(&str, i64)> = BUSY.iter().map(|(h, p)| (*h, i64::from(*p))).collect();
@@ -289,7 +290,7 @@ fn root_attaches_beside_hooks_at_every_default_priority_and_verdicts_hold() {
         let got = curl_web(&lab, &local_ports);
         assert_eq!(got, if broken { 0 } else { local_ports.len() });
         let done = t
-            .wait(Duration::from_secs(4) + ATTACH_TIMEOUT)
+            .finish_after_flows(local_ports.len())
             .unwrap_or_else(|e| panic!("{e:#}"));
         assert_seed000_flows(&done, &local_ports, broken);
 
@@ -335,7 +336,7 @@ fn root_two_instances_on_one_node_report_the_same_flows() {
             .map(String::from)
             .to_vec();
         in_container.push(nattrace().display().to_string());
-        in_container.extend(args(&lab, &[web_svc()], &extra("7")));
+        in_container.extend(args(&lab, &[web_svc()], &extra("60")));
         let (mut second, second_start) =
             start_json_with(std::path::Path::new("unshare"), &in_container, envs);
         let (a, b) = (priorities(&first_start), priorities(&second_start));
@@ -348,10 +349,15 @@ fn root_two_instances_on_one_node_report_the_same_flows() {
             0,
             "{mode}: seed 000 is broken"
         );
+        // Both decided every connection (a stop before its reply timeout
+        // would cut them short).
+        for t in [&mut first, &mut second] {
+            t.wait_flows(local_ports.len(), lab::wait::FAIL_AFTER)
+                .unwrap_or_else(|e| panic!("{mode}: {e:#}"));
+        }
         // The first (which created the clsact qdiscs) leaves first: the
         // qdiscs stay for the second's filters, and the second, leaving
         // last, removes them.
-        std::thread::sleep(Duration::from_millis(1500));
         first.terminate();
         let first = first
             .wait(ATTACH_TIMEOUT)
@@ -368,8 +374,14 @@ fn root_two_instances_on_one_node_report_the_same_flows() {
                 "the first instance's exit removed the second's filters:\n{still}"
             );
         }
+        // unshare does not pass SIGTERM on: signal the nattrace it forked.
+        let in_ns = lab::wait::until("the nattrace unshare forked", lab::wait::FAIL_AFTER, || {
+            only_child(second.pid())
+        })
+        .unwrap();
+        unsafe { libc::kill(in_ns as i32, libc::SIGTERM) };
         let second = second
-            .wait(Duration::from_secs(7) + ATTACH_TIMEOUT)
+            .wait(ATTACH_TIMEOUT)
             .unwrap_or_else(|e| panic!("{e:#}"));
         assert!(
             !second
@@ -399,14 +411,8 @@ fn root_rules_restored_after_attach_neither_break_nor_are_broken() {
         }));
         let nat = lab.iptables_save(presets::NODE_A).expect("iptables-save");
         let local_ports = ports(base, 4);
-        let (mut t, start) = start_json(
-            &args(
-                &lab,
-                &[web_svc()],
-                &["--duration", "5", "--reply-timeout", "1000"],
-            ),
-            &[],
-        );
+        let (mut t, start) =
+            start_json(&args(&lab, &[web_svc()], &["--reply-timeout", "1000"]), &[]);
         let prios = priorities(&start);
         // kube-proxy's resync: whole tables rewritten (nat flushed and
         // reloaded, filter and mangle created), and another tool's nft
@@ -429,7 +435,7 @@ fn root_rules_restored_after_attach_neither_break_nor_are_broken() {
             "curl through the Service (broken: {broken})"
         );
         let done = t
-            .wait(Duration::from_secs(5) + ATTACH_TIMEOUT)
+            .finish_after_flows(local_ports.len())
             .unwrap_or_else(|e| panic!("{e:#}"));
         assert_seed000_flows(&done, &local_ports, broken);
     }
@@ -451,7 +457,7 @@ fn root_clsact_exit_keeps_a_filter_added_mid_run() {
         .unwrap_or_default()
     };
     let (mut t, _) = start_json(
-        &args(&lab, &[web_svc()], &["--duration", "2"]),
+        &args(&lab, &[web_svc()], &[]),
         &[("NATTRACE_FORCE_CLSACT", "1")],
     );
     assert!(show(&lab).contains("tc_ingress"), "{}", show(&lab));
@@ -476,6 +482,8 @@ fn root_clsact_exit_keeps_a_filter_added_mid_run() {
         ],
     )
     .expect("foreign filter");
+    // Stopped once the foreign filter is in (a --duration could end first).
+    t.terminate();
     let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
     assert_eq!(done.status.code(), Some(0), "{}", done.describe());
     let left = show(&lab);
@@ -547,17 +555,10 @@ fn root_a_filter_forward_drop_is_reported_after_the_forward_hop() {
     )
     .expect("DROP rule");
     let local_ports = ports(49000, 3);
-    let (mut t, _) = start_json(
-        &args(
-            &lab,
-            &[web_svc()],
-            &["--duration", "4", "--reply-timeout", "1000"],
-        ),
-        &[],
-    );
+    let (mut t, _) = start_json(&args(&lab, &[web_svc()], &["--reply-timeout", "1000"]), &[]);
     assert_eq!(curl_web(&lab, &local_ports), 0, "the DROP rule holds");
     let done = t
-        .wait(Duration::from_secs(4) + ATTACH_TIMEOUT)
+        .finish_after_flows(local_ports.len())
         .unwrap_or_else(|e| panic!("{e:#}"));
     assert_eq!(done.status.code(), Some(1), "{}", done.describe());
     let flows = flows(&done);

@@ -100,15 +100,14 @@ fn stop_while_stalled(lab: &lab::Lab, before: &str, signal: i32, name: &str) {
         text
     });
     // The first stdout line is written once everything is attached.
-    let deadline = Instant::now() + ATTACH_TIMEOUT;
-    while stdout.pending() == 0 {
+    lab::wait::until_true("nattrace's start line", ATTACH_TIMEOUT, || {
         assert!(
             child.try_wait().expect("try_wait").is_none(),
             "nattrace exited early"
         );
-        assert!(Instant::now() < deadline, "nattrace never started");
-        thread::sleep(Duration::from_millis(50));
-    }
+        stdout.pending() > 0
+    })
+    .unwrap_or_else(|e| panic!("{e:#}"));
     let objects = bpf_objects(child.id());
     // Until every FIFO is full and lines are being dropped.
     for _ in 0..60 {
@@ -119,16 +118,20 @@ fn stop_while_stalled(lab: &lab::Lab, before: &str, signal: i32, name: &str) {
             Duration::from_secs(1),
         );
     }
-    thread::sleep(Duration::from_millis(600));
-    // Well past what a write(2) that blocks leaves in a 64 KiB pipe.
+    // Well past what a write(2) that blocks leaves in a 64 KiB pipe: the
+    // writers caught up with the traffic and are stuck.
     let full = 32 * 1024;
-    assert!(
-        stdout.pending() >= full && write.pending() >= full && pcap.pending() >= full,
-        "the FIFOs should be full by now: stdout {}, write {}, pcap {}",
-        stdout.pending(),
-        write.pending(),
-        pcap.pending()
-    );
+    lab::wait::until_true("every FIFO full", lab::wait::FAIL_AFTER, || {
+        stdout.pending() >= full && write.pending() >= full && pcap.pending() >= full
+    })
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e:#}: stdout {}, write {}, pcap {}",
+            stdout.pending(),
+            write.pending(),
+            pcap.pending()
+        )
+    });
     assert!(child.try_wait().expect("try_wait").is_none());
 
     let sent = Instant::now();

@@ -328,6 +328,21 @@ impl Collector {
         self.live
     }
 
+    /// Flows first seen at or before `ts_ns` and not yet decided, plus those
+    /// decided and not yet handed out by `tick`: what a SIGUSR1 "finish"
+    /// waits for (session/live.rs). Later flows do not count, so traffic
+    /// that never stops cannot hold a finish off. A scan, done only while
+    /// finishing.
+    pub fn undecided_before(&self, ts_ns: u64) -> usize {
+        self.ready.len()
+            + self
+                .slots
+                .iter()
+                .filter_map(|s| s.flow.as_ref())
+                .filter(|f| !f.reported && f.first_ts <= ts_ns)
+                .count()
+    }
+
     /// Heap bytes held by the collector's tables (allocator overhead aside),
     /// for the memory budget benchmark. Not counted: reports decided and
     /// not yet handed out by `tick` (~6 KiB each for a 32-event flow).

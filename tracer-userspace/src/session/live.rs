@@ -7,7 +7,8 @@ use tokio::signal::unix::Signal;
 use tracer_common::PacketEvent;
 
 use super::{
-    SessionError, SessionOptions, Stop, finish, header, push, second_signal, start_gathering,
+    SessionError, SessionOptions, Stop, finish, header, monotonic_ns, push, second_signal,
+    start_gathering,
     steps::{
         detach, drain_outputs, interface_names, on_tick, open_output_files, open_outputs,
         pull_held, release_deleted_netns, remove_leftovers, say_start_notes, until,
@@ -87,12 +88,16 @@ impl Live {
     }
 
     /// Feeds events to the collector until a signal, the duration or the
-    /// traced namespace's deletion ends the session.
+    /// traced namespace's deletion ends the session. SIGUSR1 ("finish")
+    /// ends it once every flow seen before it has its verdict, as a
+    /// `--duration` would: after a known burst of traffic, a stop that
+    /// neither cuts verdicts short (SIGTERM) nor guesses a time.
     pub(super) async fn event_loop(
         &mut self,
         duration: Option<Duration>,
         sigint: &mut Signal,
         sigterm: &mut Signal,
+        finish: &mut Signal,
     ) -> Result<Stop, SessionError> {
         let Live {
             tracer,
@@ -110,6 +115,8 @@ impl Live {
         let mut ticker = tokio::time::interval(Duration::from_millis(200));
         let mut last_lost = 0u64;
         let mut ticks = 0u64;
+        // SIGUSR1's time (the events' clock): flows seen by then are awaited.
+        let mut finishing: Option<u64> = None;
         // Tests force ring-buffer overflow by reading slowly.
         let stall = std::env::var("NATTRACE_TEST_STALL_MS")
             .ok()
@@ -148,7 +155,13 @@ impl Live {
                         &mut last_lost,
                         ticks.is_multiple_of(5),
                     )?;
+                    // After this tick's drain and decisions: what was seen
+                    // before the signal is in, and decided.
+                    if finishing.is_some_and(|t| collector.undecided_before(t) == 0) {
+                        break Stop::Duration;
+                    }
                 }
+                _ = finish.recv(), if finishing.is_none() => finishing = Some(monotonic_ns()),
                 _ = sigint.recv() => break Stop::Signal,
                 _ = sigterm.recv() => break Stop::Signal,
                 _ = &mut until_deadline => break Stop::Duration,

@@ -108,9 +108,10 @@ async fn run_async(options: SessionOptions) -> Result<Outcome, SessionError> {
     // the default disposition (exit without unwinding) would not.
     let mut sigint = signal(SignalKind::interrupt()).map_err(SessionError::Runtime)?;
     let mut sigterm = signal(SignalKind::terminate()).map_err(SessionError::Runtime)?;
+    let mut sigusr1 = signal(SignalKind::user_defined1()).map_err(SessionError::Runtime)?;
     let mut live = Live::start(&options)?;
     let stop = live
-        .event_loop(options.duration, &mut sigint, &mut sigterm)
+        .event_loop(options.duration, &mut sigint, &mut sigterm, &mut sigusr1)
         .await?;
     live.shut_down(stop, &mut sigint, &mut sigterm).await
 }

@@ -1,4 +1,4 @@
-//! Booting a guest under QEMU: console streaming, timeout, and making sure every
+//! Booting a guest under QEMU: console streaming, a hang timeout, and making sure every
 //! qemu we started is gone when vm-test ends, however it ends.
 //!
 //! Other qemus may run on the machine, so we only ever signal the pids we spawned.
@@ -57,6 +57,10 @@ pub struct Vm<'a> {
     pub vmlinux: &'a Path,
     pub initramfs: &'a Path,
     pub log: PathBuf,
+    /// How long the guest may print nothing on its console before it is
+    /// killed as hung. A bound on silence, not on the whole run: under TCG on
+    /// a loaded host a working guest is slow, but it keeps printing (boot,
+    /// then one line per check).
     pub timeout: Duration,
     /// Set by another VM's failure when the run should stop early.
     pub abort: &'a AtomicBool,
@@ -127,12 +131,20 @@ pub fn boot(vm: &Vm) -> Result<Outcome> {
         running.push(child.id());
         child
     };
-    let out = stream(vm.label, child.stdout.take().unwrap(), log.clone(), start);
+    let last_line = std::sync::Arc::new(Mutex::new(Instant::now()));
+    let out = stream(
+        vm.label,
+        child.stdout.take().unwrap(),
+        log.clone(),
+        start,
+        last_line.clone(),
+    );
     let err = stream(
         &format!("{} qemu", vm.label),
         child.stderr.take().unwrap(),
         log,
         start,
+        last_line.clone(),
     );
 
     let mut timed_out = false;
@@ -141,7 +153,7 @@ pub fn boot(vm: &Vm) -> Result<Outcome> {
         if let Some(st) = reap(&mut child, false)? {
             break Some(st);
         }
-        if start.elapsed() > vm.timeout {
+        if last_line.lock().unwrap().elapsed() > vm.timeout {
             timed_out = true;
         } else if vm.abort.load(Ordering::Relaxed) {
             aborted = true;
@@ -156,7 +168,7 @@ pub fn boot(vm: &Vm) -> Result<Outcome> {
     let _ = err.join();
     if timed_out {
         println!(
-            "[{}] vm-test: killed after {:?} (timeout)",
+            "[{}] vm-test: killed after {:?} without a console line (hung)",
             vm.label, vm.timeout
         );
     }
@@ -198,6 +210,7 @@ fn stream(
     pipe: impl Read + Send + 'static,
     log: std::sync::Arc<Mutex<File>>,
     start: Instant,
+    last_line: std::sync::Arc<Mutex<Instant>>,
 ) -> thread::JoinHandle<Seen> {
     let prefix = format!("[{label}] ");
     thread::spawn(move || {
@@ -205,6 +218,7 @@ fn stream(
         let mut reader = BufReader::new(pipe);
         let mut buf = Vec::new();
         while matches!(reader.read_until(b'\n', &mut buf), Ok(n) if n > 0) {
+            *last_line.lock().unwrap() = Instant::now();
             let line = printable(&String::from_utf8_lossy(&buf));
             let line = line.as_str();
             if seen.boot.is_none() && line.starts_with(BOOTED_MARKER) {

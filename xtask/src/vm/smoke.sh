@@ -58,7 +58,14 @@ check "ping pa -> pb across the bridge" in_ns pa ping -c 1 -W 3 10.99.0.3
 # timeout: a server that never sees its client must not hang the guest.
 timeout 10 /usr/sbin/ip netns exec pb sh -c 'echo pong | nc -l -p 8080 > /tmp/server.got' &
 server=$!
-sleep 1
+# Until it listens (8080 = 0x1F90, state 0A = LISTEN in /proc/net/tcp), not a
+# fixed sleep: an emulated guest on a loaded host can take longer than any.
+tries=0
+until /usr/sbin/ip netns exec pb grep -q ':1F90 00000000:0000 0A' /proc/net/tcp; do
+    tries=$((tries + 1))
+    [ "$tries" -ge 500 ] && break
+    sleep 0.02 2>/dev/null || sleep 1
+done
 check "TCP pa -> Service 10.96.0.10:80 -> pb:8080 (DNAT + reverse NAT)" \
     sh -c 'echo ping | /usr/sbin/ip netns exec pa nc -w 3 10.96.0.10 80 | grep -q pong'
 wait $server
