@@ -32,6 +32,8 @@ mod cleanup;
 mod input;
 #[path = "tracer/many.rs"]
 mod many;
+#[path = "tracer/metrics_clients.rs"]
+mod metrics_clients;
 #[path = "tracer/netns_denied.rs"]
 mod netns_denied;
 #[path = "tracer/netns_gone.rs"]
