@@ -28,6 +28,8 @@ macro_rules! require_root {
 // Below the macro, so its textual scope reaches them.
 #[path = "tracer/cleanup.rs"]
 mod cleanup;
+#[path = "tracer/cleanup_clsact.rs"]
+mod cleanup_clsact;
 #[path = "tracer/input.rs"]
 mod input;
 #[path = "tracer/many.rs"]
