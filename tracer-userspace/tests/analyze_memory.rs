@@ -45,6 +45,7 @@ fn header() -> Header {
         node: None,
         all_services: false,
         max_flows: Some(MAX_FLOWS),
+        traced_since_ns: None,
     }
 }
 

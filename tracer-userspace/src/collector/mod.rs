@@ -47,6 +47,8 @@ mod tests_store;
 #[cfg(test)]
 mod tests_tracepoints;
 #[cfg(test)]
+mod tests_unseen;
+#[cfg(test)]
 mod tests_watch;
 
 use std::{
@@ -115,6 +117,9 @@ pub struct CollectorConfig {
     /// `--all-services`: every Service port in `kube_proxy` is traced too
     /// (and follows [`Collector::update_rules`]).
     pub all_services: bool,
+    /// When every program was attached (event clock): a flow whose first
+    /// event is older may have passed hooks not attached yet.
+    pub traced_since_ns: u64,
 }
 
 impl Default for CollectorConfig {
@@ -133,6 +138,7 @@ impl Default for CollectorConfig {
             max_events_per_flow: 256,
             kube_proxy: KubeProxyRules::default(),
             all_services: false,
+            traced_since_ns: 0,
         }
     }
 }
@@ -621,7 +627,8 @@ impl Collector {
             self.evict_oldest(ev.ts_ns);
         }
         self.compact();
-        let flow = Flow::new(ev);
+        let mut flow = Flow::new(ev);
+        flow.opening_seen &= ev.ts_ns >= self.cfg.traced_since_ns;
         let pair = PairKey::of(ev);
         let idx = match self.free.pop() {
             Some(i) => i,

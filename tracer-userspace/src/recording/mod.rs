@@ -111,6 +111,10 @@ pub struct Header {
     /// `--max-flows`: the collector's flow limit (evictions change verdicts).
     #[serde(default)]
     pub max_flows: Option<usize>,
+    /// When every program was attached (CLOCK_MONOTONIC ns, the events'
+    /// clock): flows whose first event is older are `opening_seen: false`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traced_since_ns: Option<u64>,
 }
 
 impl Header {
@@ -151,6 +155,7 @@ impl Header {
             drop_reasons,
             kube_proxy: self.kube_proxy.clone(),
             all_services: self.all_services,
+            traced_since_ns: self.traced_since_ns.unwrap_or(0),
             max_live_flows: self
                 .max_flows
                 .unwrap_or(CollectorConfig::default().max_live_flows)

@@ -32,6 +32,7 @@ fn header() -> Header {
         node: None,
         all_services: false,
         max_flows: None,
+        traced_since_ns: None,
     }
 }
 

@@ -249,6 +249,7 @@ fn header(
     for tool in &inputs.kube_proxy.missing_tools {
         eprintln!("nattrace: warning: kube-proxy's rules not read: {tool}");
     }
+    let traced_since = monotonic_ns();
     let clock = Clock {
         monotonic_ns: monotonic_ns(),
         realtime_ns: clock_ns(nix::time::ClockId::CLOCK_REALTIME),
@@ -282,6 +283,8 @@ fn header(
         node: Some(node_name(options)),
         all_services: options.continuous.all_services,
         max_flows: Some(options.continuous.max_flows),
+        // Read after Tracer::start returned: every program is attached.
+        traced_since_ns: Some(traced_since),
     }
 }
 
