@@ -44,6 +44,8 @@ mod netns_gone;
 mod priorities;
 #[path = "tracer/stalled.rs"]
 mod stalled;
+#[path = "tracer/under_traffic.rs"]
+mod under_traffic;
 
 /// Loading and attaching (BTF, verifier) on a busy 2-core CI machine.
 pub(crate) const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
