@@ -28,16 +28,24 @@ macro_rules! require_root {
 // Below the macro, so its textual scope reaches them.
 #[path = "tracer/cleanup.rs"]
 mod cleanup;
+#[path = "tracer/cleanup_clsact.rs"]
+mod cleanup_clsact;
 #[path = "tracer/input.rs"]
 mod input;
 #[path = "tracer/many.rs"]
 mod many;
+#[path = "tracer/metrics_clients.rs"]
+mod metrics_clients;
+#[path = "tracer/netns_denied.rs"]
+mod netns_denied;
 #[path = "tracer/netns_gone.rs"]
 mod netns_gone;
 #[path = "tracer/priorities.rs"]
 mod priorities;
 #[path = "tracer/stalled.rs"]
 mod stalled;
+#[path = "tracer/under_traffic.rs"]
+mod under_traffic;
 
 /// Loading and attaching (BTF, verifier) on a busy 2-core CI machine.
 pub(crate) const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);

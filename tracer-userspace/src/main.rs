@@ -186,6 +186,26 @@ fn parse_netns(s: &str) -> Result<String, String> {
         std::path::Path::new("/run/netns").join(s)
     };
     let Ok(file) = std::fs::File::open(&path) else {
+        // Unopenable (e.g. another process's /proc/PID/ns/pid as a user):
+        // its name still tells a /proc/PID/ns/<kind> link of another kind.
+        let in_proc_ns = path.parent().and_then(|p| p.file_name()) == Some("ns".as_ref());
+        let kind = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        const OTHER_KINDS: [&str; 9] = [
+            "cgroup",
+            "ipc",
+            "mnt",
+            "pid",
+            "pid_for_children",
+            "time",
+            "time_for_children",
+            "user",
+            "uts",
+        ];
+        if in_proc_ns && OTHER_KINDS.contains(&kind) {
+            return Err(format!(
+                "a {kind} namespace, not a network namespace: give a name under /run/netns or a path like /proc/PID/ns/net"
+            ));
+        }
         return Ok(s.to_owned());
     };
     // Namespace files live on nsfs (include/uapi/linux/magic.h NSFS_MAGIC).

@@ -26,6 +26,8 @@ const APT_PACKAGES: &[&str] = &[
     "dnsutils",
     "tcpdump",
     "tshark",
+    // GNU time: a child's own peak RSS (tracer-userspace/tests/analyze_memory.rs)
+    "time",
     "iperf3",
     "kmod",
     // cargo xtask image, and its test (tests/tests/image.rs)

@@ -1,7 +1,9 @@
 //! One flow (client ip:port + Service ip:port + proto) across the NAT: its
 //! packets, each with the events seen at every observation point, and what
 //! those events taught us (backend, masquerade address, where the client is).
-use tracer_common::{PacketEvent, event_flags, hook, nat_stage, nf_hook, proto, tcp_flags};
+use tracer_common::{
+    PacketEvent, direction, event_flags, hook, nat_stage, nf_hook, proto, tcp_flags,
+};
 
 use super::{
     drop_reason::KnownReasons,
@@ -123,6 +125,10 @@ pub(crate) struct Flow {
     pub truncated: bool,
     /// Pushed out by the live-flow limit before its verdict was certain.
     pub evicted: bool,
+    /// Its first event was the opening request (a SYN, a UDP request) from
+    /// the client, once every program was attached: else a missing reply
+    /// proves nothing ([`super::Verdict::Unseen`]).
+    pub opening_seen: bool,
     /// The kernel holds its next events (event_flags::HOLDING) until the
     /// flow proves healthy or not, or userspace pulls them at its deadline.
     pub held: bool,
@@ -156,6 +162,14 @@ impl Flow {
             reported: false,
             truncated: false,
             evicted: false,
+            opening_seen: ev.direction == direction::REQUEST
+                && match ev.proto {
+                    proto::TCP => {
+                        ev.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK | tcp_flags::RST)
+                            == tcp_flags::SYN
+                    }
+                    _ => true,
+                },
             held: false,
             packets: Vec::with_capacity(4),
             // Grown as needed (4, 8, 16, ...): a healthy flow whose hops the

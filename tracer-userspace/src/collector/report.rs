@@ -97,6 +97,8 @@ pub struct FlowReport {
     /// Events may be missing (kernel loss, eviction): the verdict is not
     /// confirmed and absence-based causes are withheld.
     pub incomplete: bool,
+    /// Its opening request was seen (see `Flow::opening_seen`).
+    pub opening_seen: bool,
     /// The flow had more packets than the evidence cap; later ones are not listed.
     pub truncated: bool,
     pub first_ts_ns: u64,
@@ -190,6 +192,7 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         cause,
         detail,
         incomplete,
+        opening_seen: flow.opening_seen,
         truncated: flow.truncated,
         first_ts_ns: flow.first_ts,
         decided_ts_ns: d.decided_ts,

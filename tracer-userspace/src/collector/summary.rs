@@ -10,6 +10,10 @@ pub struct VerdictCounts {
     pub no_reply: u64,
     pub dropped: u64,
     pub refused: u64,
+    /// Flows whose opening nattrace did not see, without other evidence.
+    /// Written only when some were (summary lines keep their shape).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub unseen: u64,
 }
 
 impl VerdictCounts {
@@ -20,6 +24,7 @@ impl VerdictCounts {
             Verdict::NoReply => self.no_reply,
             Verdict::Dropped => self.dropped,
             Verdict::Refused => self.refused,
+            Verdict::Unseen => self.unseen,
         }
     }
 
@@ -30,6 +35,7 @@ impl VerdictCounts {
             Verdict::NoReply => self.no_reply += 1,
             Verdict::Dropped => self.dropped += 1,
             Verdict::Refused => self.refused += 1,
+            Verdict::Unseen => self.unseen += 1,
         }
     }
 }

@@ -26,15 +26,20 @@ pub enum Verdict {
     /// The first reply reached the client reverse-NATed, but it was a RST:
     /// the backend refused the connection.
     Refused,
+    /// nattrace did not see the flow open (it began before tracing did, or
+    /// while the programs were still attaching) and nothing seen since
+    /// tells how it went: a missing reply is no evidence then.
+    Unseen,
 }
 
 impl Verdict {
-    pub const ALL: [Verdict; 5] = [
+    pub const ALL: [Verdict; 6] = [
         Verdict::Ok,
         Verdict::ReplyNotReverseNated,
         Verdict::NoReply,
         Verdict::Dropped,
         Verdict::Refused,
+        Verdict::Unseen,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -44,6 +49,7 @@ impl Verdict {
             Verdict::NoReply => "no_reply",
             Verdict::Dropped => "dropped",
             Verdict::Refused => "refused",
+            Verdict::Unseen => "unseen",
         }
     }
 }
@@ -60,6 +66,7 @@ pub(crate) fn verdict_of(flow: &Flow, known: &KnownReasons) -> Verdict {
         Some(r) if r.reverse_nated => Verdict::Ok,
         Some(_) => Verdict::ReplyNotReverseNated,
         None if first_drop(flow, known).is_some() => Verdict::Dropped,
+        None if !flow.opening_seen => Verdict::Unseen,
         None => Verdict::NoReply,
     }
 }

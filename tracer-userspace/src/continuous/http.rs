@@ -15,6 +15,15 @@ const MAX_HEAD: usize = 8 * 1024;
 /// A client that neither sends its request nor reads the answer in this
 /// long is dropped (a scrape of a few KiB takes milliseconds).
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
+/// A scraper sends its request at once: an idle connection gives its slot
+/// back after this long.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
+/// Connections answered at once; one more is accepted and closed at once.
+/// Each costs an fd, and the tracer's own (rtnetlink for new interfaces,
+/// netns, ring buffer, outputs) must never run short because of idle
+/// clients (under `--nofile=256`, 400 of them took them all). A node has a
+/// scraper or two.
+pub const MAX_CLIENTS: usize = 16;
 
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -51,6 +60,7 @@ fn prometheus_text(openmetrics: &str) -> String {
 }
 
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CLIENTS));
     loop {
         let sock = match listener.accept().await {
             Ok((sock, _)) => sock,
@@ -61,11 +71,19 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
                 continue;
             }
         };
+        // Accepted and closed rather than left in the backlog: the
+        // backlog would hold a later scraper behind idle clients.
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            log::debug!("metrics endpoint: {MAX_CLIENTS} clients already, closing one more");
+            drop(sock);
+            continue;
+        };
         let metrics = metrics.clone();
         tokio::spawn(async move {
             if let Ok(Err(e)) = tokio::time::timeout(CLIENT_TIMEOUT, answer(sock, &metrics)).await {
                 log::debug!("metrics endpoint: {e}");
             }
+            drop(slot);
         });
     }
 }
@@ -124,7 +142,10 @@ async fn answer(mut sock: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = sock.read(&mut buf).await?;
+        let Ok(n) = tokio::time::timeout(HEAD_TIMEOUT, sock.read(&mut buf)).await else {
+            return Ok(());
+        };
+        let n = n?;
         if n == 0 {
             return Ok(());
         }

@@ -22,8 +22,9 @@ pub(super) fn decide(parts: &[(&Name, &FlowReport)], packets: &[PacketEvidence])
     if let Some(d) = asymmetric_return_path(parts, packets) {
         return d;
     }
-    // A drop another node saw explains a request that got no reply.
-    if base.verdict == Verdict::NoReply
+    // A drop another node saw explains a request that got no reply (or
+    // whose opening this node did not see: the drop is positive evidence).
+    if matches!(base.verdict, Verdict::NoReply | Verdict::Unseen)
         && let Some((_, other)) = parts[1..]
             .iter()
             .find(|(_, r)| r.verdict == Verdict::Dropped)

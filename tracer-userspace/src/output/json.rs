@@ -26,6 +26,11 @@ struct JsonFlow<'a> {
     hint: Option<&'static str>,
     detail: &'a str,
     incomplete: bool,
+    /// False: nattrace did not see the flow open (started before tracing,
+    /// or while attaching); its verdict rests only on what it saw since.
+    /// Written only when false, so existing lines keep their shape.
+    #[serde(skip_serializing_if = "is_true")]
+    opening_seen: bool,
     truncated: bool,
     first_ts_ns: u64,
     decided_ts_ns: u64,
@@ -124,6 +129,7 @@ impl<W: io::Write> JsonOutput<W> {
             hint: r.cause.as_ref().map(|c| c.hint),
             detail: &r.detail,
             incomplete: r.incomplete,
+            opening_seen: r.opening_seen,
             truncated: r.truncated,
             first_ts_ns: r.first_ts_ns,
             decided_ts_ns: r.decided_ts_ns,
@@ -162,4 +168,8 @@ impl<W: io::Write> JsonOutput<W> {
     pub fn into_inner(self) -> W {
         self.out
     }
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }

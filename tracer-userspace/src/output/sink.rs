@@ -168,7 +168,8 @@ impl Outputs {
     pub fn flows(&mut self, reports: Vec<FlowReport>) -> io::Result<()> {
         for report in &reports {
             self.outcome.flows += 1;
-            if report.verdict != Verdict::Ok {
+            // An unseen opening without evidence is not a failure seen.
+            if !matches!(report.verdict, Verdict::Ok | Verdict::Unseen) {
                 self.outcome.problem_flows += 1;
             }
             if !self.stdout_lost {

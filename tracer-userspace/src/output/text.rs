@@ -48,7 +48,7 @@ impl<W: io::Write> TextOutput<W> {
 
     pub fn flow(&mut self, r: &FlowReport) -> io::Result<()> {
         let (mark, colour) = match (r.verdict, r.incomplete) {
-            (_, true) => ("?", YELLOW),
+            (_, true) | (Verdict::Unseen, _) => ("?", YELLOW),
             (Verdict::Ok, _) => ("✓", GREEN),
             _ => ("✗", RED),
         };
@@ -86,6 +86,9 @@ impl<W: io::Write> TextOutput<W> {
         }
         if r.incomplete {
             line.push_str(" (incomplete: verdict not confirmed)");
+        }
+        if !r.opening_seen {
+            line.push_str(" (opening not seen: began before tracing)");
         }
         writeln!(self.out, "{line}")?;
         if self.verbose {
@@ -171,7 +174,9 @@ impl<W: io::Write> TextOutput<W> {
         let by = Verdict::ALL
             .iter()
             // `refused` is rare: listed only when it happened.
-            .filter(|v| **v != Verdict::Refused || s.by_verdict.get(**v) > 0)
+            .filter(|v| {
+                !matches!(v, Verdict::Refused | Verdict::Unseen) || s.by_verdict.get(**v) > 0
+            })
             .map(|v| format!("{} {}", v.as_str(), s.by_verdict.get(*v)))
             .collect::<Vec<_>>()
             .join(", ");

@@ -6,9 +6,18 @@
 //! Ours = a `bpf` filter whose program name is one of nattrace's tc programs
 //! AND whose handle is [`FILTER_HANDLE`] (nobody else picks that value)
 //! AND that no live nattrace claims. Anything else is left alone. A clsact
-//! qdisc is removed only when we removed a filter from it and no filter at
-//! all is left on it: an empty clsact does nothing, and one holding someone
-//! else's filters is theirs.
+//! qdisc is removed only when nattrace created it (a mark under
+//! [`STATE_DIR`], below) and no filter at all is left on it: one that
+//! existed before (even empty) or holds someone else's filters is theirs.
+//!
+//! A qdisc carries nothing we could tag it with, so which clsact nattrace
+//! created is remembered in a file per (network namespace inode, ifindex)
+//! under [`STATE_DIR`] (tmpfs: gone at reboot, like the qdisc). The mark is
+//! written *before* the qdisc is added and removed if it existed already,
+//! so a SIGKILL at any moment leaves nothing the next start cannot clean;
+//! only a kill between the kernel's "exists" answer and the unlink (a few
+//! microseconds) would leave a mark on someone else's clsact, which is
+//! then removed only if it is empty.
 //!
 //! Live = a running nattrace (another instance tracing the same node) holds
 //! the filter's program. Two signs, either suffices: (1) the instance binds
@@ -21,8 +30,16 @@
 //! orphan of a killed nattrace.
 use std::{
     collections::HashSet,
-    io,
-    os::{linux::net::SocketAddrExt, unix::net::SocketAddr, unix::net::UnixListener},
+    io::{self, Write as _},
+    os::{
+        linux::net::SocketAddrExt,
+        unix::{
+            fs::{DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _},
+            net::SocketAddr,
+            net::UnixListener,
+        },
+    },
+    path::PathBuf,
 };
 
 use netlink_packet_core::{NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST};
@@ -81,11 +98,12 @@ fn remove_in_current(live: &HashSet<u32>) -> Result<Vec<String>, NetnsError> {
     // This runs at every start: one qdisc dump instead of two filter dumps
     // per interface, since only a clsact qdisc can hold a leftover filter.
     let with_clsact = interfaces_with_clsact()?;
-    for iface in netns::list_interfaces()? {
+    let ifaces = netns::list_interfaces()?;
+    forget_stale_marks(&ifaces, &with_clsact);
+    for iface in ifaces {
         if !with_clsact.contains(&iface.ifindex) {
             continue;
         }
-        let mut took_ours = false;
         let mut left = 0usize;
         for parent in [INGRESS, EGRESS] {
             // EINVAL/ENOENT: no clsact on this device.
@@ -98,7 +116,6 @@ fn remove_in_current(live: &HashSet<u32>) -> Result<Vec<String>, NetnsError> {
                     .is_some_and(|id| live.contains(&id) || claimed_by_live_instance(id));
                 if f.is_nattrace() && !held {
                     delete_filter(iface.ifindex, &f)?;
-                    took_ours = true;
                     removed.push(format!(
                         "tc filter {} on {}",
                         f.prog_name.as_deref().unwrap_or("?"),
@@ -109,11 +126,139 @@ fn remove_in_current(live: &HashSet<u32>) -> Result<Vec<String>, NetnsError> {
                 }
             }
         }
-        if took_ours && left == 0 && netns::delete_clsact(iface.ifindex).is_ok() {
+        // Also without a filter of ours: a kill between adding the qdisc
+        // and attaching. Not while its creator runs (it is attaching now).
+        let ours = clsact_mark(iface.ifindex)
+            .is_some_and(|m| m.name == iface.name && !process_alive(m.pid));
+        if left == 0 && ours && netns::delete_clsact(iface.ifindex).is_ok() {
+            unmark_clsact(iface.ifindex);
             removed.push(format!("clsact qdisc on {}", iface.name));
         }
     }
     Ok(removed)
+}
+
+/// Where nattrace remembers the clsact qdiscs it created (see the module
+/// comment).
+pub const STATE_DIR: &str = "/run/nattrace";
+
+/// The mark of `ifindex` in the calling thread's network namespace.
+fn mark_path(ifindex: u32) -> Option<PathBuf> {
+    let ns = std::fs::metadata("/proc/thread-self/ns/net").ok()?.ino();
+    Some(PathBuf::from(STATE_DIR).join(format!("clsact-{ns}-{ifindex}")))
+}
+
+struct Mark {
+    pid: i32,
+    name: String,
+}
+
+fn clsact_mark(ifindex: u32) -> Option<Mark> {
+    let text = std::fs::read_to_string(mark_path(ifindex)?).ok()?;
+    let (pid, name) = text.trim_end().split_once(' ')?;
+    Some(Mark {
+        pid: pid.parse().ok()?,
+        name: name.to_owned(),
+    })
+}
+
+/// Marks of this namespace whose device or qdisc is gone (deleted while
+/// nattrace ran, or after a kill): a later device with the same index and
+/// a clsact of someone else's must not look like ours.
+fn forget_stale_marks(ifaces: &[crate::facts::Interface], with_clsact: &HashSet<u32>) {
+    let Some(prefix) = mark_path(0).and_then(|p| {
+        let name = p.file_name()?.to_str()?.to_owned();
+        Some(name.strip_suffix('0')?.to_owned())
+    }) else {
+        return;
+    };
+    let Ok(dir) = std::fs::read_dir(STATE_DIR) else {
+        return;
+    };
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(ifindex) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|i| i.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let mark = clsact_mark(ifindex);
+        let current = ifaces.iter().any(|i| {
+            i.ifindex == ifindex
+                && with_clsact.contains(&ifindex)
+                && mark.as_ref().is_some_and(|m| m.name == i.name)
+        });
+        if !current && !mark.is_some_and(|m| process_alive(m.pid)) {
+            unmark_clsact(ifindex);
+        }
+    }
+}
+
+/// Whether nattrace created the clsact on `ifindex` (this instance or
+/// another one).
+pub(super) fn clsact_marked(ifindex: u32) -> bool {
+    clsact_mark(ifindex).is_some()
+}
+
+fn process_alive(pid: i32) -> bool {
+    pid > 0
+        && pid != std::process::id() as i32
+        && std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Adds a clsact qdisc to `ifindex` (calling thread's namespace), marked
+/// as nattrace's first. Ok(false) = one already existed (not ours).
+pub(super) fn add_marked_clsact(ifindex: u32, name: &str) -> Result<bool, NetnsError> {
+    let marked = mark_path(ifindex).and_then(|path| {
+        // Never over another instance's mark (it made the qdisc).
+        let write = || {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)?
+                .write_all(format!("{} {name}\n", std::process::id()).as_bytes())
+        };
+        let res = write().or_else(|e| {
+            if e.kind() == io::ErrorKind::AlreadyExists {
+                return Err(e);
+            }
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(STATE_DIR)
+                .and_then(|()| write())
+        });
+        match res {
+            Ok(()) => Some(path),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => None,
+            Err(e) => {
+                log::warn!(
+                    "cannot remember the clsact qdisc on {name} in {STATE_DIR} ({e}): \
+                     after a SIGKILL, `nattrace cleanup` would leave it (empty)"
+                );
+                None
+            }
+        }
+    });
+    let created = netns::add_clsact(ifindex);
+    if !matches!(created, Ok(true))
+        && let Some(path) = &marked
+    {
+        let _ = std::fs::remove_file(path);
+    }
+    created
+}
+
+/// Forgets the mark once the qdisc is removed.
+pub(super) fn unmark_clsact(ifindex: u32) {
+    if let Some(path) = mark_path(ifindex) {
+        let _ = std::fs::remove_file(path);
+        // Best effort: empty again, as before nattrace ran.
+        let _ = std::fs::remove_dir(STATE_DIR);
+    }
 }
 
 /// The abstract socket name a live nattrace binds for its tc program `prog_id`.

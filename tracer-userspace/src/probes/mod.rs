@@ -124,7 +124,9 @@ pub enum TraceError {
 impl From<NetnsError> for TraceError {
     fn from(e: NetnsError) -> Self {
         match e {
-            NetnsError::NotFound { .. } | NetnsError::Open { .. } => TraceError::NoSuchNetns(e),
+            NetnsError::NotFound { .. } | NetnsError::Open { .. } | NetnsError::Denied { .. } => {
+                TraceError::NoSuchNetns(e)
+            }
             other => TraceError::Kernel(other.to_string()),
         }
     }

@@ -44,6 +44,15 @@ pub enum NetnsError {
         "no network namespace '{name}' ({path} does not exist); list them with `ip netns list`"
     )]
     NotFound { name: String, path: PathBuf },
+    /// EACCES/EPERM opening or entering it: as a user, a one-line "needs
+    /// root"; as root, what hid it (e.g. another process's /proc/PID/ns
+    /// under ptrace rules).
+    #[error("cannot {action} network namespace {name}: permission denied{hint}")]
+    Denied {
+        name: String,
+        action: &'static str,
+        hint: &'static str,
+    },
     #[error("cannot open network namespace {path}: {error}")]
     Open {
         path: PathBuf,
@@ -68,12 +77,18 @@ impl Netns {
             Some(s) if s.contains('/') => (s.to_owned(), PathBuf::from(s), false),
             Some(s) => (s.to_owned(), Path::new("/run/netns").join(s), false),
         };
-        if !path.exists() {
-            return Err(NetnsError::NotFound { name, path });
-        }
-        let file = File::open(&path).map_err(|error| NetnsError::Open {
-            path: path.clone(),
-            error,
+        // Not `path.exists()`: it says false for EACCES too (e.g. a user
+        // naming /proc/1/ns/net), which read as "does not exist".
+        let file = File::open(&path).map_err(|error| match error.kind() {
+            std::io::ErrorKind::NotFound => NetnsError::NotFound {
+                name: name.clone(),
+                path: path.clone(),
+            },
+            std::io::ErrorKind::PermissionDenied => denied(&name, "open"),
+            _ => NetnsError::Open {
+                path: path.clone(),
+                error,
+            },
         })?;
         let meta = file.metadata().map_err(|error| NetnsError::Open {
             path: path.clone(),
@@ -98,9 +113,13 @@ impl Netns {
         std::thread::scope(|s| {
             s.spawn(|| {
                 nix::sched::setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(
-                    |error| NetnsError::Setns {
-                        name: self.name.clone(),
-                        error,
+                    |error| match error {
+                        // setns(2) wants CAP_SYS_ADMIN over the namespace.
+                        nix::Error::EPERM | nix::Error::EACCES => denied(&self.name, "enter"),
+                        error => NetnsError::Setns {
+                            name: self.name.clone(),
+                            error,
+                        },
                     },
                 )?;
                 Ok(f())
@@ -108,6 +127,20 @@ impl Netns {
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
         })
+    }
+}
+
+fn denied(name: &str, action: &'static str) -> NetnsError {
+    NetnsError::Denied {
+        name: name.to_owned(),
+        action,
+        hint: if nix::unistd::geteuid().is_root() {
+            // fs/proc/namespaces.c proc_ns_get_link: ptrace_may_access(),
+            // which Yama or an LSM can refuse to root as well.
+            " even as root: ptrace access to that process is refused (Yama or an LSM)"
+        } else {
+            "; needs root: run it with sudo"
+        },
     }
 }
 

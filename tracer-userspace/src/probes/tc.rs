@@ -178,11 +178,12 @@ impl TcAttachments {
     /// Pre-6.6 kernels: a clsact filter per program, through aya.
     fn attach_clsact(&self, ebpf: &mut Ebpf, iface: &Interface) -> Result<IfaceLinks, String> {
         let mut links = Vec::new();
-        // A clsact that holds only other nattraces' filters is treated as
-        // ours too: whichever instance leaves last removes it (when empty).
-        let own_clsact = netns::add_clsact(iface.ifindex).map_err(|e| e.to_string())?
-            || super::cleanup::clsact_filters(iface.ifindex)
-                .is_ok_and(|f| !f.is_empty() && f.iter().all(|ours| *ours));
+        // A clsact another nattrace created is treated as ours too:
+        // whichever instance leaves last removes it (when empty). One that
+        // existed before any nattrace stays.
+        let own_clsact = super::cleanup::add_marked_clsact(iface.ifindex, &iface.name)
+            .map_err(|e| e.to_string())?
+            || super::cleanup::clsact_marked(iface.ifindex);
         for &(name, attach_type) in &self.programs {
             let result = (|| {
                 let prog: &mut SchedClassifier = ebpf
@@ -537,10 +538,12 @@ fn release(ifindex: u32, links: IfaceLinks) {
     }
     // Only when empty: a filter another tool (or another nattrace) added
     // meanwhile keeps it, and with it that filter.
-    if own_clsact
-        && super::cleanup::clsact_filters(ifindex).is_ok_and(|f| f.is_empty())
-        && let Err(e) = netns::delete_clsact(ifindex)
-    {
-        log::warn!("could not remove the clsact qdisc nattrace added to {name}: {e}");
+    if own_clsact && super::cleanup::clsact_filters(ifindex).is_ok_and(|f| f.is_empty()) {
+        match netns::delete_clsact(ifindex) {
+            Ok(()) => super::cleanup::unmark_clsact(ifindex),
+            Err(e) => {
+                log::warn!("could not remove the clsact qdisc nattrace added to {name}: {e}")
+            }
+        }
     }
 }

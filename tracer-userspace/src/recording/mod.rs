@@ -121,6 +121,10 @@ pub struct Header {
     /// This file's place in its run: 1 for the first, one more per rotation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file_seq: Option<u64>,
+    /// When every program was attached (CLOCK_MONOTONIC ns, the events'
+    /// clock): flows whose first event is older are `opening_seen: false`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traced_since_ns: Option<u64>,
 }
 
 impl Header {
@@ -161,6 +165,7 @@ impl Header {
             drop_reasons,
             kube_proxy: self.kube_proxy.clone(),
             all_services: self.all_services,
+            traced_since_ns: self.traced_since_ns.unwrap_or(0),
             max_live_flows: self
                 .max_flows
                 .unwrap_or(CollectorConfig::default().max_live_flows)

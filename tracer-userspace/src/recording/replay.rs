@@ -63,7 +63,7 @@ pub fn replay<E>(
     stop_after: Option<u64>,
     mut decided: impl FnMut(Vec<FlowReport>) -> Result<(), E>,
 ) -> Result<Replayed, E> {
-    let mut c = Collector::new(config);
+    let mut c = Collector::new(config).with_report_batch(REPORT_BATCH);
     let mut last_ts = 0u64;
     let mut first = None;
     let past_stop = |first: Option<u64>, t: u64| match (first, stop_after) {
@@ -92,6 +92,7 @@ pub fn replay<E>(
                 last_ts = last_ts.max(ev.ts_ns);
                 events += 1;
                 c.push(ev);
+                drain_backlog(&mut c, &mut decided)?;
             }
             Record::Interface(i) => c.learn_interface(i.netns, i.ifindex, &i.name),
             Record::Stats(s) => {
@@ -107,6 +108,7 @@ pub fn replay<E>(
                 if !reports.is_empty() {
                     decided(reports)?;
                 }
+                drain_backlog(&mut c, &mut decided)?;
             }
             Record::Capped { bytes } => capped = Some(bytes),
             Record::Rotated { bytes } => rotated = Some(bytes),
@@ -148,6 +150,23 @@ pub fn replay<E>(
         capped,
         rotated,
     })
+}
+
+/// Decided reports handed out between ticks once this many wait: a burst
+/// of flows (10^6 evicted between two `stats` lines) is not all held.
+const REPORT_BATCH: usize = 1024;
+
+fn drain_backlog<E>(
+    c: &mut Collector,
+    decided: &mut impl FnMut(Vec<FlowReport>) -> Result<(), E>,
+) -> Result<(), E> {
+    while c.backlogged() {
+        let reports = c.resume();
+        if !reports.is_empty() {
+            decided(reports)?;
+        }
+    }
+    Ok(())
 }
 
 /// Every report of a recording and its summary, for the tests that replay

@@ -34,6 +34,7 @@ fn header() -> Header {
         max_flows: None,
         run_id: None,
         file_seq: None,
+        traced_since_ns: None,
     }
 }
 

@@ -250,6 +250,7 @@ fn header(
     for tool in &inputs.kube_proxy.missing_tools {
         crate::output::clean::warn(format_args!("kube-proxy's rules not read: {tool}"));
     }
+    let traced_since = monotonic_ns();
     let clock = Clock {
         monotonic_ns: monotonic_ns(),
         realtime_ns: clock_ns(nix::time::ClockId::CLOCK_REALTIME),
@@ -285,6 +286,8 @@ fn header(
         max_flows: Some(options.continuous.max_flows),
         run_id: None,
         file_seq: None,
+        // Read after Tracer::start returned: every program is attached.
+        traced_since_ns: Some(traced_since),
     }
 }
 

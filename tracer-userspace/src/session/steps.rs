@@ -175,7 +175,7 @@ pub(super) fn remove_leftovers(netns: Option<&str>, notices: &mut Notices) {
         )),
         Ok(_) => {}
         // Tracer::start reports a missing namespace in its one line.
-        Err(NetnsError::NotFound { .. } | NetnsError::Open { .. }) => {}
+        Err(NetnsError::NotFound { .. } | NetnsError::Open { .. } | NetnsError::Denied { .. }) => {}
         Err(err) => warn!("looking for leftovers of a killed nattrace failed: {err}"),
     }
 }

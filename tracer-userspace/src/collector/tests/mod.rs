@@ -15,6 +15,7 @@ mod scenarios;
 pub(crate) mod stale;
 mod store;
 mod tracepoints;
+mod unseen;
 mod watch;
 
 const MS: u64 = 1_000_000;
