@@ -10,8 +10,8 @@ use super::{
     SessionError, SessionOptions, Stop, finish, header, monotonic_ns, push, second_signal,
     start_gathering,
     steps::{
-        detach, drain_outputs, interface_names, on_tick, open_output_files, open_outputs,
-        pull_held, release_deleted_netns, remove_leftovers, say_start_notes, until,
+        detach, drain_outputs, interface_names, open_output_files, open_outputs,
+        release_deleted_netns, remove_leftovers, say_start_notes, until,
     },
     watch::{NetnsWatch, Notices},
 };
@@ -26,15 +26,17 @@ use crate::{
 
 /// Everything a running session holds between its phases.
 pub(super) struct Live {
-    tracer: Tracer,
-    collector: Collector,
-    continuous: Continuous,
-    recorder: Option<RecordingWriter>,
-    outputs: Outputs,
-    notices: Notices,
-    ifnames: Option<IfNameResolver>,
-    watch: Option<NetnsWatch>,
-    events: Vec<PacketEvent>,
+    pub(super) tracer: Tracer,
+    pub(super) collector: Collector,
+    pub(super) continuous: Continuous,
+    pub(super) recorder: Option<RecordingWriter>,
+    pub(super) outputs: Outputs,
+    pub(super) notices: Notices,
+    pub(super) ifnames: Option<IfNameResolver>,
+    pub(super) watch: Option<NetnsWatch>,
+    pub(super) events: Vec<PacketEvent>,
+    /// Ring-buffer losses already warned about.
+    pub(super) last_lost: u64,
 }
 
 impl Live {
@@ -84,6 +86,7 @@ impl Live {
             ifnames,
             watch,
             events: Vec::with_capacity(4096),
+            last_lost: 0,
         })
     }
 
@@ -99,21 +102,9 @@ impl Live {
         sigterm: &mut Signal,
         finish: &mut Signal,
     ) -> Result<Stop, SessionError> {
-        let Live {
-            tracer,
-            collector,
-            continuous,
-            recorder,
-            outputs,
-            notices,
-            ifnames,
-            watch,
-            events,
-        } = self;
         let until_deadline = until(duration);
         tokio::pin!(until_deadline);
         let mut ticker = tokio::time::interval(Duration::from_millis(200));
-        let mut last_lost = 0u64;
         let mut ticks = 0u64;
         // SIGUSR1's time (the events' clock): flows seen by then are awaited.
         let mut finishing: Option<u64> = None;
@@ -125,39 +116,30 @@ impl Live {
 
         let stop = loop {
             tokio::select! {
-                res = tracer.next_events(events) => {
+                res = self.tracer.next_events(&mut self.events) => {
                     if let Err(err) = res {
                         warn!("reading events failed: {err}");
                     }
-                    push(collector, recorder.as_mut(), ifnames.as_mut(), events);
+                    self.push_events();
                     if let Some(stall) = stall {
                         std::thread::sleep(stall);
                     }
                 }
                 _ = ticker.tick() => {
                     ticks += 1;
-                    if watch.as_ref().is_some_and(NetnsWatch::gone) {
+                    if self.watch.as_ref().is_some_and(NetnsWatch::gone) {
                         break Stop::NetnsGone;
                     }
                     // The kernel wakes the reader only when the ring buffer is
                     // filling: read what is there before deciding by the clock.
-                    tracer.drain(events);
-                    push(collector, recorder.as_mut(), ifnames.as_mut(), events);
+                    self.tracer.drain(&mut self.events);
+                    self.push_events();
                     // Every 5 s also buffers nobody asked for.
-                    pull_held(tracer, collector, recorder.as_mut(), ifnames.as_mut(), ticks.is_multiple_of(25));
-                    on_tick(
-                        tracer,
-                        collector,
-                        continuous,
-                        recorder.as_mut(),
-                        outputs,
-                        notices,
-                        &mut last_lost,
-                        ticks.is_multiple_of(5),
-                    )?;
+                    self.pull_held(ticks.is_multiple_of(25));
+                    self.on_tick(ticks.is_multiple_of(5))?;
                     // After this tick's drain and decisions: what was seen
                     // before the signal is in, and decided.
-                    if finishing.is_some_and(|t| collector.undecided_before(t) == 0) {
+                    if finishing.is_some_and(|t| self.collector.undecided_before(t) == 0) {
                         break Stop::Duration;
                     }
                 }
@@ -168,6 +150,16 @@ impl Live {
             }
         };
         Ok(stop)
+    }
+
+    /// The ring buffer's latest events into the collector and the recording.
+    fn push_events(&mut self) {
+        push(
+            &mut self.collector,
+            self.recorder.as_mut(),
+            self.ifnames.as_mut(),
+            &mut self.events,
+        );
     }
 
     /// The last events and verdicts, the summary, detaching, and letting the
@@ -190,6 +182,7 @@ impl Live {
             mut ifnames,
             watch,
             mut events,
+            last_lost: _,
         } = self;
         let stopped_at = Instant::now();
 

@@ -9,12 +9,11 @@ use log::warn;
 
 use super::{
     EXIT_BUDGET, OUTPUT_STALL, SLOW_DETACH_INTERFACES, SessionError, SessionOptions, Stop,
+    live::Live,
     monotonic_ns, summarize_removed,
     watch::{NetnsWatch, Notices},
 };
 use crate::{
-    collector::Collector,
-    continuous::Continuous,
     output::{
         files,
         queue::{self, Overflow},
@@ -180,94 +179,99 @@ pub(super) fn remove_leftovers(netns: Option<&str>, notices: &mut Notices) {
     }
 }
 
-/// The periodic work of the event loop after the ring buffer was drained:
-/// late tc attachments, loss warnings, the recording's stats line, decided
-/// flows out, their endpoints muted, and (every `poll_interfaces`) new
-/// interfaces picked up.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn on_tick(
-    tracer: &mut Tracer,
-    collector: &mut Collector,
-    continuous: &mut Continuous,
-    mut recorder: Option<&mut RecordingWriter>,
-    outputs: &mut Outputs,
-    notices: &mut Notices,
-    last_lost: &mut u64,
-    poll_interfaces: bool,
-) -> Result<(), SessionError> {
-    // Before the stats line: `analyze` applies a rules line where the live
-    // run did, before the tick.
-    for line in continuous.tick(tracer, collector, recorder.as_deref_mut()) {
-        notices.say(line);
-    }
-    let attached = tracer.collect_tc();
-    if attached > 0 {
-        notices.say(format_args!("tc now attached on {attached} more interfaces (their device tracepoints stood in until now)"));
-    }
-    let stats = tracer.stats();
-    if stats.ringbuf_full > *last_lost {
-        notices.warn(format_args!(
-            "{} events lost so far (ring buffer full); affected flows are marked incomplete",
-            stats.ringbuf_full
-        ));
-        *last_lost = stats.ringbuf_full;
-    }
-    let now = monotonic_ns();
-    if let Some(rec) = recorder {
-        rec.stats(StatsLine::new(now, &stats));
-        if let Some(w) = rec.take_warning() {
+/// The event loop's periodic steps, as methods of the session they work on.
+impl Live {
+    /// The periodic work of the event loop after the ring buffer was drained:
+    /// late tc attachments, loss warnings, the recording's stats line, decided
+    /// flows out, their endpoints muted, and (every `poll_interfaces`) new
+    /// interfaces picked up.
+    pub(super) fn on_tick(&mut self, poll_interfaces: bool) -> Result<(), SessionError> {
+        let Live {
+            tracer,
+            collector,
+            continuous,
+            recorder,
+            outputs,
+            notices,
+            last_lost,
+            ..
+        } = self;
+        let mut recorder = recorder.as_mut();
+        // Before the stats line: `analyze` applies a rules line where the live
+        // run did, before the tick.
+        for line in continuous.tick(tracer, collector, recorder.as_deref_mut()) {
+            notices.say(line);
+        }
+        let attached = tracer.collect_tc();
+        if attached > 0 {
+            notices.say(format_args!("tc now attached on {attached} more interfaces (their device tracepoints stood in until now)"));
+        }
+        let stats = tracer.stats();
+        if stats.ringbuf_full > *last_lost {
+            notices.warn(format_args!(
+                "{} events lost so far (ring buffer full); affected flows are marked incomplete",
+                stats.ringbuf_full
+            ));
+            *last_lost = stats.ringbuf_full;
+        }
+        let now = monotonic_ns();
+        if let Some(rec) = recorder {
+            rec.stats(StatsLine::new(now, &stats));
+            if let Some(w) = rec.take_warning() {
+                notices.warn(w);
+            }
+        }
+        collector.note_lost(stats.ringbuf_full);
+        let reports = collector.tick(now);
+        continuous.flows(&reports);
+        outputs.flows(reports).map_err(SessionError::Output)?;
+        continuous.gauges(tracer, collector, &stats, outputs.dropped_lines());
+        for w in outputs.take_warnings() {
             notices.warn(w);
         }
-    }
-    collector.note_lost(stats.ringbuf_full);
-    let reports = collector.tick(now);
-    continuous.flows(&reports);
-    outputs.flows(reports).map_err(SessionError::Output)?;
-    continuous.gauges(tracer, collector, &stats, outputs.dropped_lines());
-    for w in outputs.take_warnings() {
-        notices.warn(w);
-    }
-    for client in collector.take_mute_candidates() {
-        if let Err(err) = tracer.mute(client) {
-            warn!("could not mute a decided flow: {err}");
-        }
-    }
-    if poll_interfaces {
-        match tracer.poll_new_interfaces() {
-            Ok(names) if !names.is_empty() => {
-                notices.say(format_args!("now also tracing {}", names.join(", ")))
+        for client in collector.take_mute_candidates() {
+            if let Err(err) = tracer.mute(client) {
+                warn!("could not mute a decided flow: {err}");
             }
-            Ok(_) => {}
-            Err(err) => warn!("watching for new interfaces failed: {err}"),
         }
+        if poll_interfaces {
+            match tracer.poll_new_interfaces() {
+                Ok(names) if !names.is_empty() => {
+                    notices.say(format_args!("now also tracing {}", names.join(", ")))
+                }
+                Ok(_) => {}
+                Err(err) => warn!("watching for new interfaces failed: {err}"),
+            }
+        }
+        Ok(())
     }
-    Ok(())
-}
 
-/// Held flows whose reply deadline comes (the collector's
-/// `take_due_held`): their events are read from the kernel and go to
-/// the collector and the recording like ring-buffer events. `sweep` also
-/// pulls buffers nobody asked for (their first event was lost), once they
-/// are well past any deadline.
-pub(super) fn pull_held(
-    tracer: &mut Tracer,
-    collector: &mut Collector,
-    recorder: Option<&mut RecordingWriter>,
-    ifnames: Option<&mut IfNameResolver>,
-    sweep: bool,
-) {
-    let now = monotonic_ns();
-    let due = collector.take_due_held(now);
-    let mut events = Vec::new();
-    if !due.is_empty() {
-        tracer.pull(&due, &mut events);
-    }
-    if sweep {
-        let stale = collector.reply_timeout_ns() * 2 + 1_000_000_000;
-        tracer.pull_older(now.saturating_sub(stale), &mut events);
-    }
-    if !events.is_empty() {
-        super::push(collector, recorder, ifnames, &mut events);
+    /// Held flows whose reply deadline comes (the collector's
+    /// `take_due_held`): their events are read from the kernel and go to
+    /// the collector and the recording like ring-buffer events. `sweep` also
+    /// pulls buffers nobody asked for (their first event was lost), once they
+    /// are well past any deadline.
+    pub(super) fn pull_held(&mut self, sweep: bool) {
+        let Live {
+            tracer,
+            collector,
+            recorder,
+            ifnames,
+            ..
+        } = self;
+        let now = monotonic_ns();
+        let due = collector.take_due_held(now);
+        let mut events = Vec::new();
+        if !due.is_empty() {
+            tracer.pull(&due, &mut events);
+        }
+        if sweep {
+            let stale = collector.reply_timeout_ns() * 2 + 1_000_000_000;
+            tracer.pull_older(now.saturating_sub(stale), &mut events);
+        }
+        if !events.is_empty() {
+            super::push(collector, recorder.as_mut(), ifnames.as_mut(), &mut events);
+        }
     }
 }
 
