@@ -92,15 +92,7 @@ fn open_runs(paths: &[PathBuf]) -> Result<Vec<Run>, AnalyzeError> {
 fn warn_skipped_before_last(run: &Run) {
     let n = run.paths.len();
     for (path, reader) in run.paths.iter().zip(run.chain.readers()).take(n - 1) {
-        if let Some(first) = &reader.first_skipped {
-            crate::output::clean::warn(format_args!(
-                "recording {} has {} unreadable line(s), skipped (first at line {}: {}); flows around them are marked incomplete",
-                path.display(),
-                reader.skipped_lines,
-                first.line,
-                first.why
-            ));
-        }
+        warn_skipped(path, reader);
     }
 }
 
@@ -289,8 +281,8 @@ fn close(out: &mut Outputs) -> Outcome {
     std::mem::take(&mut out.outcome)
 }
 
-/// Lines skipped as unreadable, and a recording that stops without `end`.
-fn warn_read<R: std::io::BufRead>(path: &Path, reader: &Reader<R>, done: &Replayed) {
+/// Lines of one file skipped as unreadable, if any.
+fn warn_skipped<R: std::io::BufRead>(path: &Path, reader: &Reader<R>) {
     if let Some(first) = &reader.first_skipped {
         crate::output::clean::warn(format_args!(
             "recording {} has {} unreadable line(s), skipped (first at line {}: {}); flows around them are marked incomplete",
@@ -300,6 +292,11 @@ fn warn_read<R: std::io::BufRead>(path: &Path, reader: &Reader<R>, done: &Replay
             first.why
         ));
     }
+}
+
+/// Lines skipped as unreadable, and a recording that stops without `end`.
+fn warn_read<R: std::io::BufRead>(path: &Path, reader: &Reader<R>, done: &Replayed) {
+    warn_skipped(path, reader);
     if done.ended {
         return;
     }
