@@ -13,6 +13,7 @@ mod prefilter;
 mod skb;
 mod tc;
 mod tracepoints;
+mod watch;
 
 use aya_ebpf::{
     macros::map,

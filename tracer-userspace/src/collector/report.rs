@@ -8,6 +8,7 @@ use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
 use super::{
     causes::{self, Cause},
     drop_reason::{DropReasons, KnownReasons},
+    established::{Established, Phase},
     flow::{ClientReply, Flow},
     ifnames::IfNames,
     rules::RuleCtx,
@@ -104,6 +105,13 @@ pub struct FlowReport {
     /// Each transmission of the opening request and its backend.
     pub attempts: Vec<Attempt>,
     pub packets: Vec<PacketEvidence>,
+    /// `established`: the opening was `ok` and the connection broke later
+    /// (`collector/established.rs`); absent for an opening.
+    #[serde(skip_serializing_if = "Phase::is_opening")]
+    pub phase: Phase,
+    /// When and after how much it broke (phase established only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub established: Option<Established>,
 }
 
 pub(crate) struct ReportCtx<'a> {
@@ -195,6 +203,8 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         decided_ts_ns: d.decided_ts,
         attempts,
         packets: evidence(flow, ctx),
+        phase: Phase::Opening,
+        established: None,
     }
 }
 
