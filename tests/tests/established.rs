@@ -201,6 +201,10 @@ fn assert_broken_and_healthy(done: &Finished, record: &Path, cause: &str) -> Val
         done.describe()
     );
     let broken = established[0].clone();
+    println!(
+        "established report: {} / {} — {}",
+        broken["verdict"], broken["cause"], broken["detail"]
+    );
     assert_eq!(client_port(&broken), BROKEN_PORT, "{broken}");
     assert_eq!(broken["cause"], cause, "{broken}");
     let good = broken["established"]["good_replies"].as_u64().unwrap_or(0);
@@ -304,4 +308,67 @@ fn bridge_nf_off_mid_stream(mode: ProxyMode) {
 both_modes!(
     bridge_nf_off_mid_stream: root_bridge_nf_off_mid_stream_iptables,
     root_bridge_nf_off_mid_stream_nftables
+);
+
+/// The broken stream's conntrack entry deleted on node-a with
+/// nf_conntrack_tcp_loose=0 (set in node-a's namespace only): conntrack
+/// makes no new entry mid-stream, the backend's next segments are INVALID
+/// and NAT skips them; kube-proxy's `KUBE-FORWARD -m conntrack --ctstate
+/// INVALID -j DROP` drops them (the lab renders it, as kube-proxy does
+/// unless nf_conntrack_tcp_be_liberal is set), or — where no rule drops
+/// them — they reach the client un-reverse-NATed. The other stream to the
+/// same backend keeps its entry and stays `ok`.
+fn conntrack_entry_deleted_mid_stream(mode: ProxyMode) {
+    let _lock = tracing_lock();
+    let lab = lab(mode);
+    lab.run(
+        NODE_A,
+        &["sysctl", "-w", "net.netfilter.nf_conntrack_tcp_loose=0"],
+    )
+    .expect("nf_conntrack_tcp_loose=0 in node-a");
+    let record = record_path("ct-invalid");
+    let mut t = start(&lab, &record);
+    let mut broken = Stream::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
+    let mut healthy = Stream::open(&lab, WEB_SERVICE_IP, HEALTHY_PORT);
+    assert!(broken.wait_lines(4, EVENT_TIMEOUT), "first stream");
+    assert!(healthy.wait_lines(4, EVENT_TIMEOUT), "second stream");
+
+    let port = BROKEN_PORT.to_string();
+    let deleted = lab
+        .run(
+            NODE_A,
+            &["conntrack", "-D", "-p", "tcp", "--orig-port-src", &port],
+        )
+        .expect("deleting the first stream's conntrack entry");
+    assert!(
+        deleted.contains(&format!("sport={BROKEN_PORT} ")),
+        "conntrack -D printed the deleted entry: {deleted}"
+    );
+    let before = broken.lines_read();
+    let healthy_now = healthy.lines_read();
+    assert!(
+        healthy.wait_lines(healthy_now + 8, EVENT_TIMEOUT),
+        "the stream with its entry goes on"
+    );
+    assert!(
+        broken.lines_read() <= before + 1,
+        "the stream without its entry stalls: {} lines after the delete",
+        broken.lines_read() - before
+    );
+    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
+    assert!(line.is_some(), "nattrace reports the broken stream");
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    let broken_flow = assert_broken_and_healthy(&done, &record, "conntrack_invalid");
+    let verdict = broken_flow["verdict"].as_str().unwrap_or_default();
+    assert!(
+        verdict == "dropped" || verdict == "reply_not_reverse_nated",
+        "{broken_flow}"
+    );
+    let _ = std::fs::remove_file(&record);
+}
+
+both_modes!(
+    conntrack_entry_deleted_mid_stream: root_conntrack_entry_deleted_mid_stream_iptables,
+    root_conntrack_entry_deleted_mid_stream_nftables
 );

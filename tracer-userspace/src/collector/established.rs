@@ -16,7 +16,9 @@ use super::{
     MS,
     drop_reason::{DropReasons, KnownReasons},
     flow::Flow,
-    types::Endpoint,
+    rules::{Found, RuleCtx},
+    types::{Endpoint, in_node},
+    verdict::{Verdict, drop_place},
 };
 
 /// How long after its first failure an established flow is decided: the
@@ -164,4 +166,57 @@ pub(crate) fn prefix(e: &Established) -> String {
         "mid-stream after {secs:.1} s and {} good {replies}: ",
         e.good_replies
     )
+}
+
+/// Cause `conntrack_invalid`: an established flow whose opening conntrack
+/// NATed stops being NATed while br_netfilter runs (a netfilter hook saw
+/// its packets after the failure): netfilter dropped one after FORWARD —
+/// kube-proxy's `-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP`,
+/// which it installs unless nf_conntrack_tcp_be_liberal is set (1.29+),
+/// is the rule that drops INVALID packets there — or its reply reached the
+/// client with the backend's source although it passed netfilter.
+/// nf_nat_inet_fn (net/netfilter/nf_nat_core.c) NATs only packets with a
+/// conntrack entry; an INVALID one has none (skb->_nfct is 0).
+pub(crate) fn conntrack_invalid(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let flow = ctx.flow;
+    if !flow.watch.is_some_and(|w| w.failed()) || ctx.facts.bridge_nf_call_iptables == Some(false) {
+        return None;
+    }
+    let in_nf = |p: u8| {
+        flow.packet_obs(p)
+            .any(|o| o.hook == tracer_common::hook::NETFILTER && in_node(o.netns, ctx.node_netns))
+    };
+    match ctx.verdict {
+        Verdict::Dropped => {
+            let drop = ctx.drop?;
+            if Some(drop.drop_reason) != ctx.known.netfilter_drop {
+                return None;
+            }
+            let place = drop_place(flow, drop, ctx.ifnames);
+            if place != "after netfilter FORWARD" {
+                return None;
+            }
+            Some((
+                "conntrack no longer tracked the connection and netfilter dropped it as INVALID"
+                    .to_string(),
+                format!(
+                    "mid-stream, after the opening was DNATed, a netfilter rule dropped the {} {place} ({} → {}): a packet of an established connection dropped in FORWARD is what kube-proxy's `-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP` does once the connection's conntrack entry is gone (deleted, flushed, timed out with nf_conntrack_tcp_loose=0) or its packet is out of the TCP window (a NetworkPolicy DROP in FORWARD would look the same: check the rule's counters)",
+                    ctx.kind(drop.packet),
+                    drop.src,
+                    drop.dst
+                ),
+            ))
+        }
+        Verdict::ReplyNotReverseNated => {
+            let passed = (0..flow.packets.len() as u8).find(|&p| in_nf(p))?;
+            Some((
+                "conntrack no longer NATs the connection (entry gone or INVALID)".to_string(),
+                format!(
+                    "mid-stream the reply reached the client with the backend's source although the flow's packets still pass netfilter (the {} did): conntrack no longer holds the connection's NAT — its entry was deleted or flushed (with nf_conntrack_tcp_loose=0 no new one is made mid-stream) or the packets are INVALID (out of the TCP window), and NAT skips packets without an entry",
+                    ctx.kind(passed)
+                ),
+            ))
+        }
+        _ => None,
+    }
 }
