@@ -270,8 +270,11 @@ impl Flow {
         // watch's reply at the client of an established flow: its hops in
         // the node were muted, as those of every reply since its `ok`
         // opening, whose replies crossed this node (established.rs).
-        let watched_reply = ev.flags & event_flags::WATCH != 0 && ev.hook == hook::DEV_RX;
-        if observed_in_node(&obs, ctx) || ev.flags & event_flags::VIA_NODE != 0 || watched_reply {
+        // A watched drop on a device of the node namespace was the node's.
+        let watched = ev.flags & event_flags::WATCH != 0
+            && (ev.hook == hook::DEV_RX
+                || (ev.hook == hook::DROP && ev.netns != 0 && ev.netns == ctx.node_netns));
+        if observed_in_node(&obs, ctx) || ev.flags & event_flags::VIA_NODE != 0 || watched {
             self.packets[idx as usize].in_node = true;
             self.seen_in_node = true;
         }

@@ -32,6 +32,8 @@ mod tests;
 #[cfg(test)]
 mod tests_buffered;
 #[cfg(test)]
+mod tests_established;
+#[cfg(test)]
 mod tests_ipv6;
 #[cfg(test)]
 mod tests_paths;
