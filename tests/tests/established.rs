@@ -143,6 +143,8 @@ fn start(lab: &Lab, record: &Path) -> Nattrace {
         "1000",
         "--write",
         &record.display().to_string(),
+        "--pcap",
+        &record.with_extension("pcapng").display().to_string(),
     ]
     .iter()
     .map(|s| s.to_string())
@@ -233,6 +235,12 @@ fn assert_broken_and_healthy(done: &Finished, record: &Path, cause: &str) -> Val
         "the healthy stream stays ok: {}",
         done.describe()
     );
+    let pcap = std::fs::read(record.with_extension("pcapng")).expect("the pcapng");
+    assert!(
+        pcap.windows(11).any(|w| w == b"mid-stream "),
+        "the broken stream's packets carry a mid-stream comment in the pcapng"
+    );
+    let _ = std::fs::remove_file(record.with_extension("pcapng"));
     let replayed = analyze(record);
     let key = |f: &Value| {
         (

@@ -188,14 +188,14 @@ pub(crate) fn conntrack_invalid(ctx: &RuleCtx<'_>) -> Option<Found> {
     };
     match ctx.verdict {
         Verdict::Dropped => {
-            let drop = ctx.drop?;
-            if Some(drop.drop_reason) != ctx.known.netfilter_drop {
-                return None;
-            }
-            let place = drop_place(flow, drop, ctx.ifnames);
-            if place != "after netfilter FORWARD" {
-                return None;
-            }
+            // The watched drop itself comes alone (its hops were muted); the
+            // retransmissions after it show where netfilter dropped them.
+            let place = "after netfilter FORWARD";
+            let drop = flow.obs.iter().find(|o| {
+                o.hook == tracer_common::hook::DROP
+                    && Some(o.drop_reason) == ctx.known.netfilter_drop
+                    && drop_place(flow, o, ctx.ifnames) == place
+            })?;
             Some((
                 "conntrack no longer tracked the connection and netfilter dropped it as INVALID"
                     .to_string(),
