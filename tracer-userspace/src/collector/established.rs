@@ -143,6 +143,30 @@ pub(crate) fn reopen(flow: &mut Flow, ev: &PacketEvent) {
     flow.obs.clear();
 }
 
+/// For a reopened flow, its first drop whose packet was seen before the
+/// drop (a retransmission, sent per packet after the failure): the
+/// watched drop that reopened it comes alone and has no place to name.
+pub(crate) fn placed_drop<'f>(
+    flow: &'f Flow,
+    known: &KnownReasons,
+) -> Option<&'f super::types::Obs> {
+    if !flow.watch.is_some_and(|w| w.failed()) {
+        return None;
+    }
+    let first = super::verdict::first_drop(flow, known)?;
+    flow.obs
+        .iter()
+        .filter(|o| {
+            o.hook == tracer_common::hook::DROP
+                && o.drop_reason == first.drop_reason
+                && flow.packets[o.packet as usize].in_node
+        })
+        .find(|d| {
+            flow.packet_obs(d.packet)
+                .any(|o| o.hook != tracer_common::hook::DROP && o.ts_ns <= d.ts_ns)
+        })
+}
+
 /// The report's `established` part, for a reopened flow.
 pub(crate) fn info(flow: &Flow) -> Option<Established> {
     let w = flow.watch.filter(Watch::failed)?;

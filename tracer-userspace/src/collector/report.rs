@@ -147,7 +147,8 @@ pub(crate) struct Decision {
 pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport {
     let verdict = verdict_of(flow, ctx.known);
     let incomplete = flow.evicted;
-    let drop = first_drop(flow, ctx.known);
+    let drop =
+        super::established::placed_drop(flow, ctx.known).or_else(|| first_drop(flow, ctx.known));
     let rule_ctx = RuleCtx {
         flow,
         verdict,
