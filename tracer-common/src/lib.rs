@@ -192,10 +192,23 @@ pub struct PacketEvent {
     /// Recordings made before it existed read as 0 (sent as it happened).
     #[cfg_attr(feature = "user", serde(default, skip_serializing_if = "is_zero"))]
     pub flags: u8,
+    /// On a [`event_flags::WATCH`] event: replies of the flow that reached
+    /// the client reverse-NATed while it was muted (checked, fine, not
+    /// sent) before this one. 0 otherwise; absent in older recordings.
+    #[cfg_attr(feature = "user", serde(default, skip_serializing_if = "is_zero_u32"))]
+    pub good: u32,
+    /// Keeps the layout free of implicit padding (always 0).
+    #[cfg_attr(feature = "user", serde(skip))]
+    pub _reserved: u32,
 }
 
 #[cfg(feature = "user")]
 fn is_zero(v: &u8) -> bool {
+    *v == 0
+}
+
+#[cfg(feature = "user")]
+fn is_zero_u32(v: &u32) -> bool {
     *v == 0
 }
 
@@ -216,6 +229,13 @@ pub mod event_flags {
     /// On the reply that proved a held flow healthy: this reply packet
     /// crossed the traced node (its events there were discarded).
     pub const VIA_NODE: u8 = 16;
+    /// Sent by the watch of an established flow (muted after its opening
+    /// was judged healthy, tracer-ebpf/src/watch.rs): this packet failed a
+    /// check — a reply reached the client from another address than the
+    /// Service, a drop for a failure reason, a request not DNATed at the
+    /// NAT point. The flow is per packet again from here; `good` says how
+    /// many replies were fine before.
+    pub const WATCH: u8 = 32;
 }
 
 /// The kernel's per-flow buffer (tracer-ebpf/src/held.rs, docs/DESIGN.md
@@ -331,6 +351,14 @@ pub struct EndpointState {
     /// ISN of the last SYN the buffer rule saw at the client: a SYN with
     /// another one is a new connection from a reused port.
     pub syn_seq: u32,
+    /// Replies that reached the client reverse-NATed while muted (the
+    /// watch's checked-and-fine count, carried in its event). Written
+    /// without atomics by programs on any CPU: approximate under races.
+    pub good: u32,
+    /// Namespace the flow's reverse-NATed reply reached (the client's),
+    /// set when the flow is muted; 0 = not known yet. Another namespace
+    /// on the same kernel (a router, another lab node) is no client.
+    pub client_netns: u32,
 }
 
 /// What the kernel remembers about a matched `sk_buff`, so the same packet is
@@ -396,6 +424,12 @@ pub struct Config {
     /// the buffer instead of discarding it, since userspace pulls the
     /// buffer before that deadline.
     pub reply_timeout_ns: u64,
+    /// Bit `r` set: drop reason `r` (this kernel's numbering, below 256) is
+    /// a healthy socket's own (old or out-of-window data, a closing
+    /// socket's purge, ...), not a failure: the watch of an established
+    /// flow counts such a drop instead of sending it (collector
+    /// `established::BENIGN_DROPS`).
+    pub benign_drops: [u64; 4],
 }
 
 /// Indexes of the per-CPU counters in the `STATS` map. Summed by userspace.
@@ -469,12 +503,12 @@ mod tests {
     fn layouts_have_no_implicit_padding() {
         // The kernel writes these with a fixed layout; a size change means the
         // two sides disagree.
-        assert_eq!(core::mem::size_of::<PacketEvent>(), 88);
+        assert_eq!(core::mem::size_of::<PacketEvent>(), 96);
         assert_eq!(core::mem::size_of::<ServiceKey>(), 20);
         assert_eq!(core::mem::size_of::<EndpointKey>(), 20);
-        assert_eq!(core::mem::size_of::<EndpointState>(), 12);
+        assert_eq!(core::mem::size_of::<EndpointState>(), 20);
         assert_eq!(core::mem::size_of::<KernelOffsets>(), 72);
-        assert_eq!(core::mem::size_of::<Config>(), 88);
+        assert_eq!(core::mem::size_of::<Config>(), 120);
         assert_eq!(
             core::mem::size_of::<HeldFlow>(),
             48 + HELD_SLOTS * core::mem::size_of::<PacketEvent>()

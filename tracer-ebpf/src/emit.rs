@@ -133,12 +133,14 @@ pub fn stat_add(index: u32, n: u64) {
 /// stack next to the packet and the map keys would pass the 512-byte BPF
 /// stack limit.
 #[inline(always)]
-pub fn emit(pkt: &Packet, at: &Point, dir: u8, svc: u8, flags: u8) {
+pub fn emit(pkt: &Packet, at: &Point, dir: u8, svc: u8, flags: u8, good: u32) {
     let Some(mut entry) = EVENTS.reserve::<PacketEvent>(0) else {
         stat_inc(stat::RINGBUF_FULL);
         return;
     };
     fill(entry.as_mut_ptr(), pkt, at, dir, svc, flags);
+    // SAFETY: the reservation holds a PacketEvent.
+    unsafe { (*entry.as_mut_ptr()).good = good };
     entry.submit(wakeup_flag());
     stat_inc(stat::EVENTS);
 }
@@ -183,6 +185,8 @@ pub fn fill(ev: *mut PacketEvent, pkt: &Packet, at: &Point, dir: u8, svc: u8, fl
         (*ev).direction = dir;
         (*ev).svc = svc;
         (*ev).flags = flags;
+        (*ev).good = 0;
+        (*ev)._reserved = 0;
     }
 }
 

@@ -5,14 +5,15 @@ use network_types::{
     udp::UdpHdr,
 };
 use tracer_common::{
-    Addr, EndpointKey, EndpointState, InflightPacket, ServiceKey, direction, held::Fate, hook,
-    nat_stage, proto, stat, tcp_flags,
+    Addr, EndpointKey, EndpointState, InflightPacket, ServiceKey, direction, event_flags,
+    held::Fate, hook, nat_stage, proto, stat, tcp_flags,
 };
 
 use crate::{
     ENDPOINTS, INFLIGHT, SERVICES,
     emit::{Packet, Point, emit, stat_inc},
     held, prefilter,
+    watch::{self, Check},
 };
 
 /// BPF_NOEXIST: a concurrent first packet of the same flow on another CPU must
@@ -130,12 +131,14 @@ fn endpoint(client: &EndpointKey, svc: u8) -> Option<*mut EndpointState> {
     if let Some(state) = ENDPOINTS.get_ptr_mut(client) {
         return Some(state);
     }
-    // As three words (muted 0; svc, held 0, pad; syn_seq 0), little-endian:
+    // As five words (muted 0; svc, held 0, pad; syn_seq 0; good 0;
+    // client_netns 0), little-endian:
     // `..Default::default()` zeroed the 7 bytes after `svc` with a call to
     // `memset`, a BPF-to-BPF call whose frame pushed 6.1's combined stack
     // past 512 bytes in the kprobe programs.
-    // SAFETY: EndpointState is repr(C), 12 bytes, every bit pattern valid.
-    let fresh: EndpointState = unsafe { core::mem::transmute([0u32, u32::from(svc), 0u32]) };
+    // SAFETY: EndpointState is repr(C), 20 bytes, every bit pattern valid.
+    let fresh: EndpointState =
+        unsafe { core::mem::transmute([0u32, u32::from(svc), 0u32, 0u32, 0u32]) };
     if let Err(err) = ENDPOINTS.insert(client, fresh, BPF_NOEXIST)
         && err != -EEXIST
     {
@@ -165,6 +168,8 @@ struct Match {
     dir: u8,
     svc: u8,
     state: Option<*mut EndpointState>,
+    /// Rule 1: the destination is a traced Service.
+    to_service: bool,
 }
 
 /// Rules 1-4 of DESIGN.md, in order. Only reads the packet's addresses and
@@ -181,6 +186,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             dir: direction::REQUEST,
             svc,
             state: endpoint(&src, svc),
+            to_service: true,
         });
     }
     if src_known && let Some(state) = ENDPOINTS.get_ptr_mut(src) {
@@ -189,6 +195,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             dir: direction::REQUEST,
             svc,
             state: Some(state),
+            to_service: false,
         });
     }
     let dst = key(pkt.daddr, pkt.dport, pkt.proto);
@@ -198,6 +205,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             dir: direction::REPLY,
             svc,
             state: Some(state),
+            to_service: false,
         });
     }
     // Rule 4 can only apply right after a NAT stage rewrote a client side
@@ -217,6 +225,7 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
         dir,
         svc,
         state: endpoint(&client, svc),
+        to_service: false,
     })
 }
 
@@ -243,6 +252,7 @@ pub fn observe(
             && control == 0
             && !is_drop
             && !(m.dir == direction::REPLY && at.hook == hook::DEV_RX)
+            && !watch::at_nat_point(m.dir, m.to_service, at)
         {
             stat_inc(stat::MUTED_PACKETS);
             return;
@@ -254,6 +264,32 @@ pub fn observe(
 
     let mut flags = 0;
     let mut hold_for = None;
+    let mut good = 0;
+    if let Some(state) = m.state
+        && muted(state)
+        && control == 0
+    {
+        let check = watch::check(
+            state,
+            at,
+            m.dir,
+            m.to_service,
+            || service_at(pkt.saddr, pkt.sport, pkt.proto).is_some(),
+            at_client(at),
+        );
+        match check {
+            Check::Fine => {
+                stat_inc(stat::MUTED_PACKETS);
+                return;
+            }
+            Check::Alert => {
+                set_muted(state, false);
+                flags = event_flags::WATCH;
+                good = watch::good(state);
+            }
+            Check::Pass => {}
+        }
+    }
     if let Some(state) = m.state {
         let mut mute_now = false;
         let mut fate = Fate::Other;
@@ -265,7 +301,11 @@ pub fn observe(
                 if at.hook == hook::DEV_TX && at_client(at) {
                     fate = Fate::Start;
                 }
-            } else if m.dir == direction::REPLY && at.hook == hook::DEV_RX && at_client(at) {
+            } else if m.dir == direction::REPLY
+                && at.hook == hook::DEV_RX
+                && at_client(at)
+                && watch::is_client_netns(state, at)
+            {
                 // The reply reached the client's namespace. Reverse-NATed
                 // (source = a Service) means the collector's verdict is `ok`
                 // (it decides on the SYN-ACK, which is always emitted), so
@@ -295,6 +335,7 @@ pub fn observe(
         }
         if mute_now {
             set_muted(state, true);
+            watch::note_muted(state, at.netns);
         }
         if pkt.proto == proto::TCP {
             hold_for = Some((state, fate));
@@ -325,12 +366,12 @@ pub fn observe(
             key(pkt.saddr, pkt.sport, pkt.proto)
         };
         match held::hold(&client, state, pkt, at, m.dir, m.svc, fate) {
-            Some(f) => flags = f,
+            Some(f) => flags |= f,
             None => return,
         }
     }
 
-    emit(pkt, at, m.dir, m.svc, flags);
+    emit(pkt, at, m.dir, m.svc, flags, good);
 }
 
 /// A device event outside the traced node namespace (the pods' side).

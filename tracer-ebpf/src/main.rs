@@ -14,6 +14,7 @@ mod prefilter;
 mod skb;
 mod tc;
 mod tracepoints;
+mod watch;
 
 use aya_ebpf::{
     macros::map,

@@ -39,4 +39,29 @@ impl NodeFacts {
     pub fn interface(&self, ifindex: u32) -> Option<&Interface> {
         self.interfaces.iter().find(|i| i.ifindex == ifindex)
     }
+
+    pub fn sysctls(&self) -> Sysctls {
+        Sysctls {
+            bridge_nf_call_iptables: self.bridge_nf_call_iptables,
+            bridge_nf_call_ip6tables: self.bridge_nf_call_ip6tables,
+            ip_forward: self.ip_forward,
+        }
+    }
+
+    pub fn set_sysctls(&mut self, s: Sysctls) {
+        self.bridge_nf_call_iptables = s.bridge_nf_call_iptables;
+        self.bridge_nf_call_ip6tables = s.bridge_nf_call_ip6tables;
+        self.ip_forward = s.ip_forward;
+    }
+}
+
+/// The node's sysctls among the facts, read again when an established flow
+/// goes wrong (they may be what changed: br_netfilter switched off while
+/// running) and recorded as a `sysctls` line when they differ.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sysctls {
+    pub bridge_nf_call_iptables: Option<bool>,
+    #[serde(default)]
+    pub bridge_nf_call_ip6tables: Option<bool>,
+    pub ip_forward: Option<bool>,
 }

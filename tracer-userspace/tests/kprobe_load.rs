@@ -73,6 +73,7 @@ fn forced_kprobe_backend_without_kprobes_is_one_line() {
         // Every packet: these tests check each observation point.
         buffer: false,
         reply_timeout_ns: 3_000_000_000,
+        benign_drops: [0; 4],
     };
     match Tracer::start(&opts) {
         Err(e @ TraceError::Unsupported(_)) => assert_eq!(

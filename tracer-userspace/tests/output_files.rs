@@ -326,6 +326,7 @@ fn recordings_carry_no_kernel_address_and_decide_the_same() {
                 Record::Interface(i) => w.interface(i.netns, i.ifindex, &i.name),
                 Record::Stats(s) => w.stats(s),
                 Record::Rules(r) => w.rules(&r),
+                Record::Sysctls(s) => w.sysctls(s),
                 Record::End(s) => w.end(s),
                 Record::Capped { .. } | Record::Rotated { .. } => {}
             }
@@ -519,6 +520,7 @@ fn rerecord(path: &Path, out: &Path, limit: Option<u64>, keep: usize) {
             Record::Interface(i) => w.interface(i.netns, i.ifindex, &i.name),
             Record::Stats(s) => w.stats(s),
             Record::Rules(r) => w.rules(&r),
+            Record::Sysctls(s) => w.sysctls(s),
             Record::End(s) => w.end(s),
             Record::Capped { .. } | Record::Rotated { .. } => {}
         }

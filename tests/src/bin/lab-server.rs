@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! lab-server http PORT [--name TEXT]   answer every GET with a page naming the pod
+//!                                      (GET /stream: a line every 0.3 s until the client goes)
 //! lab-server dns PORT NAME A.B.C.D     answer A queries for NAME over UDP
 //! lab-server ra IFNAME LIFETIME        send one IPv6 Router Advertisement on IFNAME
 //! ```
@@ -101,6 +102,9 @@ fn serve_http(mut stream: TcpStream, name: &str) -> io::Result<()> {
     } else {
         ("405 Method Not Allowed", "only GET\n".to_string())
     };
+    if request.starts_with(b"GET /stream") {
+        return stream_lines(stream, name);
+    }
     let head_only = request.starts_with(b"HEAD ");
     let mut response = format!(
         "HTTP/1.0 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -111,6 +115,20 @@ fn serve_http(mut stream: TcpStream, name: &str) -> io::Result<()> {
     }
     stream.write_all(response.as_bytes())?;
     stream.flush()
+}
+
+/// A long-lived connection (issue 21): one line every 0.3 s, HTTP/1.0
+/// without a length, until writing fails (the client left or the
+/// connection broke) or ten minutes passed.
+fn stream_lines(mut stream: TcpStream, name: &str) -> io::Result<()> {
+    stream
+        .write_all(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n")?;
+    for n in 0..2000u32 {
+        stream.write_all(format!("pod={name} line {n}\n").as_bytes())?;
+        stream.flush()?;
+        thread::sleep(Duration::from_millis(300));
+    }
+    Ok(())
 }
 
 fn dns(port: u16, name: &str, answer: Ipv4Addr) -> Result<(), String> {

@@ -48,6 +48,10 @@ pub enum CauseId {
     BackendUnreachable,
     /// Issue 11: the backend answered the SYN with RST (pod alive, port closed).
     BackendPortClosed,
+    /// Issue 21: mid-stream, conntrack no longer NATs the connection (its
+    /// entry deleted or the packets INVALID): dropped by kube-proxy's
+    /// INVALID rule, or the reply reached the client un-reverse-NATed.
+    ConntrackInvalid,
     /// Seed 003 told from both nodes (issue 14): one node DNATed the
     /// request, the backend's node sent the reply straight to the client.
     AsymmetricReturnPath,
@@ -118,6 +122,14 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         check: super::checks::ip6::bridged_reply6_sysctl_off,
         incident: "seed 000/001 over IPv6: same-node reply bridged past ip6tables (bridge-nf-call-ip6tables=0), TCP or DNS",
         fix: "load br_netfilter and set net.bridge.bridge-nf-call-ip6tables=1 in the node namespace (before kubelet starts)",
+    },
+    CauseRow {
+        id: CauseId::ConntrackInvalid,
+        name: "conntrack_invalid",
+        verdicts: &[Verdict::ReplyNotReverseNated, Verdict::Dropped],
+        check: super::established::conntrack_invalid,
+        incident: "issue 21: mid-stream the connection's conntrack entry is gone (conntrack -D/-F, a kube-proxy restart, a timeout with nf_conntrack_tcp_loose=0) or its packets fall out of the TCP window: INVALID, NAT skips them; kube-proxy's `KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP` drops them, or the reply reaches the client un-reverse-NATed and the client resets",
+        fix: "keep conntrack tracking long-lived connections: net.netfilter.nf_conntrack_tcp_be_liberal=1 (out-of-window packets stay ESTABLISHED; kube-proxy ≥ 1.29 with conntrack.tcpBeLiberal then leaves out its INVALID DROP rule) and nf_conntrack_tcp_loose=1 (the default: a mid-stream packet picks an entry up again); do not flush entries of live connections (conntrack -F/-D); `conntrack -S` shows the invalid counter",
     },
     CauseRow {
         id: CauseId::ReplyBridgedWithoutNetfilter,

@@ -280,6 +280,73 @@ impl DropReasons {
     }
 }
 
+/// Drop reasons a healthy TCP socket has of its own, never a sign that the
+/// network path broke (include/net/dropreason-core.h): data it already had
+/// or that falls outside its window (TCP_OLD_DATA, TCP_OVERWINDOW,
+/// TCP_OFOMERGE, PAWS, old ACKs and sequences), flow control and memory
+/// (TCP_ZEROWINDOW, SOCKET_RCVBUFF, SOCKET_BACKLOG, PROTO_MEM), a closing
+/// socket (TCP_CLOSE, SOCKET_CLOSE, TCP_ABORT_ON_DATA, a RST it received:
+/// TCP_RESET, QUEUE_PURGE, NOT_SPECIFIED from `tcp_done` and its purge on
+/// 6.1). Everything else the kernel names (NETFILTER_DROP, NO_SOCKET,
+/// NEIGH_FAILED, IP_NOROUTE, PKT_TOO_BIG, IP_INHDR, OTHERHOST, ...) is a
+/// failure when it hits an established flow. The kernel's watch counts
+/// these instead of sending them (`Config::benign_drops`).
+pub const BENIGN_DROPS: &[&str] = &[
+    "NOT_DROPPED_YET",
+    "CONSUMED",
+    "NOT_SPECIFIED",
+    "SOCKET_CLOSE",
+    "SOCKET_FILTER",
+    "SOCKET_RCVBUFF",
+    "SOCKET_BACKLOG",
+    "PROTO_MEM",
+    "TCP_FLAGS",
+    "TCP_ZEROWINDOW",
+    "TCP_OLD_DATA",
+    "TCP_OVERWINDOW",
+    "TCP_OFOMERGE",
+    "TCP_RFC7323_PAWS",
+    "TCP_RFC7323_PAWS_ACK",
+    "TCP_RFC7323_TSECR",
+    "TCP_OLD_SEQUENCE",
+    "TCP_INVALID_SEQUENCE",
+    "TCP_INVALID_ACK_SEQUENCE",
+    "TCP_RESET",
+    "TCP_INVALID_SYN",
+    "TCP_CLOSE",
+    "TCP_FASTOPEN",
+    "TCP_OLD_ACK",
+    "TCP_TOO_OLD_ACK",
+    "TCP_ACK_UNSENT_DATA",
+    "TCP_OFO_QUEUE_PRUNE",
+    "TCP_OFO_DROP",
+    "TCP_ABORT_ON_DATA",
+    "TCP_ZEROWINDOW",
+    "QUEUE_PURGE",
+    "DUP_FRAG",
+    "SKB_UCOPY_FAULT",
+];
+
+impl DropReasons {
+    /// [`BENIGN_DROPS`] in this kernel's numbering, as the bitmap the
+    /// kernel's watch reads (`Config::benign_drops`; reasons ≥ 256 left out).
+    pub fn benign_bitmap(&self) -> [u64; 4] {
+        let mut bits = [0u64; 4];
+        for code in BENIGN_DROPS.iter().filter_map(|n| self.code(n)) {
+            if code < 256 {
+                bits[(code / 64) as usize] |= 1 << (code % 64);
+            }
+        }
+        bits
+    }
+
+    /// A healthy socket's own drop ([`BENIGN_DROPS`]).
+    pub fn is_benign(&self, reason: u32) -> bool {
+        self.name(reason)
+            .is_some_and(|n| BENIGN_DROPS.contains(&n.as_str()))
+    }
+}
+
 impl KnownReasons {
     /// `kfree_skb` also fires for packets that were consumed, not dropped.
     pub fn is_drop(&self, reason: u32) -> bool {
@@ -319,5 +386,21 @@ mod tests {
             (2, "SKB_DROP_REASON_NO_SOCKET"),
         ]);
         assert_eq!(t.known().no_socket, Some(2));
+    }
+
+    #[test]
+    fn benign_drops_are_a_healthy_sockets_own() {
+        let t = DropReasons::default();
+        let bits = t.benign_bitmap();
+        let has = |name: &str| {
+            let c = t.code(name).unwrap();
+            bits[(c / 64) as usize] & (1 << (c % 64)) != 0
+        };
+        assert!(has("TCP_OLD_DATA") && has("TCP_OFOMERGE") && has("NOT_SPECIFIED"));
+        for failure in ["NETFILTER_DROP", "NO_SOCKET", "NEIGH_FAILED", "IP_INHDR"] {
+            assert!(!has(failure), "{failure}");
+            assert!(!t.is_benign(t.code(failure).unwrap()), "{failure}");
+        }
+        assert!(t.is_benign(t.code("TCP_OLD_DATA").unwrap()));
     }
 }

@@ -164,6 +164,8 @@ impl Builder {
                 direction: p.dir,
                 svc: 0,
                 flags: 0,
+                good: 0,
+                _reserved: 0,
             });
             ts += 3 * US;
         }

@@ -132,6 +132,9 @@ pub(crate) struct Flow {
     /// The kernel holds its next events (event_flags::HOLDING) until the
     /// flow proves healthy or not, or userspace pulls them at its deadline.
     pub held: bool,
+    /// Set once the opening was reported `ok`: the rest of the connection
+    /// is watched (`established.rs`).
+    pub watch: Option<super::established::Watch>,
     pub packets: Vec<Packet>,
     pub obs: Vec<Obs>,
 }
@@ -171,6 +174,7 @@ impl Flow {
                     _ => true,
                 },
             held: false,
+            watch: None,
             packets: Vec::with_capacity(4),
             // Grown as needed (4, 8, 16, ...): a healthy flow whose hops the
             // kernel buffers sends 2 events, a full path ~32.
@@ -276,8 +280,15 @@ impl Flow {
             ..probe
         };
         // A healthy held flow's reply arrives alone: the kernel discarded
-        // its events in the node and says that it crossed it.
-        if observed_in_node(&obs, ctx) || ev.flags & event_flags::VIA_NODE != 0 {
+        // its events in the node and says that it crossed it. So does the
+        // watch's reply at the client of an established flow: its hops in
+        // the node were muted, as those of every reply since its `ok`
+        // opening, whose replies crossed this node (established.rs).
+        // A watched drop on a device of the node namespace was the node's.
+        let watched = ev.flags & event_flags::WATCH != 0
+            && (ev.hook == hook::DEV_RX
+                || (ev.hook == hook::DROP && ev.netns != 0 && ev.netns == ctx.node_netns));
+        if observed_in_node(&obs, ctx) || ev.flags & event_flags::VIA_NODE != 0 || watched {
             self.packets[idx as usize].in_node = true;
             self.seen_in_node = true;
         }

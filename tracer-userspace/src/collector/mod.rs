@@ -10,6 +10,7 @@
 mod causes;
 mod checks;
 mod drop_reason;
+mod established;
 mod flow;
 mod held;
 mod ifnames;
@@ -37,7 +38,8 @@ use tracer_common::{EndpointKey, PacketEvent, proto, tcp_flags};
 
 pub use self::{
     causes::{Cause, CauseId, markdown_table},
-    drop_reason::{DropReasons, DropReasonsError},
+    drop_reason::{BENIGN_DROPS, DropReasons, DropReasonsError},
+    established::{Established, Phase, WATCH_WAIT_NS},
     held::PULL_AHEAD_NS,
     report::{Attempt, FlowReport, Hop, PacketEvidence},
     summary::{Summary, VerdictCounts},
@@ -172,6 +174,11 @@ pub struct Collector {
     /// Flows the kernel held, by (proto, client): held events arrive late,
     /// when their skb entry is gone and a DNATed one matches no pair yet.
     held_by_client: HashMap<(u8, Endpoint), FlowRef>,
+    /// Established flows that failed the watch, by decision time: decided
+    /// at a tick only, after the session re-read the node's sysctls.
+    watch_q: VecDeque<(u64, FlowRef)>,
+    /// A flow failed the watch since the session last re-read the sysctls.
+    sysctls_wanted: bool,
     ready: Vec<FlowReport>,
     /// Processing stops once this many reports wait (see [`Self::resume`]).
     report_batch: usize,
@@ -212,6 +219,8 @@ impl Collector {
             age_q: VecDeque::new(),
             held_due_q: VecDeque::new(),
             held_by_client: HashMap::new(),
+            watch_q: VecDeque::new(),
+            sysctls_wanted: false,
             ready: Vec::new(),
             report_batch: usize::MAX,
             stalled: false,
@@ -310,6 +319,13 @@ impl Collector {
         self.release(self.watermark.saturating_sub(self.cfg.reorder_window_ns));
         self.account_loss(now_ns);
         self.decide_due(self.horizon);
+        while let Some(&(at, r)) = self.watch_q.front() {
+            if at > self.horizon {
+                break;
+            }
+            self.watch_q.pop_front();
+            self.decide_established(r, at);
+        }
         self.evict_idle();
         self.purge_skbs();
         // Past their deadline nobody will pull them (`analyze` never does).
@@ -347,7 +363,7 @@ impl Collector {
             .collect();
         pending.sort_unstable_by_key(|&(ts, _)| ts);
         for (_, r) in pending {
-            self.decide(r, self.horizon);
+            self.decide_any(r, self.horizon);
         }
         let reports = self.take_ready();
         self.summary.lost_events = self.lost_total;
@@ -369,6 +385,24 @@ impl Collector {
         if self.cfg.all_services {
             self.services = traced_set(&self.cfg);
         }
+    }
+
+    /// Whether a flow failed the watch since the last call: the session
+    /// then reads the node's sysctls again (before the tick) and hands
+    /// them to [`Collector::update_sysctls`] if they changed.
+    pub fn take_sysctls_request(&mut self) -> bool {
+        std::mem::take(&mut self.sysctls_wanted)
+    }
+
+    /// The node's sysctls as the collector judges flows now.
+    pub fn sysctls(&self) -> crate::facts::Sysctls {
+        self.cfg.facts.sysctls()
+    }
+
+    /// The node's sysctls changed (re-read live, or a recording's
+    /// `sysctls` line): flows decided from now on are judged with these.
+    pub fn update_sysctls(&mut self, s: crate::facts::Sysctls) {
+        self.cfg.facts.set_sysctls(s);
     }
 
     pub fn reply_timeout_ns(&self) -> u64 {
@@ -580,6 +614,22 @@ impl Collector {
         if ev.flags & tracer_common::event_flags::HOLDING != 0 {
             self.held_by_client.insert((ev.proto, flow.client), r);
         }
+        if flow.reported
+            && let Some(w) = flow.watch
+            && !w.failed()
+            && !w.reported
+        {
+            if established::fails(flow, ev, &self.cfg.drop_reasons, &self.known) {
+                established::reopen(flow, ev);
+                self.watch_q.push_back((ev.ts_ns + WATCH_WAIT_NS, r));
+                self.sysctls_wanted = true;
+            } else if established::is_good_reply(flow, ev)
+                && let Some(w) = flow.watch.as_mut()
+            {
+                w.good = w.good.saturating_add(1);
+            }
+        }
+        let reopened = flow.watch.is_some_and(|w| w.failed());
         if ev.flags != 0 {
             held::note_flags(
                 flow,
@@ -609,7 +659,9 @@ impl Collector {
                 },
             );
         }
-        if let Some(at) = added.decidable_at {
+        if let Some(at) = added.decidable_at
+            && !reopened
+        {
             self.decide_q.push_back((at, r));
         }
     }
@@ -667,7 +719,7 @@ impl Collector {
             let Some(f) = self.flow_mut(r) else { continue };
             if !f.reported {
                 f.evicted = true;
-                self.decide(r, now);
+                self.decide_any(r, now);
             }
             self.remove(r);
             self.summary.evicted_flows += 1;
@@ -717,9 +769,73 @@ impl Collector {
         }
     }
 
-    fn decide(&mut self, r: FlowRef, at: u64) {
+    /// An opening, or an established flow that failed the watch.
+    fn decide_any(&mut self, r: FlowRef, at: u64) {
+        if self
+            .flow(r)
+            .is_some_and(|f| f.watch.is_some_and(|w| w.failed()))
+        {
+            self.decide_established(r, at);
+        } else {
+            self.decide(r, at);
+        }
+    }
+
+    fn report_ctx(&self) -> ReportCtx<'_> {
+        ReportCtx {
+            facts: &self.cfg.facts,
+            ifnames: &self.ifnames,
+            reasons: &self.cfg.drop_reasons,
+            known: &self.known,
+            reply_timeout_ns: self.cfg.reply_timeout_ns,
+            kube: &self.cfg.kube_proxy,
+        }
+    }
+
+    /// An established flow that failed the watch, [`WATCH_WAIT_NS`] later:
+    /// reported with `phase: established` unless its evidence now says `ok`
+    /// (then it is watched on, silently).
+    fn decide_established(&mut self, r: FlowRef, at: u64) {
         let Some(flow) = self.flow(r) else { return };
         if flow.reported {
+            return;
+        }
+        let Some(info) = established::info(flow) else {
+            return;
+        };
+        let decision = Decision {
+            decided_ts: at,
+            cut_short: false,
+        };
+        let mut report = report::build(flow, &self.report_ctx(), decision);
+        let failed = report.verdict != Verdict::Ok;
+        if failed {
+            report.phase = Phase::Established;
+            report.established = Some(info);
+            report.detail = format!("{}{}", established::prefix(&info), report.detail);
+            report.first_ts_ns = info.failed_ts_ns;
+            self.summary.flows += 1;
+            self.summary.established_failures += 1;
+            self.summary.by_verdict.add(report.verdict);
+            self.summary.incomplete_flows += u64::from(report.incomplete);
+            self.ready.push(report);
+        }
+        if let Some(f) = self.flow_mut(r) {
+            f.reported = true;
+            f.drop_evidence();
+            if let Some(w) = f.watch.as_mut() {
+                if failed {
+                    w.reported = true;
+                } else {
+                    w.failed_ts = 0;
+                }
+            }
+        }
+    }
+
+    fn decide(&mut self, r: FlowRef, at: u64) {
+        let Some(flow) = self.flow(r) else { return };
+        if flow.reported || flow.watch.is_some_and(|w| w.failed()) {
             return;
         }
         if !flow.seen_in_node {
@@ -757,10 +873,17 @@ impl Collector {
         self.summary.flows += 1;
         self.summary.by_verdict.add(report.verdict);
         self.summary.incomplete_flows += u64::from(report.incomplete);
+        let ok = report.verdict == Verdict::Ok;
         self.ready.push(report);
         if let Some(f) = self.flow_mut(r) {
             f.reported = true;
             f.drop_evidence();
+            if ok {
+                f.watch = Some(established::Watch {
+                    ok_ts: at,
+                    ..Default::default()
+                });
+            }
         }
     }
 

@@ -9,6 +9,7 @@ use super::{
     causes::{self, Cause},
     checks::RuleCtx,
     drop_reason::{DropReasons, KnownReasons},
+    established::{Established, Phase},
     flow::{ClientReply, Flow},
     ifnames::IfNames,
     types::{Dir, Name, Obs, Proto, in_node, packet_kind},
@@ -106,6 +107,13 @@ pub struct FlowReport {
     /// Each transmission of the opening request and its backend.
     pub attempts: Vec<Attempt>,
     pub packets: Vec<PacketEvidence>,
+    /// `established`: the opening was `ok` and the connection broke later
+    /// (`collector/established.rs`); absent for an opening.
+    #[serde(skip_serializing_if = "Phase::is_opening")]
+    pub phase: Phase,
+    /// When and after how much it broke (phase established only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub established: Option<Established>,
 }
 
 pub(crate) struct ReportCtx<'a> {
@@ -141,7 +149,8 @@ pub(crate) struct Decision {
 pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport {
     let verdict = verdict_of(flow, ctx.known);
     let incomplete = flow.evicted;
-    let drop = first_drop(flow, ctx.known);
+    let drop =
+        super::established::placed_drop(flow, ctx.known).or_else(|| first_drop(flow, ctx.known));
     let rule_ctx = RuleCtx {
         flow,
         verdict,
@@ -198,6 +207,8 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         decided_ts_ns: d.decided_ts,
         attempts,
         packets: evidence(flow, ctx),
+        phase: Phase::Opening,
+        established: None,
     }
 }
 

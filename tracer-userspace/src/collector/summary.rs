@@ -59,6 +59,11 @@ pub struct Summary {
     /// Flows seen only in other namespaces of this kernel (raw tracepoints
     /// are global: another node of a kind cluster, a parallel lab), not reported.
     pub foreign_flows: u64,
+    /// Connections whose opening was `ok` and that broke later: each has a
+    /// second report with `phase: established` (counted in `flows` and
+    /// `by_verdict` too).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub established_failures: u64,
     /// TCP connections whose events the kernel held until they proved
     /// healthy or not (tracer-ebpf/src/held.rs).
     #[serde(skip_serializing_if = "is_zero")]

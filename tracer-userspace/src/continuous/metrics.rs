@@ -23,6 +23,9 @@ struct FlowLabels {
     verdict: String,
     /// The cause id, `none` for `ok` and for problems without a known cause.
     cause: String,
+    /// `opening`, or `established` for a connection that broke after an
+    /// `ok` opening (it was counted `ok` once before).
+    phase: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -267,6 +270,11 @@ impl Metrics {
                     .as_ref()
                     .map_or("none", |c| c.id.as_str())
                     .to_owned(),
+                phase: match r.phase {
+                    crate::collector::Phase::Opening => "opening",
+                    crate::collector::Phase::Established => "established",
+                }
+                .to_owned(),
             };
             self.flows.get_or_create(&labels).inc();
             if r.incomplete {

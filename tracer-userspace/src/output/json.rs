@@ -5,7 +5,9 @@ use std::{io, net::SocketAddr};
 
 use serde::Serialize;
 
-use crate::collector::{Attempt, Dir, FlowReport, Hop, PacketEvidence, Proto, Summary, Verdict};
+use crate::collector::{
+    Attempt, Dir, Established, FlowReport, Hop, PacketEvidence, Phase, Proto, Summary, Verdict,
+};
 
 #[derive(Serialize)]
 struct JsonFlow<'a> {
@@ -40,6 +42,11 @@ struct JsonFlow<'a> {
     /// True when `packets` keeps only the hops that prove an `ok` verdict.
     packets_abridged: bool,
     packets: Packets<'a>,
+    /// `"established"`: the opening was `ok`, the connection broke later.
+    #[serde(skip_serializing_if = "Phase::is_opening")]
+    phase: Phase,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    established: Option<Established>,
 }
 
 /// An `ok` flow is most of the output on a busy node and its full hop list
@@ -136,6 +143,8 @@ impl<W: io::Write> JsonOutput<W> {
             attempts: &r.attempts,
             packets_abridged: abridged,
             packets,
+            phase: r.phase,
+            established: r.established,
         };
         serde_json::to_writer(&mut self.out, &line)?;
         self.out.write_all(b"\n")

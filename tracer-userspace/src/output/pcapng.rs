@@ -96,6 +96,14 @@ impl<W: io::Write> PcapngOutput<W> {
             (None, true) => format!("{} (incomplete)", r.verdict.as_str()),
             (None, false) => r.verdict.as_str().to_owned(),
         };
+        // A connection that broke after an `ok` opening says so.
+        let verdict = match &r.established {
+            Some(e) => format!(
+                "{verdict} mid-stream after {} ms and {} good replies",
+                e.after_ms, e.good_replies
+            ),
+            None => verdict,
+        };
         for packet in &r.packets {
             for hop in &packet.hops {
                 let id = self.interface(hop)?;

@@ -184,6 +184,12 @@ impl<W: io::Write> TextOutput<W> {
         if s.incomplete_flows > 0 {
             line.push_str(&format!(", {} incomplete", s.incomplete_flows));
         }
+        if s.established_failures > 0 {
+            line.push_str(&format!(
+                ", {} broke mid-stream after an ok opening",
+                s.established_failures
+            ));
+        }
         line.push_str(&format!("; lost events: {}", s.lost_events));
         if dropped_lines > 0 {
             line.push_str(&format!(

@@ -121,5 +121,6 @@ fn set_buffering(ebpf: &mut Ebpf, opts: &TraceOptions) -> Result<(), TraceError>
     let mut config = array.get(&0, 0).map_err(kernel_err("CONFIG"))?;
     config.buffer = u32::from(opts.buffer);
     config.reply_timeout_ns = opts.reply_timeout_ns;
+    config.benign_drops = opts.benign_drops;
     array.set(0, config, 0).map_err(kernel_err("CONFIG"))
 }

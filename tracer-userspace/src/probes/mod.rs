@@ -61,6 +61,9 @@ pub struct TraceOptions {
     /// `--reply-timeout` in ns: the kernel sends a held flow whose reply
     /// comes later than userspace pulls it.
     pub reply_timeout_ns: u64,
+    /// `Config::benign_drops`: drop reasons the watch of an established
+    /// flow counts instead of sending (`DropReasons::benign_bitmap`).
+    pub benign_drops: [u64; 4],
 }
 
 /// A program of the table that is not running, and why (one line for the CLI).
@@ -305,6 +308,14 @@ impl Tracer {
 
     pub fn facts(&self) -> &NodeFacts {
         &self.facts
+    }
+
+    /// The node's sysctls read again (an established flow went wrong); the
+    /// facts keep them. None when the namespace cannot be entered.
+    pub fn reread_sysctls(&mut self) -> Option<crate::facts::Sysctls> {
+        let s = self.netns.run(node::read_sysctls).ok()?;
+        self.facts.set_sysctls(s);
+        Some(s)
     }
 
     pub fn skipped(&self) -> &[Skipped] {

@@ -103,6 +103,20 @@ pub(super) fn start_reading_facts(
     })
 }
 
+/// The namespace's sysctls now (an established flow went wrong: they may
+/// have changed since start); runs inside it.
+pub(super) fn read_sysctls() -> crate::facts::Sysctls {
+    crate::facts::Sysctls {
+        bridge_nf_call_iptables: netns::read_sysctl_bool(
+            "/proc/sys/net/bridge/bridge-nf-call-iptables",
+        ),
+        bridge_nf_call_ip6tables: netns::read_sysctl_bool(
+            "/proc/sys/net/bridge/bridge-nf-call-ip6tables",
+        ),
+        ip_forward: netns::read_sysctl_bool("/proc/sys/net/ipv4/ip_forward"),
+    }
+}
+
 /// Reads the namespace's facts; runs inside it (/proc/sys/net is per thread
 /// netns). Returns its pod veths (for tc).
 pub(super) fn read_facts(facts: &mut NodeFacts) -> Result<BTreeSet<u32>, TraceError> {

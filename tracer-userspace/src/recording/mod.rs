@@ -43,7 +43,7 @@ pub const FORMAT: &str = "nattrace-recording";
 /// 2: event addresses may be IPv6 (`"saddr":"fd00:10:244::2"`); IPv4 ones
 /// are written dotted as in 1, so this reader reads version 1 files as they
 /// are, and a version-1 reader warns and skips the IPv6 event lines.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// A SIGKILL loses at most this much of the recording.
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
 
@@ -254,6 +254,10 @@ pub enum Line {
     Rotated {
         bytes: u64,
     },
+    /// The node's sysctls read again when an established flow went wrong,
+    /// written when they differ from what the collector had: flows decided
+    /// after this line are judged with these.
+    Sysctls(crate::facts::Sysctls),
     End(StatsLine),
 }
 
@@ -430,6 +434,14 @@ impl RecordingWriter {
         self.line(&Line::Rules {
             kube_proxy: rules.clone(),
         });
+    }
+
+    /// The node's sysctls changed (read again when a flow went wrong).
+    pub fn sysctls(&mut self, s: crate::facts::Sysctls) {
+        if let Some(h) = self.rotation.header.as_mut() {
+            h.facts.set_sysctls(s);
+        }
+        self.line(&Line::Sysctls(s));
     }
 
     pub fn interface(&mut self, netns: u32, ifindex: u32, name: &str) {

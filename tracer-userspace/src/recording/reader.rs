@@ -34,6 +34,8 @@ pub enum Record {
     Rotated {
         bytes: u64,
     },
+    /// The node's sysctls, read again when an established flow went wrong.
+    Sysctls(crate::facts::Sysctls),
     End(StatsLine),
 }
 
@@ -285,6 +287,7 @@ impl<R: BufRead> Reader<R> {
                     Some(Record::Rotated { bytes })
                 }
                 Line::Rules { kube_proxy } => Some(Record::Rules(Box::new(kube_proxy))),
+                Line::Sysctls(s) => Some(Record::Sysctls(s)),
                 Line::End(s) if s.now_ns >= MAX_TS_NS => {
                     self.skip("end time out of range");
                     continue;

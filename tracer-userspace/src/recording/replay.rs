@@ -113,6 +113,7 @@ pub fn replay<E>(
             Record::Capped { bytes } => capped = Some(bytes),
             Record::Rotated { bytes } => rotated = Some(bytes),
             Record::Rules(rules) => c.update_rules(*rules),
+            Record::Sysctls(s) => c.update_sysctls(s),
             Record::End(s) => {
                 lost = lost.max(s.lost_events);
                 held = s;

@@ -61,6 +61,7 @@ impl Live {
             all_services: options.continuous.all_services,
             buffer: !options.verbose,
             reply_timeout_ns: options.reply_timeout.as_nanos() as u64,
+            benign_drops: super::kernel_drop_reasons().benign_bitmap(),
         })?;
         drop(_t);
         let watch = NetnsWatch::new(options.netns.as_deref());

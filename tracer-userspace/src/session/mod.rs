@@ -311,7 +311,7 @@ fn node_name(options: &SessionOptions) -> String {
 
 /// The running kernel's drop reason numbering (it differs between kernels);
 /// the built-in 6.18 table when tracefs is not mounted.
-fn kernel_drop_reasons() -> DropReasons {
+pub(super) fn kernel_drop_reasons() -> DropReasons {
     // The last: tracefs of the node under `kubectl debug node`'s host root.
     let parsed = [
         "/sys/kernel/tracing",

@@ -202,6 +202,18 @@ impl Live {
         for line in continuous.tick(tracer, collector, recorder.as_deref_mut()) {
             notices.say(line);
         }
+        // A flow failed the watch: the node's sysctls may be what changed
+        // (br_netfilter switched off while running). Before the stats line,
+        // like the rules line, so `analyze` judges with the same values.
+        if collector.take_sysctls_request()
+            && let Some(now) = tracer.reread_sysctls()
+            && now != collector.sysctls()
+        {
+            collector.update_sysctls(now);
+            if let Some(rec) = recorder.as_deref_mut() {
+                rec.sysctls(now);
+            }
+        }
         let attached = tracer.collect_tc();
         if attached > 0 {
             notices.say(format_args!("tc now attached on {attached} more interfaces (their device tracepoints stood in until now)"));

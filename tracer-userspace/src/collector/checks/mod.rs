@@ -76,7 +76,20 @@ pub(super) fn bridge_of(facts: &NodeFacts, ifindex: u32) -> Option<u32> {
 /// another port of the same bridge, and no netfilter hook saw it.
 pub(super) fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
     let reply = ctx.flow.client_reply?;
-    let obs: Vec<&Obs> = ctx.flow.packet_obs(reply.packet).collect();
+    let found = bridged_packet(ctx, reply.packet);
+    // Mid-stream, the kernel's watch saw the reply only at the client (its
+    // earlier hops were muted): the packets after it (the client's RST to
+    // the backend, retransmits) show the bridge crossing instead.
+    if found.is_none() && ctx.flow.watch.is_some_and(|w| w.failed()) {
+        return (0..ctx.flow.packets.len() as u8).find_map(|p| bridged_packet(ctx, p));
+    }
+    found
+}
+
+/// Packet `packet` entered a bridge port and left by another port of the
+/// same bridge, and no netfilter hook saw it.
+fn bridged_packet(ctx: &RuleCtx<'_>, packet: u8) -> Option<Found> {
+    let obs: Vec<&Obs> = ctx.flow.packet_obs(packet).collect();
     if obs.iter().any(|o| o.hook == hook::NETFILTER) {
         return None;
     }
@@ -103,7 +116,7 @@ pub(super) fn bridged_reply(ctx: &RuleCtx<'_>) -> Option<Found> {
     let clause = format!("it crossed {br} without passing netfilter");
     let text = format!(
         "the {} crossed the bridge {br} from {}{to} without passing any netfilter hook",
-        ctx.kind(reply.packet),
+        ctx.kind(packet),
         ctx.ifname(in_port)
     );
     Some((clause, text))

@@ -1,0 +1,416 @@
+//! Connections that break after an `ok` opening (issue 21): long-lived
+//! streams through a Service (the backend writes a line every 0.3 s, curl
+//! reads them), broken mid-stream on the lab node, with a healthy stream
+//! beside each broken one that must stay `ok`. nattrace runs in its default
+//! mode (the kernel's per-flow buffer on, healthy flows muted), so what it
+//! reports comes from the kernel's watch of established flows; the
+//! recording is analysed again and must say the same. Needs root.
+use std::{
+    io::{BufRead as _, BufReader},
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc::{Receiver, RecvTimeoutError, channel},
+    time::{Duration, Instant},
+};
+
+use lab::{
+    Lab, Protocol, ProxyMode, ServiceSpec, both_modes, build_lab,
+    presets::{self, Backend, NODE_A, Seed000, WEB_PORT, WEB_SERVICE_IP},
+    tracer::{Finished, Nattrace, nattrace, tracing_lock},
+};
+use serde_json::Value;
+
+macro_rules! require_root {
+    () => {
+        if lab::skip_without_root(
+            "established-flow tests need root (network namespaces, eBPF); \
+             run `sudo cargo test -p nattrace-tests --test established`",
+        ) {
+            return;
+        }
+    };
+}
+
+/// A second Service whose only endpoint is on the other node: its replies
+/// are routed in over the overlay and always pass netfilter, so switching
+/// br_netfilter off on node-a leaves it healthy.
+const REMOTE_SERVICE_IP: Ipv4Addr = Ipv4Addr::new(100, 67, 30, 134);
+const BROKEN_PORT: u16 = 41001;
+const HEALTHY_PORT: u16 = 41002;
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
+/// Waits on events (lines read, lines printed); this only bounds a hang.
+const EVENT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `curl -N` reading a stream from the client pod, its lines counted.
+struct Stream {
+    child: Child,
+    lines: Receiver<String>,
+    read: usize,
+}
+
+impl Stream {
+    fn open(lab: &Lab, ip: Ipv4Addr, local_port: u16) -> Stream {
+        let ns = lab.netns(presets::CLIENT_POD).expect("client pod");
+        let url = format!("http://{ip}:{WEB_PORT}/stream");
+        let mut cmd: Command = ns.command("curl").expect("curl in the client pod");
+        cmd.args(["-sN", "--max-time", "120", "--local-port"])
+            .arg(local_port.to_string())
+            .arg(&url)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        let mut child = cmd.spawn().expect("starting curl");
+        let out = child.stdout.take().expect("piped");
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Stream {
+            child,
+            lines,
+            read: 0,
+        }
+    }
+
+    /// Waits until `n` lines were read in all; false if the stream ended
+    /// or stalled past `timeout`.
+    fn wait_lines(&mut self, n: usize, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.read < n {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return false;
+            };
+            match self.lines.recv_timeout(left) {
+                Ok(_) => self.read += 1,
+                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => return false,
+            }
+        }
+        true
+    }
+
+    /// Lines read so far, counting those waiting in the pipe.
+    fn lines_read(&mut self) -> usize {
+        self.read += self.lines.try_iter().count();
+        self.read
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn lab(mode: ProxyMode) -> Lab {
+    let mut spec = presets::seed000(Seed000 {
+        bridge_nf_call_iptables: true,
+        backend: Backend::SameNode,
+    })
+    .service(
+        ServiceSpec::new(
+            "default",
+            "web-b",
+            "http",
+            REMOTE_SERVICE_IP,
+            WEB_PORT,
+            Protocol::Tcp,
+        )
+        .endpoint(presets::REMOTE_BACKEND_POD, WEB_PORT),
+    );
+    spec.kube_proxy.mode = mode;
+    build_lab(spec)
+}
+
+fn start(lab: &Lab, record: &Path) -> Nattrace {
+    let node = lab.node_netns(NODE_A).expect("node-a").path();
+    let args: Vec<String> = [
+        "--svc",
+        &format!("{WEB_SERVICE_IP}:{WEB_PORT}"),
+        "--svc",
+        &format!("{REMOTE_SERVICE_IP}:{WEB_PORT}"),
+        "--netns",
+        &node.display().to_string(),
+        "--output",
+        "json",
+        "--reply-timeout",
+        "1000",
+        "--write",
+        &record.display().to_string(),
+        "--pcap",
+        &record.with_extension("pcapng").display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut t = Nattrace::spawn(&nattrace(), &args, &[], false).expect("starting nattrace");
+    let first = t
+        .wait_started(ATTACH_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(first.contains("\"kind\":\"start\""), "first line: {first}");
+    t
+}
+
+fn record_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("nattrace-{name}-{}.rec", std::process::id()))
+}
+
+fn flows(done: &Finished) -> Vec<Value> {
+    done.flows()
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", done.describe()))
+}
+
+fn client_port(f: &Value) -> u16 {
+    f["client"]
+        .as_str()
+        .and_then(|c| c.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The flows of `analyze FILE --output json`, as the live run printed them.
+fn analyze(file: &Path) -> Vec<Value> {
+    let out = Command::new(nattrace())
+        .args(["analyze", &file.display().to_string(), "--output", "json"])
+        .output()
+        .expect("running nattrace analyze");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["kind"] == "flow")
+        .collect()
+}
+
+/// The established report of the broken stream, checked; the healthy one
+/// has only its `ok` opening. Live and analyze say the same.
+fn assert_broken_and_healthy(
+    done: &Finished,
+    record: &Path,
+    cause: &str,
+    healthy_on_client_node: bool,
+) -> Value {
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+    let live = flows(done);
+    let established: Vec<&Value> = live
+        .iter()
+        .filter(|f| f["phase"] == "established")
+        .collect();
+    assert_eq!(
+        established.len(),
+        1,
+        "one broken stream: {}",
+        done.describe()
+    );
+    let broken = established[0].clone();
+    println!(
+        "established report: {} / {} — {}",
+        broken["verdict"], broken["cause"], broken["detail"]
+    );
+    assert_eq!(client_port(&broken), BROKEN_PORT, "{broken}");
+    assert_eq!(broken["cause"], cause, "{broken}");
+    let good = broken["established"]["good_replies"].as_u64().unwrap_or(0);
+    assert!(
+        good >= 3,
+        "at least the 3 lines read before were good: {broken}"
+    );
+    assert!(
+        broken["detail"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("mid-stream after ")),
+        "{broken}"
+    );
+    for port in [BROKEN_PORT, HEALTHY_PORT] {
+        let opening: Vec<&Value> = live
+            .iter()
+            .filter(|f| client_port(f) == port && f["phase"].is_null())
+            .collect();
+        assert_eq!(opening.len(), 1, "port {port}: {}", done.describe());
+        assert_eq!(opening[0]["verdict"], "ok", "{}", opening[0]);
+    }
+    assert!(
+        !live
+            .iter()
+            .any(|f| client_port(f) == HEALTHY_PORT && f["verdict"] != "ok"),
+        "the healthy stream stays ok: {}",
+        done.describe()
+    );
+    let pcap = std::fs::read(record.with_extension("pcapng")).expect("the pcapng");
+    assert!(
+        pcap.windows(11).any(|w| w == b"mid-stream "),
+        "the broken stream's packets carry a mid-stream comment in the pcapng"
+    );
+    let _ = std::fs::remove_file(record.with_extension("pcapng"));
+    // The healthy stream's events in the recording: none after its
+    // handshake (every data packet checked in the kernel, no event), and
+    // for a backend on the client's node 3 in all (docs/DESIGN.md, "Event
+    // budget"). A backend on the other node costs its handshake per packet
+    // in a lab: the other node's namespace is on the same kernel, and the
+    // SYN-ACK reaching it from the backend's address sends the held events.
+    let healthy: Vec<Value> = std::fs::read_to_string(record)
+        .expect("the recording")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["kind"] == "event")
+        .filter(|v| v["sport"] == HEALTHY_PORT || v["dport"] == HEALTHY_PORT)
+        .collect();
+    let after_handshake = healthy
+        .iter()
+        .filter(|v| v["tcp_flags"].as_u64().unwrap_or(0) & 2 == 0)
+        .count();
+    assert_eq!(
+        after_handshake, 0,
+        "the healthy stream's data packets cost events"
+    );
+    if healthy_on_client_node {
+        assert!(
+            healthy.len() <= 3,
+            "the healthy long-lived stream cost {} events",
+            healthy.len()
+        );
+    }
+    let replayed = analyze(record);
+    let key = |f: &Value| {
+        (
+            client_port(f),
+            f["phase"].as_str().unwrap_or("opening").to_string(),
+            f["verdict"].clone(),
+            f["cause"].clone(),
+            f["detail"].clone(),
+            f["established"].clone(),
+        )
+    };
+    let mut a: Vec<_> = live.iter().map(key).collect();
+    let mut b: Vec<_> = replayed.iter().map(key).collect();
+    a.sort_by_key(|k| format!("{k:?}"));
+    b.sort_by_key(|k| format!("{k:?}"));
+    assert_eq!(a, b, "live == analyze");
+    broken
+}
+
+/// bridge-nf-call-iptables switched off on node-a mid-stream: the
+/// same-node backend's replies are bridged past netfilter, reach the
+/// client un-reverse-NATed, and the stream stalls; the other stream's
+/// replies are routed and stay reverse-NATed.
+fn bridge_nf_off_mid_stream(mode: ProxyMode) {
+    let _lock = tracing_lock();
+    let lab = lab(mode);
+    let record = record_path("bnf-flip");
+    let mut t = start(&lab, &record);
+    let mut broken = Stream::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
+    let mut healthy = Stream::open(&lab, REMOTE_SERVICE_IP, HEALTHY_PORT);
+    assert!(
+        broken.wait_lines(4, EVENT_TIMEOUT),
+        "stream to the same-node backend"
+    );
+    assert!(
+        healthy.wait_lines(4, EVENT_TIMEOUT),
+        "stream to the other node's backend"
+    );
+
+    lab.run(
+        NODE_A,
+        &["sysctl", "-w", "net.bridge.bridge-nf-call-iptables=0"],
+    )
+    .expect("switching bridge-nf-call-iptables off in node-a");
+    // The client's symptom first: the healthy stream reads 8 more lines
+    // while the broken one stalls (one line may have been on its way).
+    let before = broken.lines_read();
+    let healthy_now = healthy.lines_read();
+    assert!(
+        healthy.wait_lines(healthy_now + 8, EVENT_TIMEOUT),
+        "the routed stream goes on"
+    );
+    assert!(
+        broken.lines_read() <= before + 1,
+        "the bridged stream stalls: {} lines after the switch",
+        broken.lines_read() - before
+    );
+    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
+    assert!(line.is_some(), "nattrace reports the broken stream");
+    // More lines of the healthy stream after the report: it is watched on.
+    let healthy_now = healthy.lines_read();
+    assert!(healthy.wait_lines(healthy_now + 3, EVENT_TIMEOUT));
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    let broken_flow =
+        assert_broken_and_healthy(&done, &record, "bridge_nf_call_iptables_off", false);
+    assert_eq!(
+        broken_flow["verdict"], "reply_not_reverse_nated",
+        "{broken_flow}"
+    );
+    let _ = std::fs::remove_file(&record);
+}
+
+both_modes!(
+    bridge_nf_off_mid_stream: root_bridge_nf_off_mid_stream_iptables,
+    root_bridge_nf_off_mid_stream_nftables
+);
+
+/// The broken stream's conntrack entry deleted on node-a with
+/// nf_conntrack_tcp_loose=0 (set in node-a's namespace only): conntrack
+/// makes no new entry mid-stream, the backend's next segments are INVALID
+/// and NAT skips them; kube-proxy's `KUBE-FORWARD -m conntrack --ctstate
+/// INVALID -j DROP` drops them (the lab renders it, as kube-proxy does
+/// unless nf_conntrack_tcp_be_liberal is set), or — where no rule drops
+/// them — they reach the client un-reverse-NATed. The other stream to the
+/// same backend keeps its entry and stays `ok`.
+fn conntrack_entry_deleted_mid_stream(mode: ProxyMode) {
+    let _lock = tracing_lock();
+    let lab = lab(mode);
+    lab.run(
+        NODE_A,
+        &["sysctl", "-w", "net.netfilter.nf_conntrack_tcp_loose=0"],
+    )
+    .expect("nf_conntrack_tcp_loose=0 in node-a");
+    let record = record_path("ct-invalid");
+    let mut t = start(&lab, &record);
+    let mut broken = Stream::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
+    let mut healthy = Stream::open(&lab, WEB_SERVICE_IP, HEALTHY_PORT);
+    assert!(broken.wait_lines(4, EVENT_TIMEOUT), "first stream");
+    assert!(healthy.wait_lines(4, EVENT_TIMEOUT), "second stream");
+
+    let port = BROKEN_PORT.to_string();
+    let deleted = lab
+        .run(
+            NODE_A,
+            &["conntrack", "-D", "-p", "tcp", "--orig-port-src", &port],
+        )
+        .expect("deleting the first stream's conntrack entry");
+    assert!(
+        deleted.contains(&format!("sport={BROKEN_PORT} ")),
+        "conntrack -D printed the deleted entry: {deleted}"
+    );
+    let before = broken.lines_read();
+    let healthy_now = healthy.lines_read();
+    assert!(
+        healthy.wait_lines(healthy_now + 8, EVENT_TIMEOUT),
+        "the stream with its entry goes on"
+    );
+    assert!(
+        broken.lines_read() <= before + 1,
+        "the stream without its entry stalls: {} lines after the delete",
+        broken.lines_read() - before
+    );
+    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
+    assert!(line.is_some(), "nattrace reports the broken stream");
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    let broken_flow = assert_broken_and_healthy(&done, &record, "conntrack_invalid", true);
+    let verdict = broken_flow["verdict"].as_str().unwrap_or_default();
+    assert!(
+        verdict == "dropped" || verdict == "reply_not_reverse_nated",
+        "{broken_flow}"
+    );
+    let _ = std::fs::remove_file(&record);
+}
+
+both_modes!(
+    conntrack_entry_deleted_mid_stream: root_conntrack_entry_deleted_mid_stream_iptables,
+    root_conntrack_entry_deleted_mid_stream_nftables
+);

@@ -1,0 +1,131 @@
+//! The watch of an established flow (docs/DESIGN.md, "Watch"): once a
+//! flow is muted (its opening judged healthy) most of its packets stop at
+//! the filter's first check, but the few points that decide a verdict still
+//! look at each packet, and an event is sent only when one fails:
+//! - a reply reaching the client's namespace from another address than the
+//!   Service it was sent to (not reverse-NATed: br_netfilter switched off,
+//!   conntrack INVALID);
+//! - a drop of the flow for a failure reason (the drop reasons a healthy
+//!   socket has of its own, from userspace in `Config::benign_drops`, are
+//!   counted like muted packets);
+//! - a request still addressed to the Service after the DNAT point (its
+//!   conntrack entry gone or INVALID: NAT skipped it).
+//!
+//! A failure unmutes the flow (per packet from then on) and its event
+//! carries `event_flags::WATCH` and the count of replies that were fine.
+use tracer_common::{EndpointState, direction, hook, nat_stage, nf_hook};
+
+use crate::emit::Point;
+
+/// What the watch makes of one packet of a muted flow.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    /// Checked and fine: counted, not sent.
+    Fine,
+    /// Failed a check: unmute, send with WATCH.
+    Alert,
+    /// Nothing the watch decides (SYN, RST, other points): as before.
+    Pass,
+}
+
+/// Whether a muted flow's packet must go past the filter's first check
+/// (which reads nothing more): a request at the point right after DNAT.
+/// Replies at a device and drops already do.
+#[inline(always)]
+pub fn at_nat_point(dir: u8, to_service: bool, at: &Point) -> bool {
+    dir == direction::REQUEST
+        && to_service
+        && at.nat_stage == nat_stage::AFTER
+        && (at.nf_hook == nf_hook::PRE_ROUTING || at.nf_hook == nf_hook::LOCAL_OUT)
+}
+
+/// The watch's checks on a packet of a muted flow. `from_service`: the
+/// packet's source is a traced Service; `outside_node`: seen in another
+/// namespace than the traced node's.
+#[inline(always)]
+pub fn check(
+    state: *mut EndpointState,
+    at: &Point,
+    dir: u8,
+    to_service: bool,
+    from_service: impl FnOnce() -> bool,
+    outside_node: bool,
+) -> Check {
+    if at.hook == hook::DROP {
+        // A deviceless drop is a delivered packet purged from a closing
+        // socket's queue (net/core/stream.c sk_stream_kill_queues).
+        if at.ifindex == 0 || benign_drop(at.drop_reason) {
+            return Check::Fine;
+        }
+        return Check::Alert;
+    }
+    if at_nat_point(dir, to_service, at) {
+        // Still addressed to the Service after DNAT: conntrack did not
+        // apply the opening's NAT (entry deleted, or the packet INVALID:
+        // nf_nat_inet_fn skips packets without a conntrack entry).
+        return Check::Alert;
+    }
+    if dir != direction::REPLY || at.hook != hook::DEV_RX || !outside_node {
+        return Check::Pass;
+    }
+    let cn = unsafe { core::ptr::read_volatile(&raw const (*state).client_netns) };
+    if cn != 0 && cn != at.netns {
+        // Another namespace on this kernel (the backend's node in a lab).
+        return Check::Pass;
+    }
+    if from_service() {
+        let good = unsafe { core::ptr::read_volatile(&raw const (*state).good) };
+        unsafe {
+            core::ptr::write_volatile(&raw mut (*state).good, good.wrapping_add(1));
+            if cn == 0 {
+                core::ptr::write_volatile(&raw mut (*state).client_netns, at.netns);
+            }
+        }
+        return Check::Fine;
+    }
+    if cn == 0 {
+        // Which namespace is the client's is not known (muted by
+        // userspace before any reply was seen here): no claim.
+        return Check::Pass;
+    }
+    Check::Alert
+}
+
+/// The flow was just muted by its reverse-NATed reply in namespace `netns`.
+#[inline(always)]
+pub fn note_muted(state: *mut EndpointState, netns: u32) {
+    unsafe {
+        core::ptr::write_volatile(&raw mut (*state).client_netns, netns);
+        core::ptr::write_volatile(&raw mut (*state).good, 0);
+    }
+}
+
+/// The count a WATCH event carries.
+#[inline(always)]
+pub fn good(state: *mut EndpointState) -> u32 {
+    unsafe { core::ptr::read_volatile(&raw const (*state).good) }
+}
+
+/// Whether the reply at the client's device is in the namespace the flow's
+/// reply reached before, when known (another lab node on the same kernel
+/// is not the client).
+#[inline(always)]
+pub fn is_client_netns(state: *mut EndpointState, at: &Point) -> bool {
+    let cn = unsafe { core::ptr::read_volatile(&raw const (*state).client_netns) };
+    cn == 0 || cn == at.netns
+}
+
+/// `Config::benign_drops` bit `reason`; reasons past 255 (subsystem
+/// reasons) are failures.
+#[inline(always)]
+fn benign_drop(reason: u32) -> bool {
+    if reason >= 256 {
+        return false;
+    }
+    let Some(cfg) = crate::config::config() else {
+        return false;
+    };
+    // Constant bounds for the verifier: the index is masked to 0..3.
+    let word = cfg.benign_drops[((reason >> 6) & 3) as usize];
+    word & (1u64 << (reason & 63)) != 0
+}

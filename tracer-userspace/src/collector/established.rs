@@ -1,0 +1,246 @@
+//! The whole connection judged (issue 21): a flow whose opening was `ok`
+//! is watched for the rest of its life. The kernel's watch
+//! (tracer-ebpf/src/watch.rs) sends an event flagged WATCH when a muted
+//! flow's packet fails a check; with every packet sent (`-v`, or a flow
+//! the kernel did not mute) the same checks run here on each event. The
+//! first failure reopens the flow: its evidence starts afresh from that
+//! packet, the kernel sends the flow per packet again, and the flow is
+//! decided [`WATCH_WAIT_NS`] later, at a tick (after the live session
+//! re-read the node's sysctls, which may be what changed), with the same
+//! verdicts and causes as an opening and `phase: established`. A verdict
+//! of `ok` then (a reverse-NATed reply after all) reports nothing.
+use serde::Serialize;
+use tracer_common::{PacketEvent, event_flags, hook, nat_stage, nf_hook};
+
+use super::{
+    MS,
+    checks::{Found, RuleCtx},
+    drop_reason::{DropReasons, KnownReasons},
+    flow::Flow,
+    types::{Endpoint, in_node},
+    verdict::{Verdict, drop_place},
+};
+
+/// How long after its first failure an established flow is decided: the
+/// retransmissions and the client's reaction (RST, drop) that follow
+/// within a few RTOs are its evidence.
+pub const WATCH_WAIT_NS: u64 = 1_000 * MS;
+
+/// Which part of the connection a report judges.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// The handshake (TCP) or first exchange (UDP): every report before 21.
+    #[default]
+    Opening,
+    /// After an opening judged `ok`: the connection broke mid-stream.
+    Established,
+}
+
+impl Phase {
+    pub fn is_opening(&self) -> bool {
+        *self == Phase::Opening
+    }
+}
+
+/// What the watch knew when an established flow went wrong (JSON
+/// `established`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Established {
+    /// When the opening was decided `ok`.
+    pub ok_ts_ns: u64,
+    /// The first packet that failed the watch.
+    pub failed_ts_ns: u64,
+    /// From the flow's first packet to that failure.
+    pub after_ms: u64,
+    /// Replies that reached the client reverse-NATed before it (counted in
+    /// the kernel while the flow was muted, or seen here).
+    pub good_replies: u64,
+}
+
+/// The watch of one flow, kept on the flow after its opening was `ok`
+/// (24 bytes: every `ok` flow carries one until it goes idle).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Watch {
+    /// When the opening was decided `ok`.
+    pub ok_ts: u64,
+    /// The first failure's time; 0 while none.
+    pub failed_ts: u64,
+    /// Reverse-NATed replies at the client: seen here after the `ok`
+    /// (events the kernel did not mute), then at the first failure the
+    /// larger of that and the kernel's count.
+    pub good: u32,
+    /// The established report is out (one per flow).
+    pub reported: bool,
+}
+
+impl Watch {
+    pub fn failed(&self) -> bool {
+        self.failed_ts != 0
+    }
+}
+
+/// Whether `ev`, an event of an `ok` flow, fails the watch: the kernel
+/// said so (WATCH), or it is a reply at the client side from another
+/// address than the Service, a drop for a failure reason on a device, or a
+/// request still addressed to the Service after DNAT.
+pub(crate) fn fails(
+    flow: &Flow,
+    ev: &PacketEvent,
+    reasons: &DropReasons,
+    known: &KnownReasons,
+) -> bool {
+    if ev.flags & event_flags::WATCH != 0 {
+        return true;
+    }
+    // The opening's own SYNs (a retransmit's queued first attempt freed
+    // seconds later, NEIGH_FAILED) are the opening's evidence, not a break.
+    if ev.proto == tracer_common::proto::TCP && ev.tcp_flags & tracer_common::tcp_flags::SYN != 0 {
+        return false;
+    }
+    let (src, dst) = (Endpoint::src(ev), Endpoint::dst(ev));
+    match ev.hook {
+        hook::DEV_RX => {
+            flow.client_netns != 0
+                && ev.netns == flow.client_netns
+                && dst == flow.client
+                && src != flow.service
+        }
+        hook::DROP => {
+            ev.ifindex != 0 && known.is_drop(ev.drop_reason) && !reasons.is_benign(ev.drop_reason)
+        }
+        hook::NETFILTER => {
+            ev.nat_stage == nat_stage::AFTER
+                && matches!(ev.nf_hook, nf_hook::PRE_ROUTING | nf_hook::LOCAL_OUT)
+                && src == flow.client
+                && dst == flow.service
+        }
+        _ => false,
+    }
+}
+
+/// A reverse-NATed reply reaching the client of an `ok` flow (counted).
+pub(crate) fn is_good_reply(flow: &Flow, ev: &PacketEvent) -> bool {
+    ev.hook == hook::DEV_RX
+        && flow.client_netns != 0
+        && ev.netns == flow.client_netns
+        && Endpoint::dst(ev) == flow.client
+        && Endpoint::src(ev) == flow.service
+}
+
+/// The flow's evidence starts again at `ev`, which failed the watch.
+pub(crate) fn reopen(flow: &mut Flow, ev: &PacketEvent) {
+    let Some(w) = flow.watch.as_mut() else {
+        return;
+    };
+    w.good = w.good.max(ev.good);
+    w.failed_ts = ev.ts_ns.max(1);
+    flow.reported = false;
+    flow.client_reply = None;
+    flow.client_rst = false;
+    flow.truncated = false;
+    flow.packets.clear();
+    flow.obs.clear();
+}
+
+/// For a reopened flow, its first drop whose packet was seen before the
+/// drop (a retransmission, sent per packet after the failure): the
+/// watched drop that reopened it comes alone and has no place to name.
+pub(crate) fn placed_drop<'f>(
+    flow: &'f Flow,
+    known: &KnownReasons,
+) -> Option<&'f super::types::Obs> {
+    if !flow.watch.is_some_and(|w| w.failed()) {
+        return None;
+    }
+    let first = super::verdict::first_drop(flow, known)?;
+    flow.obs
+        .iter()
+        .filter(|o| {
+            o.hook == tracer_common::hook::DROP
+                && o.drop_reason == first.drop_reason
+                && flow.packets[o.packet as usize].in_node
+        })
+        .find(|d| {
+            flow.packet_obs(d.packet)
+                .any(|o| o.hook != tracer_common::hook::DROP && o.ts_ns <= d.ts_ns)
+        })
+}
+
+/// The report's `established` part, for a reopened flow.
+pub(crate) fn info(flow: &Flow) -> Option<Established> {
+    let w = flow.watch.filter(Watch::failed)?;
+    Some(Established {
+        ok_ts_ns: w.ok_ts,
+        failed_ts_ns: w.failed_ts,
+        after_ms: w.failed_ts.saturating_sub(flow.first_ts) / MS,
+        good_replies: u64::from(w.good),
+    })
+}
+
+/// "mid-stream after 1.4 s and 57 good replies: " before the detail.
+pub(crate) fn prefix(e: &Established) -> String {
+    let secs = e.after_ms as f64 / 1000.0;
+    let replies = if e.good_replies == 1 {
+        "reply"
+    } else {
+        "replies"
+    };
+    format!(
+        "mid-stream after {secs:.1} s and {} good {replies}: ",
+        e.good_replies
+    )
+}
+
+/// Cause `conntrack_invalid`: an established flow whose opening conntrack
+/// NATed stops being NATed while br_netfilter runs (a netfilter hook saw
+/// its packets after the failure): netfilter dropped one after FORWARD —
+/// kube-proxy's `-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP`,
+/// which it installs unless nf_conntrack_tcp_be_liberal is set (1.29+),
+/// is the rule that drops INVALID packets there — or its reply reached the
+/// client with the backend's source although it passed netfilter.
+/// nf_nat_inet_fn (net/netfilter/nf_nat_core.c) NATs only packets with a
+/// conntrack entry; an INVALID one has none (skb->_nfct is 0).
+pub(crate) fn conntrack_invalid(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let flow = ctx.flow;
+    if !flow.watch.is_some_and(|w| w.failed()) || ctx.facts.bridge_nf_call_iptables == Some(false) {
+        return None;
+    }
+    let in_nf = |p: u8| {
+        flow.packet_obs(p)
+            .any(|o| o.hook == tracer_common::hook::NETFILTER && in_node(o.netns, ctx.node_netns))
+    };
+    match ctx.verdict {
+        Verdict::Dropped => {
+            // The watched drop itself comes alone (its hops were muted); the
+            // retransmissions after it show where netfilter dropped them.
+            let place = "after netfilter FORWARD";
+            let drop = flow.obs.iter().find(|o| {
+                o.hook == tracer_common::hook::DROP
+                    && Some(o.drop_reason) == ctx.known.netfilter_drop
+                    && drop_place(flow, o, ctx.ifnames) == place
+            })?;
+            Some((
+                "conntrack no longer tracked the connection and netfilter dropped it as INVALID"
+                    .to_string(),
+                format!(
+                    "mid-stream, after the opening was DNATed, a netfilter rule dropped the {} {place} ({} → {}): a packet of an established connection dropped in FORWARD is what kube-proxy's `-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP` does once the connection's conntrack entry is gone (deleted, flushed, timed out with nf_conntrack_tcp_loose=0) or its packet is out of the TCP window (a NetworkPolicy DROP in FORWARD would look the same: check the rule's counters)",
+                    ctx.kind(drop.packet),
+                    drop.src,
+                    drop.dst
+                ),
+            ))
+        }
+        Verdict::ReplyNotReverseNated => {
+            let passed = (0..flow.packets.len() as u8).find(|&p| in_nf(p))?;
+            Some((
+                "conntrack no longer NATs the connection (entry gone or INVALID)".to_string(),
+                format!(
+                    "mid-stream the reply reached the client with the backend's source although the flow's packets still pass netfilter (the {} did): conntrack no longer holds the connection's NAT — its entry was deleted or flushed (with nf_conntrack_tcp_loose=0 no new one is made mid-stream) or the packets are INVALID (out of the TCP window), and NAT skips packets without an entry",
+                    ctx.kind(passed)
+                ),
+            ))
+        }
+        _ => None,
+    }
+}
