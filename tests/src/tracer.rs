@@ -257,6 +257,20 @@ impl Nattrace {
         self.wait(crate::wait::FAIL_AFTER)
     }
 
+    /// [`Nattrace::finish`] for a nattrace started under a wrapper that does
+    /// not pass signals on (`unshare -f`, a container's init): SIGUSR1 goes
+    /// to the wrapper's descendant named `comm`, waited for until it exists.
+    pub fn finish_descendant(&mut self, comm: &str) -> anyhow::Result<Finished> {
+        let root = self.pid();
+        let pid = crate::wait::until(
+            format!("the {comm} process under pid {root}"),
+            crate::wait::FAIL_AFTER,
+            || descendant_named(root, comm),
+        )?;
+        unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
+        self.wait(crate::wait::FAIL_AFTER)
+    }
+
     /// The stdout lines read so far (by the waits above).
     pub fn printed(&self) -> &[String] {
         &self.stdout
@@ -569,4 +583,24 @@ pub fn assert_verdict_and_cause(f: &Value, verdict: &str, cause: Option<&str>, d
         Some(c) => assert_eq!(f["cause"], c, "{}", done.describe()),
         None => assert!(f["cause"].is_null(), "{}", done.describe()),
     }
+}
+
+/// The first process below `pid` (children, grandchildren, ...) whose
+/// command name is `comm`, from /proc's child lists.
+fn descendant_named(pid: u32, comm: &str) -> Option<u32> {
+    let mut todo = vec![pid];
+    while let Some(p) = todo.pop() {
+        let kids = std::fs::read_to_string(format!("/proc/{p}/task/{p}/children")).ok()?;
+        for kid in kids
+            .split_whitespace()
+            .filter_map(|k| k.parse::<u32>().ok())
+        {
+            let name = std::fs::read_to_string(format!("/proc/{kid}/comm")).unwrap_or_default();
+            if name.trim_end() == comm {
+                return Some(kid);
+            }
+            todo.push(kid);
+        }
+    }
+    None
 }
