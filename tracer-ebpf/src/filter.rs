@@ -168,8 +168,6 @@ struct Match {
     dir: u8,
     svc: u8,
     state: Option<*mut EndpointState>,
-    /// Rule 1: the destination is a traced Service.
-    to_service: bool,
 }
 
 /// Rules 1-4 of DESIGN.md, in order. Only reads the packet's addresses and
@@ -186,7 +184,6 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             dir: direction::REQUEST,
             svc,
             state: endpoint(&src, svc),
-            to_service: true,
         });
     }
     if src_known && let Some(state) = ENDPOINTS.get_ptr_mut(src) {
@@ -195,7 +192,6 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             dir: direction::REQUEST,
             svc,
             state: Some(state),
-            to_service: false,
         });
     }
     let dst = key(pkt.daddr, pkt.dport, pkt.proto);
@@ -205,7 +201,6 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             dir: direction::REPLY,
             svc,
             state: Some(state),
-            to_service: false,
         });
     }
     // Rule 4 can only apply right after a NAT stage rewrote a client side
@@ -225,7 +220,6 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
         dir,
         svc,
         state: endpoint(&client, svc),
-        to_service: false,
     })
 }
 
@@ -252,7 +246,6 @@ pub fn observe(
             && control == 0
             && !is_drop
             && !(m.dir == direction::REPLY && at.hook == hook::DEV_RX)
-            && !watch::at_nat_point(m.dir, m.to_service, at)
         {
             stat_inc(stat::MUTED_PACKETS);
             return;
@@ -273,7 +266,6 @@ pub fn observe(
             state,
             at,
             m.dir,
-            m.to_service,
             || service_at(pkt.saddr, pkt.sport, pkt.proto).is_some(),
             at_client(at),
         );

@@ -7,13 +7,11 @@
 //!   conntrack INVALID);
 //! - a drop of the flow for a failure reason (the drop reasons a healthy
 //!   socket has of its own, from userspace in `Config::benign_drops`, are
-//!   counted like muted packets);
-//! - a request still addressed to the Service after the DNAT point (its
-//!   conntrack entry gone or INVALID: NAT skipped it).
+//!   counted like muted packets).
 //!
 //! A failure unmutes the flow (per packet from then on) and its event
 //! carries `event_flags::WATCH` and the count of replies that were fine.
-use tracer_common::{EndpointState, direction, hook, nat_stage, nf_hook};
+use tracer_common::{EndpointState, direction, hook};
 
 use crate::emit::Point;
 
@@ -28,17 +26,6 @@ pub enum Check {
     Pass,
 }
 
-/// Whether a muted flow's packet must go past the filter's first check
-/// (which reads nothing more): a request at the point right after DNAT.
-/// Replies at a device and drops already do.
-#[inline(always)]
-pub fn at_nat_point(dir: u8, to_service: bool, at: &Point) -> bool {
-    dir == direction::REQUEST
-        && to_service
-        && at.nat_stage == nat_stage::AFTER
-        && (at.nf_hook == nf_hook::PRE_ROUTING || at.nf_hook == nf_hook::LOCAL_OUT)
-}
-
 /// The watch's checks on a packet of a muted flow. `from_service`: the
 /// packet's source is a traced Service; `outside_node`: seen in another
 /// namespace than the traced node's.
@@ -47,7 +34,6 @@ pub fn check(
     state: *mut EndpointState,
     at: &Point,
     dir: u8,
-    to_service: bool,
     from_service: impl FnOnce() -> bool,
     outside_node: bool,
 ) -> Check {
@@ -59,12 +45,11 @@ pub fn check(
         }
         return Check::Alert;
     }
-    if at_nat_point(dir, to_service, at) {
-        // Still addressed to the Service after DNAT: conntrack did not
-        // apply the opening's NAT (entry deleted, or the packet INVALID:
-        // nf_nat_inet_fn skips packets without a conntrack entry).
-        return Check::Alert;
-    }
+    // No check at the DNAT point: a request still addressed to the Service
+    // there is a failure only if the opening was DNATed there, and IPVS
+    // (DNAT at LOCAL_IN) or a node-local address never is. A flow whose
+    // conntrack entry is gone shows instead at its drop (kube-proxy's
+    // INVALID rule) or its un-reverse-NATed reply at the client.
     if dir != direction::REPLY || at.hook != hook::DEV_RX || !outside_node {
         return Check::Pass;
     }
