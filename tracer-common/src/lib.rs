@@ -192,9 +192,10 @@ pub struct PacketEvent {
     /// Recordings made before it existed read as 0 (sent as it happened).
     #[cfg_attr(feature = "user", serde(default, skip_serializing_if = "is_zero"))]
     pub flags: u8,
-    /// On a [`event_flags::WATCH`] event: replies of the flow that reached
-    /// the client reverse-NATed while it was muted (checked, fine, not
-    /// sent) before this one. 0 otherwise; absent in older recordings.
+    /// On a [`event_flags::WATCH`] event and on a RST of a muted flow:
+    /// replies of the flow that reached the client reverse-NATed while it
+    /// was muted (checked, fine, not sent) before this one. 0 otherwise;
+    /// absent in older recordings.
     #[cfg_attr(feature = "user", serde(default, skip_serializing_if = "is_zero_u32"))]
     pub good: u32,
     /// Keeps the layout free of implicit padding (always 0).

@@ -260,6 +260,15 @@ pub fn observe(
     let mut good = 0;
     if let Some(state) = m.state
         && muted(state)
+        && pkt.tcp_flags & tcp_flags::RST != 0
+    {
+        // A reset of a muted flow is sent as it is; the collector judges
+        // it (a bare RST from the backend's side is a failure) and needs
+        // the count of replies that were fine before it.
+        good = watch::good(state);
+    }
+    if let Some(state) = m.state
+        && muted(state)
         && control == 0
     {
         let check = watch::check(

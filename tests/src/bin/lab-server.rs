@@ -4,6 +4,11 @@
 //! ```text
 //! lab-server http PORT [--name TEXT]   answer every GET with a page naming the pod
 //!                                      (GET /stream: a line every 0.3 s until the client goes)
+//!                                      (GET /echo: each line sent back as "echo LINE";
+//!                                      a line "reset-me" closes with RST, SO_LINGER 0)
+//! lab-server writer IP PORT LOCALPORT   a client of GET /echo from LOCALPORT: each line
+//!                                      on stdin is sent and its echo printed; "abort"
+//!                                      resets, "close" closes; read stalls print "stalled"
 //! lab-server dns PORT NAME A.B.C.D     answer A queries for NAME over UDP
 //! lab-server ra IFNAME LIFETIME        send one IPv6 Router Advertisement on IFNAME
 //! ```
@@ -17,7 +22,7 @@ use std::process::ExitCode;
 use std::thread;
 use std::time::Duration;
 
-const USAGE: &str = "usage: lab-server http PORT [--name TEXT] | lab-server dns PORT NAME A.B.C.D | lab-server ra IFNAME LIFETIME";
+const USAGE: &str = "usage: lab-server http PORT [--name TEXT] | lab-server writer IP PORT LOCALPORT | lab-server dns PORT NAME A.B.C.D | lab-server ra IFNAME LIFETIME";
 
 /// A client that connects and sends nothing must not pin a thread forever.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -27,6 +32,9 @@ fn main() -> ExitCode {
     let result = match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
         ["http", port] => parse_port(port).and_then(|p| http(p, "lab-server")),
         ["http", port, "--name", name] => parse_port(port).and_then(|p| http(p, name)),
+        ["writer", ip, port, local] => parse_port(port)
+            .and_then(|p| parse_port(local).map(|l| (p, l)))
+            .and_then(|(p, l)| writer(ip, p, l)),
         ["dns", port, name, answer] => parse_port(port).and_then(|p| {
             let ip: Ipv4Addr = answer
                 .parse()
@@ -105,6 +113,9 @@ fn serve_http(mut stream: TcpStream, name: &str) -> io::Result<()> {
     if request.starts_with(b"GET /stream") {
         return stream_lines(stream, name);
     }
+    if request.starts_with(b"GET /echo") {
+        return echo_lines(stream);
+    }
     let head_only = request.starts_with(b"HEAD ");
     let mut response = format!(
         "HTTP/1.0 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -129,6 +140,133 @@ fn stream_lines(mut stream: TcpStream, name: &str) -> io::Result<()> {
         thread::sleep(Duration::from_millis(300));
     }
     Ok(())
+}
+
+/// A long-lived connection the client writes to (issue 21): each line is
+/// answered, so the client's read stalls or fails when the path breaks.
+fn echo_lines(mut stream: TcpStream) -> io::Result<()> {
+    stream.set_read_timeout(None)?;
+    stream.write_all(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n")?;
+    let mut reader = io::BufReader::new(stream.try_clone()?);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if io::BufRead::read_line(&mut reader, &mut line)? == 0 {
+            return Ok(());
+        }
+        if line.trim() == "reset-me" {
+            // The application's own reset: close with RST|ACK.
+            socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO))?;
+            return Ok(());
+        }
+        stream.write_all(format!("echo {}\n", line.trim()).as_bytes())?;
+    }
+}
+
+/// How long the writer waits for an echo before it prints `stalled`.
+const ECHO_WAIT: Duration = Duration::from_secs(3);
+
+/// The client of `echo_lines`, bound to `local` so a test knows its flow.
+/// Prints `connected`, then per stdin line its echo, `stalled` (no echo in
+/// ECHO_WAIT, the connection kept), `error: KIND` (and exits) or `eof`.
+fn writer(ip: &str, port: u16, local: u16) -> Result<(), String> {
+    use socket2::{Domain, Socket, Type};
+    let ip: std::net::IpAddr = ip.parse().map_err(|e| format!("{ip}: {e}"))?;
+    let to = SocketAddr::new(ip, port);
+    let sock = Socket::new(Domain::for_address(to), Type::STREAM, None)
+        .map_err(|e| format!("socket: {e}"))?;
+    sock.set_reuse_address(true).map_err(|e| e.to_string())?;
+    let any: std::net::IpAddr = if ip.is_ipv4() {
+        Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        Ipv6Addr::UNSPECIFIED.into()
+    };
+    sock.bind(&SocketAddr::new(any, local).into())
+        .map_err(|e| format!("binding port {local}: {e}"))?;
+    sock.connect_timeout(&to.into(), Duration::from_secs(10))
+        .map_err(|e| format!("connecting to {to}: {e}"))?;
+    let mut stream: TcpStream = sock.into();
+    stream
+        .write_all(b"GET /echo HTTP/1.0\r\n\r\n")
+        .map_err(|e| e.to_string())?;
+    let mut reader = io::BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
+    let mut line = String::new();
+    // The response head, up to its blank line.
+    loop {
+        line.clear();
+        let n = io::BufRead::read_line(&mut reader, &mut line).map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("the server closed before its response".into());
+        }
+        if line.trim().is_empty() {
+            break;
+        }
+    }
+    stream
+        .set_read_timeout(Some(ECHO_WAIT))
+        .map_err(|e| e.to_string())?;
+    say("connected");
+    let mut cmd = String::new();
+    loop {
+        cmd.clear();
+        if io::stdin().read_line(&mut cmd).map_err(|e| e.to_string())? == 0 {
+            return Ok(());
+        }
+        match cmd.trim() {
+            "abort" => {
+                let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
+                drop(reader);
+                drop(stream);
+                say("aborted");
+                return Ok(());
+            }
+            "close" => {
+                let _ = stream.shutdown(std::net::Shutdown::Write);
+                let mut rest = Vec::new();
+                let _ = io::Read::read_to_end(&mut reader, &mut rest);
+                say("closed");
+                return Ok(());
+            }
+            text => {
+                // "A then B": B written 5 ms after A, as its own segment.
+                for (i, part) in text.split(" then ").enumerate() {
+                    if i > 0 {
+                        thread::sleep(Duration::from_millis(5));
+                    }
+                    if let Err(e) = stream.write_all(format!("{part}\n").as_bytes()) {
+                        say(&format!("error: {:?}", e.kind()));
+                        return Ok(());
+                    }
+                }
+                line.clear();
+                match io::BufRead::read_line(&mut reader, &mut line) {
+                    Ok(0) => {
+                        say("eof");
+                        return Ok(());
+                    }
+                    Ok(_) => say(line.trim()),
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                        ) =>
+                    {
+                        say("stalled")
+                    }
+                    Err(e) => {
+                        say(&format!("error: {:?}", e.kind()));
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn say(line: &str) {
+    let mut out = io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
 }
 
 fn dns(port: u16, name: &str, answer: Ipv4Addr) -> Result<(), String> {

@@ -55,6 +55,12 @@ pub enum CauseId {
     /// Seed 003 told from both nodes (issue 14): one node DNATed the
     /// request, the backend's node sent the reply straight to the client.
     AsymmetricReturnPath,
+    /// Issue 21: mid-stream the backend answered with a bare RST (its
+    /// socket for the connection is gone: crashed or restarted).
+    BackendRestarted,
+    /// Issue 21: mid-stream a DROP/REJECT rule of the node's filter table
+    /// (NetworkPolicy, firewall) dropped the flow, named as written.
+    DroppedByRule,
 }
 
 pub(crate) struct CauseRow {
@@ -123,6 +129,16 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         incident: "seed 000/001 over IPv6: same-node reply bridged past ip6tables (bridge-nf-call-ip6tables=0), TCP or DNS",
         fix: "load br_netfilter and set net.bridge.bridge-nf-call-ip6tables=1 in the node namespace (before kubelet starts)",
     },
+    // Before conntrack_invalid: a netfilter drop mid-stream that a rule of
+    // the filter table explains is that rule's, not INVALID's.
+    CauseRow {
+        id: CauseId::DroppedByRule,
+        name: "dropped_by_rule",
+        verdicts: &[Verdict::Dropped],
+        check: super::checks::midstream::dropped_by_rule,
+        incident: "issue 21: mid-stream a NetworkPolicy or firewall DROP/REJECT rule (a KUBE-NWPLCY-… chain, FORWARD) added after the connection opened drops its packets; the rule is named as iptables-save writes it (the filter rules are read again when the flow fails)",
+        fix: "the named rule drops the connection: if the NetworkPolicy is intended, the connection is cut on purpose (clients reconnect and are refused); if not, fix the policy's selectors or ports (kubectl get networkpolicy -A; the CNI's policy logs) or remove the firewall rule (iptables -S <chain>)",
+    },
     CauseRow {
         id: CauseId::ConntrackInvalid,
         name: "conntrack_invalid",
@@ -148,6 +164,15 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         check: backend_unreachable,
         incident: "stale endpoint: backend pod deleted or unreachable, its KUBE-SEP rule still in place (neighbour resolution fails, the bridge has no port for its MAC, or no route to it)",
         fix: "the endpoint is stale: check `kubectl get endpointslices` for the Service (is the backend's address still listed?), and the backend pod's readiness and termination (kubectl get pod -o wide, describe: deleted, evicted, node gone?); kube-proxy drops the KUBE-SEP rule once the endpoint is removed",
+    },
+    // Before backend_port_closed: a RST after an `ok` opening is no closed port.
+    CauseRow {
+        id: CauseId::BackendRestarted,
+        name: "backend_restarted",
+        verdicts: &[Verdict::Refused],
+        check: super::checks::midstream::backend_restarted,
+        incident: "issue 21: mid-stream the backend lost the connection's socket (process crashed or restarted, pod replaced with the same address): the client's next segment gets a bare RST (NO_SOCKET without a listener), the client ECONNRESET; an application's own abort (SO_LINGER 0, RST|ACK) and a normal close are not failures",
+        fix: "the backend lost the connection: check the backend pod's restarts and why (kubectl get pod: RESTARTS; kubectl describe pod: OOMKilled, liveness probe failures; the previous container's logs: kubectl logs --previous); drain connections before a pod stops (preStop hook, terminationGracePeriodSeconds), and make clients of long-lived connections reconnect on ECONNRESET",
     },
     CauseRow {
         id: CauseId::BackendPortClosed,

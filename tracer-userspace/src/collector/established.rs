@@ -72,6 +72,11 @@ pub(crate) struct Watch {
     pub good: u32,
     /// The established report is out (one per flow).
     pub reported: bool,
+    /// A RST of the flow was seen while it was healthy: the connection was
+    /// closed by an endpoint (an abort, SO_LINGER 0), and what follows (a
+    /// segment in flight reaching the closed socket: NO_SOCKET, a bare
+    /// RST back) is its aftermath, not a failure.
+    pub closed: bool,
 }
 
 impl Watch {
@@ -90,6 +95,9 @@ pub(crate) fn fails(
     reasons: &DropReasons,
     known: &KnownReasons,
 ) -> bool {
+    if flow.watch.is_some_and(|w| w.closed) {
+        return false;
+    }
     if ev.flags & event_flags::WATCH != 0 {
         return true;
     }
@@ -97,6 +105,11 @@ pub(crate) fn fails(
     // seconds later, NEIGH_FAILED) are the opening's evidence, not a break.
     if ev.proto == tracer_common::proto::TCP && ev.tcp_flags & tracer_common::tcp_flags::SYN != 0 {
         return false;
+    }
+    // A bare RST on its way to the client fails where it is first seen,
+    // so that its hops through the node are the reopened flow's evidence.
+    if is_bare_rst(ev) && ev.direction == tracer_common::direction::REPLY && ev.hook != hook::DROP {
+        return true;
     }
     let (src, dst) = (Endpoint::src(ev), Endpoint::dst(ev));
     match ev.hook {
@@ -116,6 +129,41 @@ pub(crate) fn fails(
                 && dst == flow.service
         }
         _ => false,
+    }
+}
+
+/// A RST without ACK: what a kernel sends for a segment no connection of
+/// its owns (tcp_v4_send_reset / tcp_v6_send_reset, net/ipv4/tcp_ipv4.c:
+/// for a segment with ACK, the reset takes its sequence number from the
+/// segment's ack_seq and carries no ACK), i.e. the socket is gone or only a
+/// listener has the port. An endpoint closing its own connection with RST
+/// (SO_LINGER 0, data left unread, tcp_abort) sends it through
+/// tcp_send_active_reset (net/ipv4/tcp_output.c) as RST|ACK.
+pub(crate) fn is_bare_rst(ev: &PacketEvent) -> bool {
+    use tracer_common::tcp_flags::{ACK, RST};
+    ev.proto == tracer_common::proto::TCP && ev.tcp_flags & (RST | ACK) == RST
+}
+
+/// An event of a healthy `ok` flow that did not fail the watch: a
+/// reverse-NATed reply is counted, a RST (an endpoint closed the
+/// connection itself) ends the watch's claims on what follows.
+pub(crate) fn note_healthy(flow: &mut Flow, ev: &PacketEvent) {
+    let good = is_good_reply(flow, ev);
+    let Some(w) = flow.watch.as_mut() else {
+        return;
+    };
+    if good {
+        w.good = w.good.saturating_add(1);
+    }
+    // Only an endpoint's own close (RST|ACK): a bare RST on its way to the
+    // client is checked when it gets there.
+    use tracer_common::tcp_flags::{ACK, RST};
+    // A dropped one closed nothing for its peer.
+    if ev.proto == tracer_common::proto::TCP
+        && ev.hook != hook::DROP
+        && ev.tcp_flags & (RST | ACK) == RST | ACK
+    {
+        w.closed = true;
     }
 }
 

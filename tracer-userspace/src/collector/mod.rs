@@ -380,6 +380,11 @@ impl Collector {
     /// decided from now on are named after these, and with `all_services`
     /// new connections to exactly their Service ports open flows. Flows
     /// already open keep going.
+    /// The rules flows are named after now.
+    pub fn rules(&self) -> &KubeProxyRules {
+        &self.cfg.kube_proxy
+    }
+
     pub fn update_rules(&mut self, rules: KubeProxyRules) {
         self.cfg.kube_proxy = rules;
         if self.cfg.all_services {
@@ -623,10 +628,8 @@ impl Collector {
                 established::reopen(flow, ev);
                 self.watch_q.push_back((ev.ts_ns + WATCH_WAIT_NS, r));
                 self.sysctls_wanted = true;
-            } else if established::is_good_reply(flow, ev)
-                && let Some(w) = flow.watch.as_mut()
-            {
-                w.good = w.good.saturating_add(1);
+            } else {
+                established::note_healthy(flow, ev);
             }
         }
         let reopened = flow.watch.is_some_and(|w| w.failed());

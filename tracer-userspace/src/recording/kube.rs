@@ -26,6 +26,8 @@ struct Rules {
     outside_netfilter: Vec<Outside>,
     #[serde(default)]
     missing_tools: Vec<MissingTool>,
+    #[serde(default)]
+    filter_drops: Vec<crate::ruleset::firewall::FilterDrop>,
 }
 
 #[derive(Deserialize)]
@@ -121,5 +123,6 @@ pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<KubeProxyRu
             .map(|o| OutsideNetfilter { ip: o.ip, by: o.by })
             .collect(),
         missing_tools: r.missing_tools,
+        filter_drops: r.filter_drops,
     })
 }

@@ -63,6 +63,7 @@ pub fn parse_save(text: &str) -> KubeProxyRules {
     let nat = section(text, "nat").join("\n");
     let mut rules = parse_nat(&nat);
     rules.no_endpoints = parse_filter_rejects(&section(text, "filter"));
+    rules.filter_drops = super::firewall::parse_filter_drops(&section(text, "filter"));
     if rules.mode == super::ProxyMode::None && !rules.no_endpoints.is_empty() {
         rules.mode = super::ProxyMode::Iptables;
     }

@@ -111,6 +111,10 @@ pub struct KubeProxyRules {
     /// means "could not look", never "no rules".
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub missing_tools: Vec<MissingTool>,
+    /// The filter table's DROP/REJECT rules (either iptables backend), to
+    /// name the rule that drops a flow mid-stream (issue 21).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub filter_drops: Vec<firewall::FilterDrop>,
 }
 
 /// A program [`read`] needed and could not start because it is not installed.
@@ -195,6 +199,7 @@ impl KubeProxyRules {
         self.services.extend(other.services);
         self.no_endpoints.extend(other.no_endpoints);
         self.outside_netfilter.extend(other.outside_netfilter);
+        self.filter_drops.extend(other.filter_drops);
     }
 
     /// Whether every Service's chain masquerades all traffic (`masqueradeAll: true`).
@@ -502,7 +507,10 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
             .note("nft", run_in(&ns, "nft", &["-j", "list", "ruleset"]))
             .and_then(|j| nft::parse(&j))
     {
+        // A node firewall's iptables rules beside kube-proxy's nftables.
+        let drops = std::mem::take(&mut best.filter_drops);
         best = rules;
+        best.filter_drops.extend(drops);
     }
     if best.mode == ProxyMode::None {
         best.missing_tools = missing.tools;
@@ -525,6 +533,7 @@ fn read_family(
         sources.push((family.legacy, "legacy"));
     }
     let mut best = KubeProxyRules::default();
+    let mut drops = Vec::new();
     for (program, source) in sources {
         // Distributions without the -nft/-legacy names ship one of them as
         // plain `iptables-save`; its --version says which.
@@ -552,7 +561,8 @@ fn read_family(
             other => other.ok(),
         };
         let Some(text) = text else { continue };
-        let rules = parse_save(&text);
+        let mut rules = parse_save(&text);
+        drops.append(&mut rules.filter_drops);
         let size = |r: &KubeProxyRules| r.services.len() + r.no_endpoints.len();
         if size(&rules) > size(&best)
             || (best.mode == ProxyMode::None && rules.mode != ProxyMode::None)
@@ -563,11 +573,20 @@ fn read_family(
             };
         }
     }
+    best.filter_drops = drops;
     best
+}
+
+/// The filter table's DROP/REJECT rules now, read the way [`read`] reads
+/// (an established flow was dropped: a rule added since the start may be
+/// why).
+pub fn read_filter_drops(netns: Option<&str>) -> Vec<firewall::FilterDrop> {
+    read(netns).filter_drops
 }
 
 mod filter;
 pub use filter::{parse_filter_rejects, parse_save};
+pub mod firewall;
 
 pub mod dataplane;
 pub mod nft;

@@ -37,6 +37,10 @@ pub(super) struct Live {
     pub(super) events: Vec<PacketEvent>,
     /// Ring-buffer losses already warned about.
     pub(super) last_lost: u64,
+    /// `--netns`, to read the node's filter rules again when a flow fails
+    /// the watch; when they were last read (monotonic ns, 0 = never).
+    pub(super) netns: Option<String>,
+    pub(super) drops_read_ns: u64,
 }
 
 impl Live {
@@ -88,6 +92,8 @@ impl Live {
             watch,
             events: Vec::with_capacity(4096),
             last_lost: 0,
+            netns: options.netns.clone(),
+            drops_read_ns: 0,
         })
     }
 
@@ -184,6 +190,8 @@ impl Live {
             watch,
             mut events,
             last_lost: _,
+            netns: _,
+            drops_read_ns: _,
         } = self;
         let stopped_at = Instant::now();
 

@@ -179,6 +179,9 @@ pub(super) fn remove_leftovers(netns: Option<&str>, notices: &mut Notices) {
     }
 }
 
+/// How often at most the filter rules are read again for failing flows.
+const DROPS_REREAD_NS: u64 = 2_000_000_000;
+
 /// The event loop's periodic steps, as methods of the session they work on.
 impl Live {
     /// The periodic work of the event loop after the ring buffer was drained:
@@ -194,6 +197,8 @@ impl Live {
             outputs,
             notices,
             last_lost,
+            netns,
+            drops_read_ns,
             ..
         } = self;
         let mut recorder = recorder.as_mut();
@@ -205,13 +210,31 @@ impl Live {
         // A flow failed the watch: the node's sysctls may be what changed
         // (br_netfilter switched off while running). Before the stats line,
         // like the rules line, so `analyze` judges with the same values.
-        if collector.take_sysctls_request()
-            && let Some(now) = tracer.reread_sysctls()
-            && now != collector.sysctls()
-        {
-            collector.update_sysctls(now);
-            if let Some(rec) = recorder.as_deref_mut() {
-                rec.sysctls(now);
+        if collector.take_sysctls_request() {
+            if let Some(now) = tracer.reread_sysctls()
+                && now != collector.sysctls()
+            {
+                collector.update_sysctls(now);
+                if let Some(rec) = recorder.as_deref_mut() {
+                    rec.sysctls(now);
+                }
+            }
+            // So may the filter rules (a NetworkPolicy or firewall DROP
+            // added mid-stream): read again at most every
+            // DROPS_REREAD_NS, since a read runs iptables-save; a change
+            // is a `rules` line, applied by `analyze` at the same place.
+            let at = monotonic_ns();
+            if *drops_read_ns == 0 || at >= *drops_read_ns + DROPS_REREAD_NS {
+                *drops_read_ns = at;
+                let drops = crate::ruleset::read_filter_drops(netns.as_deref());
+                if drops != collector.rules().filter_drops {
+                    let mut rules = collector.rules().clone();
+                    rules.filter_drops = drops;
+                    if let Some(rec) = recorder.as_deref_mut() {
+                        rec.rules(&rules);
+                    }
+                    collector.update_rules(rules);
+                }
             }
         }
         let attached = tracer.collect_tc();

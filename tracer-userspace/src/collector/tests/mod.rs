@@ -9,6 +9,7 @@ use tracer_common::{
 use super::{fixtures::*, *};
 
 mod established;
+mod established_more;
 mod ipv6;
 mod paths;
 mod routed;

@@ -1,0 +1,499 @@
+//! Connections that break after an `ok` opening, the cases beyond
+//! established.rs (issue 21): a client that keeps writing on a long-lived
+//! connection through a Service (`lab-server writer`, each line echoed by
+//! the backend's `GET /echo`) whose backend becomes unreachable or loses
+//! the connection's socket mid-flow. Beside each broken connection,
+//! connections to another backend stay `ok`: one kept busy, one closed
+//! normally, one the server aborts (SO_LINGER 0) while the client still
+//! writes, one the client aborts. nattrace runs in its default mode (the
+//! kernel's buffer on, healthy flows muted), and the recording is analysed
+//! again and must say the same. Needs root.
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+    process::{Child, ChildStdin, Command, Stdio},
+    sync::mpsc::{Receiver, channel},
+    time::Duration,
+};
+
+use lab::{
+    Lab, Protocol, ProxyMode, ServiceSpec, both_modes, build_lab, lab_server_path,
+    presets::{self, Backend, NODE_A, Seed000, WEB_PORT, WEB_SERVICE_IP},
+    tracer::{Finished, Nattrace, nattrace, tracing_lock},
+};
+use serde_json::Value;
+
+macro_rules! require_root {
+    () => {
+        if lab::skip_without_root(
+            "established-flow tests need root (network namespaces, eBPF); \
+             run `sudo cargo test -p nattrace-tests --test established_more`",
+        ) {
+            return;
+        }
+    };
+}
+
+/// A second Service whose only endpoint is on the other node: the twins
+/// use it, so breaking node-a's backend leaves them alone.
+const REMOTE_SERVICE_IP: Ipv4Addr = Ipv4Addr::new(100, 67, 30, 134);
+const BROKEN_PORT: u16 = 41011;
+const HEALTHY_PORT: u16 = 41012;
+const CLOSE_PORT: u16 = 41013;
+const SERVER_ABORT_PORT: u16 = 41014;
+const CLIENT_ABORT_PORT: u16 = 41015;
+const TWINS: [u16; 4] = [
+    HEALTHY_PORT,
+    CLOSE_PORT,
+    SERVER_ABORT_PORT,
+    CLIENT_ABORT_PORT,
+];
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(30);
+/// Waits on events (lines printed); this only bounds a hang.
+const EVENT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `lab-server writer` in the client pod: a line written per `send`, its
+/// echo (or `stalled`, `error: …`) read back.
+struct Writer {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+    port: u16,
+}
+
+impl Writer {
+    fn open(lab: &Lab, ip: Ipv4Addr, port: u16) -> Writer {
+        let ns = lab.netns(presets::CLIENT_POD).expect("client pod");
+        let server = lab_server_path().expect("lab-server");
+        let mut cmd: Command = ns
+            .command(&server.to_string_lossy())
+            .expect("lab-server in the client pod");
+        cmd.args(["writer", &ip.to_string(), &WEB_PORT.to_string()])
+            .arg(port.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().expect("starting the writer");
+        let stdin = child.stdin.take().expect("piped");
+        let out = child.stdout.take().expect("piped");
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut w = Writer {
+            child,
+            stdin,
+            lines,
+            port,
+        };
+        assert_eq!(w.next(), "connected", "writer from port {port}");
+        w
+    }
+
+    fn next(&mut self) -> String {
+        self.lines
+            .recv_timeout(EVENT_TIMEOUT)
+            .unwrap_or_else(|_| format!("(nothing from the writer on port {})", self.port))
+    }
+
+    /// Sends `text` (a line, or a command: close, abort) and returns what
+    /// the writer printed for it.
+    fn send(&mut self, text: &str) -> String {
+        writeln!(self.stdin, "{text}").expect("writing to the writer");
+        self.stdin.flush().expect("flushing");
+        self.next()
+    }
+
+    fn exchange(&mut self, n: usize) {
+        for i in 0..n {
+            let line = format!("line{i}");
+            assert_eq!(
+                self.send(&line),
+                format!("echo {line}"),
+                "port {}",
+                self.port
+            );
+        }
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn lab(mode: ProxyMode) -> Lab {
+    let mut spec = presets::seed000(Seed000 {
+        bridge_nf_call_iptables: true,
+        backend: Backend::SameNode,
+    })
+    .service(
+        ServiceSpec::new(
+            "default",
+            "web-b",
+            "http",
+            REMOTE_SERVICE_IP,
+            WEB_PORT,
+            Protocol::Tcp,
+        )
+        .endpoint(presets::REMOTE_BACKEND_POD, WEB_PORT),
+    );
+    spec.kube_proxy.mode = mode;
+    build_lab(spec)
+}
+
+fn start(lab: &Lab, record: &Path) -> Nattrace {
+    let node = lab.node_netns(NODE_A).expect("node-a").path();
+    let args: Vec<String> = [
+        "--svc",
+        &format!("{WEB_SERVICE_IP}:{WEB_PORT}"),
+        "--svc",
+        &format!("{REMOTE_SERVICE_IP}:{WEB_PORT}"),
+        "--netns",
+        &node.display().to_string(),
+        "--output",
+        "json",
+        "--reply-timeout",
+        "1000",
+        "--write",
+        &record.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut t = Nattrace::spawn(&nattrace(), &args, &[], false).expect("starting nattrace");
+    let first = t
+        .wait_started(ATTACH_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(first.contains("\"kind\":\"start\""), "first line: {first}");
+    t
+}
+
+fn record_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("nattrace-{name}-{}.rec", std::process::id()))
+}
+
+fn client_port(f: &Value) -> u16 {
+    f["client"]
+        .as_str()
+        .and_then(|c| c.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0)
+}
+
+fn analyze(file: &Path) -> Vec<Value> {
+    let out = Command::new(nattrace())
+        .args(["analyze", &file.display().to_string(), "--output", "json"])
+        .output()
+        .expect("running nattrace analyze");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["kind"] == "flow")
+        .collect()
+}
+
+/// The one established report (the broken connection's), checked; every
+/// twin has only its `ok` opening. Live and analyze say the same.
+fn assert_broken(done: &Finished, record: &Path, cause: &str, twins: &[u16]) -> Value {
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+    let live = done
+        .flows()
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", done.describe()));
+    let established: Vec<&Value> = live
+        .iter()
+        .filter(|f| f["phase"] == "established")
+        .collect();
+    assert_eq!(
+        established.len(),
+        1,
+        "one broken connection: {}",
+        done.describe()
+    );
+    let broken = established[0].clone();
+    println!(
+        "established report: {} / {} — {}",
+        broken["verdict"], broken["cause"], broken["detail"]
+    );
+    assert_eq!(client_port(&broken), BROKEN_PORT, "{broken}");
+    assert_eq!(broken["cause"], cause, "{broken}");
+    assert!(
+        broken["detail"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("mid-stream after ")),
+        "{broken}"
+    );
+    for &port in std::iter::once(&BROKEN_PORT).chain(twins) {
+        let opening: Vec<&Value> = live
+            .iter()
+            .filter(|f| client_port(f) == port && f["phase"].is_null())
+            .collect();
+        assert_eq!(opening.len(), 1, "port {port}: {}", done.describe());
+        assert_eq!(opening[0]["verdict"], "ok", "{}", opening[0]);
+    }
+    for &port in twins {
+        assert!(
+            !live
+                .iter()
+                .any(|f| client_port(f) == port && f["verdict"] != "ok"),
+            "the twin on port {port} stays ok: {}",
+            done.describe()
+        );
+    }
+    let replayed = analyze(record);
+    let key = |f: &Value| {
+        (
+            client_port(f),
+            f["phase"].as_str().unwrap_or("opening").to_string(),
+            f["verdict"].clone(),
+            f["cause"].clone(),
+            f["detail"].clone(),
+            f["established"].clone(),
+        )
+    };
+    let mut a: Vec<_> = live.iter().map(key).collect();
+    let mut b: Vec<_> = replayed.iter().map(key).collect();
+    a.sort_by_key(|k| format!("{k:?}"));
+    b.sort_by_key(|k| format!("{k:?}"));
+    assert_eq!(a, b, "live == analyze");
+    broken
+}
+
+/// The node's end of `pod`'s veth, by the ifindex its eth0 names
+/// ("eth0@if7").
+fn node_veth(lab: &Lab, pod: &str) -> String {
+    let link = lab
+        .run(pod, &["ip", "-o", "link", "show", "dev", "eth0"])
+        .expect("the pod's eth0");
+    let peer = link
+        .split_once("@if")
+        .and_then(|(_, rest)| rest.split(':').next())
+        .expect("a veth peer")
+        .to_string();
+    let links = lab
+        .run(NODE_A, &["ip", "-o", "link", "show"])
+        .expect("node-a links");
+    links
+        .lines()
+        .find_map(|l| {
+            let rest = l.strip_prefix(&format!("{peer}: "))?;
+            Some(rest.split(['@', ':']).next()?.trim().to_string())
+        })
+        .unwrap_or_else(|| panic!("no link {peer} in node-a: {links}"))
+}
+
+/// The backend pod on node-a cut off mid-flow: its veth removed from the
+/// node (the pod's socket is never told, as when its node or its network
+/// goes away). The client's next line is never echoed (its read stalls)
+/// and its retransmissions find no port for the backend's MAC on the
+/// bridge: `backend_unreachable`, phase established. The twin to the other
+/// node's backend goes on.
+fn backend_gone_mid_flow(mode: ProxyMode) {
+    let _lock = tracing_lock();
+    let lab = lab(mode);
+    let record = record_path("backend-gone");
+    let mut t = start(&lab, &record);
+    let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
+    let mut healthy = Writer::open(&lab, REMOTE_SERVICE_IP, HEALTHY_PORT);
+    broken.exchange(4);
+    healthy.exchange(4);
+
+    let veth = node_veth(&lab, presets::BACKEND_POD);
+    lab.run(NODE_A, &["ip", "link", "del", "dev", &veth])
+        .expect("removing the backend's veth");
+    // The client's symptom first: its line is not answered.
+    assert_eq!(
+        broken.send("after"),
+        "stalled",
+        "the cut-off backend echoes"
+    );
+    healthy.exchange(4);
+    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
+    assert!(line.is_some(), "nattrace reports the broken connection");
+    healthy.exchange(3);
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    let flow = assert_broken(&done, &record, "backend_unreachable", &[HEALTHY_PORT]);
+    let verdict = flow["verdict"].as_str().unwrap_or_default();
+    assert!(verdict == "dropped" || verdict == "no_reply", "{flow}");
+    assert!(
+        flow["established"]["good_replies"].as_u64().unwrap_or(0) >= 4,
+        "the 4 echoes before were good: {flow}"
+    );
+    let _ = std::fs::remove_file(&record);
+}
+
+both_modes!(
+    backend_gone_mid_flow: root_backend_gone_mid_flow_iptables,
+    root_backend_gone_mid_flow_nftables
+);
+
+/// The backend on node-a loses the connection's socket without telling the
+/// client (`ss -K` with the backend's own RST dropped in the pod, as when
+/// its kernel forgot it: a restarted sandbox, a pod that took over the
+/// address). With `crashed`, the backend's server is gone too (no
+/// listener: the segment is dropped with NO_SOCKET); else it still listens
+/// (a restarted process: the listener answers the ACK). Either way the
+/// client's next line gets a bare RST and ECONNRESET: `backend_restarted`,
+/// phase established. The twins to the other backend: one kept busy, one
+/// closed normally, one the server resets (SO_LINGER 0) while the client's
+/// next line is on its way (NO_SOCKET and a bare RST follow the abort),
+/// one the client resets — all `ok`.
+fn backend_restarted_mid_flow(mode: ProxyMode, crashed: bool) {
+    let _lock = tracing_lock();
+    let lab = lab(mode);
+    let record = record_path("backend-restarted");
+    let mut t = start(&lab, &record);
+    let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
+    let mut twins: Vec<Writer> = TWINS
+        .iter()
+        .map(|&p| Writer::open(&lab, REMOTE_SERVICE_IP, p))
+        .collect();
+    broken.exchange(3);
+    for w in twins.iter_mut() {
+        w.exchange(3);
+    }
+    // The twins' ends: a normal close, the server's abort with the
+    // client's next line on its way, the client's abort.
+    assert_eq!(twins[1].send("close"), "closed");
+    let reset = twins[2].send("reset-me then late");
+    assert!(
+        reset == "error: ConnectionReset" || reset == "eof",
+        "the server's abort: {reset}"
+    );
+    assert_eq!(twins[3].send("abort"), "aborted");
+
+    let backend = presets::BACKEND_POD;
+    let drop_rst = ["-p", "tcp", "--tcp-flags", "RST", "RST", "-j", "DROP"];
+    let rule = |op: &str| {
+        let mut args = vec!["iptables", op, "OUTPUT"];
+        args.extend(drop_rst);
+        lab.run(backend, &args).expect("the backend pod's RST rule");
+    };
+    rule("-I");
+    let killed = lab
+        .run(
+            backend,
+            &["ss", "-K", "-tn", "dport", "=", &format!(":{BROKEN_PORT}")],
+        )
+        .expect("ss -K in the backend pod");
+    assert!(
+        killed.contains(&format!(":{BROKEN_PORT}")),
+        "ss -K killed the connection's socket: {killed}"
+    );
+    rule("-D");
+    if crashed {
+        lab.stop_pod_servers(backend).expect("stopping the backend");
+    }
+    let got = broken.send("after");
+    assert_eq!(got, "error: ConnectionReset", "the client's symptom");
+    twins[0].exchange(3);
+    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
+    assert!(line.is_some(), "nattrace reports the broken connection");
+    twins[0].exchange(3);
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    let flow = assert_broken(&done, &record, "backend_restarted", &TWINS);
+    assert_eq!(flow["verdict"], "refused", "{flow}");
+    let text = flow["cause_text"].as_str().unwrap_or_default();
+    assert_eq!(
+        text.contains("NO_SOCKET"),
+        crashed,
+        "NO_SOCKET named exactly when no listener is left: {text}"
+    );
+    assert!(
+        flow["established"]["good_replies"].as_u64().unwrap_or(0) >= 3,
+        "the 3 echoes before were good: {flow}"
+    );
+    let _ = std::fs::remove_file(&record);
+}
+
+fn backend_restarted(mode: ProxyMode) {
+    backend_restarted_mid_flow(mode, false);
+}
+
+both_modes!(
+    backend_restarted: root_backend_restarted_mid_flow_iptables,
+    root_backend_restarted_mid_flow_nftables
+);
+
+#[test]
+fn root_backend_crashed_mid_flow_iptables() {
+    require_root!();
+    backend_restarted_mid_flow(ProxyMode::Iptables, true);
+}
+
+/// A NetworkPolicy-like DROP added on node-a mid-flow: a chain
+/// `KUBE-NWPLCY-TEST` jumped to from FORWARD drops the broken
+/// connection's packets (by its client port); the other connection to the
+/// same backend goes on. The client's line is never echoed; nattrace reads
+/// the filter rules again when the flow fails and names the rule as
+/// iptables-save writes it: `dropped_by_rule`, phase established.
+fn policy_drop_mid_flow(mode: ProxyMode) {
+    let _lock = tracing_lock();
+    let lab = lab(mode);
+    let record = record_path("policy-drop");
+    let mut t = start(&lab, &record);
+    let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
+    let mut healthy = Writer::open(&lab, WEB_SERVICE_IP, HEALTHY_PORT);
+    broken.exchange(3);
+    healthy.exchange(3);
+
+    let client = lab
+        .pod_ip(presets::CLIENT_POD)
+        .expect("the client's address");
+    let chain = "KUBE-NWPLCY-TEST";
+    let port = BROKEN_PORT.to_string();
+    let src = format!("{client}/32");
+    for args in [
+        vec!["iptables", "-N", chain],
+        vec!["iptables", "-I", "FORWARD", "-j", chain],
+        vec![
+            "iptables", "-A", chain, "-s", &src, "-p", "tcp", "-m", "tcp", "--sport", &port, "-j",
+            "DROP",
+        ],
+    ] {
+        lab.run(NODE_A, &args).expect("the policy rule in node-a");
+    }
+    let written = lab
+        .run(NODE_A, &["iptables", "-S", chain])
+        .expect("iptables -S");
+    let rule = written
+        .lines()
+        .find(|l| l.starts_with(&format!("-A {chain} ")))
+        .expect("the rule as written")
+        .trim()
+        .to_string();
+    assert_eq!(
+        broken.send("after"),
+        "stalled",
+        "the dropped connection echoes"
+    );
+    healthy.exchange(3);
+    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
+    assert!(line.is_some(), "nattrace reports the broken connection");
+    healthy.exchange(3);
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    let flow = assert_broken(&done, &record, "dropped_by_rule", &[HEALTHY_PORT]);
+    assert_eq!(flow["verdict"], "dropped", "{flow}");
+    let text = flow["cause_text"].as_str().unwrap_or_default();
+    assert!(
+        text.contains(&format!("`{rule}`")) && text.contains(chain),
+        "the rule named as written ({rule}): {text}"
+    );
+    let _ = std::fs::remove_file(&record);
+}
+
+both_modes!(
+    policy_drop_mid_flow: root_policy_drop_mid_flow_iptables,
+    root_policy_drop_mid_flow_nftables
+);

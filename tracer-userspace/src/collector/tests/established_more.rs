@@ -1,0 +1,257 @@
+//! Which RSTs and drops of an `ok` flow are failures (issue 21): a bare RST
+//! from the backend's side (its socket gone) is `backend_restarted`; an
+//! endpoint's own abort (RST|ACK) and what follows it are not.
+use tracer_common::{PacketEvent, direction, event_flags, hook, tcp_flags};
+
+use super::fixture;
+use crate::collector::{fixtures::*, *};
+
+const MS: u64 = 1_000_000;
+const BACKEND: [u8; 4] = [100, 96, 54, 247];
+/// The backend pod's namespace in the fixture's kernel.
+const BACKEND_NS: u32 = 4026532999;
+
+/// The healthy fixture's reply as it reached the client's namespace.
+fn client_reply(base: &[PacketEvent]) -> PacketEvent {
+    *base
+        .iter()
+        .rev()
+        .find(|e| {
+            e.hook == hook::DEV_RX
+                && e.direction == direction::REPLY
+                && e.netns != NODE_NS
+                && e.saddr == tracer_common::v4_mapped(SVC.0)
+        })
+        .expect("the fixture's reply at the client")
+}
+
+/// A RST reply `after` the opening with `flags`, seen leaving the backend's
+/// veth, crossing the node and reaching the client reverse-NATed.
+fn rst_reply(reply: &PacketEvent, after: u64, flags: u8) -> Vec<PacketEvent> {
+    let at_client = PacketEvent {
+        ts_ns: reply.ts_ns + after,
+        skb: reply.skb + 0x20_0000 + after / MS,
+        seq: reply.seq + 5_000,
+        ip_id: 0,
+        tcp_flags: flags,
+        payload_head: 0,
+        ip_len: 40,
+        ..*reply
+    };
+    let from_backend = PacketEvent {
+        saddr: tracer_common::v4_mapped(BACKEND),
+        ..at_client
+    };
+    vec![
+        PacketEvent {
+            ts_ns: at_client.ts_ns - 20_000,
+            hook: hook::DEV_TX,
+            netns: BACKEND_NS,
+            ifindex: 2,
+            ..from_backend
+        },
+        PacketEvent {
+            ts_ns: at_client.ts_ns - 10_000,
+            hook: hook::TC_INGRESS,
+            netns: NODE_NS,
+            ifindex: VETH_BACKEND,
+            ..from_backend
+        },
+        at_client,
+    ]
+}
+
+/// The client's segment dropped at the backend with NO_SOCKET, as the
+/// kernel's watch sends it.
+fn no_socket_drop(reply: &PacketEvent, after: u64) -> PacketEvent {
+    PacketEvent {
+        ts_ns: reply.ts_ns + after,
+        skb: reply.skb + 0x30_0000,
+        direction: direction::REQUEST,
+        saddr: reply.daddr,
+        sport: reply.dport,
+        daddr: tracer_common::v4_mapped(BACKEND),
+        dport: reply.sport,
+        seq: reply.ack,
+        ack: reply.seq + 5_000,
+        tcp_flags: tcp_flags::ACK | tcp_flags::PSH,
+        hook: hook::DROP,
+        netns: BACKEND_NS,
+        ifindex: 2,
+        drop_reason: DropReasons::default().code("NO_SOCKET").unwrap(),
+        flags: event_flags::WATCH,
+        good: 12,
+        ..*reply
+    }
+}
+
+fn decide(events: &[PacketEvent]) -> (Vec<FlowReport>, Summary) {
+    let mut c = Collector::new(config(Some(true)));
+    let mut out = Vec::new();
+    let t0 = events[0].ts_ns;
+    let mut sorted = events.to_vec();
+    sorted.sort_by_key(|e| e.ts_ns);
+    for ev in &sorted {
+        c.push(*ev);
+    }
+    let last = sorted.iter().map(|e| e.ts_ns).max().unwrap_or(t0);
+    out.extend(c.tick(last + 100 * MS));
+    out.extend(c.tick(t0 + 5_000 * MS));
+    let (rest, summary) = c.finish(t0 + 10_000 * MS);
+    out.extend(rest);
+    (out, summary)
+}
+
+fn established(reports: &[FlowReport]) -> Vec<&FlowReport> {
+    reports
+        .iter()
+        .filter(|r| r.phase == Phase::Established)
+        .collect()
+}
+
+/// A bare RST (no ACK) from the backend's side reaching the client of an
+/// `ok` flow: `refused`, `backend_restarted`, phase established; with the
+/// NO_SOCKET drop before it (no listener left) the detail names the drop.
+#[test]
+fn a_bare_rst_from_the_backend_mid_stream_is_backend_restarted() {
+    for with_drop in [false, true] {
+        let mut events = fixture("seed000_healthy.jsonl");
+        let reply = client_reply(&events);
+        if with_drop {
+            events.push(no_socket_drop(&reply, 1_200 * MS));
+        }
+        events.extend(rst_reply(&reply, 1_200 * MS + 50_000, tcp_flags::RST));
+        let (reports, summary) = decide(&events);
+        let e = established(&reports);
+        assert_eq!(e.len(), 1, "{reports:#?}");
+        assert_eq!(e[0].verdict, Verdict::Refused, "{:#?}", e[0]);
+        assert_eq!(
+            e[0].cause.as_ref().map(|c| c.id),
+            Some(CauseId::BackendRestarted),
+            "{:#?}",
+            e[0]
+        );
+        let text = &e[0].cause.as_ref().expect("a cause").text;
+        assert_eq!(text.contains("NO_SOCKET"), with_drop, "{text}");
+        assert!(
+            e[0].detail.starts_with("mid-stream after "),
+            "{}",
+            e[0].detail
+        );
+        assert_eq!(summary.established_failures, 1);
+    }
+}
+
+/// An endpoint's own abort (RST|ACK, SO_LINGER 0) is a close, not a
+/// failure; the client's segment that was on its way meets the closed
+/// socket (NO_SOCKET, sent by the watch) and gets a bare RST back — the
+/// abort's aftermath, not reported either. A normal close (FIN) costs
+/// nothing to judge.
+#[test]
+fn an_abort_and_its_aftermath_are_no_failure() {
+    let mut events = fixture("seed000_healthy.jsonl");
+    let reply = client_reply(&events);
+    events.extend(rst_reply(
+        &reply,
+        1_000 * MS,
+        tcp_flags::RST | tcp_flags::ACK,
+    ));
+    events.push(no_socket_drop(&reply, 1_000 * MS + 200_000));
+    events.extend(rst_reply(&reply, 1_000 * MS + 300_000, tcp_flags::RST));
+    let (reports, summary) = decide(&events);
+    assert!(established(&reports).is_empty(), "{reports:#?}");
+    assert_eq!(summary.established_failures, 0);
+    assert_eq!(summary.by_verdict.ok, 1);
+}
+
+/// A RST|ACK that was dropped (the backend's own reset lost on its way)
+/// closed nothing for the client: the bare RST that follows is a failure.
+#[test]
+fn a_dropped_abort_does_not_excuse_what_follows() {
+    let mut events = fixture("seed000_healthy.jsonl");
+    let reply = client_reply(&events);
+    let mut lost = rst_reply(&reply, 900 * MS, tcp_flags::RST | tcp_flags::ACK)[0];
+    lost.hook = hook::DROP;
+    lost.ifindex = 0;
+    lost.drop_reason = DropReasons::default().code("NETFILTER_DROP").unwrap();
+    events.push(lost);
+    events.extend(rst_reply(&reply, 1_200 * MS, tcp_flags::RST));
+    let (reports, _) = decide(&events);
+    let e = established(&reports);
+    assert_eq!(e.len(), 1, "{reports:#?}");
+    assert_eq!(
+        e[0].cause.as_ref().map(|c| c.id),
+        Some(CauseId::BackendRestarted)
+    );
+}
+
+/// A netfilter drop after FORWARD mid-stream: with a DROP rule of the
+/// filter table that matches the dropped packet it is that rule's
+/// (`dropped_by_rule`, named as written); with only kube-proxy's INVALID
+/// rule it stays `conntrack_invalid`.
+#[test]
+fn a_netfilter_drop_mid_stream_is_named_after_the_rule_that_matches_it() {
+    use crate::ruleset::firewall::parse_filter_drops;
+    let base = fixture("seed000_healthy.jsonl");
+    let reasons = DropReasons::default();
+    let reply = client_reply(&base);
+    let mut events = base.clone();
+    for n in 0..2u32 {
+        let p = PacketEvent {
+            ts_ns: reply.ts_ns + 2_000 * MS + u64::from(n) * 300 * MS,
+            skb: reply.skb + 0x40_0000 + u64::from(n) * 0x100,
+            seq: reply.seq + 1 + n * 100,
+            ip_id: 600 + n as u16,
+            tcp_flags: tcp_flags::ACK | tcp_flags::PSH,
+            saddr: tracer_common::v4_mapped(BACKEND),
+            ..reply
+        };
+        events.push(PacketEvent {
+            hook: hook::NETFILTER,
+            nf_hook: tracer_common::nf_hook::FORWARD,
+            netns: NODE_NS,
+            ifindex: 0,
+            ..p
+        });
+        events.push(PacketEvent {
+            ts_ns: p.ts_ns + 3_000,
+            hook: hook::DROP,
+            netns: NODE_NS,
+            ifindex: CNI0,
+            drop_reason: reasons.code("NETFILTER_DROP").unwrap(),
+            ..p
+        });
+    }
+    let decide_with = |rules: &[&str]| {
+        let mut cfg = config(Some(true));
+        cfg.kube_proxy.filter_drops = parse_filter_drops(rules);
+        let mut c = Collector::new(cfg);
+        for ev in &events {
+            c.push(*ev);
+        }
+        let t0 = events[0].ts_ns;
+        let mut out = c.tick(t0 + 5_000 * MS);
+        out.extend(c.finish(t0 + 10_000 * MS).0);
+        out.into_iter()
+            .filter(|r| r.phase == Phase::Established)
+            .collect::<Vec<_>>()
+    };
+    let invalid = "-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP";
+    let policy = "-A KUBE-NWPLCY-web -s 100.96.54.247/32 -p tcp -m tcp --sport 80 -j DROP";
+    let e = decide_with(&[invalid, policy]);
+    assert_eq!(e.len(), 1, "{e:#?}");
+    let cause = e[0].cause.as_ref().expect("a cause");
+    assert_eq!(cause.id, CauseId::DroppedByRule, "{:#?}", e[0]);
+    assert!(
+        cause.text.contains(&format!("`{policy}`")),
+        "{}",
+        cause.text
+    );
+    let e = decide_with(&[invalid]);
+    assert_eq!(
+        e[0].cause.as_ref().map(|c| c.id),
+        Some(CauseId::ConntrackInvalid),
+        "{:#?}",
+        e[0]
+    );
+}
