@@ -497,3 +497,181 @@ both_modes!(
     policy_drop_mid_flow: root_policy_drop_mid_flow_iptables,
     root_policy_drop_mid_flow_nftables
 );
+
+/// A second DNS Service whose only endpoint is on the other node (the
+/// UDP twin's).
+const DNS_B_SERVICE_IP: Ipv4Addr = Ipv4Addr::new(100, 64, 0, 11);
+const UDP_BROKEN_PORT: u16 = 41031;
+const UDP_HEALTHY_PORT: u16 = 41032;
+
+/// One `dig` from `port` to `server`: whether it got the answer.
+fn dig_from(lab: &Lab, server: Ipv4Addr, port: u16) -> bool {
+    let out = lab
+        .exec_timeout(
+            presets::CLIENT_POD,
+            &[
+                "dig",
+                "-b",
+                &format!("0.0.0.0#{port}"),
+                &format!("@{server}"),
+                presets::DNS_NAME,
+                "A",
+                "+time=1",
+                "+tries=1",
+            ],
+            Duration::from_secs(10),
+        )
+        .expect("running dig");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.contains("status: NOERROR") && text.contains(&WEB_SERVICE_IP.to_string())
+}
+
+/// A long-lived UDP 5-tuple (a client that keeps its source port, as a
+/// resolver or statsd client does): its first exchanges through the DNS
+/// Service are answered, then the same-node DNS server stops (its pod
+/// stays: the query is dropped NO_SOCKET there). The later exchange fails
+/// while the first succeeded: a verdict with phase established (`no_reply`
+/// mid-stream, the NO_SOCKET drop in its attempt), not the first
+/// exchange's `ok` nor a `no_reply` on it. The twin on another source
+/// port to the other node's DNS pod stays `ok`.
+fn udp_later_exchange_fails(mode: ProxyMode) {
+    let _lock = tracing_lock();
+    let mut spec = presets::dns(presets::Dns::default()).service(
+        ServiceSpec::new(
+            "kube-system",
+            "dns-b",
+            "dns",
+            DNS_B_SERVICE_IP,
+            53,
+            Protocol::Udp,
+        )
+        .endpoint(presets::REMOTE_DNS_POD, 53),
+    );
+    spec.kube_proxy.mode = mode;
+    let lab = build_lab(spec);
+    let record = record_path("udp-later");
+    let node = lab.node_netns(NODE_A).expect("node-a").path();
+    let args: Vec<String> = [
+        "--svc",
+        &format!("{}:53", presets::DNS_SERVICE_IP),
+        "--svc",
+        &format!("{DNS_B_SERVICE_IP}:53"),
+        "--netns",
+        &node.display().to_string(),
+        "--output",
+        "json",
+        "--reply-timeout",
+        "1000",
+        "--write",
+        &record.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut t = Nattrace::spawn(&nattrace(), &args, &[], false).expect("starting nattrace");
+    t.wait_started(ATTACH_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    for _ in 0..3 {
+        assert!(dig_from(&lab, presets::DNS_SERVICE_IP, UDP_BROKEN_PORT));
+        assert!(dig_from(&lab, DNS_B_SERVICE_IP, UDP_HEALTHY_PORT));
+    }
+    // Both flows' first exchanges are decided `ok` before the break.
+    for port in [UDP_BROKEN_PORT, UDP_HEALTHY_PORT] {
+        let line = t.wait_line(EVENT_TIMEOUT, |l| {
+            l.contains("\"verdict\":\"ok\"") && l.contains(&format!(":{port}\""))
+        });
+        assert!(line.is_some(), "the first exchange from port {port} is ok");
+    }
+    lab.stop_pod_servers(presets::DNS_POD)
+        .expect("stopping the same-node DNS server");
+    assert!(
+        !dig_from(&lab, presets::DNS_SERVICE_IP, UDP_BROKEN_PORT),
+        "the client's symptom: no answer"
+    );
+    assert!(dig_from(&lab, DNS_B_SERVICE_IP, UDP_HEALTHY_PORT));
+    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
+    assert!(line.is_some(), "nattrace reports the later exchange");
+    assert!(dig_from(&lab, DNS_B_SERVICE_IP, UDP_HEALTHY_PORT));
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+    let live = done
+        .flows()
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", done.describe()));
+    let established: Vec<&Value> = live
+        .iter()
+        .filter(|f| f["phase"] == "established")
+        .collect();
+    assert_eq!(established.len(), 1, "{}", done.describe());
+    let broken = established[0];
+    println!(
+        "established report: {} / {} — {}",
+        broken["verdict"], broken["cause"], broken["detail"]
+    );
+    assert_eq!(client_port(broken), UDP_BROKEN_PORT, "{broken}");
+    assert_eq!(broken["proto"], "udp", "{broken}");
+    // The query dropped at the backend's namespace (no listener:
+    // NO_SOCKET) is the attempt's evidence; no reply reached the client.
+    let verdict = broken["verdict"].as_str().unwrap_or_default();
+    assert!(verdict == "no_reply" || verdict == "dropped", "{broken}");
+    assert_eq!(broken["attempts"][0]["dropped"], "NO_SOCKET", "{broken}");
+    assert!(
+        broken["established"]["good_replies"].as_u64().unwrap_or(0) >= 1,
+        "an answered exchange after the first was good: {broken}"
+    );
+    for port in [UDP_BROKEN_PORT, UDP_HEALTHY_PORT] {
+        let opening: Vec<&Value> = live
+            .iter()
+            .filter(|f| client_port(f) == port && f["phase"].is_null())
+            .collect();
+        assert_eq!(opening.len(), 1, "port {port}: {}", done.describe());
+        assert_eq!(opening[0]["verdict"], "ok", "{}", opening[0]);
+    }
+    assert!(
+        !live
+            .iter()
+            .any(|f| client_port(f) == UDP_HEALTHY_PORT && f["verdict"] != "ok"),
+        "{}",
+        done.describe()
+    );
+    // What the healthy long-lived UDP flow cost (docs/DESIGN.md): its
+    // events, grouped into exchanges (an exchange takes a few ms, digs are
+    // a process start apart). The 3 exchanges made once its `ok` was out
+    // (and the kernel muted it) cost none.
+    let mut ts: Vec<u64> = std::fs::read_to_string(&record)
+        .expect("the recording")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["kind"] == "event")
+        .filter(|v| v["sport"] == UDP_HEALTHY_PORT || v["dport"] == UDP_HEALTHY_PORT)
+        .filter_map(|v| v["ts_ns"].as_u64())
+        .collect();
+    ts.sort_unstable();
+    let exchanges = 1 + ts.windows(2).filter(|w| w[1] - w[0] > 20_000_000).count();
+    println!(
+        "healthy UDP flow: {} events in {exchanges} of its 6 exchanges",
+        ts.len()
+    );
+    assert!(exchanges <= 3, "exchanges after the mute cost events");
+    // Live == analyze.
+    let key = |f: &Value| {
+        (
+            client_port(f),
+            f["phase"].as_str().unwrap_or("opening").to_string(),
+            f["verdict"].clone(),
+            f["cause"].clone(),
+            f["detail"].clone(),
+        )
+    };
+    let mut a: Vec<_> = live.iter().map(key).collect();
+    let mut b: Vec<_> = analyze(&record).iter().map(key).collect();
+    a.sort_by_key(|k| format!("{k:?}"));
+    b.sort_by_key(|k| format!("{k:?}"));
+    assert_eq!(a, b, "live == analyze");
+    let _ = std::fs::remove_file(&record);
+}
+
+both_modes!(
+    udp_later_exchange_fails: root_udp_later_exchange_fails_iptables,
+    root_udp_later_exchange_fails_nftables
+);
