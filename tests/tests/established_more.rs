@@ -675,3 +675,80 @@ both_modes!(
     udp_later_exchange_fails: root_udp_later_exchange_fails_iptables,
     root_udp_later_exchange_fails_nftables
 );
+
+const IDLE_PORT: u16 = 41016;
+
+/// Connections opened before nattrace started (their openings unseen) are
+/// watched too, and judged on positive evidence only: the broken one (a
+/// policy DROP added mid-flow) is reported with phase established, the
+/// busy twin is `ok` (its first reply after the start, reverse-NATed), and
+/// an idle one that sends nothing while traced gets no verdict at all
+/// (never `no_reply` on absence).
+fn unseen_flows_are_watched(mode: ProxyMode) {
+    let _lock = tracing_lock();
+    let lab = lab(mode);
+    let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
+    let mut healthy = Writer::open(&lab, WEB_SERVICE_IP, HEALTHY_PORT);
+    let mut idle = Writer::open(&lab, WEB_SERVICE_IP, IDLE_PORT);
+    broken.exchange(2);
+    healthy.exchange(2);
+    idle.exchange(2);
+    let record = record_path("unseen");
+    let mut t = start(&lab, &record);
+    broken.exchange(3);
+    healthy.exchange(3);
+    for port in [BROKEN_PORT, HEALTHY_PORT] {
+        let line = t.wait_line(EVENT_TIMEOUT, |l| {
+            l.contains("\"verdict\":\"ok\"") && l.contains(&format!(":{port}\""))
+        });
+        assert!(line.is_some(), "the unseen flow from port {port} is ok");
+    }
+    let client = lab
+        .pod_ip(presets::CLIENT_POD)
+        .expect("the client's address");
+    let chain = "KUBE-NWPLCY-TEST";
+    let port = BROKEN_PORT.to_string();
+    let src = format!("{client}/32");
+    for args in [
+        vec!["iptables", "-N", chain],
+        vec!["iptables", "-I", "FORWARD", "-j", chain],
+        vec![
+            "iptables", "-A", chain, "-s", &src, "-p", "tcp", "-m", "tcp", "--sport", &port, "-j",
+            "DROP",
+        ],
+    ] {
+        lab.run(NODE_A, &args).expect("the policy rule in node-a");
+    }
+    assert_eq!(
+        broken.send("after"),
+        "stalled",
+        "the dropped connection echoes"
+    );
+    healthy.exchange(3);
+    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
+    assert!(
+        line.is_some(),
+        "nattrace reports the broken unseen connection"
+    );
+    healthy.exchange(2);
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    let flow = assert_broken(&done, &record, "dropped_by_rule", &[HEALTHY_PORT]);
+    assert_eq!(flow["verdict"], "dropped", "{flow}");
+    let live = done.flows().expect("flows");
+    for f in live.iter().filter(|f| f["phase"].is_null()) {
+        assert_eq!(f["opening_seen"], false, "begun before the start: {f}");
+    }
+    assert!(
+        !live.iter().any(|f| client_port(f) == IDLE_PORT),
+        "the idle connection gets no verdict: {}",
+        done.describe()
+    );
+    assert_eq!(idle.send("still"), "echo still", "the idle one was fine");
+    let _ = std::fs::remove_file(&record);
+}
+
+both_modes!(
+    unseen_flows_are_watched: root_unseen_flows_are_watched_iptables,
+    root_unseen_flows_are_watched_nftables
+);

@@ -167,6 +167,20 @@ pub(crate) fn note_healthy(flow: &mut Flow, ev: &PacketEvent) {
     }
 }
 
+/// A mid-stream TCP segment to a Service with no flow: a connection begun
+/// before the trace (or forgotten, idle), opened as a flow whose opening
+/// was not seen (`opening_seen: false`) so that it is watched too. It is
+/// judged on positive evidence only: its reverse-NATed reply makes it `ok`
+/// (and watched from then on), an un-NATed reply or a drop fails it, and no
+/// reply is `unseen`, never `no_reply`. A closing segment (FIN, RST) opens
+/// nothing: a connection ending is not one to judge.
+pub(crate) fn opens_unseen(ev: &PacketEvent) -> bool {
+    use tracer_common::tcp_flags::{FIN, RST, SYN};
+    ev.proto == tracer_common::proto::TCP
+        && ev.direction == tracer_common::direction::REQUEST
+        && ev.tcp_flags & (SYN | RST | FIN) == 0
+}
+
 /// A reverse-NATed reply reaching the client of an `ok` flow (counted).
 pub(crate) fn is_good_reply(flow: &Flow, ev: &PacketEvent) -> bool {
     ev.hook == hook::DEV_RX

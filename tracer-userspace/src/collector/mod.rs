@@ -596,7 +596,11 @@ impl Collector {
         }
         let r = match found {
             Some(r) => r,
-            None if self.is_service(ev) && (ev.proto == proto::UDP || syn_only) => self.create(ev),
+            None if self.is_service(ev)
+                && (ev.proto == proto::UDP || syn_only || established::opens_unseen(ev)) =>
+            {
+                self.create(ev)
+            }
             None => {
                 self.summary.unmatched_events += 1;
                 return;
