@@ -282,11 +282,18 @@ pub(crate) fn conntrack_invalid(ctx: &RuleCtx<'_>) -> Option<Found> {
                     && Some(o.drop_reason) == ctx.known.netfilter_drop
                     && drop_place(flow, o, ctx.ifnames) == place
             })?;
+            // The node's own INVALID rule as written, when its filter table
+            // (read again at the failure) has one; kube-proxy's nftables
+            // rules are not read for it.
+            let rule = match ctx.kube.filter_drops.iter().find(|r| r.invalid) {
+                Some(r) => format!("the node's `{}` (chain {})", r.rule, r.chain),
+                None => "kube-proxy's `-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP` (or its nftables mode's `ct state invalid drop`)".to_string(),
+            };
             Some((
                 "conntrack no longer tracked the connection and netfilter dropped it as INVALID"
                     .to_string(),
                 format!(
-                    "mid-stream, after the opening was DNATed, a netfilter rule dropped the {} {place} ({} → {}): a packet of an established connection dropped in FORWARD is what kube-proxy's `-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP` does once the connection's conntrack entry is gone (deleted, flushed, timed out with nf_conntrack_tcp_loose=0) or its packet is out of the TCP window (a NetworkPolicy DROP in FORWARD would look the same: check the rule's counters)",
+                    "mid-stream, after the opening was DNATed, a netfilter rule dropped the {} {place} ({} → {}): a packet of an established connection dropped in FORWARD is what {rule} does once the connection's conntrack entry is gone (deleted, flushed, timed out with nf_conntrack_tcp_loose=0) or its packet is out of the TCP window; no other DROP rule of the filter table matches it",
                     ctx.kind(drop.packet),
                     drop.src,
                     drop.dst

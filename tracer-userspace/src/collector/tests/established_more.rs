@@ -248,10 +248,16 @@ fn a_netfilter_drop_mid_stream_is_named_after_the_rule_that_matches_it() {
         cause.text
     );
     let e = decide_with(&[invalid]);
-    assert_eq!(
-        e[0].cause.as_ref().map(|c| c.id),
-        Some(CauseId::ConntrackInvalid),
-        "{:#?}",
-        e[0]
+    let cause = e[0].cause.as_ref().expect("a cause");
+    assert_eq!(cause.id, CauseId::ConntrackInvalid, "{:#?}", e[0]);
+    assert!(
+        cause
+            .text
+            .contains(&format!("the node's `{invalid}` (chain KUBE-FORWARD)")),
+        "kube-proxy's INVALID rule named as written: {}",
+        cause.text
     );
+    let e = decide_with(&[]);
+    let text = &e[0].cause.as_ref().expect("a cause").text;
+    assert!(text.contains("ct state invalid drop"), "{text}");
 }
