@@ -18,7 +18,7 @@ use std::{
 };
 
 use lab::{
-    Lab, Protocol, ProxyMode, ServiceSpec, both_modes, build_lab, lab_server_path,
+    Datapath, Lab, Protocol, ProxyMode, ServiceSpec, both_modes, build_lab, lab_server_path,
     presets::{self, Backend, NODE_A, Seed000, WEB_PORT, WEB_SERVICE_IP},
     tracer::{Finished, Nattrace, nattrace, tracing_lock},
 };
@@ -131,6 +131,12 @@ impl Drop for Writer {
 }
 
 fn lab(mode: ProxyMode) -> Lab {
+    lab_on(mode, Datapath::Bridge)
+}
+
+/// The lab on a bridged node (seed 000's) or a routed one (Calico-like:
+/// a /32 route per pod veth, no bridge).
+fn lab_on(mode: ProxyMode, datapath: Datapath) -> Lab {
     let mut spec = presets::seed000(Seed000 {
         bridge_nf_call_iptables: true,
         backend: Backend::SameNode,
@@ -147,7 +153,7 @@ fn lab(mode: ProxyMode) -> Lab {
         .endpoint(presets::REMOTE_BACKEND_POD, WEB_PORT),
     );
     spec.kube_proxy.mode = mode;
-    build_lab(spec)
+    build_lab(spec.with_datapath(datapath))
 }
 
 fn start(lab: &Lab, record: &Path) -> Nattrace {
@@ -348,8 +354,12 @@ both_modes!(
 /// next line is on its way (NO_SOCKET and a bare RST follow the abort),
 /// one the client resets — all `ok`.
 fn backend_restarted_mid_flow(mode: ProxyMode, crashed: bool) {
+    backend_restarted_on(mode, crashed, Datapath::Bridge);
+}
+
+fn backend_restarted_on(mode: ProxyMode, crashed: bool, datapath: Datapath) {
     let _lock = tracing_lock();
-    let lab = lab(mode);
+    let lab = lab_on(mode, datapath);
     let record = record_path("backend-restarted");
     let mut t = start(&lab, &record);
     let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
@@ -438,8 +448,12 @@ fn root_backend_crashed_mid_flow_iptables() {
 /// the filter rules again when the flow fails and names the rule as
 /// iptables-save writes it: `dropped_by_rule`, phase established.
 fn policy_drop_mid_flow(mode: ProxyMode) {
+    policy_drop_on(mode, Datapath::Bridge);
+}
+
+fn policy_drop_on(mode: ProxyMode, datapath: Datapath) {
     let _lock = tracing_lock();
-    let lab = lab(mode);
+    let lab = lab_on(mode, datapath);
     let record = record_path("policy-drop");
     let mut t = start(&lab, &record);
     let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
@@ -751,4 +765,25 @@ fn unseen_flows_are_watched(mode: ProxyMode) {
 both_modes!(
     unseen_flows_are_watched: root_unseen_flows_are_watched_iptables,
     root_unseen_flows_are_watched_nftables
+);
+
+/// The same cases on a routed node (tests/tests/routed.rs's datapath: pod
+/// veths routed by /32 routes, no bridge, so no br_netfilter): the
+/// backend's bare RST and a policy DROP in FORWARD are named the same.
+fn routed_backend_restarted(mode: ProxyMode) {
+    backend_restarted_on(mode, false, Datapath::Routed);
+}
+
+both_modes!(
+    routed_backend_restarted: root_routed_backend_restarted_mid_flow_iptables,
+    root_routed_backend_restarted_mid_flow_nftables
+);
+
+fn routed_policy_drop(mode: ProxyMode) {
+    policy_drop_on(mode, Datapath::Routed);
+}
+
+both_modes!(
+    routed_policy_drop: root_routed_policy_drop_mid_flow_iptables,
+    root_routed_policy_drop_mid_flow_nftables
 );
