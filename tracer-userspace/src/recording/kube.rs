@@ -26,6 +26,8 @@ struct Rules {
     outside_netfilter: Vec<Outside>,
     #[serde(default)]
     missing_tools: Vec<MissingTool>,
+    #[serde(default)]
+    north_south: crate::ruleset::NorthSouth,
 }
 
 #[derive(Deserialize)]
@@ -121,5 +123,6 @@ pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<KubeProxyRu
             .map(|o| OutsideNetfilter { ip: o.ip, by: o.by })
             .collect(),
         missing_tools: r.missing_tools,
+        north_south: r.north_south,
     })
 }

@@ -111,6 +111,9 @@ pub struct KubeProxyRules {
     /// means "could not look", never "no rules".
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub missing_tools: Vec<MissingTool>,
+    /// NodePorts, LoadBalancer and external IPs (issue 24).
+    #[serde(default, skip_serializing_if = "NorthSouth::is_empty")]
+    pub north_south: NorthSouth,
 }
 
 /// A program [`read`] needed and could not start because it is not installed.
@@ -195,6 +198,7 @@ impl KubeProxyRules {
         self.services.extend(other.services);
         self.no_endpoints.extend(other.no_endpoints);
         self.outside_netfilter.extend(other.outside_netfilter);
+        self.north_south.merge(other.north_south);
     }
 
     /// Whether every Service's chain masquerades all traffic (`masqueradeAll: true`).
@@ -345,6 +349,8 @@ pub fn parse_nat(text: &str) -> KubeProxyRules {
             endpoints,
         });
     }
+    let lines: Vec<&str> = text.lines().collect();
+    external::from_nat(&lines, &mut out);
     out.mode = if !out.services.is_empty() || by_chain.contains_key("KUBE-SERVICES") {
         if text.contains("KUBE-CLUSTER-IP") || by_chain.contains_key("KUBE-LOAD-BALANCER") {
             ProxyMode::Ipvs
@@ -507,7 +513,37 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
     if best.mode == ProxyMode::None {
         best.missing_tools = missing.tools;
     }
+    if !best.north_south.nodeport_addresses.is_empty() {
+        best.north_south.node_addresses = local_addresses(&ns);
+    }
     best
+}
+
+/// The namespace's own addresses (getifaddrs there: netlink, read-only), for
+/// the NodePorts kube-proxy accepts on `addrtype LOCAL`. Link-local IPv6
+/// addresses are left out: a NodePort is never reached through them.
+fn local_addresses(ns: &Netns) -> Vec<IpAddr> {
+    let read = || -> Vec<IpAddr> {
+        let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+            return Vec::new();
+        };
+        let mut out: Vec<IpAddr> = addrs
+            .filter_map(|a| {
+                let sa = a.address?;
+                if let Some(v4) = sa.as_sockaddr_in() {
+                    return Some(IpAddr::V4(v4.ip()));
+                }
+                sa.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))
+            })
+            .filter(|ip| {
+                !ip.is_loopback() && !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local())
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    };
+    ns.run(read).unwrap_or_default()
 }
 
 /// [`read`] for one family's iptables: the backend holding the most rules.
@@ -566,7 +602,9 @@ fn read_family(
     best
 }
 
+pub mod external;
 mod filter;
+pub use external::NorthSouth;
 pub use filter::{parse_filter_rejects, parse_save};
 
 pub mod dataplane;
