@@ -410,4 +410,4 @@ pub(super) fn from_filter(lines: &[&str], ns: &mut NorthSouth, ipv6: bool) {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -159,9 +159,19 @@ impl KubeProxyRules {
         backend: Option<A>,
     ) -> Option<KubeMatch> {
         let service = service.into();
-        let svc = self.services.iter().find(|s| {
-            s.cluster_ip == service.ip() && s.port == service.port() && s.proto == proto
-        })?;
+        let svc = self
+            .services
+            .iter()
+            .find(|s| s.cluster_ip == service.ip() && s.port == service.port() && s.proto == proto)
+            .or_else(|| {
+                // A NodePort, LB or external IP: the Service port of the same name.
+                let ext = self
+                    .north_south
+                    .find(service.ip(), service.port(), proto)?;
+                self.services.iter().find(|s| {
+                    s.name == ext.name && s.proto == proto && s.cluster_ip.is_ipv6() == ext.ipv6
+                })
+            })?;
         let backend = backend.map(Into::into);
         let sep = backend.and_then(|b| svc.endpoints.iter().find(|e| e.endpoint == b));
         Some(KubeMatch {
