@@ -313,6 +313,8 @@ mod tests {
             endpoints,
             pinned,
             node_port: None,
+            external: Default::default(),
+            local: Vec::new(),
         }
     }
 

@@ -94,7 +94,10 @@ impl SvcArg {
             .split_once('/')
             .is_some_and(|(ns, _)| !ns.contains([':', '[']) && ns.parse::<IpAddr>().is_err());
         if looks_like_name {
-            return s.parse().map(SvcArg::Name).map_err(|e: NameParseError| e.to_string());
+            return s
+                .parse()
+                .map(SvcArg::Name)
+                .map_err(|e: NameParseError| e.to_string());
         }
         Service::cluster_ip(s).map(SvcArg::Addr).map_err(|e| {
             if s.contains('/') {
@@ -224,7 +227,9 @@ fn port_matches(rules: &KubeProxyRules, port_name: &str, want: &PortRef) -> bool
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum LookupError {
-    #[error("no Service {wanted} in kube-proxy's rules on this node{near} (list them: nattrace doctor)")]
+    #[error(
+        "no Service {wanted} in kube-proxy's rules on this node{near} (list them: nattrace doctor)"
+    )]
     UnknownService { wanted: String, near: String },
     #[error("Service {service} has no port {port} in kube-proxy's rules (its ports: {ports})")]
     UnknownPort {

@@ -55,6 +55,9 @@ pub enum CauseId {
     /// Seed 003 told from both nodes (issue 14): one node DNATed the
     /// request, the backend's node sent the reply straight to the client.
     AsymmetricReturnPath,
+    /// Issue 24: NodePort / LB / external IP of an externalTrafficPolicy
+    /// Local Service with no endpoint on this node: kube-proxy drops it.
+    NoLocalEndpoints,
 }
 
 pub(crate) struct CauseRow {
@@ -164,6 +167,14 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         check: no_reply_through_node,
         incident: "seed 003 seen from the DNATing node: asymmetric return path",
         fix: "make replies return through the DNATing node: SNAT here (kube-proxy masqueradeAll: true, or externalTrafficPolicy: Cluster), or route the Service CIDR to the backend's node",
+    },
+    CauseRow {
+        id: CauseId::NoLocalEndpoints,
+        name: "no_local_endpoints",
+        verdicts: &[Verdict::Dropped, Verdict::NoReply],
+        check: super::checks::north_south::no_local_endpoints,
+        incident: "issue 24: NodePort / LoadBalancer / external IP of an externalTrafficPolicy: Local Service, no endpoint on this node: kube-proxy's \"has no local endpoints\" DROP (filter KUBE-EXTERNAL-SERVICES, nftables no-endpoint-nodeports / no-endpoint-services), the client times out",
+        fix: "run an endpoint of the Service on this node, or let the load balancer's health check on healthCheckNodePort take this node out (kube-proxy answers 503 there), or set externalTrafficPolicy: Cluster (the client's address is then masqueraded)",
     },
     CauseRow {
         id: CauseId::NoEndpoints,

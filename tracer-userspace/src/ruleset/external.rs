@@ -97,6 +97,10 @@ pub struct ExternalRule {
     /// The filter rule that rejects it because the Service has no endpoints.
     #[serde(default)]
     pub no_endpoints: Option<String>,
+    /// `healthCheckNodePort` of a Local-policy Service (iptables filter
+    /// `KUBE-NODEPORTS "ns/name:port health check node port" ... -j ACCEPT`).
+    #[serde(default)]
+    pub health_check_node_port: Option<u16>,
 }
 
 impl ExternalRule {
@@ -309,6 +313,7 @@ pub(super) fn from_nat(lines: &[&str], rules: &mut KubeProxyRules) {
                     chain: Some(chain),
                     no_local_endpoints: None,
                     no_endpoints: None,
+                    health_check_node_port: None,
                 });
             }
             "KUBE-NODEPORTS" if jump.starts_with("KUBE-EXT-") => {
@@ -332,6 +337,7 @@ pub(super) fn from_nat(lines: &[&str], rules: &mut KubeProxyRules) {
                     chain: Some(jump.clone()),
                     no_local_endpoints: None,
                     no_endpoints: None,
+                    health_check_node_port: None,
                 });
             }
             _ => {}
@@ -343,8 +349,16 @@ pub(super) fn from_nat(lines: &[&str], rules: &mut KubeProxyRules) {
 /// endpoints") and NodePort REJECTs ("has no endpoints"), joined to the
 /// entries the nat table gave (a Service without endpoints has none there).
 pub(super) fn from_filter(lines: &[&str], ns: &mut NorthSouth, ipv6: bool) {
+    let mut health: Vec<(String, u16)> = Vec::new();
     for line in lines {
         let Some(r) = parse_rule(line) else { continue };
+        if r.chain == "KUBE-NODEPORTS"
+            && let (Some(c), Some(port)) = (&r.comment, r.dport)
+            && let Some(name) = c.strip_suffix(" health check node port")
+        {
+            health.push((name.to_string(), port));
+            continue;
+        }
         if r.chain != "KUBE-EXTERNAL-SERVICES" {
             continue;
         }
@@ -396,6 +410,7 @@ pub(super) fn from_filter(lines: &[&str], ns: &mut NorthSouth, ipv6: bool) {
                     },
                     no_local_endpoints: None,
                     no_endpoints: None,
+                    health_check_node_port: None,
                 });
                 ns.external.last_mut().expect("just pushed")
             }
@@ -405,6 +420,11 @@ pub(super) fn from_filter(lines: &[&str], ns: &mut NorthSouth, ipv6: bool) {
             entry.no_local_endpoints = Some(line.to_string());
         } else {
             entry.no_endpoints = Some(line.to_string());
+        }
+    }
+    for (name, port) in health {
+        for e in ns.external.iter_mut().filter(|e| e.name == name) {
+            e.health_check_node_port = Some(port);
         }
     }
 }

@@ -165,9 +165,7 @@ impl KubeProxyRules {
             .find(|s| s.cluster_ip == service.ip() && s.port == service.port() && s.proto == proto)
             .or_else(|| {
                 // A NodePort, LB or external IP: the Service port of the same name.
-                let ext = self
-                    .north_south
-                    .find(service.ip(), service.port(), proto)?;
+                let ext = self.north_south.find(service.ip(), service.port(), proto)?;
                 self.services.iter().find(|s| {
                     s.name == ext.name && s.proto == proto && s.cluster_ip.is_ipv6() == ext.ipv6
                 })

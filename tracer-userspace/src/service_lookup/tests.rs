@@ -23,7 +23,16 @@ fn parses_namespace_name_and_port() {
     );
     assert_eq!(name("prod/export:8080").port, Some(PortRef::Number(8080)));
     assert_eq!(name("prod/export").port, None);
-    for bad in ["prod", "prod/", "/x", "Prod/x", "prod/x:", "prod/x:0", "prod/x:HTTP", "a/b/c"] {
+    for bad in [
+        "prod",
+        "prod/",
+        "/x",
+        "Prod/x",
+        "prod/x:",
+        "prod/x:0",
+        "prod/x:HTTP",
+        "a/b/c",
+    ] {
         assert!(bad.parse::<ServiceName>().is_err(), "{bad}");
     }
 }

@@ -5,6 +5,7 @@
 //! and IPv6 checks live in `path.rs`, `backend.rs` and `ip6.rs`.
 pub(super) mod backend;
 pub(super) mod ip6;
+pub(super) mod north_south;
 pub(super) mod path;
 
 use tracer_common::{hook, nat_stage, nf_hook};

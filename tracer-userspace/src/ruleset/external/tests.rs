@@ -89,6 +89,8 @@ fn iptables_nodeports_lb_and_external_ips_with_their_policy() {
             r#"-A KUBE-EXTERNAL-SERVICES -p tcp -m comment --comment "ns/loc:http has no local endpoints" -m addrtype --dst-type LOCAL -m tcp --dport 30091 -j DROP"#
         )
     );
+    assert_eq!(loc.health_check_node_port, Some(32000));
+    assert_eq!(np.health_check_node_port, None);
     assert_eq!(ns.node_port_addrs(false), vec![ip("10.244.0.1"), ip(NODE)]);
 }
 

@@ -128,6 +128,7 @@ pub(super) fn parse(items: &[Value], t: &Table<'_>, rules: &mut KubeProxyRules) 
             policy: policy(t, chain),
             no_local_endpoints: None,
             no_endpoints: None,
+            health_check_node_port: None,
         });
     }
     for e in elems("service-nodeports") {
@@ -148,6 +149,7 @@ pub(super) fn parse(items: &[Value], t: &Table<'_>, rules: &mut KubeProxyRules) 
             policy: policy(t, chain),
             no_local_endpoints: None,
             no_endpoints: None,
+            health_check_node_port: None,
         });
     }
     let mut filtered = |ip: Option<IpAddr>,
@@ -187,6 +189,7 @@ pub(super) fn parse(items: &[Value], t: &Table<'_>, rules: &mut KubeProxyRules) 
                     policy: TrafficPolicy::Unknown,
                     no_local_endpoints: None,
                     no_endpoints: None,
+                    health_check_node_port: None,
                 });
                 ns.external.last_mut().expect("just pushed")
             }

@@ -1,0 +1,190 @@
+//! Traffic from outside the cluster (issue 24): the seed 003 lab's outside
+//! client, behind the router, reaches `default/web:http` at node-b's
+//! address on its NodePort, or at a LoadBalancer / external IP the router
+//! sends to node-b. Traced on node-b by name (`--svc default/web`), in
+//! kube-proxy's iptables mode with its exact NodePort / KUBE-EXT- /
+//! KUBE-SVL- / "has no local endpoints" shapes.
+use std::net::Ipv4Addr;
+
+use lab::{ExternalSpec, node_underlay_ip};
+
+use super::*;
+
+const NODE_PORT: u16 = 30090;
+const HEALTH_CHECK_NODE_PORT: u16 = 32090;
+/// Inside the Service CIDR the router sends to node-b (seed 003's route).
+const LB_IP: Ipv4Addr = Ipv4Addr::new(100, 67, 30, 200);
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(100, 67, 30, 201);
+
+#[derive(Clone, Copy, PartialEq)]
+enum Endpoints {
+    /// Only BACKEND_POD, on node-a.
+    Remote,
+    /// Only REMOTE_BACKEND_POD, on node-b (the traced node).
+    Local,
+}
+
+fn lab(local_policy: bool, endpoints: Endpoints) -> Lab {
+    let mut spec = presets::seed003(presets::Seed003::default());
+    let web = &mut spec.services[0];
+    let keep = match endpoints {
+        Endpoints::Remote => presets::BACKEND_POD,
+        Endpoints::Local => presets::REMOTE_BACKEND_POD,
+    };
+    web.endpoints.retain(|e| e.pod == keep);
+    web.pinned = None;
+    web.node_port = Some(NODE_PORT);
+    web.external = ExternalSpec {
+        local_policy,
+        external_ips: vec![EXTERNAL_IP],
+        lb_ips: vec![LB_IP],
+        health_check_node_port: local_policy.then_some(HEALTH_CHECK_NODE_PORT),
+    };
+    build_in(ProxyMode::Iptables, spec)
+}
+
+fn node_b() -> Ipv4Addr {
+    node_underlay_ip(1)
+}
+
+/// curl from the outside client; Some(exit code).
+fn outside_get(lab: &Lab, ip: Ipv4Addr, port: u16) -> Option<i32> {
+    lab.http_get(lab::OUTSIDE, ip, port, CLIENT_TIMEOUT)
+        .expect("running curl")
+        .status
+        .code()
+}
+
+fn by_name(lab: &Lab, to: Ipv4Addr, port: u16, expect_code: i32) -> Finished {
+    let done = trace(lab, presets::NODE_B, "default/web", &[], || {
+        assert_eq!(
+            outside_get(lab, to, port),
+            Some(expect_code),
+            "curl {to}:{port}"
+        );
+    });
+    // The start says what the name resolved to: every address of the Service.
+    let line = done
+        .stderr
+        .lines()
+        .find(|l| l.contains("--svc default/web resolves to"))
+        .unwrap_or_else(|| panic!("no resolution line: {}", done.describe()));
+    for want in [
+        format!(
+            "{}:80 (default/web:http ClusterIP/tcp)",
+            presets::WEB_SERVICE_IP
+        ),
+        format!("{}:{NODE_PORT} (default/web:http NodePort/tcp)", node_b()),
+        format!("{LB_IP}:80 (default/web:http LoadBalancer IP/tcp)"),
+        format!("{EXTERNAL_IP}:80 (default/web:http externalIP/tcp)"),
+    ] {
+        assert!(line.contains(&want), "{want} missing: {line}");
+    }
+    done
+}
+
+fn assert_outside_client(f: &Value) {
+    assert_eq!(ip_of(&f["client"]), presets::OUTSIDE_CLIENT.addr(), "{f}");
+    assert_eq!(f["k8s_service"], "default/web:http", "{f}");
+}
+
+#[test]
+fn root_nodeport_local_policy_without_local_endpoint_is_no_local_endpoints() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = lab(true, Endpoints::Remote);
+    // The client's symptom first: kube-proxy's DROP answers nothing, curl
+    // times out (28), it is not refused (7).
+    let done = by_name(&lab, node_b(), NODE_PORT, 28);
+    let f = done.only_flow();
+    assert_common(&f, "dropped", Some("no_local_endpoints"), &done);
+    assert_outside_client(&f);
+    assert_eq!(f["service"], format!("{}:{NODE_PORT}", node_b()), "{f}");
+    assert!(f["backend"].is_null(), "never DNATed: {f}");
+    let all = f.to_string();
+    assert!(all.contains("has no local endpoints"), "{all}");
+    assert!(all.contains("filter INPUT"), "the hook: {all}");
+    assert!(
+        all.contains(&format!("healthCheckNodePort {HEALTH_CHECK_NODE_PORT}")),
+        "{all}"
+    );
+    assert!(all.contains("externalTrafficPolicy: Cluster"), "{all}");
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+}
+
+#[test]
+fn root_lb_ip_local_policy_without_local_endpoint_is_dropped_in_forward() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = lab(true, Endpoints::Remote);
+    let done = by_name(&lab, LB_IP, 80, 28);
+    let f = done.only_flow();
+    assert_common(&f, "dropped", Some("no_local_endpoints"), &done);
+    assert_outside_client(&f);
+    assert!(f.to_string().contains("filter FORWARD"), "{f}");
+}
+
+#[test]
+fn root_nodeport_local_policy_with_local_endpoint_keeps_the_client_address() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = lab(true, Endpoints::Local);
+    let done = by_name(&lab, node_b(), NODE_PORT, 0);
+    let f = done.only_flow();
+    assert_common(&f, "ok", None, &done);
+    assert_outside_client(&f);
+    assert_eq!(
+        f["backend"],
+        format!("{}:80", presets::REMOTE_BACKEND_IP),
+        "{f}"
+    );
+    assert!(f["snat"].is_null(), "Local policy is not masqueraded: {f}");
+}
+
+#[test]
+fn root_nodeport_cluster_policy_remote_backend_is_dnated_and_snated() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = lab(false, Endpoints::Remote);
+    let done = by_name(&lab, node_b(), NODE_PORT, 0);
+    let f = done.only_flow();
+    assert_common(&f, "ok", None, &done);
+    assert_outside_client(&f);
+    assert_eq!(f["backend"], format!("{}:80", presets::BACKEND_IP), "{f}");
+    assert!(f["snat"].is_string(), "Cluster policy masquerades: {f}");
+}
+
+#[test]
+fn root_external_ip_cluster_policy_local_backend_is_ok() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = lab(false, Endpoints::Local);
+    let done = by_name(&lab, EXTERNAL_IP, 80, 0);
+    let f = done.only_flow();
+    assert_common(&f, "ok", None, &done);
+    assert_outside_client(&f);
+    assert_eq!(
+        f["backend"],
+        format!("{}:80", presets::REMOTE_BACKEND_IP),
+        "{f}"
+    );
+}
+
+#[test]
+fn root_unknown_service_name_names_the_nearest_and_exits_2() {
+    require_root!();
+    let lab = lab(false, Endpoints::Local);
+    let ns = lab.node_netns(presets::NODE_B).expect("node").path();
+    let out = std::process::Command::new(nattrace())
+        .args(["--svc", "default/wbe", "--netns"])
+        .arg(ns)
+        .output()
+        .expect("nattrace");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert!(
+        err.contains("no Service default/wbe") && err.contains("nearest: default/web"),
+        "{err}"
+    );
+}
