@@ -301,7 +301,7 @@ impl Lab {
     pub fn kube_proxy_nft_rules(&self, index: usize) -> String {
         kube_proxy_nft::render(
             &self.spec.kube_proxy,
-            &self.resolved_services(),
+            &self.resolved_services_on(self.spec.nodes.get(index).map(|n| n.name.as_str())),
             topology::node_underlay_ip(index),
         )
     }
