@@ -195,3 +195,42 @@ fn root_unknown_service_name_names_the_nearest_and_exits_2() {
         "{err}"
     );
 }
+
+both_modes!(doctor_lists: root_doctor_lists_north_south_and_local_policy_without_local_endpoint, root_doctor_lists_north_south_and_local_policy_without_local_endpoint_nft);
+fn doctor_lists(mode: ProxyMode) {
+    let lab = lab(mode, true, Endpoints::Remote);
+    let ns = lab.node_netns(presets::NODE_B).expect("node").path();
+    let out = std::process::Command::new(nattrace())
+        .args(["doctor", "--output", "json", "--netns"])
+        .arg(ns)
+        .output()
+        .expect("nattrace doctor");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let report: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    let find = |check: &str| {
+        report["findings"]
+            .as_array()
+            .and_then(|a| a.iter().find(|f| f["check"] == check).cloned())
+            .unwrap_or_else(|| panic!("no {check} finding: {report:#}"))
+    };
+    let entries = find("north_south");
+    let msg = entries["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("default/web:http {NODE_PORT}/tcp (Local)")),
+        "{msg}"
+    );
+    let at = match mode {
+        ProxyMode::Iptables => "accepted on addrtype LOCAL".to_string(),
+        ProxyMode::Nftables => format!("accepted on {}", node_b()),
+    };
+    assert!(msg.contains(&at), "{msg}");
+    let warn = find("no_local_endpoints");
+    assert_eq!(warn["severity"], "warning", "{warn}");
+    assert!(
+        warn["message"]
+            .as_str()
+            .unwrap()
+            .contains("default/web:http"),
+        "{warn}"
+    );
+}
