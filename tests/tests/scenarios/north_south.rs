@@ -234,3 +234,52 @@ fn doctor_lists(mode: ProxyMode) {
         "{warn}"
     );
 }
+
+/// Cluster policy, the backend on node-a, and node-b's masquerade rule gone
+/// (as after a half-applied restore): the request is DNATed but not SNATed,
+/// node-a's backend answers the outside client directly, and node-b names
+/// the missing SNAT rather than an asymmetric route.
+#[test]
+fn root_nodeport_cluster_policy_without_snat_is_external_not_masqueraded() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = lab(ProxyMode::Iptables, false, Endpoints::Remote);
+    let save = lab
+        .iptables_save_table(presets::NODE_B, "nat")
+        .expect("iptables-save");
+    // Deleted by its number in the chain (the lab's iptables backend).
+    let n = save
+        .lines()
+        .filter(|l| l.starts_with("-A KUBE-POSTROUTING "))
+        .position(|l| l.contains("-j MASQUERADE"))
+        .unwrap_or_else(|| panic!("no masquerade rule: {save}"))
+        + 1;
+    let iptables = lab::IptablesBackend::default()
+        .save()
+        .trim_end_matches("-save");
+    let n = n.to_string();
+    let out = lab
+        .exec(
+            presets::NODE_B,
+            &[iptables, "-t", "nat", "-D", "KUBE-POSTROUTING", &n],
+        )
+        .expect("iptables -D");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after = lab.iptables_save_table(presets::NODE_B, "nat").unwrap();
+    assert!(
+        !after
+            .lines()
+            .any(|l| l.starts_with("-A KUBE-POSTROUTING ") && l.contains("MASQUERADE")),
+        "{after}"
+    );
+    let done = by_name(ProxyMode::Iptables, &lab, node_b(), NODE_PORT, 28);
+    let f = done.only_flow();
+    assert_common(&f, "no_reply", Some("external_not_masqueraded"), &done);
+    assert_outside_client(&f);
+    assert_eq!(f["backend"], format!("{}:80", presets::BACKEND_IP), "{f}");
+    assert!(f["snat"].is_null(), "{f}");
+}

@@ -58,6 +58,9 @@ pub enum CauseId {
     /// Issue 24: NodePort / LB / external IP of an externalTrafficPolicy
     /// Local Service with no endpoint on this node: kube-proxy drops it.
     NoLocalEndpoints,
+    /// Issue 24: a Cluster-policy NodePort / LB / external IP flow DNATed
+    /// here left without the SNAT kube-proxy's external chain asks for.
+    ExternalNotMasqueraded,
 }
 
 pub(crate) struct CauseRow {
@@ -159,6 +162,16 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         check: backend_port_closed,
         incident: "backend pod alive but nothing listens on the target port: it answers with RST",
         fix: "the backend pod runs but nothing listens on the port: check the Service's targetPort against the container's port, the container's logs and its readiness probe (a pod should not be ready before it listens)",
+    },
+    // Before no_reply_through_node: the same evidence, but kube-proxy asked
+    // for the SNAT that would have brought the reply back.
+    CauseRow {
+        id: CauseId::ExternalNotMasqueraded,
+        name: "external_not_masqueraded",
+        verdicts: &[Verdict::NoReply],
+        check: super::checks::north_south::external_not_masqueraded,
+        incident: "issue 24: NodePort / LoadBalancer / external IP with externalTrafficPolicy: Cluster DNATed to another node's backend without the SNAT kube-proxy marks it for: the backend answers the outside client directly",
+        fix: "restore kube-proxy's masquerade: the KUBE-POSTROUTING `-m mark --mark 0x4000/0x4000 -j MASQUERADE` rule (nftables: chain masquerading), and make sure nothing clears the 0x4000 mark between KUBE-EXT- and POSTROUTING (let kube-proxy resync its rules)",
     },
     CauseRow {
         id: CauseId::NoReplyThroughNode,

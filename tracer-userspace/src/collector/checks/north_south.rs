@@ -70,3 +70,39 @@ pub(crate) fn no_local_endpoints(ctx: &RuleCtx<'_>) -> Option<Found> {
         ),
     ))
 }
+
+/// A NodePort / LB / external IP flow of an externalTrafficPolicy: Cluster
+/// Service, DNATed here to a backend, left the node without the SNAT
+/// kube-proxy asked for (its `KUBE-EXT-` / `external-` chain marks every
+/// such packet for masquerade; `KUBE-POSTROUTING` / `masquerading` applies
+/// it): the backend sees the outside client's address and answers it
+/// directly, so no reply comes back through this node.
+pub(crate) fn external_not_masqueraded(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let backend = ctx.flow.backend?;
+    if ctx.flow.snat.is_some() {
+        return None;
+    }
+    let e = entry(ctx)?;
+    if e.policy != TrafficPolicy::Cluster {
+        return None;
+    }
+    // The no-reply rule's own conditions (the request left the node, no
+    // reply came back through it) decide that the flow failed that way.
+    super::no_reply_through_node(ctx)?;
+    let chain = e.chain.as_deref().unwrap_or("KUBE-EXT-…");
+    Some((
+        format!(
+            "{} ({}) was not masqueraded although externalTrafficPolicy is Cluster",
+            e.name,
+            e.kind.as_str()
+        ),
+        format!(
+            "the {} to {} ({} {}) was DNATed here to {backend} but left the node with the client's own address {}: kube-proxy's `{chain}` marks it for masquerade (externalTrafficPolicy: Cluster) and no SNAT was applied, so {backend} answered the client directly and no reply came back through this node; check kube-proxy's masquerade rule (iptables-save -t nat | grep -e KUBE-POSTROUTING -e KUBE-MARK-MASQ; nft list chain ip kube-proxy masquerading) and that nothing clears the 0x4000 mark before POSTROUTING",
+            ctx.first_request_kind(),
+            ctx.flow.service,
+            e.name,
+            e.kind.as_str(),
+            ctx.flow.client.addr,
+        ),
+    ))
+}
