@@ -283,3 +283,35 @@ fn root_nodeport_cluster_policy_without_snat_is_external_not_masqueraded() {
     assert_eq!(f["backend"], format!("{}:80", presets::BACKEND_IP), "{f}");
     assert!(f["snat"].is_null(), "{f}");
 }
+
+/// `--all-services` traces the NodePorts, LB and external IPs too, not only
+/// the ClusterIPs (issue 24: it saw none of these flows).
+#[test]
+fn root_all_services_sees_the_nodeport_flow() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = lab(ProxyMode::Iptables, true, Endpoints::Remote);
+    let ns = lab.node_netns(presets::NODE_B).expect("node").path();
+    let mut args: Vec<String> = [
+        "--all-services",
+        "--netns",
+        &ns.display().to_string(),
+        "--reply-timeout",
+        REPLY_TIMEOUT_MS,
+        "--output",
+        "json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(lab::tracer::record_args(None));
+    let mut tracer = Nattrace::spawn(&nattrace(), &args, &[], false).expect("starting nattrace");
+    tracer
+        .wait_started(ATTACH_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(outside_get(&lab, node_b(), NODE_PORT), Some(28));
+    let done = tracer.finish().unwrap_or_else(|e| panic!("{e:#}"));
+    let f = done.only_flow();
+    assert_common(&f, "dropped", Some("no_local_endpoints"), &done);
+    assert_eq!(f["service"], format!("{}:{NODE_PORT}", node_b()), "{f}");
+}
