@@ -16,6 +16,12 @@ use sha2::{Digest, Sha256};
 
 use crate::spec::{KubeProxyConfig, Protocol};
 
+/// `KUBE-SVL-<hash>`: kube-proxy's `serviceLocalChainName` (same hash as
+/// the Service's `KUBE-SVC-` chain).
+pub fn svl_chain(port_name: &str, protocol: Protocol) -> String {
+    svc_chain(port_name, protocol).replacen("KUBE-SVC-", "KUBE-SVL-", 1)
+}
+
 /// kube-proxy's `KUBE-MARK-MASQ` mark bit.
 pub const MASQ_MARK: &str = "0x4000/0x4000";
 
@@ -36,6 +42,10 @@ pub struct ResolvedService {
     pub pinned: Option<usize>,
     /// See [`crate::ServiceSpec::node_port`].
     pub node_port: Option<u16>,
+    /// See [`crate::ServiceSpec::external`].
+    pub external: crate::spec::ExternalSpec,
+    /// Per endpoint: on the node these rules are for (Local policy).
+    pub local: Vec<bool>,
 }
 
 /// `KUBE-SVC-<hash>`: kube-proxy's `servicePortChainName`.
@@ -253,26 +263,7 @@ pub(crate) fn nat_table_for(
             );
         }
 
-        if let Some(node_port) = svc.node_port {
-            // externalTrafficPolicy: Cluster — traffic from outside is
-            // masqueraded, then load-balanced like the ClusterIP.
-            let ext = ext_chain(name, svc.protocol);
-            t.chain(&ext);
-            t.rule(
-                "KUBE-NODEPORTS",
-                &format!(
-                    r#"-p {proto} -m comment --comment "{name}" -m {proto} --dport {node_port} -j {ext}"#
-                ),
-            );
-            t.rule(
-                &ext,
-                &format!(
-                    r#"-m comment --comment "masquerade traffic for {name} external destinations" -j KUBE-MARK-MASQ"#
-                ),
-            );
-            t.rule(&ext, &format!("-j {svc_chain}"));
-        }
-
+        external_nat(&mut t, svc, &svc_chain, cluster_cidr.as_deref());
         let n = svc.endpoints.len();
         for (i, (ip, port)) in svc.endpoints.iter().enumerate() {
             let endpoint = endpoint_string(*ip, *port);
@@ -315,6 +306,103 @@ pub(crate) fn nat_table_for(
     let not_loopback = if v6 { "! -d ::1/128 " } else { "" };
     t.rule("KUBE-SERVICES", &format!(r#"{not_loopback}-m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"#));
     t
+}
+
+/// NodePort, LoadBalancer and external IP capture and the `KUBE-EXT-`
+/// chain (pkg/proxy/iptables/proxier.go): Cluster policy masquerades and
+/// goes on to `KUBE-SVC-`; Local policy short-circuits pod and node traffic
+/// to `KUBE-SVC-` and sends the rest to `KUBE-SVL-` (this node's endpoints),
+/// or nowhere when there is none here (the filter table DROPs it then).
+fn external_nat(t: &mut Table, svc: &ResolvedService, svc_chain: &str, cluster_cidr: Option<&str>) {
+    let ext_spec = &svc.external;
+    if svc.node_port.is_none() && ext_spec.external_ips.is_empty() && ext_spec.lb_ips.is_empty() {
+        return;
+    }
+    let proto = svc.protocol.as_str();
+    let name = &svc.port_name;
+    let ext = ext_chain(name, svc.protocol);
+    t.chain(&ext);
+    for (ips, what) in [
+        (&ext_spec.external_ips, "external IP"),
+        (&ext_spec.lb_ips, "loadbalancer IP"),
+    ] {
+        for ip in ips {
+            t.rule(
+                "KUBE-SERVICES",
+                &format!(
+                    r#"-d {}/32 -p {proto} -m comment --comment "{name} {what}" -m {proto} --dport {} -j {ext}"#,
+                    ip, svc.port
+                ),
+            );
+        }
+    }
+    if let Some(node_port) = svc.node_port {
+        t.rule(
+            "KUBE-NODEPORTS",
+            &format!(
+                r#"-p {proto} -m comment --comment "{name}" -m {proto} --dport {node_port} -j {ext}"#
+            ),
+        );
+    }
+    if !ext_spec.local_policy {
+        // externalTrafficPolicy: Cluster — traffic from outside is
+        // masqueraded, then load-balanced like the ClusterIP.
+        t.rule(
+            &ext,
+            &format!(
+                r#"-m comment --comment "masquerade traffic for {name} external destinations" -j KUBE-MARK-MASQ"#
+            ),
+        );
+        t.rule(&ext, &format!("-j {svc_chain}"));
+        return;
+    }
+    if let Some(cidr) = cluster_cidr {
+        t.rule(
+            &ext,
+            &format!(
+                r#"-s {cidr} -m comment --comment "pod traffic for {name} external destinations" -j {svc_chain}"#
+            ),
+        );
+    }
+    t.rule(
+        &ext,
+        &format!(
+            r#"-m comment --comment "masquerade LOCAL traffic for {name} external destinations" -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ"#
+        ),
+    );
+    t.rule(
+        &ext,
+        &format!(
+            r#"-m comment --comment "route LOCAL traffic for {name} external destinations" -m addrtype --src-type LOCAL -j {svc_chain}"#
+        ),
+    );
+    let local: Vec<usize> = (0..svc.endpoints.len())
+        .filter(|i| svc.local.get(*i).copied().unwrap_or(false))
+        .collect();
+    if local.is_empty() {
+        return;
+    }
+    let svl = svl_chain(name, svc.protocol);
+    t.chain(&svl);
+    t.rule(&ext, &format!("-j {svl}"));
+    let n = local.len();
+    for (k, &i) in local.iter().enumerate() {
+        let (ip, port) = svc.endpoints[i];
+        let endpoint = endpoint_string(ip, port);
+        let sep = sep_chain(name, svc.protocol, &endpoint);
+        let comment = format!(r#"-m comment --comment "{name} -> {endpoint}""#);
+        if k + 1 < n {
+            t.rule(
+                &svl,
+                &format!(
+                    "{comment} -m statistic --mode random --probability {} -j {sep}",
+                    probability(k, n, None)
+                ),
+            );
+        } else {
+            t.rule(&svl, &format!("{comment} -j {sep}"));
+        }
+    }
 }
 
 /// kube-proxy's own `*nat` table for `iptables-restore`, in `iptables-save` order.
@@ -377,6 +465,8 @@ mod tests {
             ],
             pinned,
             node_port: None,
+            external: Default::default(),
+            local: Vec::new(),
         }
     }
 

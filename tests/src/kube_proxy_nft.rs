@@ -35,6 +35,16 @@ pub fn service_chain(port_name: &str, protocol: Protocol) -> String {
     format!("service-{}", hash_and_prefix(&base(port_name, protocol)))
 }
 
+/// `external-HASH-ns/name/proto/port`: NodePort, LB and external IP traffic.
+pub fn external_chain(port_name: &str, protocol: Protocol) -> String {
+    format!("external-{}", hash_and_prefix(&base(port_name, protocol)))
+}
+
+/// `local-HASH-ns/name/proto/port`: the Local traffic policy chain.
+pub fn local_chain(port_name: &str, protocol: Protocol) -> String {
+    format!("local-{}", hash_and_prefix(&base(port_name, protocol)))
+}
+
 /// `endpoint-HASH-ns/name/proto/port__ip/port` (`endpoint` is `ip:port` or
 /// `[ip6]:port`; an IPv6 address's colons become dots, as chain names allow
 /// no colons: `servicePortEndpointChainNameBase`).
@@ -273,8 +283,115 @@ fn render_family(
         line(format!(
             "add element {t} service-ips {{ {key} : goto {chain} }}"
         ));
+        external(
+            &mut line,
+            &t,
+            svc,
+            &chain,
+            &endpoints,
+            ipx,
+            cluster_cidr.as_deref(),
+        );
     }
     out
+}
+
+/// NodePort, LB and external IP traffic (pkg/proxy/nftables/proxier.go):
+/// `service-ips` / `service-nodeports` elements to the `external-` chain,
+/// which masquerades (Cluster policy) or short-circuits local and pod
+/// traffic and goes on to the `local-` chain of this node's endpoints
+/// (Local policy); without one, `drop` elements in `no-endpoint-services` /
+/// `no-endpoint-nodeports`.
+fn external(
+    line: &mut impl FnMut(String),
+    t: &str,
+    svc: &ResolvedService,
+    chain: &str,
+    endpoints: &[(String, IpAddr, u16)],
+    ipx: &str,
+    cluster_cidr: Option<&str>,
+) {
+    let spec = &svc.external;
+    let ips: Vec<IpAddr> = spec
+        .external_ips
+        .iter()
+        .chain(&spec.lb_ips)
+        .map(|ip| IpAddr::V4(*ip))
+        .filter(|ip| ip.is_ipv6() == svc.cluster_ip.is_ipv6())
+        .collect();
+    if svc.node_port.is_none() && ips.is_empty() {
+        return;
+    }
+    let proto = svc.protocol.as_str();
+    let name = &svc.port_name;
+    let ext = external_chain(name, svc.protocol);
+    let local: Vec<&(String, IpAddr, u16)> = endpoints
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| svc.local.get(*i).copied().unwrap_or(false))
+        .map(|(_, e)| e)
+        .collect();
+    let has_local = !local.is_empty();
+    if spec.local_policy && has_local {
+        let lc = local_chain(name, svc.protocol);
+        line(format!("add chain {t} {lc}"));
+        let slots: Vec<String> = local
+            .iter()
+            .enumerate()
+            .map(|(i, (c, _, _))| format!("{i} : goto {c}"))
+            .collect();
+        line(format!(
+            "add rule {t} {lc} numgen random mod {} vmap {{ {} }}",
+            local.len(),
+            slots.join(" , ")
+        ));
+    }
+    line(format!("add chain {t} {ext}"));
+    if !spec.local_policy {
+        line(format!("add rule {t} {ext} jump mark-for-masquerade"));
+        line(format!("add rule {t} {ext} goto {chain}"));
+    } else {
+        if let Some(cidr) = cluster_cidr {
+            line(format!(
+                r#"add rule {t} {ext} {ipx} saddr {cidr} goto {chain} comment "short-circuit pod traffic""#
+            ));
+        }
+        line(format!(
+            r#"add rule {t} {ext} fib saddr type local jump mark-for-masquerade comment "masquerade local traffic""#
+        ));
+        line(format!(
+            r#"add rule {t} {ext} fib saddr type local goto {chain} comment "short-circuit local traffic""#
+        ));
+        if has_local {
+            line(format!(
+                "add rule {t} {ext} goto {}",
+                local_chain(name, svc.protocol)
+            ));
+        }
+    }
+    let drop = spec.local_policy && !has_local;
+    for ip in &ips {
+        line(format!(
+            "add element {t} service-ips {{ {ip} . {proto} . {} : goto {ext} }}",
+            svc.port
+        ));
+        if drop {
+            line(format!(
+                r#"add element {t} no-endpoint-services {{ {ip} . {proto} . {} comment "{name}" : drop }}"#,
+                svc.port
+            ));
+        }
+    }
+    if let Some(np) = svc.node_port {
+        line(format!(
+            "add element {t} service-nodeports {{ {proto} . {np} : goto {ext} }}"
+        ));
+        if drop {
+            line(format!(
+                r#"add element {t} no-endpoint-nodeports {{ {proto} . {np} comment "{name}" : drop }}"#
+            ));
+        }
+    }
 }
 
 /// A rule written for the `ip` family, in `ipx`'s words.
@@ -313,6 +430,8 @@ mod tests {
             endpoints,
             pinned,
             node_port: None,
+            external: Default::default(),
+            local: Vec::new(),
         }
     }
 

@@ -301,12 +301,22 @@ impl Lab {
     pub fn kube_proxy_nft_rules(&self, index: usize) -> String {
         kube_proxy_nft::render(
             &self.spec.kube_proxy,
-            &self.resolved_services(),
+            &self.resolved_services_on(self.spec.nodes.get(index).map(|n| n.name.as_str())),
             topology::node_underlay_ip(index),
         )
     }
 
     fn resolved_services(&self) -> Vec<ResolvedService> {
+        self.resolved_services_on(None)
+    }
+
+    /// [`Self::resolved_services`] for node `node`'s rules: which endpoints
+    /// run there (externalTrafficPolicy Local).
+    fn resolved_services_on(&self, node: Option<&str>) -> Vec<ResolvedService> {
+        let on_node = |pod: &str| {
+            node.and_then(|n| self.spec.nodes.iter().find(|s| s.name == n))
+                .is_some_and(|n| n.pods.iter().any(|p| p.name == pod))
+        };
         self.spec
             .services
             .iter()
@@ -322,6 +332,8 @@ impl Lab {
                     .collect(),
                 pinned: svc.pinned,
                 node_port: svc.node_port,
+                external: svc.external.clone(),
+                local: svc.endpoints.iter().map(|ep| on_node(&ep.pod)).collect(),
             })
             .collect()
     }
@@ -345,6 +357,8 @@ impl Lab {
                         .collect(),
                     pinned: svc.pinned,
                     node_port: svc.node_port,
+                    external: Default::default(),
+                    local: Vec::new(),
                 })
             })
             .collect()
@@ -401,7 +415,7 @@ impl Lab {
         let spec = self.node_spec(node)?;
         Ok(kube_proxy::render_node(
             &self.spec.kube_proxy,
-            &self.resolved_services(),
+            &self.resolved_services_on(Some(node)),
             NodeNet {
                 pod_cidr: spec.pod_cidr,
                 cluster_network: self.cluster_network(),

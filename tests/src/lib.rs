@@ -49,8 +49,9 @@ pub use lab::{EXEC_TIMEOUT, Lab};
 pub use netns::{NAME_PREFIX, NETNS_DIR, Netns, cleanup_stale};
 pub use servers::{LAB_SERVER_ENV, lab_server_path};
 pub use spec::{
-    CniChains, Datapath, EndpointSpec, IptablesBackend, KubeProxyConfig, LabSpec, NodeSpec,
-    OutsideSpec, Overlay, PodSpec, Protocol, ProxyMode, ROUTED_GATEWAY, Server, ServiceSpec,
+    CniChains, Datapath, EndpointSpec, ExternalSpec, IptablesBackend, KubeProxyConfig, LabSpec,
+    NodeSpec, OutsideSpec, Overlay, PodSpec, Protocol, ProxyMode, ROUTED_GATEWAY, Server,
+    ServiceSpec,
 };
 pub use topology::{
     OUTSIDE, ROUTED_HOST_MAC, ROUTER, UNDERLAY, VXLAN_ID, VXLAN_MTU, VXLAN_PORT, host_veth,

@@ -297,6 +297,23 @@ pub struct ServiceSpec {
     /// `type: NodePort`: the port on every node address (`KUBE-NODEPORTS`
     /// in nat, or a `KUBE-EXTERNAL-SERVICES` REJECT without endpoints).
     pub node_port: Option<u16>,
+    /// externalTrafficPolicy, LoadBalancer ingress and external IPs (issue 24).
+    pub external: ExternalSpec,
+}
+
+/// How a Service is reached from outside the cluster (issue 24).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExternalSpec {
+    /// `externalTrafficPolicy: Local`: no masquerade, only the rendering
+    /// node's endpoints, and kube-proxy's "has no local endpoints" DROP on a
+    /// node without one.
+    pub local_policy: bool,
+    /// `spec.externalIPs`.
+    pub external_ips: Vec<Ipv4Addr>,
+    /// `status.loadBalancer.ingress[].ip`.
+    pub lb_ips: Vec<Ipv4Addr>,
+    /// `spec.healthCheckNodePort` (Local policy).
+    pub health_check_node_port: Option<u16>,
 }
 
 impl ServiceSpec {
@@ -320,6 +337,7 @@ impl ServiceSpec {
             endpoints: Vec::new(),
             pinned: None,
             node_port: None,
+            external: ExternalSpec::default(),
         }
     }
 

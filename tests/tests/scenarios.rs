@@ -40,6 +40,8 @@ mod ipvs;
 mod nftables;
 #[path = "scenarios/no_endpoints.rs"]
 mod no_endpoints;
+#[path = "scenarios/north_south.rs"]
+mod north_south;
 #[path = "scenarios/readonly.rs"]
 mod readonly;
 #[path = "scenarios/stale.rs"]

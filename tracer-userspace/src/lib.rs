@@ -14,5 +14,6 @@ pub mod probes;
 pub mod recording;
 pub mod ruleset;
 pub mod service;
+pub mod service_lookup;
 pub mod session;
 pub mod timing;

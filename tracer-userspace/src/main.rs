@@ -5,7 +5,7 @@ use clap::{Parser, ValueEnum};
 use nattrace::{
     analyze::{self, AnalyzeOptions},
     probes::table::BackendChoice,
-    service::Service,
+    service_lookup::SvcArg,
     session::{self, OutputFormat, SessionOptions},
 };
 
@@ -22,9 +22,9 @@ struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
 
-    /// Service cluster IP to trace, optionally with a port (repeatable). No port = all ports, TCP and UDP.
-    #[arg(long = "svc", value_name = "IP[:PORT]", value_parser = parse_service)]
-    services: Vec<Service>,
+    /// Service to trace (repeatable): NAMESPACE/NAME[:PORT] (port by name or number; every address of the Service as kube-proxy's rules on this node give them: ClusterIPs, NodePorts, LoadBalancer and external IPs), or an address IP[:PORT] (a ClusterIP, NODEIP:NODEPORT, an LB IP). No port = all ports, TCP and UDP.
+    #[arg(long = "svc", value_name = "NS/NAME[:PORT]|IP[:PORT]", value_parser = parse_service)]
+    services: Vec<SvcArg>,
 
     /// Trace every Service in kube-proxy's rules (iptables or nftables mode), following Services added and removed while running.
     #[arg(long)]
@@ -165,8 +165,8 @@ fn parse_duration_secs(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
-fn parse_service(s: &str) -> Result<Service, String> {
-    Service::cluster_ip(s).map_err(|e| e.to_string())
+fn parse_service(s: &str) -> Result<SvcArg, String> {
+    SvcArg::parse(s)
 }
 
 /// Refuses what is certainly not a network namespace (a directory, a
@@ -393,7 +393,22 @@ fn main() -> ExitCode {
     }
     let color = color_on(cli.color);
     let options = SessionOptions {
-        services: cli.services,
+        services: cli
+            .services
+            .iter()
+            .filter_map(|s| match s {
+                SvcArg::Addr(a) => Some(*a),
+                SvcArg::Name(_) => None,
+            })
+            .collect(),
+        service_names: cli
+            .services
+            .into_iter()
+            .filter_map(|s| match s {
+                SvcArg::Name(n) => Some(n),
+                SvcArg::Addr(_) => None,
+            })
+            .collect(),
         netns: cli.netns,
         duration: cli.duration,
         reply_timeout: Duration::from_millis(cli.reply_timeout),

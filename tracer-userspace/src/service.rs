@@ -175,19 +175,15 @@ pub fn traced_ports(
         }
     }
     let Some(rules) = rules else { return out };
-    let from_rules = rules
-        .services
-        .iter()
-        .map(|s| (s.cluster_ip, s.port, s.proto.as_str()))
-        .chain(
-            rules
-                .no_endpoints
-                .iter()
-                .map(|r| (r.ip, r.port, r.protocol.as_str())),
-        );
-    for (addr, port, p) in from_rules {
-        if let Some(proto) = proto_of(p) {
-            out.insert(ServicePort { addr, port, proto });
+    // ClusterIPs, rejects, NodePorts on the node's addresses, LB and
+    // external IPs (issue 24).
+    for t in crate::service_lookup::all_targets(rules) {
+        if let Some(proto) = proto_of(&t.proto) {
+            out.insert(ServicePort {
+                addr: t.addr,
+                port: t.port,
+                proto,
+            });
         }
     }
     out

@@ -109,6 +109,44 @@ fn filter_table_for(services: &[ResolvedService], v6: bool) -> Table {
         "KUBE-FORWARD",
         r#"-m comment --comment "kubernetes forwarding conntrack rule" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"#,
     );
+    // externalTrafficPolicy: Local without an endpoint on this node: DROP
+    // (proxier.go: `externalTrafficFilterTarget = "DROP"`), and the
+    // health check node port is accepted whether or not there is one.
+    for svc in services
+        .iter()
+        .filter(|s| s.external.local_policy && !s.endpoints.is_empty())
+    {
+        let proto = svc.protocol.as_str();
+        let name = &svc.port_name;
+        if let Some(hc) = svc.external.health_check_node_port {
+            t.rule(
+                "KUBE-NODEPORTS",
+                &format!(
+                    r#"-p tcp -m comment --comment "{name} health check node port" -m tcp --dport {hc} -j ACCEPT"#
+                ),
+            );
+        }
+        if svc.local.iter().any(|l| *l) {
+            continue;
+        }
+        for ip in svc.external.external_ips.iter().chain(&svc.external.lb_ips) {
+            t.rule(
+                "KUBE-EXTERNAL-SERVICES",
+                &format!(
+                    r#"-d {ip}/32 -p {proto} -m comment --comment "{name} has no local endpoints" -m {proto} --dport {} -j DROP"#,
+                    svc.port
+                ),
+            );
+        }
+        if let Some(node_port) = svc.node_port {
+            t.rule(
+                "KUBE-EXTERNAL-SERVICES",
+                &format!(
+                    r#"-p {proto} -m comment --comment "{name} has no local endpoints" -m addrtype --dst-type LOCAL -m {proto} --dport {node_port} -j DROP"#
+                ),
+            );
+        }
+    }
     // A Service port without endpoints: REJECT (ICMP port unreachable, so
     // clients fail fast with "connection refused" instead of timing out).
     for svc in services.iter().filter(|s| s.endpoints.is_empty()) {

@@ -151,6 +151,8 @@ fn resolve(spec: &LabSpec) -> Vec<lab::kube_proxy::ResolvedService> {
             endpoints: s.endpoints.iter().map(|e| (ip(&e.pod), e.port)).collect(),
             pinned: s.pinned,
             node_port: s.node_port,
+            external: Default::default(),
+            local: Vec::new(),
         })
         .collect()
 }

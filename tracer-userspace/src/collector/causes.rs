@@ -61,6 +61,12 @@ pub enum CauseId {
     /// Issue 21: mid-stream a DROP/REJECT rule of the node's filter table
     /// (NetworkPolicy, firewall) dropped the flow, named as written.
     DroppedByRule,
+    /// Issue 24: NodePort / LB / external IP of an externalTrafficPolicy
+    /// Local Service with no endpoint on this node: kube-proxy drops it.
+    NoLocalEndpoints,
+    /// Issue 24: a Cluster-policy NodePort / LB / external IP flow DNATed
+    /// here left without the SNAT kube-proxy's external chain asks for.
+    ExternalNotMasqueraded,
 }
 
 pub(crate) struct CauseRow {
@@ -182,6 +188,16 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         incident: "backend pod alive but nothing listens on the target port: it answers with RST",
         fix: "the backend pod runs but nothing listens on the port: check the Service's targetPort against the container's port, the container's logs and its readiness probe (a pod should not be ready before it listens)",
     },
+    // Before no_reply_through_node: the same evidence, but kube-proxy asked
+    // for the SNAT that would have brought the reply back.
+    CauseRow {
+        id: CauseId::ExternalNotMasqueraded,
+        name: "external_not_masqueraded",
+        verdicts: &[Verdict::NoReply],
+        check: super::checks::north_south::external_not_masqueraded,
+        incident: "issue 24: NodePort / LoadBalancer / external IP with externalTrafficPolicy: Cluster DNATed to another node's backend without the SNAT kube-proxy marks it for: the backend answers the outside client directly",
+        fix: "restore kube-proxy's masquerade: the KUBE-POSTROUTING `-m mark --mark 0x4000/0x4000 -j MASQUERADE` rule (nftables: chain masquerading), and make sure nothing clears the 0x4000 mark between KUBE-EXT- and POSTROUTING (let kube-proxy resync its rules)",
+    },
     CauseRow {
         id: CauseId::NoReplyThroughNode,
         name: "no_reply_through_node",
@@ -189,6 +205,14 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         check: no_reply_through_node,
         incident: "seed 003 seen from the DNATing node: asymmetric return path",
         fix: "make replies return through the DNATing node: SNAT here (kube-proxy masqueradeAll: true, or externalTrafficPolicy: Cluster), or route the Service CIDR to the backend's node",
+    },
+    CauseRow {
+        id: CauseId::NoLocalEndpoints,
+        name: "no_local_endpoints",
+        verdicts: &[Verdict::Dropped, Verdict::NoReply],
+        check: super::checks::north_south::no_local_endpoints,
+        incident: "issue 24: NodePort / LoadBalancer / external IP of an externalTrafficPolicy: Local Service, no endpoint on this node: kube-proxy's \"has no local endpoints\" DROP (filter KUBE-EXTERNAL-SERVICES, nftables no-endpoint-nodeports / no-endpoint-services), the client times out",
+        fix: "run an endpoint of the Service on this node, or let the load balancer's health check on healthCheckNodePort take this node out (kube-proxy answers 503 there), or set externalTrafficPolicy: Cluster (the client's address is then masqueraded)",
     },
     CauseRow {
         id: CauseId::NoEndpoints,

@@ -174,6 +174,7 @@ pub fn assess(i: &Inputs) -> Report {
     out.extend(service_nat(i));
     out.extend(masquerade_all_finding(i));
     out.extend(ipv6::findings(i));
+    out.extend(north_south::findings(i));
     Report {
         netns: i.netns.clone(),
         findings: out,
@@ -538,5 +539,6 @@ pub fn run(netns: Option<&str>, json: bool) -> u8 {
 }
 
 pub mod ipv6;
+mod north_south;
 #[cfg(test)]
 mod tests;

@@ -28,6 +28,8 @@ struct Rules {
     missing_tools: Vec<MissingTool>,
     #[serde(default)]
     filter_drops: Vec<crate::ruleset::firewall::FilterDrop>,
+    #[serde(default)]
+    north_south: crate::ruleset::NorthSouth,
 }
 
 #[derive(Deserialize)]
@@ -124,5 +126,6 @@ pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<KubeProxyRu
             .collect(),
         missing_tools: r.missing_tools,
         filter_drops: r.filter_drops,
+        north_south: r.north_south,
     })
 }

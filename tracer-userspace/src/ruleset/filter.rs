@@ -62,8 +62,11 @@ pub fn parse_save(text: &str) -> KubeProxyRules {
     }
     let nat = section(text, "nat").join("\n");
     let mut rules = parse_nat(&nat);
-    rules.no_endpoints = parse_filter_rejects(&section(text, "filter"));
-    rules.filter_drops = super::firewall::parse_filter_drops(&section(text, "filter"));
+    let filter = section(text, "filter");
+    rules.no_endpoints = parse_filter_rejects(&filter);
+    let ipv6 = rules.services.iter().any(|s| s.cluster_ip.is_ipv6()) || text.contains("::1/128");
+    super::external::from_filter(&filter, &mut rules.north_south, ipv6);
+    rules.filter_drops = super::firewall::parse_filter_drops(&filter);
     if rules.mode == super::ProxyMode::None && !rules.no_endpoints.is_empty() {
         rules.mode = super::ProxyMode::Iptables;
     }

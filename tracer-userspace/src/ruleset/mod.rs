@@ -115,6 +115,9 @@ pub struct KubeProxyRules {
     /// name the rule that drops a flow mid-stream (issue 21).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub filter_drops: Vec<firewall::FilterDrop>,
+    /// NodePorts, LoadBalancer and external IPs (issue 24).
+    #[serde(default, skip_serializing_if = "NorthSouth::is_empty")]
+    pub north_south: NorthSouth,
 }
 
 /// A program [`read`] needed and could not start because it is not installed.
@@ -160,9 +163,17 @@ impl KubeProxyRules {
         backend: Option<A>,
     ) -> Option<KubeMatch> {
         let service = service.into();
-        let svc = self.services.iter().find(|s| {
-            s.cluster_ip == service.ip() && s.port == service.port() && s.proto == proto
-        })?;
+        let svc = self
+            .services
+            .iter()
+            .find(|s| s.cluster_ip == service.ip() && s.port == service.port() && s.proto == proto)
+            .or_else(|| {
+                // A NodePort, LB or external IP: the Service port of the same name.
+                let ext = self.north_south.find(service.ip(), service.port(), proto)?;
+                self.services.iter().find(|s| {
+                    s.name == ext.name && s.proto == proto && s.cluster_ip.is_ipv6() == ext.ipv6
+                })
+            })?;
         let backend = backend.map(Into::into);
         let sep = backend.and_then(|b| svc.endpoints.iter().find(|e| e.endpoint == b));
         Some(KubeMatch {
@@ -200,6 +211,7 @@ impl KubeProxyRules {
         self.no_endpoints.extend(other.no_endpoints);
         self.outside_netfilter.extend(other.outside_netfilter);
         self.filter_drops.extend(other.filter_drops);
+        self.north_south.merge(other.north_south);
     }
 
     /// Whether every Service's chain masquerades all traffic (`masqueradeAll: true`).
@@ -350,6 +362,8 @@ pub fn parse_nat(text: &str) -> KubeProxyRules {
             endpoints,
         });
     }
+    let lines: Vec<&str> = text.lines().collect();
+    external::from_nat(&lines, &mut out);
     out.mode = if !out.services.is_empty() || by_chain.contains_key("KUBE-SERVICES") {
         if text.contains("KUBE-CLUSTER-IP") || by_chain.contains_key("KUBE-LOAD-BALANCER") {
             ProxyMode::Ipvs
@@ -515,7 +529,37 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
     if best.mode == ProxyMode::None {
         best.missing_tools = missing.tools;
     }
+    if !best.north_south.nodeport_addresses.is_empty() {
+        best.north_south.node_addresses = local_addresses(&ns);
+    }
     best
+}
+
+/// The namespace's own addresses (getifaddrs there: netlink, read-only), for
+/// the NodePorts kube-proxy accepts on `addrtype LOCAL`. Link-local IPv6
+/// addresses are left out: a NodePort is never reached through them.
+fn local_addresses(ns: &Netns) -> Vec<IpAddr> {
+    let read = || -> Vec<IpAddr> {
+        let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+            return Vec::new();
+        };
+        let mut out: Vec<IpAddr> = addrs
+            .filter_map(|a| {
+                let sa = a.address?;
+                if let Some(v4) = sa.as_sockaddr_in() {
+                    return Some(IpAddr::V4(v4.ip()));
+                }
+                sa.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))
+            })
+            .filter(|ip| {
+                !ip.is_loopback() && !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local())
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    };
+    ns.run(read).unwrap_or_default()
 }
 
 /// [`read`] for one family's iptables: the backend holding the most rules.
@@ -584,7 +628,9 @@ pub fn read_filter_drops(netns: Option<&str>) -> Vec<firewall::FilterDrop> {
     read(netns).filter_drops
 }
 
+pub mod external;
 mod filter;
+pub use external::NorthSouth;
 pub use filter::{parse_filter_rejects, parse_save};
 pub mod firewall;
 

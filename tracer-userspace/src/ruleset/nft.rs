@@ -17,6 +17,8 @@ use serde_json::Value;
 
 use super::{KubeProxyRules, ProxyMode, RejectRule, SepRule, SvcRule};
 
+mod external;
+
 /// kube-proxy's table name (family `ip`; `ip6` holds the IPv6 half).
 const TABLE: &str = "kube-proxy";
 /// The families kube-proxy writes a table for (one proxier per family).
@@ -182,7 +184,8 @@ pub fn parse(json: &str) -> Option<KubeProxyRules> {
         let Some(t) = table(items, family) else {
             continue;
         };
-        let rules = parse_table(&t);
+        let mut rules = parse_table(&t);
+        external::parse(items, &t, &mut rules);
         match &mut out {
             Some(o) => o.merge(rules),
             None => out = Some(rules),
@@ -269,6 +272,11 @@ fn parse_table(t: &Table<'_>) -> KubeProxyRules {
         let Some((ip, protocol, port, comment, verdict)) = element(e) else {
             continue;
         };
+        // `drop`: endpoints exist, none on this node (a Local traffic
+        // policy): not "no endpoints" (external.rs).
+        if verdict.get("drop").is_some() {
+            continue;
+        }
         let port_name = super::port_label(comment.unwrap_or_default(), port);
         out.no_endpoints.push(RejectRule {
             rule: format!(

@@ -30,6 +30,9 @@ use crate::{
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
     pub services: Vec<Service>,
+    /// `--svc NAMESPACE/NAME[:PORT]`: resolved into `services` at start
+    /// from kube-proxy's rules on the node (issue 24).
+    pub service_names: Vec<crate::service_lookup::ServiceName>,
     pub netns: Option<String>,
     pub duration: Option<Duration>,
     pub reply_timeout: Duration,
@@ -62,6 +65,8 @@ pub enum SessionError {
     CreateOutput(io::Error),
     #[error("{0}")]
     Recording(#[from] RecordingError),
+    #[error("--svc {0}")]
+    Lookup(#[from] crate::service_lookup::LookupError),
 }
 
 /// `bpf_ktime_get_ns()` is CLOCK_MONOTONIC: the collector's clock must be the same.
@@ -74,15 +79,42 @@ fn clock_ns(id: nix::time::ClockId) -> u64 {
     ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
 }
 
-pub fn run(options: SessionOptions) -> Result<Outcome, SessionError> {
+pub fn run(mut options: SessionOptions) -> Result<Outcome, SessionError> {
     // Before the leftover cleanup, which also needs root: bad setups fail
     // before anything is touched.
     probes::preflight()?;
+    resolve_names(&mut options)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(SessionError::Runtime)?;
     runtime.block_on(run_async(options))
+}
+
+/// `--svc NAMESPACE/NAME` → every address of the Service, read from
+/// kube-proxy's rules in the traced namespace before anything is attached
+/// (an unknown name is a usage error: exit 2). One line per name says what
+/// it resolved to; the start line then lists the addresses.
+fn resolve_names(options: &mut SessionOptions) -> Result<(), SessionError> {
+    if options.service_names.is_empty() {
+        return Ok(());
+    }
+    let rules = crate::ruleset::read(options.netns.as_deref());
+    for wanted in &options.service_names {
+        let targets = crate::service_lookup::resolve(&rules, wanted)?;
+        let list: Vec<String> = targets.iter().map(ToString::to_string).collect();
+        crate::output::clean::say(format_args!(
+            "--svc {wanted} resolves to {}",
+            list.join(", ")
+        ));
+        for t in targets {
+            let svc = t.service();
+            if !options.services.contains(&svc) {
+                options.services.push(svc);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// After a signal, everything (detach, last flows, summary) is done within

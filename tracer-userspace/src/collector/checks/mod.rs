@@ -6,6 +6,7 @@
 pub(super) mod backend;
 pub(super) mod ip6;
 pub(super) mod midstream;
+pub(super) mod north_south;
 pub(super) mod path;
 
 use tracer_common::{hook, nat_stage, nf_hook};

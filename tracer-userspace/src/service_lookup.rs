@@ -1,0 +1,327 @@
+//! Services by name (issue 24), from kube-proxy's rules on the node: every
+//! address a Service port is reached at (ClusterIPs, NodePorts on the
+//! addresses kube-proxy accepts them on, LoadBalancer ingress IPs,
+//! externalIPs), and, for a name or address no Service has, the nearest
+//! ones. Pure: the rules (with the node's addresses) come from
+//! `ruleset::read`. Also what target checks at start use (issue 28).
+use std::{collections::BTreeSet, fmt, net::IpAddr};
+
+use crate::{
+    ruleset::{KubeProxyRules, external::ExternalKind},
+    service::Service,
+};
+
+/// `--svc NAMESPACE/NAME[:PORT]`; the port by name or number.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceName {
+    pub namespace: String,
+    pub name: String,
+    pub port: Option<PortRef>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PortRef {
+    Number(u16),
+    Name(String),
+}
+
+impl fmt::Display for ServiceName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)?;
+        match &self.port {
+            Some(PortRef::Number(n)) => write!(f, ":{n}"),
+            Some(PortRef::Name(n)) => write!(f, ":{n}"),
+            None => Ok(()),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "'{0}' is not NAMESPACE/NAME[:PORT] (a Kubernetes name is lower-case letters, digits, '-' and '.', e.g. prod/export or prod/export:http)"
+)]
+pub struct NameParseError(String);
+
+/// RFC 1123 label/subdomain characters, as namespaces and Service names use.
+fn dns_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+}
+
+impl std::str::FromStr for ServiceName {
+    type Err = NameParseError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let err = || NameParseError(s.to_string());
+        let (namespace, rest) = s.split_once('/').ok_or_else(err)?;
+        let (name, port) = match rest.split_once(':') {
+            Some((n, p)) => (n, Some(p)),
+            None => (rest, None),
+        };
+        if !dns_name(namespace) || !dns_name(name) {
+            return Err(err());
+        }
+        let port = match port {
+            None => None,
+            Some(p) => match p.parse::<u16>() {
+                Ok(0) => return Err(err()),
+                Ok(n) => Some(PortRef::Number(n)),
+                Err(_) if dns_name(p) => Some(PortRef::Name(p.to_string())),
+                Err(_) => return Err(err()),
+            },
+        };
+        Ok(ServiceName {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            port,
+        })
+    }
+}
+
+/// What `--svc` names: an address (with an optional port) or a Service by name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SvcArg {
+    Addr(Service),
+    Name(ServiceName),
+}
+
+impl SvcArg {
+    /// A name has a `/` and no `[`/`:` before it; everything else is an address.
+    pub fn parse(s: &str) -> Result<SvcArg, String> {
+        let looks_like_name = s
+            .split_once('/')
+            .is_some_and(|(ns, _)| !ns.contains([':', '[']) && ns.parse::<IpAddr>().is_err());
+        if looks_like_name {
+            return s
+                .parse()
+                .map(SvcArg::Name)
+                .map_err(|e: NameParseError| e.to_string());
+        }
+        Service::cluster_ip(s).map(SvcArg::Addr).map_err(|e| {
+            if s.contains('/') {
+                format!("{e}; a Service by name is NAMESPACE/NAME[:PORT]")
+            } else {
+                e.to_string()
+            }
+        })
+    }
+}
+
+/// What kind of address of a Service a [`Target`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum AddrKind {
+    ClusterIp,
+    External(ExternalKind),
+}
+
+impl AddrKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AddrKind::ClusterIp => "ClusterIP",
+            AddrKind::External(k) => k.as_str(),
+        }
+    }
+}
+
+/// One address:port a Service port is reached at.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Target {
+    pub addr: IpAddr,
+    pub port: u16,
+    /// "tcp" / "udp".
+    pub proto: String,
+    pub kind: AddrKind,
+    /// kube-proxy's `namespace/name:port`.
+    pub port_name: String,
+}
+
+impl Target {
+    pub fn service(&self) -> Service {
+        Service {
+            addr: self.addr,
+            port: Some(self.port),
+        }
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} ({} {}/{})",
+            self.service(),
+            self.port_name,
+            self.kind.as_str(),
+            self.proto
+        )
+    }
+}
+
+/// Every address of every Service port in the rules (NodePorts once per
+/// address kube-proxy accepts them on).
+pub fn all_targets(rules: &KubeProxyRules) -> Vec<Target> {
+    let mut out: Vec<Target> = rules
+        .services
+        .iter()
+        .map(|s| (s.cluster_ip, s.port, s.proto.as_str(), &s.name))
+        .chain(
+            rules
+                .no_endpoints
+                .iter()
+                .map(|r| (r.ip, r.port, r.protocol.as_str(), &r.port_name)),
+        )
+        .map(|(addr, port, proto, name)| Target {
+            addr,
+            port,
+            proto: proto.to_string(),
+            kind: AddrKind::ClusterIp,
+            port_name: name.clone(),
+        })
+        .collect();
+    let ns = &rules.north_south;
+    for e in &ns.external {
+        let addrs = match e.ip {
+            Some(ip) => vec![ip],
+            None => ns.node_port_addrs(e.ipv6),
+        };
+        for addr in addrs {
+            out.push(Target {
+                addr,
+                port: e.port,
+                proto: e.proto.clone(),
+                kind: AddrKind::External(e.kind),
+                port_name: e.name.clone(),
+            });
+        }
+    }
+    // A no-endpoints reject of an external IP is listed as the external
+    // entry too: one target per address and port.
+    out.sort();
+    out.dedup_by(|a, b| a.addr == b.addr && a.port == b.port && a.proto == b.proto);
+    out
+}
+
+/// `namespace/name` of a port label.
+fn service_of(port_name: &str) -> &str {
+    port_name.rsplit_once(':').map_or(port_name, |(s, _)| s)
+}
+
+/// The Service port's number (ClusterIP port) and name of a port label.
+fn port_matches(rules: &KubeProxyRules, port_name: &str, want: &PortRef) -> bool {
+    let label_port = port_name.rsplit_once(':').map(|(_, p)| p);
+    match want {
+        PortRef::Name(n) => label_port == Some(n.as_str()),
+        PortRef::Number(n) => {
+            label_port == Some(n.to_string().as_str())
+                || rules
+                    .services
+                    .iter()
+                    .map(|s| (&s.name, s.port))
+                    .chain(rules.no_endpoints.iter().map(|r| (&r.port_name, r.port)))
+                    .any(|(name, port)| name == port_name && port == *n)
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LookupError {
+    #[error(
+        "no Service {wanted} in kube-proxy's rules on this node{near} (list them: nattrace doctor)"
+    )]
+    UnknownService { wanted: String, near: String },
+    #[error("Service {service} has no port {port} in kube-proxy's rules (its ports: {ports})")]
+    UnknownPort {
+        service: String,
+        port: String,
+        ports: String,
+    },
+    #[error(
+        "cannot look up Service {0}: no kube-proxy rules were readable on this node (give its ClusterIP with --svc IP[:PORT])"
+    )]
+    NoRules(String),
+}
+
+/// Every address of the Service (or of its one port).
+pub fn resolve(rules: &KubeProxyRules, wanted: &ServiceName) -> Result<Vec<Target>, LookupError> {
+    let targets = all_targets(rules);
+    if targets.is_empty() {
+        return Err(LookupError::NoRules(wanted.to_string()));
+    }
+    let svc = format!("{}/{}", wanted.namespace, wanted.name);
+    let of_service: Vec<Target> = targets
+        .into_iter()
+        .filter(|t| service_of(&t.port_name) == svc)
+        .collect();
+    if of_service.is_empty() {
+        let near = nearest_names(rules, &svc, 3);
+        return Err(LookupError::UnknownService {
+            wanted: svc,
+            near: if near.is_empty() {
+                String::new()
+            } else {
+                format!("; nearest: {}", near.join(", "))
+            },
+        });
+    }
+    let Some(port) = &wanted.port else {
+        return Ok(of_service);
+    };
+    let chosen: Vec<Target> = of_service
+        .iter()
+        .filter(|t| port_matches(rules, &t.port_name, port))
+        .cloned()
+        .collect();
+    if chosen.is_empty() {
+        let ports: BTreeSet<&str> = of_service.iter().map(|t| t.port_name.as_str()).collect();
+        return Err(LookupError::UnknownPort {
+            service: svc,
+            port: match port {
+                PortRef::Name(n) => n.clone(),
+                PortRef::Number(n) => n.to_string(),
+            },
+            ports: ports.into_iter().collect::<Vec<_>>().join(", "),
+        });
+    }
+    Ok(chosen)
+}
+
+/// The Service names (`namespace/name`) in the rules, nearest to `wanted`
+/// first: by edit distance over the whole name and over the name alone
+/// (a Service asked for in the wrong namespace is found by its name).
+pub fn nearest_names(rules: &KubeProxyRules, wanted: &str, n: usize) -> Vec<String> {
+    let names: BTreeSet<String> = all_targets(rules)
+        .iter()
+        .map(|t| service_of(&t.port_name).to_owned())
+        .collect();
+    let bare = |s: &str| s.rsplit_once('/').map_or(s, |(_, n)| n).to_owned();
+    let wanted_bare = bare(wanted);
+    let mut scored: Vec<(usize, String)> = names
+        .into_iter()
+        .map(|name| {
+            let d = strsim::levenshtein(wanted, &name)
+                .min(strsim::levenshtein(&wanted_bare, &bare(&name)));
+            (d, name)
+        })
+        .collect();
+    scored.sort();
+    let limit = wanted.len().max(4) / 2 + 2;
+    scored
+        .into_iter()
+        .filter(|(d, _)| *d <= limit)
+        .take(n)
+        .map(|(_, s)| s)
+        .collect()
+}
+
+/// The Service port an address:port belongs to (for `--svc IP:PORT`).
+pub fn target_at(rules: &KubeProxyRules, addr: IpAddr, port: u16) -> Vec<Target> {
+    all_targets(rules)
+        .into_iter()
+        .filter(|t| t.addr == addr && t.port == port)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;
