@@ -4,6 +4,8 @@
 //! are tried in order and the first whose check matches wins, so more
 //! specific rows come first. A new incident adds a `CauseId` variant and a
 //! row; the checks live in `checks/`.
+use std::borrow::Cow;
+
 use serde::{Serialize, Serializer};
 
 use super::{
@@ -55,6 +57,9 @@ pub enum CauseId {
     /// Seed 003 told from both nodes (issue 14): one node DNATed the
     /// request, the backend's node sent the reply straight to the client.
     AsymmetricReturnPath,
+    /// Issue 22: DNATed by a conntrack entry to an address that is no longer
+    /// among the Service's endpoints in kube-proxy's rules.
+    StaleConntrackEntry,
 }
 
 pub(crate) struct CauseRow {
@@ -138,6 +143,16 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         check: bridged_reply_sysctl_on,
         incident: "seed 000 evidence although bridge-nf-call-iptables read 1 (changed, or another namespace owns the bridge)",
         fix: "check net.bridge.bridge-nf-call-iptables (ip6tables for IPv6) in the namespace that owns the bridge (it must be 1) and that br_netfilter is loaded",
+    },
+    // Before backend_unreachable, whose evidence (a DNAT to a gone pod) it
+    // shares: there the rule still DNATs to the pod, here only the entry.
+    CauseRow {
+        id: CauseId::StaleConntrackEntry,
+        name: "stale_conntrack_entry",
+        verdicts: &[Verdict::NoReply, Verdict::Dropped],
+        check: super::checks::stale_entry::stale_conntrack_entry,
+        incident: "issue 22: stale conntrack entry after an endpoint change: a client that keeps its source port (UDP, DNS, statsd) or a TCP entry that outlived its pod is still DNATed to the old backend, which kube-proxy's rules no longer list",
+        fix: "delete the stale entry in the node's network namespace with the `conntrack -D -p <proto> --orig-src … --orig-port-src … --orig-dst <Service IP> --orig-port-dst <port> --reply-src <stale backend>` command printed for the flow; kube-proxy normally deletes UDP entries to removed endpoints (pkg/proxy/conntrack/cleanup.go), never TCP ones",
     },
     // Before the path causes below: a request that never left the node, or
     // was flooded because its backend's MAC is gone, is no routing problem.
@@ -274,7 +289,8 @@ pub struct Cause {
     pub text: String,
     #[serde(skip)]
     pub clause: String,
-    pub hint: &'static str,
+    /// The row's fix, or one made for this flow (the exact command).
+    pub hint: Cow<'static, str>,
 }
 
 pub(crate) fn infer(ctx: &RuleCtx<'_>) -> Option<Cause> {
@@ -286,7 +302,16 @@ pub(crate) fn infer(ctx: &RuleCtx<'_>) -> Option<Cause> {
                 id: r.id,
                 text,
                 clause,
-                hint: r.fix,
+                hint: flow_fix(r.id, ctx).unwrap_or(Cow::Borrowed(r.fix)),
             })
         })
+}
+
+/// A fix written for the flow, for the causes whose fix is a command only
+/// the flow can fill in.
+fn flow_fix(id: CauseId, ctx: &RuleCtx<'_>) -> Option<Cow<'static, str>> {
+    match id {
+        CauseId::StaleConntrackEntry => super::checks::stale_entry::fix(ctx),
+        _ => None,
+    }
 }

@@ -492,14 +492,19 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
     let Ok(ns) = Netns::open(netns) else {
         return KubeProxyRules::default();
     };
+    read_in(&ns)
+}
+
+/// [`read`] in a namespace already open (the traced node's).
+pub fn read_in(ns: &Netns) -> KubeProxyRules {
     let nf_tables = nf_tables_loaded();
     let mut missing = Missing::new();
-    let mut best = read_family(&ns, nf_tables, &IPV4, &mut missing);
-    best.merge(read_family(&ns, nf_tables, &IPV6, &mut missing));
+    let mut best = read_family(ns, nf_tables, &IPV4, &mut missing);
+    best.merge(read_family(ns, nf_tables, &IPV6, &mut missing));
     if best.mode == ProxyMode::None
         && nf_tables
         && let Some(rules) = missing
-            .note("nft", run_in(&ns, "nft", &["-j", "list", "ruleset"]))
+            .note("nft", run_in(ns, "nft", &["-j", "list", "ruleset"]))
             .and_then(|j| nft::parse(&j))
     {
         best = rules;

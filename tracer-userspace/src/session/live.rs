@@ -37,6 +37,11 @@ pub(super) struct Live {
     pub(super) events: Vec<PacketEvent>,
     /// Ring-buffer losses already warned about.
     pub(super) last_lost: u64,
+    /// When failing flows last had the rules re-read.
+    pub(super) rules_reread: super::steps::RulesReread,
+    /// The node namespace's conntrack counters at start, and when they
+    /// were last read for the metrics.
+    pub(super) conntrack: super::steps::ConntrackWatch,
 }
 
 impl Live {
@@ -77,6 +82,7 @@ impl Live {
             notices.say(line);
         }
         let ifnames = interface_names(options, &tracer);
+        let conntrack = super::steps::ConntrackWatch::start(&tracer);
         Ok(Live {
             tracer,
             collector,
@@ -88,6 +94,8 @@ impl Live {
             watch,
             events: Vec::with_capacity(4096),
             last_lost: 0,
+            rules_reread: Default::default(),
+            conntrack,
         })
     }
 
@@ -184,6 +192,8 @@ impl Live {
             watch,
             mut events,
             last_lost: _,
+            rules_reread: _,
+            conntrack,
         } = self;
         let stopped_at = Instant::now();
 
@@ -201,6 +211,7 @@ impl Live {
             &mut events,
         );
         let stats = tracer.stats();
+        let conntrack_rise = conntrack.rise(&tracer);
         let mut tracer = Some(tracer);
         if stop == Stop::NetnsGone {
             release_deleted_netns(&mut tracer, &mut ifnames, watch.as_ref(), &mut notices);
@@ -211,6 +222,7 @@ impl Live {
             &mut outputs,
             recorder.as_mut(),
             stats,
+            conntrack_rise,
             &mut notices,
         );
         let interrupted = tokio::select! {

@@ -7,6 +7,8 @@ use std::{
 
 use log::warn;
 
+use crate::doctor::conntrack_stats::ConntrackStats;
+
 use super::{
     EXIT_BUDGET, OUTPUT_STALL, SLOW_DETACH_INTERFACES, SessionError, SessionOptions, Stop,
     live::Live,
@@ -194,6 +196,8 @@ impl Live {
             outputs,
             notices,
             last_lost,
+            rules_reread,
+            conntrack,
             ..
         } = self;
         let mut recorder = recorder.as_mut();
@@ -213,6 +217,24 @@ impl Live {
             if let Some(rec) = recorder.as_deref_mut() {
                 rec.sysctls(now);
             }
+        }
+        // A failing DNATed flow waits for this tick: whether its backend is
+        // still an endpoint is asked of the rules as they are now (a stale
+        // conntrack entry), recorded before the stats line for `analyze`.
+        if collector.take_rules_request() && rules_reread.due() {
+            let mut now = tracer.reread_rules();
+            now.outside_netfilter = collector.rules().outside_netfilter.clone();
+            if now.mode != crate::ruleset::ProxyMode::None && now != *collector.rules() {
+                if let Some(rec) = recorder.as_deref_mut() {
+                    rec.rules(&now);
+                }
+                collector.update_rules(now);
+            }
+        }
+        if continuous.has_metrics()
+            && let Some(now) = conntrack.due_read(tracer)
+        {
+            continuous.conntrack(&now);
         }
         let attached = tracer.collect_tc();
         if attached > 0 {
@@ -379,5 +401,63 @@ pub(super) fn until(duration: Option<Duration>) -> impl std::future::Future<Outp
             Some(at) => tokio::time::sleep_until(at).await,
             None => std::future::pending().await,
         }
+    }
+}
+
+/// Limits the rules re-reads failing flows ask for: at most one per
+/// [`RulesReread::MIN_GAP`], so a failure storm does not run
+/// `iptables-save` at every tick (flows decided in between use the rules
+/// of the last read, in `analyze` too: it replays the recorded reads).
+#[derive(Default)]
+pub(super) struct RulesReread {
+    last: Option<Instant>,
+}
+
+impl RulesReread {
+    const MIN_GAP: Duration = Duration::from_secs(1);
+
+    fn due(&mut self) -> bool {
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < Self::MIN_GAP)
+        {
+            return false;
+        }
+        self.last = Some(now);
+        true
+    }
+}
+
+/// The node namespace's conntrack counters (doctor/conntrack_stats.rs):
+/// read at start and at the end for the summary's rise over the run, and
+/// every [`ConntrackWatch::EVERY`] for the metrics.
+pub(super) struct ConntrackWatch {
+    start: Option<ConntrackStats>,
+    last_read: Instant,
+}
+
+impl ConntrackWatch {
+    const EVERY: Duration = Duration::from_secs(5);
+
+    pub(super) fn start(tracer: &crate::probes::Tracer) -> Self {
+        Self {
+            start: tracer.conntrack_stats(),
+            last_read: Instant::now() - Self::EVERY,
+        }
+    }
+
+    fn due_read(&mut self, tracer: &crate::probes::Tracer) -> Option<ConntrackStats> {
+        if self.last_read.elapsed() < Self::EVERY {
+            return None;
+        }
+        self.last_read = Instant::now();
+        tracer.conntrack_stats()
+    }
+
+    /// How much each counter rose since start.
+    pub(super) fn rise(&self, tracer: &crate::probes::Tracer) -> Option<ConntrackStats> {
+        let start = self.start?;
+        Some(tracer.conntrack_stats()?.rise_since(&start))
     }
 }

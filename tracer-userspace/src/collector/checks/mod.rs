@@ -6,6 +6,7 @@
 pub(super) mod backend;
 pub(super) mod ip6;
 pub(super) mod path;
+pub(super) mod stale_entry;
 
 use tracer_common::{hook, nat_stage, nf_hook};
 

@@ -14,6 +14,7 @@ mod paths;
 mod routed;
 mod scenarios;
 pub(crate) mod stale;
+mod stale_entry;
 mod store;
 mod tracepoints;
 mod unseen;
