@@ -25,8 +25,7 @@ use std::time::Duration;
 
 use lab::presets;
 use lab::{
-    KubeProxyConfig, Lab, LabSpec, NodeSpec, PodSpec, Protocol, ProxyMode, ServiceSpec,
-    build_lab,
+    KubeProxyConfig, Lab, LabSpec, NodeSpec, PodSpec, Protocol, ProxyMode, ServiceSpec, build_lab,
 };
 
 macro_rules! require_root {
@@ -47,18 +46,12 @@ const ROUNDS: usize = 400;
 fn spec() -> LabSpec {
     let node = NodeSpec::new(presets::NODE_A, presets::NODE_A_POD_CIDR)
         .pod(PodSpec::new(presets::CLIENT_POD, presets::CLIENT_IP))
-        .pod(
-            PodSpec::new(presets::DNS_POD, presets::DNS_POD_IP).dns(
-                53,
-                presets::DNS_NAME,
-                presets::WEB_SERVICE_IP,
-            ),
-        )
-        .pod(PodSpec::new(DNS_2_POD, DNS_2_IP).dns(
+        .pod(PodSpec::new(presets::DNS_POD, presets::DNS_POD_IP).dns(
             53,
             presets::DNS_NAME,
             presets::WEB_SERVICE_IP,
-        ));
+        ))
+        .pod(PodSpec::new(DNS_2_POD, DNS_2_IP).dns(53, presets::DNS_NAME, presets::WEB_SERVICE_IP));
     // Not pinned: kube-proxy's random choice, so the two packets of a
     // round may pick different endpoints (the case 6a757c07e51f handles).
     let dns = ServiceSpec::new(
@@ -86,7 +79,11 @@ fn counters(lab: &Lab) -> [u64; 3] {
         .run(presets::NODE_A, &["cat", "/proc/net/stat/nf_conntrack"])
         .expect("reading /proc/net/stat/nf_conntrack in the node");
     let mut lines = text.lines();
-    let header: Vec<&str> = lines.next().unwrap_or_default().split_whitespace().collect();
+    let header: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
     let col = |n: &str| header.iter().position(|h| *h == n);
     let cols = [col("insert_failed"), col("drop"), col("clashres")];
     let mut sums = [0u64; 3];
@@ -164,7 +161,9 @@ fn root_dns_race_two_threads_one_socket_is_resolved_or_counted() {
         "{printed}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let mut it = printed.split_whitespace().map(|n| n.parse::<u64>().unwrap());
+    let mut it = printed
+        .split_whitespace()
+        .map(|n| n.parse::<u64>().unwrap());
     let (done, lost) = (it.next().unwrap(), it.next().unwrap());
     let after = counters(&lab);
     let rise = |k: usize| after[k] - before[k];
