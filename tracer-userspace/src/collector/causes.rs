@@ -60,6 +60,9 @@ pub enum CauseId {
     /// Issue 22: DNATed by a conntrack entry to an address that is no longer
     /// among the Service's endpoints in kube-proxy's rules.
     StaleConntrackEntry,
+    /// Issue 22: dropped by conntrack's confirmation after the last rule: a
+    /// clashing entry (SNAT source-port collision, the DNS race).
+    ConntrackInsertFailed,
 }
 
 pub(crate) struct CauseRow {
@@ -195,6 +198,16 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         check: not_dnated,
         incident: "Service without endpoints / rules not programmed",
         fix: "check that the Service has ready endpoints (kubectl get endpointslices) and that kube-proxy programmed its rules (iptables-save | grep the Service IP)",
+    },
+    // Before dropped_by_netfilter: the same drop reason, but after the last
+    // rule of the path (checks/insert_failed.rs).
+    CauseRow {
+        id: CauseId::ConntrackInsertFailed,
+        name: "conntrack_insert_failed",
+        verdicts: &[Verdict::Dropped],
+        check: super::checks::insert_failed::conntrack_insert_failed,
+        incident: "issue 22: conntrack drops a new connection's packet at confirmation, after every rule (NETFILTER_DROP after POSTROUTING's SNAT, insert_failed rises): a SNAT source-port collision (a small or exhausted masquerade port range), or the A/AAAA DNS race on kernels before 5.6",
+        fix: "SNAT collisions: masquerade with fully random source ports (iptables -j MASQUERADE --random-fully; kube-proxy and most CNIs use it where the kernel has it, kubernetes PR #78547), widen the SNAT port range or add SNAT addresses; the DNS race (two queries from one socket on two CPUs): fixed by clash resolution in Linux 4.19 (ed07d9a021df, same NAT) and 5.6 (6a757c07e51f, different endpoints), else NodeLocal DNSCache, or resolv.conf options single-request-reopen / use-vc; watch `conntrack -S` insert_failed",
     },
     CauseRow {
         id: CauseId::DroppedByNetfilter,

@@ -62,9 +62,12 @@ impl ConntrackStats {
         })
     }
 
-    /// Reads the current namespace's counters (call inside the node's).
+    /// Reads the calling thread's namespace's counters (call inside the
+    /// node's). Through `thread-self`: `/proc/net` is `/proc/self/net`,
+    /// the namespace of the process's main thread, not of a thread that
+    /// entered the node's namespace with setns.
     pub fn read() -> Option<Self> {
-        Self::parse(&std::fs::read_to_string("/proc/net/stat/nf_conntrack").ok()?)
+        Self::parse(&std::fs::read_to_string("/proc/thread-self/net/stat/nf_conntrack").ok()?)
     }
 
     /// Each counter with its name, for metrics and text.

@@ -4,6 +4,7 @@
 //! they share and the checks about sysctls, rules and drops; path, backend
 //! and IPv6 checks live in `path.rs`, `backend.rs` and `ip6.rs`.
 pub(super) mod backend;
+pub(super) mod insert_failed;
 pub(super) mod ip6;
 pub(super) mod path;
 pub(super) mod stale_entry;
