@@ -223,6 +223,20 @@ fn tmp_dir(mode: ProxyMode) -> std::path::PathBuf {
 /// tell the stale entry from a stale rule.
 fn stale_udp_entry_beside_stale_rule(mode: ProxyMode) {
     let _lock = tracing_lock();
+    for attempt in 1..=3 {
+        if stale_udp_entry_once(mode) {
+            return;
+        }
+        eprintln!(
+            "attempt {attempt}: the flows are incomplete (events lost: other labs' traffic on this kernel filled the ring buffer); again with a new lab"
+        );
+    }
+    panic!("events lost in every attempt: the verdicts could not be judged");
+}
+
+/// One run of [`stale_udp_entry_beside_stale_rule`]; false when lost
+/// events left the flows it judges incomplete (no cause is named then).
+fn stale_udp_entry_once(mode: ProxyMode) -> bool {
     let mut lab = build_lab(spec(mode));
     let dir = tmp_dir(mode);
     let rec = dir.join("stale.rec");
@@ -251,6 +265,16 @@ fn stale_udp_entry_beside_stale_rule(mode: ProxyMode) {
     let describe = done.describe();
     let flows = done.flows().unwrap_or_else(|e| panic!("{e:#}\n{describe}"));
     let stale = the_flow(&flows, STUCK_PORT, &describe);
+    if flows
+        .iter()
+        .any(|f| f["incomplete"] == true && from_port(&flows, STUCK_PORT).contains(f))
+        || flows
+            .iter()
+            .any(|f| f["incomplete"] == true && f["service"] == web_svc().as_str())
+    {
+        let _ = std::fs::remove_dir_all(&dir);
+        return false;
+    }
     let old = format!("{}:53", presets::DNS_POD_IP);
     let new = format!("{DNS_2_IP}:53");
     assert_eq!(stale["cause"], "stale_conntrack_entry", "{describe}");
@@ -325,6 +349,7 @@ fn stale_udp_entry_beside_stale_rule(mode: ProxyMode) {
     assert_eq!(f["verdict"], "ok", "{describe}");
     assert_eq!(f["backend"], new.as_str(), "{describe}");
     let _ = std::fs::remove_dir_all(&dir);
+    true
 }
 
 both_modes!(stale_udp_entry_beside_stale_rule:

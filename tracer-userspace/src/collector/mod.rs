@@ -133,9 +133,11 @@ struct SkbEntry {
 /// Evicting idle flows looks at this many flows per tick at most.
 const EVICT_SCAN_PER_TICK: usize = 4096;
 /// How far ahead of the horizon a reply deadline asks for the rules to be
-/// re-read (`Collector::take_rules_request`): three 200 ms session ticks,
-/// so the read (milliseconds to a second) is done before the verdict.
-const RULES_LOOKAHEAD_NS: u64 = 600 * MS;
+/// re-read (`Collector::take_rules_request`): a request still unanswered
+/// 100 ms after it was sent (with the 1 s reply timeout the tests use; at
+/// most 9/10 of the timeout), so the read — milliseconds to a second, at
+/// most one per 500 ms (session/steps.rs) — is done before the verdict.
+const RULES_LOOKAHEAD_NS: u64 = 900 * MS;
 /// Loss windows kept for the incomplete check.
 const MAX_LOSS_WINDOWS: usize = 256;
 /// Events held for reordering, at most (about 3 MiB). Past it the oldest
@@ -413,7 +415,7 @@ impl Collector {
     /// [`RULES_LOOKAHEAD_NS`]: one DNATed and still unanswered asks for the
     /// rules to be re-read before it is decided.
     fn want_rules_before_timeouts(&mut self) {
-        let upto = self.horizon + RULES_LOOKAHEAD_NS.min(self.cfg.reply_timeout_ns);
+        let upto = self.horizon + RULES_LOOKAHEAD_NS.min(self.cfg.reply_timeout_ns / 10 * 9);
         let from = self.rules_scanned_upto;
         if upto <= from {
             return;

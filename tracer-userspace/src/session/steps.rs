@@ -221,7 +221,10 @@ impl Live {
         // A failing DNATed flow waits for this tick: whether its backend is
         // still an endpoint is asked of the rules as they are now (a stale
         // conntrack entry), recorded before the stats line for `analyze`.
-        if collector.take_rules_request() && rules_reread.due() {
+        // A request made while the last read is too recent waits for the
+        // next tick (it is not taken), so it is never lost.
+        if rules_reread.due() && collector.take_rules_request() {
+            rules_reread.done();
             let mut now = tracer.reread_rules();
             now.outside_netfilter = collector.rules().outside_netfilter.clone();
             if now.mode != crate::ruleset::ProxyMode::None && now != *collector.rules() {
@@ -406,26 +409,23 @@ pub(super) fn until(duration: Option<Duration>) -> impl std::future::Future<Outp
 
 /// Limits the rules re-reads failing flows ask for: at most one per
 /// [`RulesReread::MIN_GAP`], so a failure storm does not run
-/// `iptables-save` at every tick (flows decided in between use the rules
-/// of the last read, in `analyze` too: it replays the recorded reads).
+/// `iptables-save` at every tick; a request waits meanwhile. A flow
+/// decided before its read uses the rules of the last one, in `analyze`
+/// too: it replays the recorded reads.
 #[derive(Default)]
 pub(super) struct RulesReread {
     last: Option<Instant>,
 }
 
 impl RulesReread {
-    const MIN_GAP: Duration = Duration::from_secs(1);
+    const MIN_GAP: Duration = Duration::from_millis(500);
 
-    fn due(&mut self) -> bool {
-        let now = Instant::now();
-        if self
-            .last
-            .is_some_and(|t| now.duration_since(t) < Self::MIN_GAP)
-        {
-            return false;
-        }
-        self.last = Some(now);
-        true
+    fn due(&self) -> bool {
+        self.last.is_none_or(|t| t.elapsed() >= Self::MIN_GAP)
+    }
+
+    fn done(&mut self) {
+        self.last = Some(Instant::now());
     }
 }
 
