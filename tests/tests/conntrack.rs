@@ -6,7 +6,7 @@
 //! kube-proxy modes; then the printed fix pasted into the node makes the
 //! next datagram `ok`. Needs root (tests are prefixed `root_`); without it
 //! they print why they are skipped and pass.
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
@@ -88,10 +88,43 @@ fn spec(mode: ProxyMode) -> LabSpec {
     spec
 }
 
+/// The addresses of one family's run: the DNS Service, the client, the
+/// old and the new DNS pod.
+#[derive(Clone, Copy)]
+struct Addrs {
+    svc: IpAddr,
+    client: IpAddr,
+    old: IpAddr,
+    new: IpAddr,
+}
+
+impl Addrs {
+    fn of(lab: &Lab, v6: bool) -> Addrs {
+        if !v6 {
+            return Addrs {
+                svc: presets::DNS_SERVICE_IP.into(),
+                client: presets::CLIENT_IP.into(),
+                old: presets::DNS_POD_IP.into(),
+                new: DNS_2_IP.into(),
+            };
+        }
+        let ip6 = |pod| IpAddr::from(lab.pod_ip6(pod).expect("a dual-stack pod"));
+        Addrs {
+            svc: lab.spec().services[0]
+                .cluster_ip6
+                .expect("a dual-stack Service")
+                .into(),
+            client: ip6(presets::CLIENT_POD),
+            old: ip6(presets::DNS_POD),
+            new: ip6(DNS_2_POD),
+        }
+    }
+}
+
 /// `dig` from the client, from source port `port`: whether it got an answer.
-fn dig_from(lab: &Lab, port: u16) -> bool {
-    let at = format!("@{}", presets::DNS_SERVICE_IP);
-    let bind = format!("{}#{port}", presets::CLIENT_IP);
+fn dig_from(lab: &Lab, a: Addrs, port: u16) -> bool {
+    let at = format!("@{}", a.svc);
+    let bind = format!("{}#{port}", a.client);
     let t = format!("+time={}", CLIENT_TIMEOUT.as_secs().max(1));
     let out: Output = lab
         .exec_timeout(
@@ -126,8 +159,8 @@ fn curl(lab: &Lab) -> bool {
 
 /// Traces the DNS and web Services on the node (JSON, recorded to `rec`)
 /// while `traffic` runs, until their flows are decided.
-fn trace(lab: &Lab, rec: &Path, traffic: impl FnOnce(&mut ())) -> Finished {
-    trace_in(&node_path(lab), rec, || traffic(&mut ()))
+fn trace(lab: &Lab, a: Addrs, rec: &Path, traffic: impl FnOnce(&mut ())) -> Finished {
+    trace_in(&node_path(lab), a, rec, || traffic(&mut ()))
 }
 
 fn node_path(lab: &Lab) -> std::path::PathBuf {
@@ -138,10 +171,10 @@ fn node_path(lab: &Lab) -> std::path::PathBuf {
 }
 
 /// [`trace`] by the node namespace's path, so `traffic` may change the lab.
-fn trace_in(ns: &Path, rec: &Path, traffic: impl FnOnce()) -> Finished {
+fn trace_in(ns: &Path, a: Addrs, rec: &Path, traffic: impl FnOnce()) -> Finished {
     let args: Vec<String> = [
         "--svc",
-        &format!("{}:53", presets::DNS_SERVICE_IP),
+        &SocketAddr::new(a.svc, 53).to_string(),
         "--svc",
         &web_svc(),
         "--netns",
@@ -165,8 +198,8 @@ fn trace_in(ns: &Path, rec: &Path, traffic: impl FnOnce()) -> Finished {
 }
 
 /// The flows of `flows` from the client's port `port`.
-fn from_port(flows: &[Value], port: u16) -> Vec<Value> {
-    let client = format!("{}:{port}", presets::CLIENT_IP);
+fn from_port(flows: &[Value], a: Addrs, port: u16) -> Vec<Value> {
+    let client = SocketAddr::new(a.client, port).to_string();
     flows
         .iter()
         .filter(|f| f["client"] == client.as_str())
@@ -174,8 +207,8 @@ fn from_port(flows: &[Value], port: u16) -> Vec<Value> {
         .collect()
 }
 
-fn the_flow(flows: &[Value], port: u16, describe: &str) -> Value {
-    let mine = from_port(flows, port);
+fn the_flow(flows: &[Value], a: Addrs, port: u16, describe: &str) -> Value {
+    let mine = from_port(flows, a, port);
     assert_eq!(
         mine.len(),
         1,
@@ -209,9 +242,9 @@ fn analyze(rec: &Path) -> Vec<Value> {
 }
 
 /// A directory of this test process for its recordings.
-fn tmp_dir(mode: ProxyMode) -> std::path::PathBuf {
+fn tmp_dir(mode: ProxyMode, v6: bool) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!(
-        "nattrace-conntrack-{}-{mode:?}",
+        "nattrace-conntrack-{}-{mode:?}-{v6}",
         std::process::id()
     ));
     std::fs::create_dir_all(&dir).expect("temp dir");
@@ -222,9 +255,18 @@ fn tmp_dir(mode: ProxyMode) -> std::path::PathBuf {
 /// still list the old DNS pod, so only the re-read at decision time can
 /// tell the stale entry from a stale rule.
 fn stale_udp_entry_beside_stale_rule(mode: ProxyMode) {
+    stale_udp_entry(mode, false);
+}
+
+/// The same over IPv6 (a dual-stack lab, the DNS Service's IPv6 ClusterIP).
+fn stale_udp_entry_ipv6(mode: ProxyMode) {
+    stale_udp_entry(mode, true);
+}
+
+fn stale_udp_entry(mode: ProxyMode, v6: bool) {
     let _lock = tracing_lock();
     for attempt in 1..=3 {
-        if stale_udp_entry_once(mode) {
+        if stale_udp_entry_once(mode, v6) {
             return;
         }
         eprintln!(
@@ -236,19 +278,26 @@ fn stale_udp_entry_beside_stale_rule(mode: ProxyMode) {
 
 /// One run of [`stale_udp_entry_beside_stale_rule`]; false when lost
 /// events left the flows it judges incomplete (no cause is named then).
-fn stale_udp_entry_once(mode: ProxyMode) -> bool {
-    let mut lab = build_lab(spec(mode));
-    let dir = tmp_dir(mode);
+fn stale_udp_entry_once(mode: ProxyMode, v6: bool) -> bool {
+    let spec = if v6 {
+        spec(mode).dual_stack()
+    } else {
+        spec(mode)
+    };
+    let mut lab = build_lab(spec);
+    let a = Addrs::of(&lab, v6);
+    let dir = tmp_dir(mode, v6);
     let rec = dir.join("stale.rec");
     // The client's entry: its source port → coredns.
-    assert!(dig_from(&lab, STUCK_PORT), "DNS works before the change");
+    assert!(dig_from(&lab, a, STUCK_PORT), "DNS works before the change");
     let ns = node_path(&lab);
-    let done = trace_in(&ns, &rec, || {
+    let done = trace_in(&ns, a, &rec, || {
         // The endpoint pod replaced, kube-proxy style: rules first (one
         // restore / one nft transaction), then the old pod goes. The
         // client's entry is left, as when kube-proxy's cleanup fails.
-        lab.replace_service(dns_service(DNS_2_POD))
-            .expect("swapping the endpoints");
+        let mut moved = dns_service(DNS_2_POD);
+        moved.cluster_ip6 = lab.spec().services[0].cluster_ip6;
+        lab.replace_service(moved).expect("swapping the endpoints");
         lab.delete_pod(presets::DNS_POD).expect("deleting coredns");
         // The stale rule beside it: the web backend gone, its rule kept.
         lab.delete_pod(presets::BACKEND_POD)
@@ -256,18 +305,21 @@ fn stale_udp_entry_once(mode: ProxyMode) -> bool {
         // The client's symptom: no answer on its port, while a new port
         // (a new entry, DNATed by the new rules) is answered.
         assert!(
-            !dig_from(&lab, STUCK_PORT),
+            !dig_from(&lab, a, STUCK_PORT),
             "the stuck port must get no answer"
         );
-        assert!(dig_from(&lab, FRESH_PORT), "a new source port is answered");
+        assert!(
+            dig_from(&lab, a, FRESH_PORT),
+            "a new source port is answered"
+        );
         assert!(!curl(&lab), "curl to the deleted web backend must fail");
     });
     let describe = done.describe();
     let flows = done.flows().unwrap_or_else(|e| panic!("{e:#}\n{describe}"));
-    let stale = the_flow(&flows, STUCK_PORT, &describe);
+    let stale = the_flow(&flows, a, STUCK_PORT, &describe);
     if flows
         .iter()
-        .any(|f| f["incomplete"] == true && from_port(&flows, STUCK_PORT).contains(f))
+        .any(|f| f["incomplete"] == true && from_port(&flows, a, STUCK_PORT).contains(f))
         || flows
             .iter()
             .any(|f| f["incomplete"] == true && f["service"] == web_svc().as_str())
@@ -275,8 +327,8 @@ fn stale_udp_entry_once(mode: ProxyMode) -> bool {
         let _ = std::fs::remove_dir_all(&dir);
         return false;
     }
-    let old = format!("{}:53", presets::DNS_POD_IP);
-    let new = format!("{DNS_2_IP}:53");
+    let old = SocketAddr::new(a.old, 53).to_string();
+    let new = SocketAddr::new(a.new, 53).to_string();
     assert_eq!(stale["cause"], "stale_conntrack_entry", "{describe}");
     assert!(
         matches!(stale["verdict"].as_str(), Some("no_reply" | "dropped")),
@@ -289,10 +341,11 @@ fn stale_udp_entry_once(mode: ProxyMode) -> bool {
     assert_eq!(
         cmd,
         format!(
-            "conntrack -D -p udp --orig-src {} --orig-port-src {STUCK_PORT} --orig-dst {} --orig-port-dst 53 --reply-src {}",
-            presets::CLIENT_IP,
-            presets::DNS_SERVICE_IP,
-            presets::DNS_POD_IP
+            "conntrack -D{} -p udp --orig-src {} --orig-port-src {STUCK_PORT} --orig-dst {} --orig-port-dst 53 --reply-src {}",
+            if v6 { " -f ipv6" } else { "" },
+            a.client,
+            a.svc,
+            a.old
         ),
         "{describe}"
     );
@@ -302,7 +355,7 @@ fn stale_udp_entry_once(mode: ProxyMode) -> bool {
             .is_some_and(|h| h.contains("pkg/proxy/conntrack/cleanup.go")),
         "{describe}"
     );
-    let fresh = the_flow(&flows, FRESH_PORT, &describe);
+    let fresh = the_flow(&flows, a, FRESH_PORT, &describe);
     assert_eq!(fresh["verdict"], "ok", "{describe}");
     assert_eq!(fresh["backend"], new.as_str(), "{describe}");
     let web: Vec<&Value> = flows
@@ -321,7 +374,7 @@ fn stale_udp_entry_once(mode: ProxyMode) -> bool {
         "the re-read rules are recorded"
     );
     let again = analyze(&rec);
-    let stale_again = the_flow(&again, STUCK_PORT, &format!("{again:#?}"));
+    let stale_again = the_flow(&again, a, STUCK_PORT, &format!("{again:#?}"));
     assert_eq!(stale_again["cause"], "stale_conntrack_entry");
     assert_eq!(stale_again["hint"], stale["hint"]);
 
@@ -330,22 +383,26 @@ fn stale_udp_entry_once(mode: ProxyMode) -> bool {
         .run(presets::NODE_A, &["sh", "-c", &cmd])
         .expect("running the printed fix");
     assert!(
-        !lab.conntrack(presets::NODE_A)
-            .expect("conntrack -L")
-            .lines()
-            .any(|l| l.contains(&format!("sport={STUCK_PORT}"))
-                && l.contains(&format!("src={}", presets::DNS_POD_IP))),
+        !lab.run(
+            presets::NODE_A,
+            &["conntrack", "-L", "-f", if v6 { "ipv6" } else { "ipv4" }]
+        )
+        .expect("conntrack -L")
+        .lines()
+        .any(
+            |l| l.contains(&format!("sport={STUCK_PORT}")) && l.contains(&format!("src={}", a.old))
+        ),
         "the fix deleted the entry: {deleted}"
     );
     let rec2 = dir.join("fixed.rec");
     let mut worked = false;
-    let fixed = trace(&lab, &rec2, |_| worked = dig_from(&lab, STUCK_PORT));
+    let fixed = trace(&lab, a, &rec2, |_| worked = dig_from(&lab, a, STUCK_PORT));
     assert!(worked, "after the fix the stuck port is answered");
     let describe = fixed.describe();
     let flows = fixed
         .flows()
         .unwrap_or_else(|e| panic!("{e:#}\n{describe}"));
-    let f = the_flow(&flows, STUCK_PORT, &describe);
+    let f = the_flow(&flows, a, STUCK_PORT, &describe);
     assert_eq!(f["verdict"], "ok", "{describe}");
     assert_eq!(f["backend"], new.as_str(), "{describe}");
     let _ = std::fs::remove_dir_all(&dir);
@@ -354,3 +411,6 @@ fn stale_udp_entry_once(mode: ProxyMode) -> bool {
 
 both_modes!(stale_udp_entry_beside_stale_rule:
     root_stale_udp_entry_iptables, root_stale_udp_entry_nftables);
+
+both_modes!(stale_udp_entry_ipv6:
+    root_stale_udp_entry_ipv6_iptables, root_stale_udp_entry_ipv6_nftables);
