@@ -17,10 +17,11 @@
 //! - `invalid`: packets conntrack could not track (out of window, bad state).
 //! - `clash_resolve` (`clashres`): a clash resolved instead of dropped
 //!   (`nf_ct_resolve_clash`).
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The counters summed over CPUs; None where this kernel has no column.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ConntrackStats {
     pub insert_failed: Option<u64>,
     pub drop: Option<u64>,

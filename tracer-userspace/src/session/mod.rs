@@ -168,7 +168,10 @@ async fn finish(
     let now = monotonic_ns();
     collector.note_lost(stats.ringbuf_full);
     if let Some(rec) = recorder {
-        rec.end(StatsLine::new(now, &stats));
+        rec.end(StatsLine {
+            conntrack,
+            ..StatsLine::new(now, &stats)
+        });
         if let Some(w) = rec.take_warning() {
             notices.warn(w);
         }
