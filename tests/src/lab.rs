@@ -540,6 +540,27 @@ impl Lab {
         self.reinstall_kube_proxy()
     }
 
+    /// Replaces the Service port with `service`'s cluster IP and port (new
+    /// endpoints), the way kube-proxy's next sync does: every node's rules
+    /// rewritten at once. Conntrack entries are left as they are (kube-proxy
+    /// would also delete UDP entries to removed endpoints: the stale-entry
+    /// incident is that not happening).
+    pub fn replace_service(&mut self, service: crate::ServiceSpec) -> Result<()> {
+        let at = self
+            .spec
+            .services
+            .iter()
+            .position(|s| s.cluster_ip == service.cluster_ip && s.port == service.port)
+            .ok_or_else(|| {
+                LabError::Spec(format!(
+                    "no Service {}:{} in this lab",
+                    service.cluster_ip, service.port
+                ))
+            })?;
+        self.spec.services[at] = service;
+        self.reinstall_kube_proxy()
+    }
+
     fn reinstall_kube_proxy(&self) -> Result<()> {
         self.write_kube_proxy(true)
     }

@@ -4,6 +4,8 @@
 //! are tried in order and the first whose check matches wins, so more
 //! specific rows come first. A new incident adds a `CauseId` variant and a
 //! row; the checks live in `checks/`.
+use std::borrow::Cow;
+
 use serde::{Serialize, Serializer};
 
 use super::{
@@ -67,6 +69,12 @@ pub enum CauseId {
     /// Issue 24: a Cluster-policy NodePort / LB / external IP flow DNATed
     /// here left without the SNAT kube-proxy's external chain asks for.
     ExternalNotMasqueraded,
+    /// Issue 22: DNATed by a conntrack entry to an address that is no longer
+    /// among the Service's endpoints in kube-proxy's rules.
+    StaleConntrackEntry,
+    /// Issue 22: dropped by conntrack's confirmation after the last rule: a
+    /// clashing entry (SNAT source-port collision, the DNS race).
+    ConntrackInsertFailed,
 }
 
 pub(crate) struct CauseRow {
@@ -161,6 +169,16 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         incident: "seed 000 evidence although bridge-nf-call-iptables read 1 (changed, or another namespace owns the bridge)",
         fix: "check net.bridge.bridge-nf-call-iptables (ip6tables for IPv6) in the namespace that owns the bridge (it must be 1) and that br_netfilter is loaded",
     },
+    // Before backend_unreachable, whose evidence (a DNAT to a gone pod) it
+    // shares: there the rule still DNATs to the pod, here only the entry.
+    CauseRow {
+        id: CauseId::StaleConntrackEntry,
+        name: "stale_conntrack_entry",
+        verdicts: &[Verdict::NoReply, Verdict::Dropped],
+        check: super::checks::stale_entry::stale_conntrack_entry,
+        incident: "issue 22: stale conntrack entry after an endpoint change: a client that keeps its source port (UDP, DNS, statsd) or a TCP entry that outlived its pod is still DNATed to the old backend, which kube-proxy's rules no longer list",
+        fix: "delete the stale entry in the node's network namespace with the `conntrack -D -p <proto> --orig-src … --orig-port-src … --orig-dst <Service IP> --orig-port-dst <port> --reply-src <stale backend>` command printed for the flow; kube-proxy normally deletes UDP entries to removed endpoints (pkg/proxy/conntrack/cleanup.go), never TCP ones",
+    },
     // Before the path causes below: a request that never left the node, or
     // was flooded because its backend's MAC is gone, is no routing problem.
     CauseRow {
@@ -229,6 +247,16 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         check: not_dnated,
         incident: "Service without endpoints / rules not programmed",
         fix: "check that the Service has ready endpoints (kubectl get endpointslices) and that kube-proxy programmed its rules (iptables-save | grep the Service IP)",
+    },
+    // Before dropped_by_netfilter: the same drop reason, but after the last
+    // rule of the path (checks/insert_failed.rs).
+    CauseRow {
+        id: CauseId::ConntrackInsertFailed,
+        name: "conntrack_insert_failed",
+        verdicts: &[Verdict::Dropped],
+        check: super::checks::insert_failed::conntrack_insert_failed,
+        incident: "issue 22: conntrack drops a new connection's packet at confirmation, after every rule (NETFILTER_DROP after POSTROUTING's SNAT, insert_failed rises): a SNAT source-port collision (a small or exhausted masquerade port range), or the A/AAAA DNS race on kernels before 5.6",
+        fix: "SNAT collisions: masquerade with fully random source ports (iptables -j MASQUERADE --random-fully; kube-proxy and most CNIs use it where the kernel has it, kubernetes PR #78547), widen the SNAT port range or add SNAT addresses; the DNS race (two queries from one socket on two CPUs): fixed by clash resolution in Linux 4.19 (ed07d9a021df, same NAT) and 5.6 (6a757c07e51f, different endpoints), else NodeLocal DNSCache, or resolv.conf options single-request-reopen / use-vc; watch `conntrack -S` insert_failed",
     },
     CauseRow {
         id: CauseId::DroppedByNetfilter,
@@ -323,7 +351,8 @@ pub struct Cause {
     pub text: String,
     #[serde(skip)]
     pub clause: String,
-    pub hint: &'static str,
+    /// The row's fix, or one made for this flow (the exact command).
+    pub hint: Cow<'static, str>,
 }
 
 pub(crate) fn infer(ctx: &RuleCtx<'_>) -> Option<Cause> {
@@ -335,7 +364,16 @@ pub(crate) fn infer(ctx: &RuleCtx<'_>) -> Option<Cause> {
                 id: r.id,
                 text,
                 clause,
-                hint: r.fix,
+                hint: flow_fix(r.id, ctx).unwrap_or(Cow::Borrowed(r.fix)),
             })
         })
+}
+
+/// A fix written for the flow, for the causes whose fix is a command only
+/// the flow can fill in.
+fn flow_fix(id: CauseId, ctx: &RuleCtx<'_>) -> Option<Cow<'static, str>> {
+    match id {
+        CauseId::StaleConntrackEntry => super::checks::stale_entry::fix(ctx),
+        _ => None,
+    }
 }

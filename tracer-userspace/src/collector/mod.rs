@@ -132,6 +132,12 @@ struct SkbEntry {
 
 /// Evicting idle flows looks at this many flows per tick at most.
 const EVICT_SCAN_PER_TICK: usize = 4096;
+/// How far ahead of the horizon a reply deadline asks for the rules to be
+/// re-read (`Collector::take_rules_request`): a request still unanswered
+/// 100 ms after it was sent (with the 1 s reply timeout the tests use; at
+/// most 9/10 of the timeout), so the read — milliseconds to a second, at
+/// most one per 500 ms (session/steps.rs) — is done before the verdict.
+const RULES_LOOKAHEAD_NS: u64 = 900 * MS;
 /// Loss windows kept for the incomplete check.
 const MAX_LOSS_WINDOWS: usize = 256;
 /// Events held for reordering, at most (about 3 MiB). Past it the oldest
@@ -179,6 +185,13 @@ pub struct Collector {
     watch_q: VecDeque<(u64, FlowRef)>,
     /// A flow failed the watch since the session last re-read the sysctls.
     sysctls_wanted: bool,
+    /// A DNATed flow without a reply comes up for its verdict soon (or was
+    /// dropped): the session re-reads kube-proxy's rules before that, so a
+    /// stale conntrack entry is judged against the rules as they are then
+    /// (checks/stale_entry.rs).
+    rules_wanted: bool,
+    /// `timeout_q` deadlines up to here were looked at for `rules_wanted`.
+    rules_scanned_upto: u64,
     ready: Vec<FlowReport>,
     /// Processing stops once this many reports wait (see [`Self::resume`]).
     report_batch: usize,
@@ -221,6 +234,8 @@ impl Collector {
             held_by_client: HashMap::new(),
             watch_q: VecDeque::new(),
             sysctls_wanted: false,
+            rules_wanted: false,
+            rules_scanned_upto: 0,
             ready: Vec::new(),
             report_batch: usize::MAX,
             stalled: false,
@@ -319,6 +334,7 @@ impl Collector {
         self.release(self.watermark.saturating_sub(self.cfg.reorder_window_ns));
         self.account_loss(now_ns);
         self.decide_due(self.horizon);
+        self.want_rules_before_timeouts();
         while let Some(&(at, r)) = self.watch_q.front() {
             if at > self.horizon {
                 break;
@@ -380,9 +396,41 @@ impl Collector {
     /// decided from now on are named after these, and with `all_services`
     /// new connections to exactly their Service ports open flows. Flows
     /// already open keep going.
-    /// The rules flows are named after now.
+    /// Whether a DNATed flow without a reply is about to be decided (or a
+    /// DNATed request was dropped) since the last call: the session then
+    /// re-reads kube-proxy's rules at once and hands them to
+    /// [`Collector::update_rules`] if they changed, recording them as a
+    /// `rules` line, so the flow — and `analyze` — judge its backend against
+    /// the rules as they are when it fails, not as they were at start.
+    pub fn take_rules_request(&mut self) -> bool {
+        std::mem::take(&mut self.rules_wanted)
+    }
+
+    /// kube-proxy's rules as the collector judges flows now.
     pub fn rules(&self) -> &KubeProxyRules {
         &self.cfg.kube_proxy
+    }
+
+    /// Looks at the flows whose reply deadline comes within
+    /// [`RULES_LOOKAHEAD_NS`]: one DNATed and still unanswered asks for the
+    /// rules to be re-read before it is decided.
+    fn want_rules_before_timeouts(&mut self) {
+        let upto = self.horizon + RULES_LOOKAHEAD_NS.min(self.cfg.reply_timeout_ns / 10 * 9);
+        let from = self.rules_scanned_upto;
+        if upto <= from {
+            return;
+        }
+        let start = self.timeout_q.partition_point(|&(d, _)| d <= from);
+        let wanted = self
+            .timeout_q
+            .range(start..)
+            .take_while(|&&(d, _)| d <= upto)
+            .any(|&(_, r)| {
+                self.flow(r)
+                    .is_some_and(|f| f.backend.is_some() && f.client_reply.is_none() && !f.reported)
+            });
+        self.rules_wanted |= wanted;
+        self.rules_scanned_upto = upto;
     }
 
     pub fn update_rules(&mut self, rules: KubeProxyRules) {
@@ -632,6 +680,10 @@ impl Collector {
                 established::reopen(flow, ev);
                 self.watch_q.push_back((ev.ts_ns + WATCH_WAIT_NS, r));
                 self.sysctls_wanted = true;
+                // A stale conntrack entry is judged against the rules as
+                // they are when the flow is decided; so is a DROP rule
+                // added mid-stream (the filter table is part of the read).
+                self.rules_wanted = true;
             } else {
                 established::note_healthy(flow, ev);
             }

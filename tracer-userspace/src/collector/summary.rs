@@ -84,6 +84,10 @@ pub struct Summary {
     /// Connections sent per packet because the kernel's held-flow map was full (caller).
     #[serde(skip_serializing_if = "is_zero")]
     pub held_map_full: u64,
+    /// How much the node namespace's conntrack counters rose over the run
+    /// (filled in by the live session; absent in `analyze`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conntrack: Option<crate::doctor::conntrack_stats::ConntrackStats>,
 }
 
 /// The per-flow buffer's counts are left out where nothing was held (-v,

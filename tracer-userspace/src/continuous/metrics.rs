@@ -49,6 +49,12 @@ struct HeldLabels {
     outcome: String,
 }
 
+/// One of conntrack's own counters (doctor/conntrack_stats.rs).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConntrackLabels {
+    counter: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
     result: String,
@@ -100,6 +106,7 @@ pub struct Metrics {
     backend: Family<BackendLabels, Gauge>,
     tc: Family<TcLabels, Gauge>,
     skipped: Gauge,
+    conntrack_stat: Family<ConntrackLabels, Gauge>,
     totals: Totals,
 }
 
@@ -127,6 +134,7 @@ impl Metrics {
             backend: Family::default(),
             tc: Family::default(),
             skipped: Gauge::default(),
+            conntrack_stat: Family::default(),
             totals: Totals::default(),
         };
         m.backend
@@ -138,9 +146,27 @@ impl Metrics {
         m
     }
 
+    /// The node namespace's conntrack counters, as last read.
+    pub fn conntrack(&self, stats: &crate::doctor::conntrack_stats::ConntrackStats) {
+        for (name, value) in stats.named() {
+            if let Some(v) = value {
+                self.conntrack_stat
+                    .get_or_create(&ConntrackLabels {
+                        counter: name.to_owned(),
+                    })
+                    .set(i64::try_from(v).unwrap_or(i64::MAX));
+            }
+        }
+    }
+
     /// Names and describes every metric in the registry.
     fn register_all(&mut self) {
         let r = &mut self.registry;
+        r.register(
+            "conntrack_stat",
+            "conntrack's own counters in the node namespace since boot, summed over CPUs (/proc/net/stat/nf_conntrack): insert_failed, drop, early_drop, invalid, clash_resolve",
+            self.conntrack_stat.clone(),
+        );
         r.register(
             "flows",
             "Flows decided, by Service, verdict and cause",

@@ -200,6 +200,18 @@ impl Continuous {
         said
     }
 
+    /// The node namespace's conntrack counters, read by the session.
+    pub fn conntrack(&self, stats: &crate::doctor::conntrack_stats::ConntrackStats) {
+        if let Some(m) = &self.metrics {
+            m.conntrack(stats);
+        }
+    }
+
+    /// Whether metrics are served (the conntrack counters are read for them).
+    pub fn has_metrics(&self) -> bool {
+        self.metrics.is_some()
+    }
+
     /// Decided flows, before they go to the outputs.
     pub fn flows(&self, reports: &[FlowReport]) {
         if let Some(m) = &self.metrics {

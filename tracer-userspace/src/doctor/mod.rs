@@ -56,6 +56,8 @@ pub struct Inputs {
     pub rp_filter: Vec<(String, u8)>,
     pub conntrack_count: Option<u64>,
     pub conntrack_max: Option<u64>,
+    /// `/proc/net/stat/nf_conntrack` summed over CPUs ([`conntrack_stats`]).
+    pub conntrack_stats: Option<conntrack_stats::ConntrackStats>,
     pub kube_proxy: KubeProxyRules,
     /// IPVS / eBPF load balancers that may translate Services instead.
     pub dataplane: Dataplane,
@@ -170,6 +172,7 @@ pub fn assess(i: &Inputs) -> Report {
     out.push(ip_forward_finding(i));
     out.push(rp_filter_finding(i));
     out.extend(conntrack_finding(i));
+    out.extend(conntrack_stats_finding(i));
     out.push(kube_proxy_finding(i));
     out.extend(service_nat(i));
     out.extend(masquerade_all_finding(i));
@@ -358,6 +361,29 @@ fn conntrack_finding(i: &Inputs) -> Option<Finding> {
     ))
 }
 
+const FIX_CONNTRACK_STATS: &str = "insert_failed/drop count packets conntrack itself dropped since boot: watch whether they rise (conntrack -S, nattrace's summary and nattrace_conntrack_stat metric); a rising insert_failed is a clash (SNAT source-port collisions: masquerade with --random-fully; the DNS A/AAAA race: NodeLocal DNSCache, resolv.conf options single-request-reopen or use-vc), a rising drop/early_drop a full table (raise net.netfilter.nf_conntrack_max)";
+
+/// conntrack's own counters: packets it dropped itself are a warning, since
+/// boot (they do not say whether it still happens: the trace's summary does).
+fn conntrack_stats_finding(i: &Inputs) -> Option<Finding> {
+    let s = i.conntrack_stats?;
+    let sev = if s.dropped() > 0 || s.early_drop.unwrap_or(0) > 0 {
+        Severity::Warning
+    } else {
+        Severity::Ok
+    };
+    Some(finding(
+        "conntrack_stats",
+        sev,
+        format!("conntrack_dropped={}", s.dropped()),
+        format!(
+            "conntrack's counters in this namespace since boot (all CPUs): {}",
+            s.describe()
+        ),
+        FIX_CONNTRACK_STATS,
+    ))
+}
+
 fn kube_proxy_finding(i: &Inputs) -> Finding {
     let mode = i.kube_proxy.mode;
     let (sev, msg) = match mode {
@@ -492,6 +518,7 @@ pub fn gather_with(
             ip_forward: netns::read_sysctl_bool("/proc/sys/net/ipv4/ip_forward"),
             conntrack_count: read_u64("/proc/sys/net/netfilter/nf_conntrack_count"),
             conntrack_max: read_u64("/proc/sys/net/netfilter/nf_conntrack_max"),
+            conntrack_stats: conntrack_stats::ConntrackStats::read(),
             interfaces,
             rp_filter,
             ipv6: ipv6::gather(),
@@ -538,6 +565,7 @@ pub fn run(netns: Option<&str>, json: bool) -> u8 {
     u8::from(report.breaks_services())
 }
 
+pub mod conntrack_stats;
 pub mod ipv6;
 mod north_south;
 #[cfg(test)]

@@ -160,7 +160,7 @@ fn asymmetric_return_path(
             id: CauseId::AsymmetricReturnPath,
             text,
             clause,
-            hint: CauseId::AsymmetricReturnPath.hint(),
+            hint: CauseId::AsymmetricReturnPath.hint().into(),
         }),
     })
 }

@@ -191,6 +191,16 @@ impl<W: io::Write> TextOutput<W> {
             ));
         }
         line.push_str(&format!("; lost events: {}", s.lost_events));
+        // conntrack dropping packets itself while tracing (issue 22).
+        if let Some(c) = s
+            .conntrack
+            .filter(|c| c.dropped() > 0 || c.early_drop.unwrap_or(0) > 0)
+        {
+            line.push_str(&format!(
+                "; conntrack counters rose during the run: {}",
+                c.describe()
+            ));
+        }
         if dropped_lines > 0 {
             line.push_str(&format!(
                 "; output lines dropped (stdout not read fast enough): {dropped_lines}"

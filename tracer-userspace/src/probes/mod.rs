@@ -312,6 +312,21 @@ impl Tracer {
 
     /// The node's sysctls read again (an established flow went wrong); the
     /// facts keep them. None when the namespace cannot be entered.
+    /// conntrack's own counters in the traced namespace (per namespace:
+    /// read from inside it).
+    pub fn conntrack_stats(&self) -> Option<crate::doctor::conntrack_stats::ConntrackStats> {
+        self.netns
+            .run(crate::doctor::conntrack_stats::ConntrackStats::read)
+            .ok()
+            .flatten()
+    }
+
+    /// kube-proxy's rules in the traced namespace, read now (blocking:
+    /// `iptables-save`/`nft` take milliseconds to a second on a big node).
+    pub fn reread_rules(&self) -> crate::ruleset::KubeProxyRules {
+        crate::ruleset::read_in(&self.netns)
+    }
+
     pub fn reread_sysctls(&mut self) -> Option<crate::facts::Sysctls> {
         let s = self.netns.run(node::read_sysctls).ok()?;
         self.facts.set_sysctls(s);

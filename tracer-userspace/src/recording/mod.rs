@@ -201,6 +201,10 @@ pub struct StatsLine {
     pub held_spilled: u64,
     #[serde(default)]
     pub held_map_full: u64,
+    /// `end` only: how much the node namespace's conntrack counters rose
+    /// over the run (the summary's `conntrack`, so `analyze` shows it too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conntrack: Option<crate::doctor::conntrack_stats::ConntrackStats>,
 }
 
 impl StatsLine {
@@ -215,6 +219,7 @@ impl StatsLine {
             held_discarded: s.held_discarded,
             held_spilled: s.held_spilled,
             held_map_full: s.held_map_full,
+            conntrack: None,
         }
     }
 }

@@ -511,14 +511,19 @@ pub fn read(netns: Option<&str>) -> KubeProxyRules {
     let Ok(ns) = Netns::open(netns) else {
         return KubeProxyRules::default();
     };
+    read_in(&ns)
+}
+
+/// [`read`] in a namespace already open (the traced node's).
+pub fn read_in(ns: &Netns) -> KubeProxyRules {
     let nf_tables = nf_tables_loaded();
     let mut missing = Missing::new();
-    let mut best = read_family(&ns, nf_tables, &IPV4, &mut missing);
-    best.merge(read_family(&ns, nf_tables, &IPV6, &mut missing));
+    let mut best = read_family(ns, nf_tables, &IPV4, &mut missing);
+    best.merge(read_family(ns, nf_tables, &IPV6, &mut missing));
     if best.mode == ProxyMode::None
         && nf_tables
         && let Some(rules) = missing
-            .note("nft", run_in(&ns, "nft", &["-j", "list", "ruleset"]))
+            .note("nft", run_in(ns, "nft", &["-j", "list", "ruleset"]))
             .and_then(|j| nft::parse(&j))
     {
         // A node firewall's iptables rules beside kube-proxy's nftables.
@@ -621,12 +626,6 @@ fn read_family(
     best
 }
 
-/// The filter table's DROP/REJECT rules now, read the way [`read`] reads
-/// (an established flow was dropped: a rule added since the start may be
-/// why).
-pub fn read_filter_drops(netns: Option<&str>) -> Vec<firewall::FilterDrop> {
-    read(netns).filter_drops
-}
 
 pub mod external;
 mod filter;

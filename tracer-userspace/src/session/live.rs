@@ -37,10 +37,11 @@ pub(super) struct Live {
     pub(super) events: Vec<PacketEvent>,
     /// Ring-buffer losses already warned about.
     pub(super) last_lost: u64,
-    /// `--netns`, to read the node's filter rules again when a flow fails
-    /// the watch; when they were last read (monotonic ns, 0 = never).
-    pub(super) netns: Option<String>,
-    pub(super) drops_read_ns: u64,
+    /// When failing flows last had the rules re-read.
+    pub(super) rules_reread: super::steps::RulesReread,
+    /// The node namespace's conntrack counters at start, and when they
+    /// were last read for the metrics.
+    pub(super) conntrack: super::steps::ConntrackWatch,
 }
 
 impl Live {
@@ -81,6 +82,7 @@ impl Live {
             notices.say(line);
         }
         let ifnames = interface_names(options, &tracer);
+        let conntrack = super::steps::ConntrackWatch::start(&tracer);
         Ok(Live {
             tracer,
             collector,
@@ -92,8 +94,8 @@ impl Live {
             watch,
             events: Vec::with_capacity(4096),
             last_lost: 0,
-            netns: options.netns.clone(),
-            drops_read_ns: 0,
+            rules_reread: Default::default(),
+            conntrack,
         })
     }
 
@@ -190,8 +192,8 @@ impl Live {
             watch,
             mut events,
             last_lost: _,
-            netns: _,
-            drops_read_ns: _,
+            rules_reread: _,
+            conntrack,
         } = self;
         let stopped_at = Instant::now();
 
@@ -209,6 +211,7 @@ impl Live {
             &mut events,
         );
         let stats = tracer.stats();
+        let conntrack_rise = conntrack.rise(&tracer);
         let mut tracer = Some(tracer);
         if stop == Stop::NetnsGone {
             release_deleted_netns(&mut tracer, &mut ifnames, watch.as_ref(), &mut notices);
@@ -219,6 +222,7 @@ impl Live {
             &mut outputs,
             recorder.as_mut(),
             stats,
+            conntrack_rise,
             &mut notices,
         );
         let interrupted = tokio::select! {

@@ -194,12 +194,16 @@ async fn finish(
     outputs: &mut Outputs,
     recorder: Option<&mut RecordingWriter>,
     stats: KernelStats,
+    conntrack: Option<crate::doctor::conntrack_stats::ConntrackStats>,
     notices: &mut Notices,
 ) -> Result<(), SessionError> {
     let now = monotonic_ns();
     collector.note_lost(stats.ringbuf_full);
     if let Some(rec) = recorder {
-        rec.end(StatsLine::new(now, &stats));
+        rec.end(StatsLine {
+            conntrack,
+            ..StatsLine::new(now, &stats)
+        });
         if let Some(w) = rec.take_warning() {
             notices.warn(w);
         }
@@ -210,6 +214,7 @@ async fn finish(
     summary.held_discarded = stats.held_discarded;
     summary.held_spilled = stats.held_spilled;
     summary.held_map_full = stats.held_map_full;
+    summary.conntrack = conntrack;
     while !reports.is_empty() {
         let rest = reports.split_off(reports.len().min(256));
         outputs.flows(reports).map_err(SessionError::Output)?;

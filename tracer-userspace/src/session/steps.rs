@@ -7,6 +7,8 @@ use std::{
 
 use log::warn;
 
+use crate::doctor::conntrack_stats::ConntrackStats;
+
 use super::{
     EXIT_BUDGET, OUTPUT_STALL, SLOW_DETACH_INTERFACES, SessionError, SessionOptions, Stop,
     live::Live,
@@ -179,8 +181,6 @@ pub(super) fn remove_leftovers(netns: Option<&str>, notices: &mut Notices) {
     }
 }
 
-/// How often at most the filter rules are read again for failing flows.
-const DROPS_REREAD_NS: u64 = 2_000_000_000;
 
 /// The event loop's periodic steps, as methods of the session they work on.
 impl Live {
@@ -197,8 +197,8 @@ impl Live {
             outputs,
             notices,
             last_lost,
-            netns,
-            drops_read_ns,
+            rules_reread,
+            conntrack,
             ..
         } = self;
         let mut recorder = recorder.as_mut();
@@ -219,23 +219,27 @@ impl Live {
                     rec.sysctls(now);
                 }
             }
-            // So may the filter rules (a NetworkPolicy or firewall DROP
-            // added mid-stream): read again at most every
-            // DROPS_REREAD_NS, since a read runs iptables-save; a change
-            // is a `rules` line, applied by `analyze` at the same place.
-            let at = monotonic_ns();
-            if *drops_read_ns == 0 || at >= *drops_read_ns + DROPS_REREAD_NS {
-                *drops_read_ns = at;
-                let drops = crate::ruleset::read_filter_drops(netns.as_deref());
-                if drops != collector.rules().filter_drops {
-                    let mut rules = collector.rules().clone();
-                    rules.filter_drops = drops;
-                    if let Some(rec) = recorder.as_deref_mut() {
-                        rec.rules(&rules);
-                    }
-                    collector.update_rules(rules);
+        }
+        // A failing DNATed flow waits for this tick: whether its backend is
+        // still an endpoint is asked of the rules as they are now (a stale
+        // conntrack entry), recorded before the stats line for `analyze`.
+        // A request made while the last read is too recent waits for the
+        // next tick (it is not taken), so it is never lost.
+        if rules_reread.due() && collector.take_rules_request() {
+            rules_reread.done();
+            let mut now = tracer.reread_rules();
+            now.outside_netfilter = collector.rules().outside_netfilter.clone();
+            if now.mode != crate::ruleset::ProxyMode::None && now != *collector.rules() {
+                if let Some(rec) = recorder.as_deref_mut() {
+                    rec.rules(&now);
                 }
+                collector.update_rules(now);
             }
+        }
+        if continuous.has_metrics()
+            && let Some(now) = conntrack.due_read(tracer)
+        {
+            continuous.conntrack(&now);
         }
         let attached = tracer.collect_tc();
         if attached > 0 {
@@ -402,5 +406,60 @@ pub(super) fn until(duration: Option<Duration>) -> impl std::future::Future<Outp
             Some(at) => tokio::time::sleep_until(at).await,
             None => std::future::pending().await,
         }
+    }
+}
+
+/// Limits the rules re-reads failing flows ask for: at most one per
+/// [`RulesReread::MIN_GAP`], so a failure storm does not run
+/// `iptables-save` at every tick; a request waits meanwhile. A flow
+/// decided before its read uses the rules of the last one, in `analyze`
+/// too: it replays the recorded reads.
+#[derive(Default)]
+pub(super) struct RulesReread {
+    last: Option<Instant>,
+}
+
+impl RulesReread {
+    const MIN_GAP: Duration = Duration::from_millis(500);
+
+    fn due(&self) -> bool {
+        self.last.is_none_or(|t| t.elapsed() >= Self::MIN_GAP)
+    }
+
+    fn done(&mut self) {
+        self.last = Some(Instant::now());
+    }
+}
+
+/// The node namespace's conntrack counters (doctor/conntrack_stats.rs):
+/// read at start and at the end for the summary's rise over the run, and
+/// every [`ConntrackWatch::EVERY`] for the metrics.
+pub(super) struct ConntrackWatch {
+    start: Option<ConntrackStats>,
+    last_read: Instant,
+}
+
+impl ConntrackWatch {
+    const EVERY: Duration = Duration::from_secs(5);
+
+    pub(super) fn start(tracer: &crate::probes::Tracer) -> Self {
+        Self {
+            start: tracer.conntrack_stats(),
+            last_read: Instant::now() - Self::EVERY,
+        }
+    }
+
+    fn due_read(&mut self, tracer: &crate::probes::Tracer) -> Option<ConntrackStats> {
+        if self.last_read.elapsed() < Self::EVERY {
+            return None;
+        }
+        self.last_read = Instant::now();
+        tracer.conntrack_stats()
+    }
+
+    /// How much each counter rose since start.
+    pub(super) fn rise(&self, tracer: &crate::probes::Tracer) -> Option<ConntrackStats> {
+        let start = self.start?;
+        Some(tracer.conntrack_stats()?.rise_since(&start))
     }
 }

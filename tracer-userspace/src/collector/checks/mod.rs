@@ -4,10 +4,12 @@
 //! they share and the checks about sysctls, rules and drops; path, backend
 //! and IPv6 checks live in `path.rs`, `backend.rs` and `ip6.rs`.
 pub(super) mod backend;
+pub(super) mod insert_failed;
 pub(super) mod ip6;
 pub(super) mod midstream;
 pub(super) mod north_south;
 pub(super) mod path;
+pub(super) mod stale_entry;
 
 use tracer_common::{hook, nat_stage, nf_hook};
 

@@ -15,6 +15,7 @@ mod paths;
 mod routed;
 mod scenarios;
 pub(crate) mod stale;
+mod stale_entry;
 mod store;
 mod tracepoints;
 mod unseen;

@@ -7,7 +7,7 @@ use std::io::Cursor;
 use crate::collector::{CauseId, Collector, FlowReport, Summary, Verdict};
 use crate::recording::{Header, Reader, Record};
 
-const DEAD: &str = "100.96.54.247:80";
+pub(super) const DEAD: &str = "100.96.54.247:80";
 const DEAD_SEP: &str = "KUBE-SEP-QCNXID34Z55D2JC7";
 const LIVE: &str = "100.96.54.248:80";
 const LIVE_SEP: &str = "KUBE-SEP-XDUMBMVBSKA65X3W";
