@@ -535,7 +535,7 @@ pub fn read_in(ns: &Netns) -> KubeProxyRules {
         best.missing_tools = missing.tools;
     }
     if !best.north_south.nodeport_addresses.is_empty() {
-        best.north_south.node_addresses = local_addresses(&ns);
+        best.north_south.node_addresses = local_addresses(ns);
     }
     best
 }
@@ -625,7 +625,6 @@ fn read_family(
     best.filter_drops = drops;
     best
 }
-
 
 pub mod external;
 mod filter;

@@ -181,7 +181,6 @@ pub(super) fn remove_leftovers(netns: Option<&str>, notices: &mut Notices) {
     }
 }
 
-
 /// The event loop's periodic steps, as methods of the session they work on.
 impl Live {
     /// The periodic work of the event loop after the ring buffer was drained:
@@ -210,14 +209,13 @@ impl Live {
         // A flow failed the watch: the node's sysctls may be what changed
         // (br_netfilter switched off while running). Before the stats line,
         // like the rules line, so `analyze` judges with the same values.
-        if collector.take_sysctls_request() {
-            if let Some(now) = tracer.reread_sysctls()
-                && now != collector.sysctls()
-            {
-                collector.update_sysctls(now);
-                if let Some(rec) = recorder.as_deref_mut() {
-                    rec.sysctls(now);
-                }
+        if collector.take_sysctls_request()
+            && let Some(now) = tracer.reread_sysctls()
+            && now != collector.sysctls()
+        {
+            collector.update_sysctls(now);
+            if let Some(rec) = recorder.as_deref_mut() {
+                rec.sysctls(now);
             }
         }
         // A failing DNATed flow waits for this tick: whether its backend is
