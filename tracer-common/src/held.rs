@@ -169,3 +169,84 @@ pub fn slot_marks(dir: u8, in_node: bool, dnat_unset: bool, to_service: bool) ->
         dir == direction::REPLY && in_node,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TIMEOUT: u64 = 3_000_000_000;
+
+    fn healthy_entry(age_ns: u64) -> Option<((), Entry)> {
+        Some((
+            (),
+            Entry {
+                age_ns,
+                retransmit: false,
+                reply_in_node: true,
+                at_client_ns: true,
+                from_service: true,
+            },
+        ))
+    }
+
+    fn on(held: u8, fate: Fate, entry: Option<((), Entry)>) -> Decision<()> {
+        decide(held, true, fate, true, TIMEOUT, || true, || entry)
+    }
+
+    #[test]
+    fn a_new_syn_opens_a_buffer_unless_off_or_full() {
+        let d = decide::<()>(NEVER, false, Fate::Start, true, TIMEOUT, || true, || None);
+        assert_eq!(d.step, Step::Send(event_flags::HOLDING));
+        assert_eq!((d.held, d.syn_seq), (Some(HOLDING), true));
+        let d = decide::<()>(NEVER, false, Fate::Start, true, TIMEOUT, || false, || None);
+        assert_eq!((d.step, d.held), (Step::Send(0), Some(DONE)));
+        let d = decide::<()>(NEVER, false, Fate::Start, false, TIMEOUT, || true, || None);
+        assert_eq!((d.step, d.held), (Step::Send(0), None));
+        // A new connection from a held port: the old buffer goes out.
+        let d = decide::<()>(HOLDING, false, Fate::Start, true, TIMEOUT, || true, || None);
+        assert_eq!((d.step, d.held), (Step::Flush, Some(DONE)));
+    }
+
+    #[test]
+    fn a_healthy_reply_discards_unless_late_or_not_as_ok() {
+        let d = on(HOLDING, Fate::Healthy, healthy_entry(1_000_000));
+        assert_eq!((d.step, d.held), (Step::Discard(()), Some(DONE)));
+        let late = TIMEOUT - PULL_AHEAD_NS;
+        assert_eq!(
+            on(HOLDING, Fate::Healthy, healthy_entry(late)).step,
+            Step::Flush
+        );
+        let mut e = healthy_entry(1_000_000);
+        e.as_mut().unwrap().1.retransmit = true;
+        assert_eq!(on(HOLDING, Fate::Healthy, e).step, Step::Flush);
+        assert_eq!(
+            on(HOLDING, Fate::Anomaly, healthy_entry(1)).step,
+            Step::Flush
+        );
+    }
+
+    #[test]
+    fn other_events_are_stored_and_a_resent_syn_marked() {
+        let d = on(HOLDING, Fate::Other, healthy_entry(1));
+        assert_eq!(
+            d.step,
+            Step::Store {
+                entry: (),
+                retransmit: false
+            }
+        );
+        assert_eq!(d.held, None);
+        let d = on(HOLDING, Fate::Start, healthy_entry(1));
+        assert_eq!(
+            d.step,
+            Step::Store {
+                entry: (),
+                retransmit: true
+            }
+        );
+        // Pulled meanwhile: per packet from now on.
+        let d = on(HOLDING, Fate::Other, None);
+        assert_eq!((d.step, d.held), (Step::Send(0), Some(DONE)));
+        assert_eq!(on(DONE, Fate::Other, None).step, Step::Send(0));
+    }
+}
