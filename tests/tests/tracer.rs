@@ -30,6 +30,8 @@ macro_rules! require_root {
 mod cleanup;
 #[path = "tracer/cleanup_clsact.rs"]
 mod cleanup_clsact;
+#[path = "tracer/cut_by_stop.rs"]
+mod cut_by_stop;
 #[path = "tracer/input.rs"]
 mod input;
 #[path = "tracer/many.rs"]

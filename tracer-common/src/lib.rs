@@ -243,42 +243,7 @@ pub mod event_flags {
 /// "Event budget"): its states, its timing and what an event is to it,
 /// defined once for the eBPF program and the model test that replays the
 /// recordings through it (tracer-userspace/tests/held.rs).
-pub mod held {
-    /// [`EndpointState::held`](super::EndpointState::held): never held.
-    pub const NEVER: u8 = 0;
-    /// Its events are held in the flow's `HELD` entry.
-    pub const HOLDING: u8 = 1;
-    /// Sent, discarded or pulled, for the SYN `syn_seq`.
-    pub const DONE: u8 = 2;
-    /// [`HeldFlow::dnat_slot`](super::HeldFlow::dnat_slot): no DNAT event
-    /// held yet.
-    pub const NO_SLOT: u8 = 0xff;
-    /// Userspace pulls a buffer this long before its reply deadline at the
-    /// latest (its tick, 200 ms, plus slack): a reply later than that may
-    /// find the buffer already pulled, so it is sent instead of discarded.
-    pub const PULL_AHEAD_NS: u64 = 500_000_000;
-
-    /// A healthy reply `age_ns` after the flow's first event came too late
-    /// to discard the buffer (see [`PULL_AHEAD_NS`]).
-    #[inline(always)]
-    pub fn is_late(age_ns: u64, reply_timeout_ns: u64) -> bool {
-        age_ns + PULL_AHEAD_NS >= reply_timeout_ns
-    }
-
-    /// What an event is to the buffer rule (decided by the filter,
-    /// tracer-ebpf/src/filter.rs `observe`).
-    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-    pub enum Fate {
-        /// Nothing decisive: hold it if the flow is held.
-        Other,
-        /// A SYN without ACK leaving the client's device in its namespace.
-        Start,
-        /// The reply reached the client reverse-NATed.
-        Healthy,
-        /// Un-reversed reply at the client, RST or drop.
-        Anomaly,
-    }
-}
+pub mod held;
 
 /// Events one `HELD` entry holds; one more spills the buffer (sent).
 /// A healthy handshake through a bridged node is 17 events past the first.

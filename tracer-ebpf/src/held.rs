@@ -12,8 +12,10 @@
 //! - no reply: userspace pulls the buffer at the flow's reply deadline and
 //!   at exit (tracer-userspace/src/probes/held.rs).
 //!
-//! A userspace model of these rules is run over every recorded fixture
-//! (tracer-userspace/tests/held.rs): change both together.
+//! The rule's decision is tracer-common's `held::decide` (and
+//! `slot_marks`): this file is its map calls, and the model test
+//! (tracer-userspace/tests/held.rs) replays every recorded fixture through
+//! the same decision.
 
 use aya_ebpf::{
     helpers::bpf_ktime_get_ns,
@@ -21,10 +23,9 @@ use aya_ebpf::{
     maps::{HashMap, PerCpuArray},
 };
 use tracer_common::{
-    EndpointKey, EndpointState, HELD_CLOSED, HELD_SLOTS, HeldFlow, PacketEvent, direction,
-    event_flags,
-    held::{DONE, Fate, HOLDING, NEVER, NO_SLOT, is_late},
-    hook, stat,
+    EndpointKey, EndpointState, HELD_CLOSED, HELD_SLOTS, HeldFlow, PacketEvent, event_flags,
+    held::{DONE, Entry, Fate, NO_SLOT, Step, decide, slot_marks},
+    stat,
 };
 
 use crate::{
@@ -65,64 +66,48 @@ pub fn hold(
         return Some(0);
     };
     let held = unsafe { core::ptr::read_volatile(&raw const (*state).held) };
+    let same_syn = unsafe { core::ptr::read_volatile(&raw const (*state).syn_seq) } == pkt.seq;
+    // The rule itself is tracer-common's (`held::decide`), the one the
+    // model test replays the recordings through; here are its map calls.
+    let d = decide(
+        held,
+        same_syn,
+        fate,
+        cfg.buffer != 0,
+        cfg.reply_timeout_ns,
+        || start(client, pkt, at),
+        || {
+            let p = HELD.get_ptr_mut(client)?;
+            let e = unsafe {
+                Entry {
+                    age_ns: bpf_ktime_get_ns().saturating_sub((*p).first_ts),
+                    retransmit: (*p).retransmit != 0,
+                    reply_in_node: (*p).reply_in_node != 0,
+                    at_client_ns: (*p).client_netns == at.netns,
+                    from_service: same_addr(&(*p).service, &pkt.saddr)
+                        && (*p).service_port == pkt.sport,
+                }
+            };
+            Some((p, e))
+        },
+    );
+    if d.syn_seq {
+        unsafe { core::ptr::write_volatile(&raw mut (*state).syn_seq, pkt.seq) };
+    }
+    if let Some(h) = d.held {
+        set_held(state, h);
+    }
     // One flush site per program: each is a 24-iteration loop the verifier
     // walks (6.1 under emulation took seconds per program with several).
-    let act = 'act: {
-        if fate == Fate::Start && cfg.buffer != 0 {
-            let same_syn =
-                unsafe { core::ptr::read_volatile(&raw const (*state).syn_seq) } == pkt.seq;
-            if held == NEVER || !same_syn {
-                unsafe { core::ptr::write_volatile(&raw mut (*state).syn_seq, pkt.seq) };
-                if held == HOLDING {
-                    // A new connection from the same port while the old one
-                    // is held: the old one never finished, send what it
-                    // holds; the new one goes per packet.
-                    set_held(state, DONE);
-                    break 'act Act::Flush;
-                }
-                if start(client, pkt, at) {
-                    set_held(state, HOLDING);
-                    break 'act Act::Send(event_flags::HOLDING);
-                }
-                set_held(state, DONE);
-                break 'act Act::Send(0);
+    let act = match d.step {
+        Step::Send(flags) => Act::Send(flags),
+        Step::Flush => Act::Flush,
+        Step::Discard(p) => Act::Send(discard(client, p)),
+        Step::Store { entry, retransmit } => {
+            if retransmit {
+                unsafe { core::ptr::write_volatile(&raw mut (*entry).retransmit, 1) };
             }
-        }
-        if held != HOLDING {
-            break 'act Act::Send(0);
-        }
-        let Some(p) = HELD.get_ptr_mut(client) else {
-            // Pulled by userspace (reply deadline) or taken on another CPU.
-            set_held(state, DONE);
-            break 'act Act::Send(0);
-        };
-        let age = unsafe { bpf_ktime_get_ns().saturating_sub((*p).first_ts) };
-        let late = is_late(age, cfg.reply_timeout_ns);
-        // As the collector's `ok`: the reply reached the namespace the SYN
-        // left, from the Service it was sent to, and it crossed this node.
-        let as_ok = unsafe {
-            (*p).retransmit == 0
-                && (*p).reply_in_node != 0
-                && (*p).client_netns == at.netns
-                && same_addr(&(*p).service, &pkt.saddr)
-                && (*p).service_port == pkt.sport
-        };
-        match fate {
-            Fate::Healthy if as_ok && !late => {
-                set_held(state, DONE);
-                Act::Send(discard(client, p))
-            }
-            Fate::Healthy | Fate::Anomaly => {
-                set_held(state, DONE);
-                Act::Flush
-            }
-            Fate::Start | Fate::Other => {
-                if fate == Fate::Start {
-                    // The same SYN sent again: every attempt is evidence.
-                    unsafe { core::ptr::write_volatile(&raw mut (*p).retransmit, 1) };
-                }
-                store(state, p, pkt, at, dir, svc)
-            }
+            store(state, entry, pkt, at, dir, svc)
         }
     };
     match act {
@@ -212,37 +197,22 @@ fn store(
         set_held(state, DONE);
         return Act::Flush;
     }
-    let in_node = in_node(at);
+    let node_netns = crate::config::config().map_or(0, |c| c.node_netns);
+    let in_node = tracer_common::held::in_node(at.hook, at.netns, node_netns);
     unsafe {
         let slot = &raw mut (*p).events[i];
         // Flagged as it will be sent if the flow turns out a problem.
         fill(slot, pkt, at, dir, svc, event_flags::FLUSHED);
-        if dir == direction::REQUEST
-            && in_node
-            && (*p).dnat_slot == NO_SLOT
-            && (!same_addr(&pkt.daddr, &(*p).service) || pkt.dport != (*p).service_port)
-        {
+        let to_service = same_addr(&pkt.daddr, &(*p).service) && pkt.dport == (*p).service_port;
+        let (dnat, reply) = slot_marks(dir, in_node, (*p).dnat_slot == NO_SLOT, to_service);
+        if dnat {
             (*p).dnat_slot = i as u8;
         }
-        if dir == direction::REPLY && in_node {
+        if reply {
             (*p).reply_in_node = 1;
         }
     }
     Act::Held
-}
-
-/// A point of the traced node: tc and netfilter run only there; a device
-/// event counts when its namespace is the node's (as the collector's
-/// `observed_in_node`).
-#[inline(always)]
-fn in_node(at: &Point) -> bool {
-    match at.hook {
-        hook::TC_INGRESS | hook::TC_EGRESS | hook::NETFILTER | hook::BR_FORWARD => true,
-        hook::DEV_RX | hook::DEV_TX => {
-            at.netns != 0 && crate::config::config().is_some_and(|c| at.netns == c.node_netns)
-        }
-        _ => false,
-    }
 }
 
 /// Claims `n` on the entry's count and returns what it was. Not atomic:

@@ -4,16 +4,19 @@
 //! model holds them as the kernel now does, and the live session's pull
 //! (`take_due_held` at each tick, everything at the end) brings the
 //! held ones back. Verdicts, causes and backends must be the same both
-//! ways, and a problem flow must keep every hop. The buffer's states, its
-//! timing (`is_late`), slot count and `Fate` are tracer-common's, the same
-//! the eBPF program uses; what is stated here is the rule's control flow
-//! over them, as held.rs `hold` (and filter.rs `observe`, which decides
-//! the event's fate) runs it.
-use std::collections::HashMap;
+//! ways, and a problem flow must keep every hop. The rule's decision
+//! (`held::decide`, `held::slot_marks`, `held::in_node`), states, timing
+//! and slot count are tracer-common's, the very code the eBPF program runs;
+//! what is stated here is the maps it runs on, and the event's fate as
+//! filter.rs `observe` decides it.
+use std::{
+    cell::RefCell,
+    collections::{HashMap, hash_map::Entry},
+};
 
 use tracer_common::{
     HELD_SLOTS, PacketEvent, direction, event_flags,
-    held::{DONE, Fate, HOLDING, NEVER, is_late},
+    held::{self, DONE, Fate, Step, decide},
     hook, proto, tcp_flags,
 };
 
@@ -58,14 +61,6 @@ impl Model {
         ev.netns != 0 && ev.netns != self.node_netns
     }
 
-    fn in_node(&self, ev: &PacketEvent) -> bool {
-        match ev.hook {
-            hook::TC_INGRESS | hook::TC_EGRESS | hook::NETFILTER | hook::BR_FORWARD => true,
-            hook::DEV_RX | hook::DEV_TX => ev.netns == self.node_netns,
-            _ => false,
-        }
-    }
-
     /// filter.rs `observe`: what the event is to the buffer.
     fn fate(&self, ev: &PacketEvent) -> Fate {
         let is_drop = ev.hook == hook::DROP;
@@ -93,7 +88,9 @@ impl Model {
         fate
     }
 
-    /// held.rs `hold`: the events to send now, in order.
+    /// held.rs `hold`: the events to send now, in order. The decision is
+    /// the kernel's own (`held::decide`, `held::slot_marks`); what is
+    /// stated here is only its maps, as plain collections.
     fn apply(&mut self, ev: PacketEvent) -> Vec<PacketEvent> {
         if ev.proto != proto::TCP {
             return vec![ev];
@@ -105,58 +102,64 @@ impl Model {
         };
         let fate = self.fate(&ev);
         let st = self.state.entry(client).or_default();
-        let held = st.held;
+        let (held, same_syn) = (st.held, st.syn_seq == ev.seq);
+        let map = RefCell::new(&mut self.held);
+        let d = decide(
+            held,
+            same_syn,
+            fate,
+            true,
+            self.reply_timeout_ns,
+            // BPF_NOEXIST: an entry left behind is not replaced.
+            || match map.borrow_mut().entry(client) {
+                Entry::Occupied(_) => false,
+                Entry::Vacant(v) => {
+                    v.insert(Held {
+                        events: Vec::new(),
+                        first_ts: ev.ts_ns,
+                        client_netns: ev.netns,
+                        service: (ev.daddr, ev.dport),
+                        dnat_slot: None,
+                        reply_in_node: false,
+                        retransmit: false,
+                    });
+                    true
+                }
+            },
+            || {
+                map.borrow().get(&client).map(|h| {
+                    let e = held::Entry {
+                        age_ns: ev.ts_ns.saturating_sub(h.first_ts),
+                        retransmit: h.retransmit,
+                        reply_in_node: h.reply_in_node,
+                        at_client_ns: h.client_netns == ev.netns,
+                        from_service: h.service == (ev.saddr, ev.sport),
+                    };
+                    (client, e)
+                })
+            },
+        );
+        let st = self.state.entry(client).or_default();
+        if d.syn_seq {
+            st.syn_seq = ev.seq;
+        }
+        if let Some(h) = d.held {
+            st.held = h;
+        }
         let flagged = |mut e: PacketEvent, f: u8| {
             e.flags = f;
             e
         };
-        if fate == Fate::Start && (held == NEVER || st.syn_seq != ev.seq) {
-            st.syn_seq = ev.seq;
-            if held == HOLDING {
-                // A new connection from a held port: the old buffer goes
-                // out, the new connection per packet.
-                st.held = DONE;
+        match d.step {
+            Step::Send(0) => vec![ev],
+            Step::Send(flags) => vec![flagged(ev, flags)],
+            Step::Flush => {
                 let mut out = self.flush(client);
                 out.push(ev);
-                return out;
+                out
             }
-            let mut out = Vec::new();
-            let st = self.state.entry(client).or_default();
-            st.held = HOLDING;
-            self.held.insert(
-                client,
-                Held {
-                    events: Vec::new(),
-                    first_ts: ev.ts_ns,
-                    client_netns: ev.netns,
-                    service: (ev.daddr, ev.dport),
-                    dnat_slot: None,
-                    reply_in_node: false,
-                    retransmit: false,
-                },
-            );
-            out.push(flagged(ev, event_flags::HOLDING));
-            return out;
-        }
-        if held != HOLDING {
-            return vec![ev];
-        }
-        let (in_node, timeout) = (self.in_node(&ev), self.reply_timeout_ns);
-        let Some(h) = self.held.get_mut(&client) else {
-            self.state.entry(client).or_default().held = DONE;
-            return vec![ev];
-        };
-        let late = is_late(ev.ts_ns.saturating_sub(h.first_ts), timeout);
-        match fate {
-            Fate::Healthy
-                if !h.retransmit
-                    && h.reply_in_node
-                    && h.client_netns == ev.netns
-                    && h.service == (ev.saddr, ev.sport)
-                    && !late =>
-            {
-                let h = self.held.remove(&client).unwrap();
-                self.state.entry(client).or_default().held = DONE;
+            Step::Discard(k) => {
+                let h = self.held.remove(&k).expect("decided on a held entry");
                 let mut out = Vec::new();
                 if let Some(k) = h.dnat_slot {
                     out.push(flagged(h.events[k], event_flags::KEPT));
@@ -165,31 +168,26 @@ impl Model {
                 out.push(flagged(ev, event_flags::VIA_NODE));
                 out
             }
-            Fate::Healthy | Fate::Anomaly => {
-                self.state.entry(client).or_default().held = DONE;
-                let mut out = self.flush(client);
-                out.push(ev);
-                out
-            }
-            Fate::Start | Fate::Other => {
-                if fate == Fate::Start {
+            Step::Store { entry, retransmit } => {
+                let in_node = held::in_node(ev.hook, ev.netns, self.node_netns);
+                let h = self.held.get_mut(&entry).expect("decided on a held entry");
+                if retransmit {
                     h.retransmit = true;
                 }
                 if h.events.len() >= HELD_SLOTS {
+                    // Full: a spill (held.rs `store`).
                     self.state.entry(client).or_default().held = DONE;
                     let mut out = self.flush(client);
                     out.push(ev);
                     return out;
                 }
-                let i = h.events.len();
-                if ev.direction == direction::REQUEST
-                    && in_node
-                    && h.dnat_slot.is_none()
-                    && (ev.daddr, ev.dport) != h.service
-                {
-                    h.dnat_slot = Some(i);
+                let to_service = (ev.daddr, ev.dport) == h.service;
+                let (dnat, reply) =
+                    held::slot_marks(ev.direction, in_node, h.dnat_slot.is_none(), to_service);
+                if dnat {
+                    h.dnat_slot = Some(h.events.len());
                 }
-                h.reply_in_node |= ev.direction == direction::REPLY && in_node;
+                h.reply_in_node |= reply;
                 h.events.push(ev);
                 Vec::new()
             }

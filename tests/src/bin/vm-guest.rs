@@ -13,7 +13,7 @@
 //! tuples) are what the lab configured — a wrong BTF offset must fail here, not
 //! silently produce no events; and that all backends agree flow for flow.
 //! Each seed 000 case runs again without `-v`, with the kernel's per-flow
-//! buffer on (`vm-guest/buffered.rs`). Then seed 000 over IPv6 on a
+//! buffer on (`vm-guest/held.rs`). Then seed 000 over IPv6 on a
 //! dual-stack node (`vm-guest/ipv6.rs`).
 //! One `vm-guest: PASS|FAIL` line per check; exit 0 only if all pass.
 //!
@@ -23,10 +23,10 @@
 //! record nothing (auto fallback, IPv6) to spare the emulated guest.
 
 // Not tests/src/bin/facts.rs: cargo would take that for a binary of its own.
-#[path = "vm-guest/buffered.rs"]
-mod buffered;
 #[path = "vm-guest/facts.rs"]
 mod facts;
+#[path = "vm-guest/held.rs"]
+mod held;
 #[path = "vm-guest/ipv6.rs"]
 mod ipv6;
 #[path = "vm-guest/record.rs"]
@@ -202,7 +202,7 @@ fn run() -> anyhow::Result<bool> {
         }
         if !record_fixtures {
             for &backend in &backends {
-                buffered::check(&mut checks, &nattrace, sc, backend, &facts);
+                held::check(&mut checks, &nattrace, sc, backend, &facts);
             }
         }
         if !record_fixtures && backends.contains(&"kprobe") && backends.contains(&"netfilter") {

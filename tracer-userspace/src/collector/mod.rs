@@ -206,6 +206,8 @@ pub struct Collector {
     loss_windows: VecDeque<(u64, u64)>,
     last_tick: u64,
     summary: Summary,
+    /// `finish` runs: flows decided now are decided by the trace's end.
+    stopping: bool,
 }
 
 impl Collector {
@@ -246,6 +248,7 @@ impl Collector {
             loss_windows: VecDeque::new(),
             last_tick: 0,
             summary: Summary::default(),
+            stopping: false,
         }
     }
 
@@ -360,6 +363,7 @@ impl Collector {
         self.watermark = self.watermark.max(now_ns);
         self.release(u64::MAX);
         self.horizon = self.watermark;
+        self.stopping = true;
         self.account_loss(now_ns);
         self.decide_due(self.horizon);
         let mut pending: Vec<(u64, FlowRef)> = self
@@ -865,6 +869,7 @@ impl Collector {
         let decision = Decision {
             decided_ts: at,
             cut_short: false,
+            stopped: false,
         };
         let mut report = report::build(flow, &self.report_ctx(), decision);
         let failed = report.verdict != Verdict::Ok;
@@ -908,6 +913,7 @@ impl Collector {
         let decision = Decision {
             decided_ts: at,
             cut_short: at < flow.first_ts + self.cfg.reply_timeout_ns,
+            stopped: self.stopping,
         };
         let ctx = ReportCtx {
             facts: &self.cfg.facts,

@@ -142,12 +142,15 @@ impl ReportCtx<'_> {
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Decision {
     pub decided_ts: u64,
-    /// Decided before the reply timeout ran out (tracing stopped).
+    /// Decided before the reply timeout ran out (tracing stopped, or the
+    /// flow was evicted).
     pub cut_short: bool,
+    /// Decided at the trace's end (`Collector::finish`).
+    pub stopped: bool,
 }
 
 pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport {
-    let verdict = verdict_of(flow, ctx.known);
+    let verdict = verdict_of(flow, ctx.known, d.stopped && d.cut_short);
     let incomplete = flow.evicted;
     let drop =
         super::established::placed_drop(flow, ctx.known).or_else(|| first_drop(flow, ctx.known));
@@ -315,6 +318,7 @@ fn detail(
         (Verdict::Dropped, _) => {
             dropped_detail(flow, ctx, drop.expect("dropped verdict has a drop"))
         }
+        (Verdict::Undecided, _) => undecided_detail(flow, ctx, d),
         _ => no_reply_detail(flow, ctx, d),
     };
     if verdict != Verdict::ReplyNotReverseNated
@@ -454,8 +458,9 @@ fn no_reply_detail(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> String {
             "; a reply was last seen at {} but never reached the client",
             hop_words(o, ctx)
         )),
+        // Evicted before its reply timeout (the trace's end is `undecided`).
         None if d.cut_short => s.push_str(&format!(
-            "; no reply before tracing stopped ({} ms after the request)",
+            "; no reply before it was evicted ({} ms after the request)",
             d.decided_ts.saturating_sub(flow.first_ts) / 1_000_000
         )),
         // Held past the reply timeout for a neighbour failure (checks/backend.rs).
@@ -467,6 +472,22 @@ fn no_reply_detail(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> String {
                 / 1_000_000
         )),
     }
+    s
+}
+
+/// How long before the stop the request was, against the reply timeout:
+/// what tells an on-call reader that the missing reply proves nothing.
+fn undecided_detail(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> String {
+    let first = flow.first_request_kind();
+    let mut s = match flow.backend {
+        Some(b) => format!("{first} DNATed to {b}"),
+        None => format!("{first} sent"),
+    };
+    s.push_str(&format!(
+        " {} ms before tracing stopped, within the {} ms reply timeout: no reply yet and no failure seen, cut by the stop",
+        d.decided_ts.saturating_sub(flow.first_ts) / 1_000_000,
+        ctx.reply_timeout_ns / 1_000_000
+    ));
     s
 }
 

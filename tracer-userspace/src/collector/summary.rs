@@ -14,6 +14,10 @@ pub struct VerdictCounts {
     /// Written only when some were (summary lines keep their shape).
     #[serde(skip_serializing_if = "is_zero")]
     pub unseen: u64,
+    /// Flows cut by the trace's end before their reply timeout ran out,
+    /// without a reply or a failure seen. Written only when some were.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub undecided: u64,
 }
 
 impl VerdictCounts {
@@ -25,6 +29,7 @@ impl VerdictCounts {
             Verdict::Dropped => self.dropped,
             Verdict::Refused => self.refused,
             Verdict::Unseen => self.unseen,
+            Verdict::Undecided => self.undecided,
         }
     }
 
@@ -36,6 +41,7 @@ impl VerdictCounts {
             Verdict::Dropped => self.dropped += 1,
             Verdict::Refused => self.refused += 1,
             Verdict::Unseen => self.unseen += 1,
+            Verdict::Undecided => self.undecided += 1,
         }
     }
 }

@@ -30,16 +30,21 @@ pub enum Verdict {
     /// while the programs were still attaching) and nothing seen since
     /// tells how it went: a missing reply is no evidence then.
     Unseen,
+    /// No reply yet and no failure seen when tracing stopped, before the
+    /// reply timeout had run out: cut by the stop, too early to tell. Not a
+    /// failure (a reply may have been on its way), not `ok` either.
+    Undecided,
 }
 
 impl Verdict {
-    pub const ALL: [Verdict; 6] = [
+    pub const ALL: [Verdict; 7] = [
         Verdict::Ok,
         Verdict::ReplyNotReverseNated,
         Verdict::NoReply,
         Verdict::Dropped,
         Verdict::Refused,
         Verdict::Unseen,
+        Verdict::Undecided,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -50,11 +55,21 @@ impl Verdict {
             Verdict::Dropped => "dropped",
             Verdict::Refused => "refused",
             Verdict::Unseen => "unseen",
+            Verdict::Undecided => "undecided",
         }
+    }
+
+    /// Not a failure seen: no evidence either way (the opening unseen, or
+    /// the trace stopped before the reply timeout). No exit status 1.
+    pub fn is_undetermined(self) -> bool {
+        matches!(self, Verdict::Unseen | Verdict::Undecided)
     }
 }
 
-pub(crate) fn verdict_of(flow: &Flow, known: &KnownReasons) -> Verdict {
+/// `stopped_early`: decided at the trace's end before the flow's reply
+/// timeout ran out. Only a missing reply is cut short by that; positive
+/// evidence (a drop, a reply not reverse-NATed, a RST) decides as ever.
+pub(crate) fn verdict_of(flow: &Flow, known: &KnownReasons, stopped_early: bool) -> Verdict {
     match flow.client_reply {
         Some(r)
             if r.reverse_nated
@@ -67,6 +82,7 @@ pub(crate) fn verdict_of(flow: &Flow, known: &KnownReasons) -> Verdict {
         Some(_) => Verdict::ReplyNotReverseNated,
         None if first_drop(flow, known).is_some() => Verdict::Dropped,
         None if !flow.opening_seen => Verdict::Unseen,
+        None if stopped_early => Verdict::Undecided,
         None => Verdict::NoReply,
     }
 }

@@ -24,10 +24,12 @@ pub(super) fn decide(parts: &[(&Name, &FlowReport)], packets: &[PacketEvidence])
     }
     // A drop another node saw explains a request that got no reply (or
     // whose opening this node did not see: the drop is positive evidence).
-    if matches!(base.verdict, Verdict::NoReply | Verdict::Unseen)
-        && let Some((_, other)) = parts[1..]
-            .iter()
-            .find(|(_, r)| r.verdict == Verdict::Dropped)
+    if matches!(
+        base.verdict,
+        Verdict::NoReply | Verdict::Unseen | Verdict::Undecided
+    ) && let Some((_, other)) = parts[1..]
+        .iter()
+        .find(|(_, r)| r.verdict == Verdict::Dropped)
     {
         return Decided {
             verdict: other.verdict,
@@ -73,9 +75,11 @@ fn asymmetric_return_path(
 ) -> Option<Decided> {
     let (dnat_node, base) = parts[0];
     let backend: SocketAddr = base.backend?;
+    // The other node's reply leaving straight to the client is positive
+    // evidence, also for a half cut by the stop.
     if !matches!(
         base.verdict,
-        Verdict::NoReply | Verdict::ReplyNotReverseNated
+        Verdict::NoReply | Verdict::ReplyNotReverseNated | Verdict::Undecided
     ) {
         return None;
     }

@@ -168,8 +168,9 @@ impl Outputs {
     pub fn flows(&mut self, reports: Vec<FlowReport>) -> io::Result<()> {
         for report in &reports {
             self.outcome.flows += 1;
-            // An unseen opening without evidence is not a failure seen.
-            if !matches!(report.verdict, Verdict::Ok | Verdict::Unseen) {
+            // An unseen opening, or a flow cut by the stop, without
+            // evidence is not a failure seen.
+            if report.verdict != Verdict::Ok && !report.verdict.is_undetermined() {
                 self.outcome.problem_flows += 1;
             }
             if !self.stdout_lost {

@@ -432,3 +432,34 @@ fn attempts_in_json_and_text() {
     );
     assert!(line.ends_with(" ms → 100.96.54.248:80 answered."), "{line}");
 }
+
+/// A flow cut by the stop is marked `?` like an unseen one, and the
+/// summary lists `undecided` only when some were.
+#[test]
+fn text_line_for_a_flow_cut_by_the_stop() {
+    let events: Vec<_> = fixtures::no_reply().into_iter().take(8).collect();
+    let mut c = Collector::new(CollectorConfig {
+        services: fixtures::services(),
+        facts: fixtures::facts(Some(true)),
+        ..CollectorConfig::default()
+    });
+    for ev in &events {
+        c.push(*ev);
+    }
+    let (reports, summary) = c.finish(fixtures::T0 + 1_000_000);
+    let out = text(&reports, &summary, false, false);
+    let mut lines = out.lines();
+    let line = lines.next().unwrap();
+    assert!(
+        line.starts_with("? undecided tcp 192.168.50.10:51000 → 100.67.30.133:80"),
+        "{line}"
+    );
+    assert!(
+        line.contains("1 ms before tracing stopped, within the 3000 ms reply timeout"),
+        "{line}"
+    );
+    assert_eq!(
+        lines.next().unwrap(),
+        "summary: 1 flows (ok 0, reply_not_reverse_nated 0, no_reply 0, dropped 0, undecided 1); lost events: 0"
+    );
+}

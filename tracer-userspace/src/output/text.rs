@@ -48,7 +48,7 @@ impl<W: io::Write> TextOutput<W> {
 
     pub fn flow(&mut self, r: &FlowReport) -> io::Result<()> {
         let (mark, colour) = match (r.verdict, r.incomplete) {
-            (_, true) | (Verdict::Unseen, _) => ("?", YELLOW),
+            (_, true) | (Verdict::Unseen | Verdict::Undecided, _) => ("?", YELLOW),
             (Verdict::Ok, _) => ("✓", GREEN),
             _ => ("✗", RED),
         };
@@ -175,7 +175,8 @@ impl<W: io::Write> TextOutput<W> {
             .iter()
             // `refused` is rare: listed only when it happened.
             .filter(|v| {
-                !matches!(v, Verdict::Refused | Verdict::Unseen) || s.by_verdict.get(**v) > 0
+                !matches!(v, Verdict::Refused | Verdict::Unseen | Verdict::Undecided)
+                    || s.by_verdict.get(**v) > 0
             })
             .map(|v| format!("{} {}", v.as_str(), s.by_verdict.get(*v)))
             .collect::<Vec<_>>()

@@ -510,3 +510,34 @@ fn a_rate_that_will_reach_the_cap_is_warned_about_ahead() {
     assert_eq!(warnings(100, 3), Vec::<String>::new());
     assert_eq!(warnings(1, 1), Vec::<String>::new());
 }
+
+/// A recording ended (its `end` line) within a request's reply timeout
+/// decides the flow as the live session did at that stop: `undecided`.
+#[test]
+fn a_recording_stopped_within_the_reply_timeout_is_undecided_as_live() {
+    let path = temp("stopped-early");
+    let mut w = RecordingWriter::create(&path, &header(), None).unwrap();
+    let events: Vec<_> = fixtures::no_reply().into_iter().take(8).collect();
+    for ev in &events {
+        w.event(ev);
+    }
+    let stop = fixtures::T0 + 700_000_000;
+    w.end(StatsLine {
+        now_ns: stop,
+        ..Default::default()
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    assert!(w.drain(deadline, std::time::Duration::from_secs(10)));
+    let bytes = std::fs::read(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let (reports, problem) = decide(&bytes);
+    assert_eq!(problem, None);
+    let mut live = Collector::new(header().collector_config().unwrap());
+    for ev in events {
+        live.push(ev);
+    }
+    let (expected, _) = live.finish(stop);
+    assert_eq!(reports, expected);
+    assert_eq!(reports[0].verdict, crate::collector::Verdict::Undecided);
+    assert!(reports[0].detail.contains("700 ms before tracing stopped"));
+}

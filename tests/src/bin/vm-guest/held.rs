@@ -19,7 +19,7 @@ pub fn check(
     backend: &str,
     facts: &LabFacts,
 ) {
-    let name = format!("{} {backend} buffered", sc.name);
+    let name = format!("{} {backend} held", sc.name);
     let result = trace(nattrace, backend, facts, None, false)
         .map_err(|e| format!("{e:#}"))
         .and_then(|run| judge(sc, &run.done));
@@ -52,10 +52,10 @@ fn judge(sc: &Scenario, done: &lab::tracer::Finished) -> Result<String, String> 
         }
     }
     let count = |k: &str| summary[k].as_u64().unwrap_or(0);
-    let (events, buffered) = (count("events"), count("buffered_flows"));
-    if buffered < CONNECTIONS as u64 {
+    let (events, held) = (count("events"), count("buffered_flows"));
+    if held < CONNECTIONS as u64 {
         return fail(format!(
-            "{buffered} buffered flows for {CONNECTIONS} connections: the kernel held none"
+            "{held} held flows (`buffered_flows`) for {CONNECTIONS} connections: the kernel held none"
         ));
     }
     let budget = if sc.connects {
