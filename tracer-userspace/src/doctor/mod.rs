@@ -63,6 +63,8 @@ pub struct Inputs {
     pub traced: Vec<std::net::IpAddr>,
     /// IPv6 sysctls, addresses and RA-learned routes ([`ipv6`]).
     pub ipv6: ipv6::Ipv6Facts,
+    /// The uplink and the rules dropping ICMP errors ([`mtu`]).
+    pub mtu: mtu::MtuFacts,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -174,6 +176,7 @@ pub fn assess(i: &Inputs) -> Report {
     out.extend(service_nat(i));
     out.extend(masquerade_all_finding(i));
     out.extend(ipv6::findings(i));
+    out.extend(mtu::findings(i));
     Report {
         netns: i.netns.clone(),
         findings: out,
@@ -506,6 +509,7 @@ pub fn gather_with(
     drop(t);
     let _t = crate::timing::step("dataplane detect (ip addr kube-ipvs0, ip_vs)");
     inputs.dataplane = Dataplane::detect(&ns);
+    inputs.mtu = mtu::gather(&ns);
     Ok(inputs)
 }
 
@@ -538,5 +542,6 @@ pub fn run(netns: Option<&str>, json: bool) -> u8 {
 }
 
 pub mod ipv6;
+pub mod mtu;
 #[cfg(test)]
 mod tests;

@@ -237,6 +237,20 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         "kprobe nf_nat_packet",
     ),
     kp("kp_br_forward", "br_forward", None, "kprobe br_forward"),
+    // ICMP errors RELATED to a NATed connection: their quoted header is
+    // translated here, not in nf_nat_manip_pkt (issue 23).
+    kp(
+        "kp_nf_nat_icmp_reply_translation",
+        "nf_nat_icmp_reply_translation",
+        None,
+        "kprobe nf_nat_icmp_reply_translation",
+    ),
+    kp(
+        "kp_nf_nat_icmpv6_reply_translation",
+        "nf_nat_icmpv6_reply_translation",
+        None,
+        "kprobe nf_nat_icmpv6_reply_translation",
+    ),
 ];
 
 const fn kp(
