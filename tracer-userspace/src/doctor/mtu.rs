@@ -171,9 +171,7 @@ fn consistency(i: &Inputs) -> Option<Finding> {
     {
         limits.push((u.mtu, format!("uplink {} (MTU {})", u.name, u.mtu)));
     }
-    let Some((limit, what)) = limits.into_iter().min_by_key(|(m, _)| *m) else {
-        return None;
-    };
+    let (limit, what) = limits.into_iter().min_by_key(|(m, _)| *m)?;
     let too_big: Vec<&Interface> = pods
         .iter()
         .chain(&bridges)
@@ -262,7 +260,7 @@ mod tests {
         let f = consistency(&inputs(1500, 1450, 1500)).unwrap();
         assert_eq!(f.severity, Severity::Error);
         assert_eq!(f.value, "mtu=1500>1450");
-        assert!(f.message.contains("cni0,veth0"), "{}", f.message);
+        assert!(f.message.contains("veth0,cni0"), "{}", f.message);
         assert!(
             f.message.contains("flannel.1 (vxlan, MTU 1450)"),
             "{}",

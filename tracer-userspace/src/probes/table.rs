@@ -463,7 +463,7 @@ mod tests {
     fn kprobe_backend_without_kprobes_says_why() {
         let k = KernelFeatures::from_parts((6, 18, 0), false);
         let (_, skipped) = plan(Backend::Kprobe, &k, |_| true);
-        assert_eq!(skipped.len(), 4);
+        assert_eq!(skipped.len(), 6);
         assert!(skipped.iter().all(|s| s.reason.contains("CONFIG_KPROBES")));
     }
 
@@ -497,7 +497,7 @@ mod tests {
         let k = KernelFeatures::from_parts((6, 1, 0), true);
         let (run, skipped) = plan(Backend::Kprobe, &k, |_| true);
         assert!(skipped.is_empty());
-        assert_eq!(run.len(), 9);
+        assert_eq!(run.len(), 11);
         // nf_hook_slow must be attached before the NAT probes that read its slot.
         let first_kp = run
             .iter()
