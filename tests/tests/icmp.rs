@@ -54,11 +54,11 @@ fn mtu_lab(mode: ProxyMode) -> Lab {
     lab
 }
 
-/// A rule on node-a dropping the fragmentation-needed errors the node
+/// A rule on `node` dropping the fragmentation-needed errors the node
 /// itself sends (OUTPUT: they are locally generated, icmp_send).
-fn drop_frag_needed(lab: &Lab) {
+fn drop_frag_needed(lab: &Lab, node: &str) {
     lab.run(
-        presets::NODE_A,
+        node,
         &[
             "iptables-nft",
             "-I",
@@ -125,14 +125,18 @@ fn upload(lab: &Lab, file: &Upload) -> (Option<i32>, String) {
     )
 }
 
-/// Traces the Service on node-a (JSON, every packet, recorded) while
+/// Traces the web Service on node-a (JSON, every packet, recorded) while
 /// `traffic` runs.
 fn trace(lab: &Lab, rec: &std::path::Path, traffic: impl FnOnce()) -> Finished {
-    let ns = lab.node_netns(presets::NODE_A).expect("node").path();
     let svc = format!("{}:{}", presets::WEB_SERVICE_IP, presets::WEB_PORT);
+    trace_svc(lab, &svc, rec, traffic)
+}
+
+fn trace_svc(lab: &Lab, svc: &str, rec: &std::path::Path, traffic: impl FnOnce()) -> Finished {
+    let ns = lab.node_netns(presets::NODE_A).expect("node").path();
     let args: Vec<String> = [
         "--svc",
-        &svc,
+        svc,
         "--netns",
         &ns.display().to_string(),
         "--reply-timeout",
@@ -202,7 +206,7 @@ fn decisions(flows: &[Value]) -> Vec<String> {
 fn black_hole(mode: ProxyMode) {
     let _guard = tracing_lock();
     let lab = mtu_lab(mode);
-    drop_frag_needed(&lab);
+    drop_frag_needed(&lab, presets::NODE_A);
     let file = Upload::new("blackhole");
     // The client's symptom first, untraced: the handshake works, the
     // upload stalls until curl gives up.
@@ -309,4 +313,106 @@ fn root_pmtu_discovery_through_the_service_is_ok() {
     let again = analyze(&rec);
     assert_eq!(decisions(&again), decisions(&flows));
     let _ = std::fs::remove_file(&rec);
+}
+
+/// The large response: the backend's full-size reply packets do not fit
+/// node-b's underlay; node-b's fragmentation needed to the backend is
+/// dropped by a rule there. The handshake and request work, the response
+/// never arrives: the connection, `ok` at its opening, is named a black
+/// hole about the reply packets mid-stream.
+#[test]
+fn root_pmtu_black_hole_of_a_large_response_is_named() {
+    require_root!();
+    let _guard = tracing_lock();
+    let lab = mtu_lab(ProxyMode::Iptables);
+    drop_frag_needed(&lab, presets::NODE_B);
+    let get = || {
+        let url = format!(
+            "http://{}:{}/big",
+            presets::WEB_SERVICE_IP,
+            presets::WEB_PORT
+        );
+        lab.exec_timeout(
+            presets::CLIENT_POD,
+            &["curl", "-sS", "-m", CURL_TIMEOUT_S, "-o", "/dev/null", &url],
+            Duration::from_secs(20),
+        )
+        .expect("running curl")
+        .status
+        .code()
+    };
+    assert_eq!(get(), Some(28), "a black-holed response times out");
+    let rec = std::env::temp_dir().join(format!("nattrace-icmp-big-{}.rec", lab.id()));
+    let done = trace(&lab, &rec, || {
+        assert_eq!(get(), Some(28), "a black-holed response times out");
+    });
+    let flows = done.flows().expect("JSON flows");
+    let f = flows
+        .iter()
+        .find(|f| f["cause"] == "pmtu_blackhole")
+        .unwrap_or_else(|| panic!("a pmtu_blackhole flow: {}", done.describe()));
+    let text = f["cause_text"].as_str().unwrap();
+    assert!(text.contains("reply packets"), "{text}");
+    assert!(text.contains("1400-byte link"), "{text}");
+    assert!(
+        text.contains("never at the backend") || text.contains("NETFILTER_DROP"),
+        "{text}"
+    );
+    let e = &f["icmp_errors"][0];
+    assert_eq!(e["about"], "reply", "{e}");
+    assert_eq!(e["mtu"], 1400, "{e}");
+    assert_eq!(e["reached_sender"], false, "{e}");
+    let again = analyze(&rec);
+    assert_eq!(decisions(&again), decisions(&flows));
+    let _ = std::fs::remove_file(&rec);
+}
+
+/// kube-proxy's REJECT of a Service without endpoints, seen as the ICMP
+/// port unreachable it is: the error reached the client, quoting the
+/// Service (so curl's connect fails at once, "connection refused").
+fn reject_reaches_client(mode: ProxyMode) {
+    let _guard = tracing_lock();
+    let mut spec = presets::no_endpoints();
+    spec.kube_proxy.mode = mode;
+    let lab = build_lab(spec);
+    let svc = format!("{}:{}", presets::EMPTY_SERVICE_IP, presets::WEB_PORT);
+    let rec = std::env::temp_dir().join(format!("nattrace-icmp-reject-{}.rec", lab.id()));
+    let done = trace_svc(&lab, &svc, &rec, || {
+        let out = lab
+            .http_get(
+                presets::CLIENT_POD,
+                presets::EMPTY_SERVICE_IP,
+                presets::WEB_PORT,
+                Duration::from_secs(2),
+            )
+            .expect("curl");
+        assert_eq!(out.status.code(), Some(7), "connection refused at once");
+    });
+    let f = done.only_flow();
+    assert_eq!(f["cause"], "no_endpoints", "{}", done.describe());
+    let text = f["cause_text"].as_str().unwrap();
+    assert!(
+        text.contains("the client received the ICMP port unreachable"),
+        "{text}"
+    );
+    let e = &f["icmp_errors"][0];
+    assert_eq!(e["type"], 3, "{e}");
+    assert_eq!(e["code"], 3, "{e}");
+    assert_eq!(e["reached_sender"], true, "{e}");
+    assert_eq!(e["translated"], true, "{e}");
+    let again = analyze(&rec);
+    assert_eq!(decisions(&again), decisions(&[f]));
+    let _ = std::fs::remove_file(&rec);
+}
+
+#[test]
+fn root_no_endpoints_reject_reaches_the_client_iptables() {
+    require_root!();
+    reject_reaches_client(ProxyMode::Iptables);
+}
+
+#[test]
+fn root_no_endpoints_reject_reaches_the_client_nftables() {
+    require_root!();
+    reject_reaches_client(ProxyMode::Nftables);
 }
