@@ -101,6 +101,10 @@ fn upload(lab: &Lab, file: &Upload) -> (Option<i32>, String) {
         presets::WEB_SERVICE_IP,
         presets::WEB_PORT
     );
+    upload_to(lab, file, &url)
+}
+
+fn upload_to(lab: &Lab, file: &Upload, url: &str) -> (Option<i32>, String) {
     let path = file.0.display().to_string();
     let out = lab
         .exec_timeout(
@@ -415,4 +419,67 @@ fn root_no_endpoints_reject_reaches_the_client_iptables() {
 fn root_no_endpoints_reject_reaches_the_client_nftables() {
     require_root!();
     reject_reaches_client(ProxyMode::Nftables);
+}
+
+/// IPv6: the node sends the client an ICMPv6 packet too big (routers do
+/// not fragment IPv6), dropped by an ip6tables rule: the same black hole,
+/// named with the ICMPv6 error.
+#[test]
+fn root_pmtu_black_hole_over_ipv6_is_named() {
+    require_root!();
+    let _guard = tracing_lock();
+    let mut spec = presets::seed000(presets::Seed000 {
+        bridge_nf_call_iptables: true,
+        backend: Backend::OtherNode,
+    })
+    .with_datapath(Datapath::Routed)
+    .dual_stack();
+    spec.kube_proxy.mode = ProxyMode::Iptables;
+    let lab = build_lab(spec);
+    for node in [presets::NODE_A, presets::NODE_B] {
+        lab.run(node, &["ip", "link", "set", "eth0", "mtu", UNDERLAY_MTU])
+            .expect("setting the underlay MTU");
+    }
+    lab.run(
+        presets::NODE_A,
+        &[
+            "ip6tables-nft",
+            "-I",
+            "OUTPUT",
+            "-p",
+            "ipv6-icmp",
+            "--icmpv6-type",
+            "packet-too-big",
+            "-j",
+            "DROP",
+        ],
+    )
+    .expect("adding the ICMPv6 DROP rule");
+    let web6 = lab::dual_stack::service_ip6(presets::WEB_SERVICE_IP);
+    let url = format!("http://[{web6}]:{}/up", presets::WEB_PORT);
+    let file = Upload::new("v6");
+    let (code, _) = upload_to(&lab, &file, &url);
+    assert_eq!(code, Some(28), "a black-holed upload times out");
+    let svc = format!("[{web6}]:{}", presets::WEB_PORT);
+    let rec = std::env::temp_dir().join(format!("nattrace-icmp-v6-{}.rec", lab.id()));
+    let done = trace_svc(&lab, &svc, &rec, || {
+        let (code, _) = upload_to(&lab, &file, &url);
+        assert_eq!(code, Some(28), "a black-holed upload times out");
+    });
+    let flows = done.flows().expect("JSON flows");
+    let f = flows
+        .iter()
+        .find(|f| f["cause"] == "pmtu_blackhole")
+        .unwrap_or_else(|| panic!("a pmtu_blackhole flow: {}", done.describe()));
+    let text = f["cause_text"].as_str().unwrap();
+    assert!(text.contains("ICMPv6 packet too big"), "{text}");
+    assert!(text.contains("1400-byte link"), "{text}");
+    let e = &f["icmp_errors"][0];
+    assert_eq!(e["family"], "icmpv6", "{e}");
+    assert_eq!(e["type"], 2, "{e}");
+    assert_eq!(e["mtu"], 1400, "{e}");
+    assert_eq!(e["reached_sender"], false, "{e}");
+    let again = analyze(&rec);
+    assert_eq!(decisions(&again), decisions(&flows));
+    let _ = std::fs::remove_file(&rec);
 }
