@@ -211,6 +211,35 @@ fn black_hole(mode: ProxyMode) {
     let _guard = tracing_lock();
     let lab = mtu_lab(mode);
     drop_frag_needed(&lab, presets::NODE_A);
+    // doctor sees both halves statically: the pods' MTU above the
+    // uplink's, and the rule dropping the error.
+    let (code, doctor) = lab::tracer::doctor(&lab, presets::NODE_A);
+    assert_eq!(code, Some(1), "{doctor}");
+    let finding = |check: &str| {
+        doctor["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["check"] == check)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {check}: {doctor}"))
+    };
+    let mtu = finding("mtu");
+    assert_eq!(mtu["severity"], "error", "{mtu}");
+    assert_eq!(mtu["value"], "mtu=1500>1400", "{mtu}");
+    assert!(
+        mtu["message"]
+            .as_str()
+            .unwrap()
+            .contains("uplink eth0 (MTU 1400)"),
+        "{mtu}"
+    );
+    let rule = finding("icmp_frag_needed");
+    assert_eq!(rule["severity"], "warning", "{rule}");
+    assert!(
+        rule["message"].as_str().unwrap().contains("OUTPUT"),
+        "{rule}"
+    );
     let file = Upload::new("blackhole");
     // The client's symptom first, untraced: the handshake works, the
     // upload stalls until curl gives up.

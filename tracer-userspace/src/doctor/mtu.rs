@@ -149,29 +149,32 @@ fn consistency(i: &Inputs) -> Option<Finding> {
         .copied()
         .filter(|x| x.kind == "bridge")
         .collect();
-    // What a pod's packet may be: the smallest of the overlay's MTU and
-    // the uplink's less the overlay's header (or the uplink's alone).
+    // What a pod's packet may be through each overlay: the smaller of its
+    // MTU and the uplink's less its header. With several overlays (a
+    // dual-stack node's flannel.1 and flannel-v6.1, whose IPv6 outer header
+    // is 20 bytes more) the largest is the bound: a pod MTU above every
+    // overlay's is too big for certain.
     let mut limits: Vec<(u32, String)> = Vec::new();
     for o in &overlays {
-        limits.push((o.mtu, format!("{} ({}, MTU {})", o.name, o.kind, o.mtu)));
-        if let (Some(u), Some(h)) = (uplink, overhead(&o.kind))
-            && u.mtu.saturating_sub(h) < o.mtu
-        {
-            limits.push((
+        let own = (o.mtu, format!("{} ({}, MTU {})", o.name, o.kind, o.mtu));
+        let through = match (uplink, overhead(&o.kind)) {
+            (Some(u), Some(h)) if u.mtu.saturating_sub(h) < o.mtu => (
                 u.mtu.saturating_sub(h),
                 format!(
                     "uplink {} (MTU {}) less {}'s {h}-byte {} header",
                     u.name, u.mtu, o.name, o.kind
                 ),
-            ));
-        }
+            ),
+            _ => own,
+        };
+        limits.push(through);
     }
     if overlays.is_empty()
         && let Some(u) = uplink
     {
         limits.push((u.mtu, format!("uplink {} (MTU {})", u.name, u.mtu)));
     }
-    let (limit, what) = limits.into_iter().min_by_key(|(m, _)| *m)?;
+    let (limit, what) = limits.into_iter().max_by_key(|(m, _)| *m)?;
     let too_big: Vec<&Interface> = pods
         .iter()
         .chain(&bridges)
@@ -288,6 +291,14 @@ mod tests {
             .retain(|x| x.kind != "vxlan" && x.kind != "bridge");
         let f = consistency(&i).unwrap();
         assert_eq!(f.value, "mtu=1500>1400");
+    }
+
+    #[test]
+    fn a_dual_stack_nodes_ipv6_overlay_does_not_lower_the_bound() {
+        let mut i = inputs(1450, 1450, 1500);
+        i.interfaces.push(iface(6, "flannel-v6.1", "vxlan", 1430));
+        let f = consistency(&i).unwrap();
+        assert_eq!(f.severity, Severity::Ok, "{f:?}");
     }
 
     #[test]
