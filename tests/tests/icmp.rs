@@ -118,7 +118,7 @@ fn upload_to(lab: &Lab, file: &Upload, url: &str) -> (Option<i32>, String) {
                 "Expect:",
                 "-T",
                 &path,
-                &url,
+                url,
             ],
             Duration::from_secs(20),
         )
