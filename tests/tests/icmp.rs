@@ -512,3 +512,55 @@ fn root_pmtu_black_hole_over_ipv6_is_named() {
     assert_eq!(decisions(&again), decisions(&flows));
     let _ = std::fs::remove_file(&rec);
 }
+
+/// An ICMP error not translated back (cause `icmp_error_not_reverse_nated`):
+/// seed 001's node (bridge-nf-call-iptables=0, same-node DNS backend)
+/// with the DNS server stopped. The backend's kernel answers the DNATed
+/// query with ICMP port unreachable; bridged past netfilter, conntrack
+/// never translates its quote, so it reaches the client quoting the
+/// backend's address, which the client's stack discards: dig times out
+/// instead of failing at once.
+#[test]
+fn root_icmp_error_bridged_past_netfilter_is_not_reverse_nated() {
+    require_root!();
+    let _guard = tracing_lock();
+    let lab = build_lab(presets::dns(presets::Dns {
+        bridge_nf_call_iptables: false,
+        backend: Backend::SameNode,
+    }));
+    lab.stop_pod_servers(presets::DNS_POD)
+        .expect("stopping the DNS server");
+    let svc = format!("{}:53", presets::DNS_SERVICE_IP);
+    let rec = std::env::temp_dir().join(format!("nattrace-icmp-unrev-{}.rec", lab.id()));
+    let done = trace_svc(&lab, &svc, &rec, || {
+        let out = lab
+            .dig(
+                presets::CLIENT_POD,
+                presets::DNS_SERVICE_IP,
+                presets::DNS_NAME,
+                Duration::from_secs(1),
+            )
+            .expect("dig");
+        // dig: "connection timed out; no servers could be reached".
+        assert_eq!(out.status.code(), Some(9), "{out:?}");
+    });
+    let f = done.only_flow();
+    assert_eq!(
+        f["cause"],
+        "icmp_error_not_reverse_nated",
+        "{}",
+        done.describe()
+    );
+    let backend = presets::DNS_POD_IP.to_string();
+    let e = &f["icmp_errors"][0];
+    assert_eq!(e["code"], 3, "{e}");
+    assert_eq!(e["reached_sender"], true, "{e}");
+    assert_eq!(e["translated"], false, "{e}");
+    assert!(
+        e["quoted_dst"].as_str().unwrap().starts_with(&backend),
+        "{e}"
+    );
+    let again = analyze(&rec);
+    assert_eq!(decisions(&again), decisions(&[f]));
+    let _ = std::fs::remove_file(&rec);
+}
