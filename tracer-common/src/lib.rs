@@ -201,6 +201,111 @@ pub struct PacketEvent {
     /// Keeps the layout free of implicit padding (always 0).
     #[cfg_attr(feature = "user", serde(skip))]
     pub _reserved: u32,
+    /// An ICMP or ICMPv6 error about this flow (issue 23): its type (IPv4
+    /// 3, 11, 12; IPv6 1-4, the family being the addresses'), 0 for every
+    /// other event. On such an event the addresses, ports, seq, ack, flags,
+    /// `ip_len` and `ip_id` are those of the packet the error quotes (what
+    /// matched it to the flow), as the error carried it at this point.
+    #[cfg_attr(feature = "user", serde(default, skip_serializing_if = "is_zero"))]
+    pub icmp_type: u8,
+    #[cfg_attr(feature = "user", serde(default, skip_serializing_if = "is_zero"))]
+    pub icmp_code: u8,
+    #[cfg_attr(feature = "user", serde(skip))]
+    pub _icmp_pad: u16,
+    /// The MTU the error reports: next-hop MTU of an IPv4 "fragmentation
+    /// needed" (type 3 code 4), MTU of an ICMPv6 "packet too big" (type 2).
+    #[cfg_attr(feature = "user", serde(default, skip_serializing_if = "is_zero_u32"))]
+    pub icmp_mtu: u32,
+    /// Source address of the error packet itself (who sent it, or the
+    /// Service once conntrack translated it back); zero on other events.
+    #[cfg_attr(
+        feature = "user",
+        serde(default, with = "ip_text", skip_serializing_if = "is_zero_addr")
+    )]
+    pub icmp_from: Addr,
+}
+
+/// ICMP and ICMPv6 error types nattrace follows (RFC 792, RFC 4443).
+pub mod icmp {
+    pub const PROTO_ICMP: u8 = 1;
+    pub const PROTO_ICMPV6: u8 = 58;
+    pub const V4_DEST_UNREACH: u8 = 3;
+    pub const V4_TIME_EXCEEDED: u8 = 11;
+    pub const V4_PARAMETER_PROBLEM: u8 = 12;
+    /// Destination unreachable code 4.
+    pub const V4_FRAG_NEEDED: u8 = 4;
+    /// Destination unreachable code 3.
+    pub const V4_PORT_UNREACH: u8 = 3;
+    pub const V6_DEST_UNREACH: u8 = 1;
+    pub const V6_PACKET_TOO_BIG: u8 = 2;
+    pub const V6_TIME_EXCEEDED: u8 = 3;
+    pub const V6_PARAMETER_PROBLEM: u8 = 4;
+    /// Destination unreachable code 4.
+    pub const V6_PORT_UNREACH: u8 = 4;
+
+    /// An IPv4 error type followed (redirects, echo, ... are not).
+    #[inline(always)]
+    pub fn is_error_v4(t: u8) -> bool {
+        t == V4_DEST_UNREACH || t == V4_TIME_EXCEEDED || t == V4_PARAMETER_PROBLEM
+    }
+
+    /// An ICMPv6 error type followed (1-4; informational ones are 128+).
+    #[inline(always)]
+    pub fn is_error_v6(t: u8) -> bool {
+        (V6_DEST_UNREACH..=V6_PARAMETER_PROBLEM).contains(&t)
+    }
+
+    /// "too big": the error a path-MTU discovery waits for.
+    pub fn is_too_big(v6: bool, t: u8, code: u8) -> bool {
+        if v6 {
+            t == V6_PACKET_TOO_BIG
+        } else {
+            t == V4_DEST_UNREACH && code == V4_FRAG_NEEDED
+        }
+    }
+
+    /// "port unreachable" (kube-proxy's REJECT of a Service without endpoints).
+    pub fn is_port_unreachable(v6: bool, t: u8, code: u8) -> bool {
+        if v6 {
+            t == V6_DEST_UNREACH && code == V6_PORT_UNREACH
+        } else {
+            t == V4_DEST_UNREACH && code == V4_PORT_UNREACH
+        }
+    }
+
+    /// Human name of an error, e.g. "fragmentation needed".
+    pub fn name(v6: bool, t: u8, code: u8) -> &'static str {
+        if v6 {
+            match (t, code) {
+                (V6_DEST_UNREACH, 0) => "no route to destination",
+                (V6_DEST_UNREACH, 1) => "administratively prohibited",
+                (V6_DEST_UNREACH, 3) => "address unreachable",
+                (V6_DEST_UNREACH, V6_PORT_UNREACH) => "port unreachable",
+                (V6_DEST_UNREACH, _) => "destination unreachable",
+                (V6_PACKET_TOO_BIG, _) => "packet too big",
+                (V6_TIME_EXCEEDED, _) => "time exceeded",
+                (V6_PARAMETER_PROBLEM, _) => "parameter problem",
+                _ => "icmpv6 error",
+            }
+        } else {
+            match (t, code) {
+                (V4_DEST_UNREACH, 0) => "network unreachable",
+                (V4_DEST_UNREACH, 1) => "host unreachable",
+                (V4_DEST_UNREACH, V4_PORT_UNREACH) => "port unreachable",
+                (V4_DEST_UNREACH, V4_FRAG_NEEDED) => "fragmentation needed",
+                (V4_DEST_UNREACH, 9 | 10 | 13) => "administratively prohibited",
+                (V4_DEST_UNREACH, _) => "destination unreachable",
+                (V4_TIME_EXCEEDED, _) => "time exceeded",
+                (V4_PARAMETER_PROBLEM, _) => "parameter problem",
+                _ => "icmp error",
+            }
+        }
+    }
+}
+
+#[cfg(feature = "user")]
+fn is_zero_addr(a: &Addr) -> bool {
+    *a == [0; 4]
 }
 
 #[cfg(feature = "user")]
@@ -469,7 +574,7 @@ mod tests {
     fn layouts_have_no_implicit_padding() {
         // The kernel writes these with a fixed layout; a size change means the
         // two sides disagree.
-        assert_eq!(core::mem::size_of::<PacketEvent>(), 96);
+        assert_eq!(core::mem::size_of::<PacketEvent>(), 120);
         assert_eq!(core::mem::size_of::<ServiceKey>(), 20);
         assert_eq!(core::mem::size_of::<EndpointKey>(), 20);
         assert_eq!(core::mem::size_of::<EndpointState>(), 20);

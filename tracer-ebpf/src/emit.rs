@@ -25,6 +25,10 @@ pub struct Packet {
     pub ip_id: u16,
     pub proto: u8,
     pub tcp_flags: u8,
+    /// An ICMP error quoting this packet (icmp.rs): its type, 0 = none.
+    /// With the code, these fill what was padding.
+    pub icmp_type: u8,
+    pub icmp_code: u8,
 }
 
 impl Packet {
@@ -188,6 +192,7 @@ pub fn fill(ev: *mut PacketEvent, pkt: &Packet, at: &Point, dir: u8, svc: u8, fl
         (*ev).good = 0;
         (*ev)._reserved = 0;
     }
+    crate::icmp::fill(ev, pkt.icmp_type, pkt.icmp_code);
 }
 
 const BPF_RB_NO_WAKEUP: u64 = 1;

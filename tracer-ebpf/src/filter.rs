@@ -6,7 +6,7 @@ use network_types::{
 };
 use tracer_common::{
     Addr, EndpointKey, EndpointState, InflightPacket, ServiceKey, direction, event_flags,
-    held::Fate, hook, nat_stage, proto, stat, tcp_flags,
+    held::Fate, hook, icmp, nat_stage, proto, stat, tcp_flags,
 };
 
 use crate::{
@@ -30,12 +30,12 @@ pub const MAX_IPV6_EXT: usize = 6;
 
 /// What an IPv6 header chain step found.
 pub enum Ipv6Next {
-    /// TCP or UDP (the protocol) starts here.
+    /// TCP, UDP or ICMPv6 (the protocol) starts here.
     L4(u8),
     /// Another extension header to step over: its length in bytes and its
     /// Next Header value.
     Skip(usize, u8),
-    /// Nothing we trace (ICMPv6, no next header, another protocol).
+    /// Nothing we trace (no next header, another protocol).
     Untraced,
     /// Cannot be followed: a non-first fragment, ESP/AH or another
     /// extension header we do not walk. Counted in STATS[IPV6_UNFOLLOWED].
@@ -57,7 +57,7 @@ pub fn ipv6_step(next: u8, ext: impl FnOnce() -> Result<[u8; 8], ()>) -> Ipv6Nex
     const HIP: u8 = IpProto::Hip as u8;
     const SHIM6: u8 = IpProto::Shim6 as u8;
     match next {
-        proto::TCP | proto::UDP => Ipv6Next::L4(next),
+        proto::TCP | proto::UDP | icmp::PROTO_ICMPV6 => Ipv6Next::L4(next),
         HOPOPT | ROUTING | DSTOPTS => match ext() {
             // Hdr Ext Len counts 8-octet units past the first (RFC 8200 4.3-4.6).
             Ok(h) => Ipv6Next::Skip((h[1] as usize + 1) * 8, h[0]),
@@ -236,9 +236,9 @@ pub fn observe(
         return;
     };
     let is_drop = at.hook == hook::DROP;
-    // Handshakes and resets are always reported; FINs of an `ok` flow
-    // only close it and are counted like data.
-    let control = pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST);
+    // Handshakes, resets and ICMP errors about the flow are always
+    // reported; FINs of an `ok` flow only close it and are counted like data.
+    let control = (pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST)) | pkt.icmp_type;
     if let Some(state) = m.state {
         // The bulk of a muted flow stops here, before reading anything
         // more; only a reply at a device may still have to unmute it below.
@@ -294,7 +294,9 @@ pub fn observe(
     if let Some(state) = m.state {
         let mut mute_now = false;
         let mut fate = Fate::Other;
-        if pkt.proto == proto::TCP && !is_drop {
+        // An ICMP error quoting a SYN or a reply is neither: its quote
+        // only names the flow.
+        if pkt.proto == proto::TCP && !is_drop && pkt.icmp_type == 0 {
             let syn_ack = pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK);
             if m.dir == direction::REQUEST && syn_ack == tcp_flags::SYN {
                 // A new connection from this client port: trace it afresh.
@@ -321,7 +323,7 @@ pub fn observe(
                 }
             }
         }
-        if is_drop || pkt.tcp_flags & tcp_flags::RST != 0 {
+        if is_drop || pkt.tcp_flags & tcp_flags::RST != 0 || pkt.icmp_type != 0 {
             fate = Fate::Anomaly;
         }
         // A deviceless "drop" of a muted flow is a delivered packet purged
@@ -329,7 +331,9 @@ pub fn observe(
         // sk_stream_kill_queues → __skb_queue_purge, reason QUEUE_PURGE;
         // NOT_SPECIFIED on 6.1): one per connection, never evidence, since
         // an `ok` verdict stands once the reply reached the client.
-        let purged = is_drop && at.ifindex == 0;
+        // An ICMP error dropped before it had a device (a rule at OUTPUT
+        // dropping a locally generated one) is evidence, not a purge.
+        let purged = is_drop && at.ifindex == 0 && pkt.icmp_type == 0;
         if muted(state) && ((control == 0 && !is_drop) || purged) {
             stat_inc(stat::MUTED_PACKETS);
             return;

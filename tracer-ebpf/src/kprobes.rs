@@ -270,3 +270,88 @@ fn try_br_forward(ctx: &ProbeContext) -> Result<(), ()> {
     });
     Ok(())
 }
+
+/// `int nf_nat_icmp_reply_translation(struct sk_buff *skb, struct nf_conn
+/// *ct, enum ip_conntrack_info ctinfo, unsigned int hooknum)`: an ICMP
+/// error RELATED to a NATed connection is translated here, not through
+/// `nf_nat_manip_pkt` (nf_nat_ipv4_fn calls it for RELATED ICMP and
+/// returns; it rewrites the quoted header with nf_nat_ipv4_manip_pkt,
+/// net/netfilter/nf_nat_proto.c), so the kprobe backend sees the quote's
+/// translation only here.
+#[kprobe]
+pub fn kp_nf_nat_icmp_reply_translation(ctx: ProbeContext) -> u32 {
+    let _ = try_icmp_reply_translation(&ctx);
+    0
+}
+
+/// `int nf_nat_icmpv6_reply_translation(struct sk_buff *skb, struct nf_conn
+/// *ct, enum ip_conntrack_info ctinfo, unsigned int hooknum, unsigned int
+/// hdrlen)`: the same for ICMPv6 (nf_nat_ipv6_fn).
+#[kprobe]
+pub fn kp_nf_nat_icmpv6_reply_translation(ctx: ProbeContext) -> u32 {
+    let _ = try_icmp_reply_translation(&ctx);
+    0
+}
+
+/// A BEFORE/AFTER pair for the quoted packet, computed the way
+/// nf_nat_icmp_reply_translation rewrites it: the opposite manip of this
+/// hook's (`!manip`), to the tuple of the other direction
+/// (`ct->tuplehash[!dir]`) as it is, not inverted; only when the entry
+/// has the NAT that manip undoes (the same status-bit test). The outer
+/// source it also rewrites is not recomputed: AFTER carries the sender as
+/// it was before.
+#[inline(always)]
+fn try_icmp_reply_translation(ctx: &ProbeContext) -> Result<(), ()> {
+    let skb = arg(ctx, 0)?;
+    let ct = arg(ctx, 1)?;
+    let ctinfo = arg(ctx, 2)?;
+    let hooknum = arg(ctx, 3)?;
+    let nf_hook = current_hook(skb).ok_or(())?;
+    let cfg = config::config().ok_or(())?;
+    let off = &cfg.offsets;
+    if off.nf_conn_tuplehash == 0 || off.nf_conn_status == 0 {
+        return Err(());
+    }
+    let h = hooknum as u8;
+    let manip_dst = h == nf_hook::PRE_ROUTING || h == nf_hook::LOCAL_OUT;
+    let dir = u64::from(ctinfo >= IP_CT_IS_REPLY);
+    let mut statusbit = if manip_dst { IPS_DST_NAT } else { IPS_SRC_NAT };
+    if dir == IP_CT_DIR_REPLY {
+        statusbit ^= IPS_NAT_MASK;
+    }
+    let status = read::<u64>(ct + off.nf_conn_status as u64)?;
+    if status & statusbit == 0 {
+        return Ok(());
+    }
+    let (before, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
+    if before.icmp_type == 0 {
+        return Ok(());
+    }
+    let target = ct
+        + off.nf_conn_tuplehash as u64
+        + ((dir & 1) ^ 1) * off.nf_conntrack_tuple_hash_size as u64;
+    // The quote gets !manip: its source when this hook manips the destination.
+    let (addr_off, port_off) = if manip_dst {
+        (off.tuple_src_u3, off.tuple_src_u)
+    } else {
+        (off.tuple_dst_u3, off.tuple_dst_u)
+    };
+    let at = target + addr_off as u64;
+    let addr = if as_v4(&before.daddr).is_some() {
+        v4_mapped(read::<[u8; 4]>(at).map_err(count_error)?)
+    } else {
+        read::<Addr>(at).map_err(count_error)?
+    };
+    let port = u16::from_be_bytes(read::<[u8; 2]>(target + port_off as u64).map_err(count_error)?);
+    let mut after = before;
+    if manip_dst {
+        after.saddr = addr;
+        after.sport = port;
+    } else {
+        after.daddr = addr;
+        after.dport = port;
+    }
+    emit_netfilter(before, payload, skb, nf_hook, nat_stage::BEFORE);
+    emit_netfilter(after, payload, skb, nf_hook, nat_stage::AFTER);
+    Ok(())
+}

@@ -8,6 +8,7 @@ mod config;
 mod emit;
 mod filter;
 mod held;
+mod icmp;
 mod kprobes;
 mod netfilter;
 mod prefilter;

@@ -7,7 +7,7 @@ use network_types::{
     ip::{Ipv4Hdr, Ipv6Hdr},
     tcp::TcpHdr,
 };
-use tracer_common::{KernelOffsets, proto, stat};
+use tracer_common::{KernelOffsets, icmp, proto, stat};
 
 use crate::{
     emit::{Packet, stat_inc},
@@ -156,13 +156,29 @@ fn parse_ip(ip_addr: u64) -> Result<(Packet, u64), ()> {
         // SAFETY: both union views are plain bytes.
         Ok(h) if unsafe { h.v4.ip.vihl } >> 4 == 6 => {
             let mut pkt = Packet::default();
-            let payload = parse_ipv6(ip_addr, unsafe { &h.v6 }, &mut pkt)?;
+            let mut payload = parse_ipv6(ip_addr, unsafe { &h.v6 }, &mut pkt);
+            if payload >= ICMPV6_AT {
+                if payload == NOT_TRACED {
+                    return Err(());
+                }
+                let l3_len = (payload & 0x7ff) as usize;
+                crate::icmp::v6(&crate::icmp::Kernel(ip_addr), l3_len, &mut pkt)?;
+                payload = 0;
+            }
             return Ok((pkt, payload));
         }
         Ok(h) => (unsafe { h.v4.ip }, Some(unsafe { h.v4.l4 })),
         Err(()) => (read::<Ipv4Hdr>(ip_addr).map_err(read_error)?, None),
     };
-    let (mut pkt, ihl) = Packet::from_ipv4(&ip).ok_or(())?;
+    let Some((mut pkt, ihl)) = Packet::from_ipv4(&ip) else {
+        // Only ICMP pays for the quote's read (icmp.rs).
+        if ip.proto != icmp::PROTO_ICMP {
+            return Err(());
+        }
+        let mut pkt = Packet::default();
+        crate::icmp::v4(&crate::icmp::Kernel(ip_addr), &mut pkt)?;
+        return Ok((pkt, 0));
+    };
     let l4 = ip_addr + ihl as u64;
     let hdr = match first_l4 {
         Some(h) if ihl == Ipv4Hdr::LEN => h,
@@ -195,19 +211,38 @@ fn payload_at(pkt: &Packet, l3_len: usize, l4: u64, l4_len: usize) -> u64 {
     }
 }
 
+/// [`parse_ipv6`]'s "not a packet we trace".
+const NOT_TRACED: u64 = u64::MAX;
+/// [`parse_ipv6`]'s "an ICMPv6 message at this offset" (low 16 bits): the
+/// caller parses it, so that icmp.rs's frame is not stacked under
+/// parse_ipv6's (the verifier's combined limit, 512 bytes, counts the
+/// deepest chain of calls).
+const ICMPV6_AT: u64 = u64::MAX << 16;
+
 /// IPv6: TCP/UDP right after the fixed header, or after the extension
 /// headers [`ipv6_l4`] steps over. A BPF-to-BPF call that fills `pkt` in
 /// the caller's frame: inlined, LLVM duplicated the whole filter and event
 /// path per family, doubling code and passing the 512-byte stack limit.
+/// Returns the payload's address, or [`NOT_TRACED`]: a 16-byte `Result`
+/// came back through a pointer to the caller's frame left in r0, which
+/// the verifier refuses ("cannot return stack pointer to the caller").
 #[inline(never)]
-fn parse_ipv6(ip_addr: u64, ip: &Ipv6Hdr, pkt: &mut Packet) -> Result<u64, ()> {
-    let (l4_proto, l3_len) =
-        ipv6_l4(ip.next_hdr, |at| read::<[u8; 8]>(ip_addr + at as u64)).ok_or(())?;
+fn parse_ipv6(ip_addr: u64, ip: &Ipv6Hdr, pkt: &mut Packet) -> u64 {
+    let Some((l4_proto, l3_len)) = ipv6_l4(ip.next_hdr, |at| read::<[u8; 8]>(ip_addr + at as u64))
+    else {
+        return NOT_TRACED;
+    };
+    if l4_proto == icmp::PROTO_ICMPV6 {
+        return ICMPV6_AT | (l3_len as u64 & 0x7ff);
+    }
     *pkt = Packet::from_ipv6(ip, l4_proto);
     let l4 = ip_addr + l3_len as u64;
-    let hdr = read::<TcpHdr>(l4).map_err(read_error)?;
+    let Ok(hdr) = read::<TcpHdr>(l4) else {
+        read_error(());
+        return NOT_TRACED;
+    };
     let l4_len = l4_header(pkt, &hdr);
-    Ok(payload_at(pkt, l3_len, l4, l4_len))
+    payload_at(pkt, l3_len, l4, l4_len)
 }
 
 /// First four payload bytes; `payload` as returned by [`parse`].

@@ -7,7 +7,7 @@ use network_types::{
     ip::{Ipv4Hdr, Ipv6Hdr},
     tcp::TcpHdr,
 };
-use tracer_common::{hook, proto};
+use tracer_common::{hook, icmp, proto};
 
 use crate::{
     emit::{Packet, Point},
@@ -39,7 +39,7 @@ fn try_tc(ctx: &TcContext, hook: u8) -> Result<(), ()> {
     let eth = unsafe { &*(data as *const EthHdr) };
     // EtherType's discriminants are already in network order.
     let mut pkt = if eth.ether_type == EtherType::Ipv4 as u16 {
-        ipv4(data, end)?
+        ipv4(ctx, data, end)?
     } else if eth.ether_type == EtherType::Ipv6 as u16 {
         let mut pkt = Packet::default();
         ipv6(ctx, &mut pkt)?;
@@ -84,9 +84,17 @@ fn l4_fields(pkt: &mut Packet, l4: usize, end: usize) -> Result<(), ()> {
 }
 
 #[inline(always)]
-fn ipv4(data: usize, end: usize) -> Result<Packet, ()> {
+fn ipv4(ctx: &TcContext, data: usize, end: usize) -> Result<Packet, ()> {
     let ip = unsafe { &*((data + EthHdr::LEN) as *const Ipv4Hdr) };
-    let (mut pkt, ihl) = Packet::from_ipv4(ip).ok_or(())?;
+    let Some((mut pkt, ihl)) = Packet::from_ipv4(ip) else {
+        // Only ICMP pays for the quote's read (icmp.rs).
+        if ip.proto != icmp::PROTO_ICMP {
+            return Err(());
+        }
+        let mut pkt = Packet::default();
+        crate::icmp::v4(&crate::icmp::Tc(ctx), &mut pkt)?;
+        return Ok(pkt);
+    };
     // Masking keeps the offset provably bounded (<= 60) for the verifier.
     let l4 = data + EthHdr::LEN + (ihl & 0x3c);
     l4_fields(&mut pkt, l4, end)?;
@@ -114,6 +122,9 @@ fn ipv6(ctx: &TcContext, pkt: &mut Packet) -> Result<(), ()> {
         ctx.load::<[u8; 8]>(EthHdr::LEN + at).map_err(|_| ())
     })
     .ok_or(())?;
+    if l4_proto == icmp::PROTO_ICMPV6 {
+        return crate::icmp::v6(&crate::icmp::Tc(ctx), l3_len, pkt);
+    }
     *pkt = Packet::from_ipv6(ip, l4_proto);
     // After extension headers the L4 header is at a data-dependent offset:
     // bounded (and masked, so the verifier sees the bound) for direct access.

@@ -13,6 +13,14 @@ pub struct Interface {
     pub master: Option<u32>,
     /// Bridge port `hairpin_mode` (ports only).
     pub hairpin: Option<bool>,
+    /// The link's MTU (issue 23: `doctor` compares pods', overlay's and
+    /// uplink's); 0 = unknown (recordings from before it).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub mtu: u32,
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 /// What the node namespace looked like when tracing started.

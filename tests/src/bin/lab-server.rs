@@ -116,6 +116,9 @@ fn serve_http(mut stream: TcpStream, name: &str) -> io::Result<()> {
     if request.starts_with(b"GET /echo") {
         return echo_lines(stream);
     }
+    if request.starts_with(b"GET /big") || request.starts_with(b"PUT ") {
+        return big(stream, name, &request);
+    }
     let head_only = request.starts_with(b"HEAD ");
     let mut response = format!(
         "HTTP/1.0 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -124,6 +127,46 @@ fn serve_http(mut stream: TcpStream, name: &str) -> io::Result<()> {
     if !head_only {
         response.push_str(&body);
     }
+    stream.write_all(response.as_bytes())?;
+    stream.flush()
+}
+
+/// Large transfers (issue 23, path-MTU labs): `GET /big` answers 256 KiB,
+/// a `PUT` reads its `Content-Length` bytes of body and answers how many
+/// arrived. Either needs full-size packets all the way.
+fn big(mut stream: TcpStream, name: &str, request: &[u8]) -> io::Result<()> {
+    const BIG: usize = 256 * 1024;
+    let text = String::from_utf8_lossy(request);
+    let body = if request.starts_with(b"PUT ") {
+        let want: usize = text
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.eq_ignore_ascii_case("content-length")
+                    .then(|| v.trim().parse().ok())?
+            })
+            .unwrap_or(0);
+        let head = request
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map_or(request.len(), |p| p + 4);
+        let mut got = request.len() - head;
+        let mut buf = [0u8; 16 * 1024];
+        while got < want {
+            let n = stream.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        format!("pod={name} got {got} bytes\n")
+    } else {
+        "x".repeat(BIG - 1) + "\n"
+    };
+    let response = format!(
+        "HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
     stream.write_all(response.as_bytes())?;
     stream.flush()
 }

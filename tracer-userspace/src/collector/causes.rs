@@ -75,6 +75,12 @@ pub enum CauseId {
     /// Issue 22: dropped by conntrack's confirmation after the last rule: a
     /// clashing entry (SNAT source-port collision, the DNS race).
     ConntrackInsertFailed,
+    /// Issue 23: packets dropped as too big for a link, and the ICMP
+    /// fragmentation-needed / packet-too-big never reached their sender.
+    PmtuBlackhole,
+    /// Issue 23: an ICMP error about the flow reached the client with its
+    /// quoted header still naming the backend.
+    IcmpErrorNotReverseNated,
 }
 
 pub(crate) struct CauseRow {
@@ -168,6 +174,24 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         check: bridged_reply_sysctl_on,
         incident: "seed 000 evidence although bridge-nf-call-iptables read 1 (changed, or another namespace owns the bridge)",
         fix: "check net.bridge.bridge-nf-call-iptables (ip6tables for IPv6) in the namespace that owns the bridge (it must be 1) and that br_netfilter is loaded",
+    },
+    // Before the drop and path causes: the ICMP error says what the drop
+    // or the missing reply alone cannot (issue 23).
+    CauseRow {
+        id: CauseId::IcmpErrorNotReverseNated,
+        name: "icmp_error_not_reverse_nated",
+        verdicts: &[Verdict::Dropped, Verdict::NoReply],
+        check: super::checks::icmp::icmp_error_not_reverse_nated,
+        incident: "an ICMP error about the flow (fragmentation needed, host or port unreachable) reaches the client with its quoted header still carrying the backend's address: the client's stack discards it",
+        fix: "make the error pass conntrack's NAT on its way back like the connection's replies (nf_nat_icmp_reply_translation): the same path as the replies (bridge-nf-call-iptables=1 for bridged pods, no NOTRACK/raw-table exemption for ICMP, symmetric routing through the DNATing node)",
+    },
+    CauseRow {
+        id: CauseId::PmtuBlackhole,
+        name: "pmtu_blackhole",
+        verdicts: &[Verdict::Dropped, Verdict::NoReply],
+        check: super::checks::icmp::pmtu_blackhole,
+        incident: "path-MTU black hole: the pods' MTU is larger than a link on the path (the overlay, the uplink) and the ICMP fragmentation needed / packet too big never reaches the sender (a rule drops it, rp_filter, no route): the handshake works, large transfers stall",
+        fix: "set the CNI's MTU to what the path carries (the overlay's MTU minus its header: vxlan 50 bytes; compare `ip link` of the pod veths, cni0/flannel.1 and the uplink, or run `nattrace doctor`), or let the error through: allow ICMP type 3 code 4 (iptables -p icmp --icmp-type fragmentation-needed) and ICMPv6 type 2 (packet-too-big) in every firewall on the path",
     },
     // Before backend_unreachable, whose evidence (a DNAT to a gone pod) it
     // shares: there the rule still DNATs to the pod, here only the entry.

@@ -101,6 +101,12 @@ pub(crate) fn fails(
     if ev.flags & event_flags::WATCH != 0 {
         return true;
     }
+    // An ICMP error about the connection is news whatever it says (a
+    // frag-needed of a path-MTU discovery that then works decides `ok`
+    // again, silently).
+    if ev.icmp_type != 0 {
+        return true;
+    }
     // The opening's own SYNs (a retransmit's queued first attempt freed
     // seconds later, NEIGH_FAILED) are the opening's evidence, not a break.
     if ev.proto == tracer_common::proto::TCP && ev.tcp_flags & tracer_common::tcp_flags::SYN != 0 {
@@ -203,6 +209,7 @@ pub(crate) fn reopen(flow: &mut Flow, ev: &PacketEvent) {
     flow.truncated = false;
     flow.packets.clear();
     flow.obs.clear();
+    flow.icmp = None;
 }
 
 /// For a reopened flow, its first drop whose packet was seen before the

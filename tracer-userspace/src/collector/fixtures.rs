@@ -166,6 +166,7 @@ impl Builder {
                 flags: 0,
                 good: 0,
                 _reserved: 0,
+                ..PacketEvent::default()
             });
             ts += 3 * US;
         }

@@ -137,6 +137,13 @@ pub(crate) struct Flow {
     pub watch: Option<super::established::Watch>,
     pub packets: Vec<Packet>,
     pub obs: Vec<Obs>,
+    /// ICMP errors about the flow's packets (`icmp.rs`). Boxed: 8 bytes in
+    /// every flow for what few flows have.
+    #[expect(
+        clippy::box_collection,
+        reason = "8 bytes in every flow instead of a Vec's 24, for what few flows have"
+    )]
+    pub icmp: Option<Box<Vec<super::icmp::IcmpObs>>>,
 }
 
 impl Flow {
@@ -179,6 +186,7 @@ impl Flow {
             // Grown as needed (4, 8, 16, ...): a healthy flow whose hops the
             // kernel buffers sends 2 events, a full path ~32.
             obs: Vec::new(),
+            icmp: None,
         }
     }
 
@@ -189,6 +197,10 @@ impl Flow {
             + self.obs.capacity() * size_of::<Obs>()
             + self.extra.as_ref().map_or(0, |v| {
                 size_of::<Vec<Endpoint>>() + v.capacity() * size_of::<Endpoint>()
+            })
+            + self.icmp.as_ref().map_or(0, |v| {
+                size_of::<Vec<super::icmp::IcmpObs>>()
+                    + v.capacity() * size_of::<super::icmp::IcmpObs>()
             })
     }
 
@@ -252,6 +264,7 @@ impl Flow {
     pub fn drop_evidence(&mut self) {
         self.packets = Vec::new();
         self.obs = Vec::new();
+        self.icmp = None;
     }
 
     pub fn add_event(&mut self, ev: &PacketEvent, key: PacketKey, ctx: &FlowCtx<'_>) -> Added {

@@ -13,6 +13,7 @@ mod drop_reason;
 mod established;
 mod flow;
 mod held;
+mod icmp;
 mod ifnames;
 mod report;
 mod store;
@@ -41,6 +42,7 @@ pub use self::{
     drop_reason::{BENIGN_DROPS, DropReasons, DropReasonsError},
     established::{Established, Phase, WATCH_WAIT_NS},
     held::PULL_AHEAD_NS,
+    icmp::IcmpError,
     report::{Attempt, FlowReport, Hop, PacketEvidence},
     summary::{Summary, VerdictCounts},
     types::{Dir, Endpoint, Name, Proto, packet_kind},
@@ -608,6 +610,10 @@ impl Collector {
             self.summary.unmatched_events += 1;
             return;
         }
+        if ev.icmp_type != 0 {
+            self.process_icmp(ev);
+            return;
+        }
         let key = PacketKey::of(ev);
         let mut found = None;
         if ev.skb != 0
@@ -727,6 +733,61 @@ impl Collector {
         {
             self.decide_q.push_back((at, r));
         }
+    }
+
+    /// An ICMP error about a flow's packet: joins the flow its quote names
+    /// (icmp.rs), never opens one.
+    fn process_icmp(&mut self, ev: &PacketEvent) {
+        let mut found = self
+            .pairs
+            .get(&PairKey::of(ev), &self.slots)
+            .and_then(|idx| {
+                let generation = self.slots.get(idx)?.generation;
+                Some(FlowRef { idx, generation })
+            });
+        if found.is_none() && ev.flags & held::HELD != 0 {
+            found = self
+                .held_by_client
+                .get(&(ev.proto, held::client_of(ev)))
+                .copied()
+                .filter(|&r| self.flow(r).is_some());
+        }
+        let Some(r) = found else {
+            self.summary.unmatched_events += 1;
+            return;
+        };
+        let reopen = self.flow(r).is_some_and(|flow| {
+            flow.reported
+                && flow.watch.is_some_and(|w| !w.failed() && !w.reported)
+                && established::fails(flow, ev, &self.cfg.drop_reasons, &self.known)
+        });
+        let Some(flow) = self
+            .slots
+            .get_mut(r.idx)
+            .filter(|s| s.generation == r.generation)
+            .and_then(|s| s.flow.as_mut())
+        else {
+            return;
+        };
+        if reopen {
+            established::reopen(flow, ev);
+            self.watch_q.push_back((ev.ts_ns + WATCH_WAIT_NS, r));
+            self.sysctls_wanted = true;
+        }
+        if ev.flags != 0 {
+            held::note_flags(
+                flow,
+                ev.flags,
+                (r, self.cfg.reply_timeout_ns),
+                &mut self.held_due_q,
+                &mut self.summary,
+            );
+        }
+        if flow.reported {
+            flow.last_ts = flow.last_ts.max(ev.ts_ns);
+            return;
+        }
+        flow.add_icmp(ev);
     }
 
     fn create(&mut self, ev: &PacketEvent) -> FlowRef {

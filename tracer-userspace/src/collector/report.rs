@@ -114,6 +114,10 @@ pub struct FlowReport {
     /// When and after how much it broke (phase established only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub established: Option<Established>,
+    /// ICMP/ICMPv6 errors about the flow's packets (issue 23): each error
+    /// packet with every point it passed; absent when there were none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub icmp_errors: Vec<super::icmp::IcmpError>,
 }
 
 pub(crate) struct ReportCtx<'a> {
@@ -126,11 +130,11 @@ pub(crate) struct ReportCtx<'a> {
 }
 
 impl ReportCtx<'_> {
-    fn is_node(&self, netns: u32) -> bool {
+    pub(crate) fn is_node(&self, netns: u32) -> bool {
         in_node(netns, self.facts.netns_inode)
     }
 
-    fn reason_name(&self, value: u32) -> Name {
+    pub(crate) fn reason_name(&self, value: u32) -> Name {
         self.reasons
             .name(value)
             .cloned()
@@ -212,6 +216,7 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         packets: evidence(flow, ctx),
         phase: Phase::Opening,
         established: None,
+        icmp_errors: super::icmp::errors(flow, ctx),
     }
 }
 
@@ -528,6 +533,29 @@ fn reverse_nat_point(flow: &Flow, packet: u8) -> Option<&'static str> {
     None
 }
 
+/// One observation as reported.
+pub(crate) fn hop(o: &Obs, ctx: &ReportCtx<'_>, client_side: bool) -> Hop {
+    Hop {
+        ts_ns: o.ts_ns,
+        hook: hook::name(o.hook),
+        nf_hook: (o.hook == hook::NETFILTER).then(|| nf_hook::name(o.nf_hook)),
+        nat_stage: (o.nat_stage != nat_stage::NONE).then(|| nat_stage::name(o.nat_stage)),
+        ifindex: o.ifindex,
+        ifname: ctx.ifnames.get(o.netns, o.ifindex).cloned(),
+        netns: if o.netns == 0 {
+            ctx.facts.netns_inode
+        } else {
+            o.netns
+        },
+        node_ns: ctx.is_node(o.netns),
+        src: o.src.socket_addr(),
+        dst: o.dst.socket_addr(),
+        drop_reason: (o.hook == hook::DROP).then(|| ctx.reason_name(o.drop_reason)),
+        client_side,
+        node: None,
+    }
+}
+
 fn evidence(flow: &Flow, ctx: &ReportCtx<'_>) -> Vec<PacketEvidence> {
     let client_obs = flow.client_reply.map(|r| r.obs as usize);
     // Exact sizes: a tick can hold thousands of reports at once, and
@@ -552,26 +580,9 @@ fn evidence(flow: &Flow, ctx: &ReportCtx<'_>) -> Vec<PacketEvidence> {
         })
         .collect();
     for (i, o) in flow.obs.iter().enumerate() {
-        let node = ctx.is_node(o.netns);
-        packets[o.packet as usize].hops.push(Hop {
-            ts_ns: o.ts_ns,
-            hook: hook::name(o.hook),
-            nf_hook: (o.hook == hook::NETFILTER).then(|| nf_hook::name(o.nf_hook)),
-            nat_stage: (o.nat_stage != nat_stage::NONE).then(|| nat_stage::name(o.nat_stage)),
-            ifindex: o.ifindex,
-            ifname: ctx.ifnames.get(o.netns, o.ifindex).cloned(),
-            netns: if o.netns == 0 {
-                ctx.facts.netns_inode
-            } else {
-                o.netns
-            },
-            node_ns: node,
-            src: o.src.socket_addr(),
-            dst: o.dst.socket_addr(),
-            drop_reason: (o.hook == hook::DROP).then(|| ctx.reason_name(o.drop_reason)),
-            client_side: client_obs == Some(i),
-            node: None,
-        });
+        packets[o.packet as usize]
+            .hops
+            .push(hop(o, ctx, client_obs == Some(i)));
     }
     let dns = flow.proto == proto::UDP && flow.service.port == 53;
     for (ev, p) in packets.iter_mut().zip(&flow.packets) {

@@ -65,6 +65,7 @@ pub fn facts(bridge_nf: Option<bool>) -> NodeFacts {
         kind: kind.to_string(),
         master,
         hairpin: master.map(|_| false),
+        mtu: 0,
     };
     NodeFacts {
         netns_inode: NODE_NS,

@@ -65,6 +65,8 @@ pub struct Inputs {
     pub traced: Vec<std::net::IpAddr>,
     /// IPv6 sysctls, addresses and RA-learned routes ([`ipv6`]).
     pub ipv6: ipv6::Ipv6Facts,
+    /// The uplink and the rules dropping ICMP errors ([`mtu`]).
+    pub mtu: mtu::MtuFacts,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -178,6 +180,7 @@ pub fn assess(i: &Inputs) -> Report {
     out.extend(masquerade_all_finding(i));
     out.extend(ipv6::findings(i));
     out.extend(north_south::findings(i));
+    out.extend(mtu::findings(i));
     Report {
         netns: i.netns.clone(),
         findings: out,
@@ -534,6 +537,7 @@ pub fn gather_with(
     drop(t);
     let _t = crate::timing::step("dataplane detect (ip addr kube-ipvs0, ip_vs)");
     inputs.dataplane = Dataplane::detect(&ns);
+    inputs.mtu = mtu::gather(&ns);
     Ok(inputs)
 }
 
@@ -568,5 +572,6 @@ pub fn run(netns: Option<&str>, json: bool) -> u8 {
 pub mod conntrack_stats;
 pub mod ipv6;
 mod north_south;
+pub mod mtu;
 #[cfg(test)]
 mod tests;

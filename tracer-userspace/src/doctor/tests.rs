@@ -8,6 +8,7 @@ fn port(ifindex: u32, name: &str, hairpin: bool) -> Interface {
         kind: "veth".into(),
         master: Some(3),
         hairpin: Some(hairpin),
+        mtu: 0,
     }
 }
 

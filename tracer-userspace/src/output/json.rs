@@ -6,7 +6,8 @@ use std::{io, net::SocketAddr};
 use serde::Serialize;
 
 use crate::collector::{
-    Attempt, Dir, Established, FlowReport, Hop, PacketEvidence, Phase, Proto, Summary, Verdict,
+    Attempt, Dir, Established, FlowReport, Hop, IcmpError, PacketEvidence, Phase, Proto, Summary,
+    Verdict,
 };
 
 #[derive(Serialize)]
@@ -47,6 +48,10 @@ struct JsonFlow<'a> {
     phase: Phase,
     #[serde(skip_serializing_if = "Option::is_none")]
     established: Option<Established>,
+    /// ICMP/ICMPv6 errors about the flow's packets, each with its hops
+    /// (always whole: they are rare and each is evidence).
+    #[serde(skip_serializing_if = "<[IcmpError]>::is_empty")]
+    icmp_errors: &'a [IcmpError],
 }
 
 /// An `ok` flow is most of the output on a busy node and its full hop list
@@ -145,6 +150,7 @@ impl<W: io::Write> JsonOutput<W> {
             packets,
             phase: r.phase,
             established: r.established,
+            icmp_errors: &r.icmp_errors,
         };
         serde_json::to_writer(&mut self.out, &line)?;
         self.out.write_all(b"\n")

@@ -98,6 +98,9 @@ impl<W: io::Write> TextOutput<W> {
             for p in &r.packets {
                 self.packet(r, p)?;
             }
+            for e in &r.icmp_errors {
+                self.icmp_error(r, e)?;
+            }
             if r.truncated {
                 writeln!(
                     self.out,
@@ -118,6 +121,38 @@ impl<W: io::Write> TextOutput<W> {
         }
         writeln!(self.out, "{head}")?;
         for h in &p.hops {
+            let line = self.hop(r, h);
+            writeln!(self.out, "{line}")?;
+        }
+        Ok(())
+    }
+
+    /// An ICMP error about the flow: what, from whom, about which packet,
+    /// and whether it reached that packet's sender; its hops show the
+    /// quoted packet as the error carried it at each point.
+    fn icmp_error(&mut self, r: &FlowReport, e: &crate::collector::IcmpError) -> io::Result<()> {
+        let about = match e.about {
+            crate::collector::Dir::Request => "request",
+            crate::collector::Dir::Reply => "reply",
+        };
+        let fate = match (&e.dropped, e.reached_sender, e.translated) {
+            (Some(reason), _, _) => format!(
+                "dropped {} ({reason})",
+                e.dropped_at.as_deref().unwrap_or("")
+            ),
+            (None, true, Some(false)) => "reached the client untranslated".to_string(),
+            (None, true, _) => "reached the sender".to_string(),
+            (None, false, _) => "never reached the sender".to_string(),
+        };
+        writeln!(
+            self.out,
+            "    {} about the {about} of {} bytes, quoting {} → {}: {fate}",
+            e.describe(),
+            e.quoted_len,
+            e.quoted_src,
+            e.quoted_dst
+        )?;
+        for h in &e.hops {
             let line = self.hop(r, h);
             writeln!(self.out, "{line}")?;
         }

@@ -13,7 +13,12 @@ use crate::btf::KernelBtf;
 const KALLSYMS: &str = "/proc/kallsyms";
 
 /// Programs that read `struct nf_conn` (offsets from nf_conntrack's BTF).
-const READS_CONNTRACK: &[&str] = &["kp_nf_nat_manip_pkt", "kp_nf_nat_packet"];
+const READS_CONNTRACK: &[&str] = &[
+    "kp_nf_nat_manip_pkt",
+    "kp_nf_nat_packet",
+    "kp_nf_nat_icmp_reply_translation",
+    "kp_nf_nat_icmpv6_reply_translation",
+];
 
 /// Which of `wanted` the running kernel has (module symbols included).
 /// None = kallsyms unreadable: then attach is left to find out.
@@ -30,7 +35,10 @@ fn present(wanted: &HashSet<&str>) -> Option<HashSet<String>> {
 
 fn module_hint(symbol: &str) -> &'static str {
     match symbol {
-        "nf_nat_manip_pkt" | "nf_nat_packet" => " (module nf_nat not loaded?)",
+        "nf_nat_manip_pkt"
+        | "nf_nat_packet"
+        | "nf_nat_icmp_reply_translation"
+        | "nf_nat_icmpv6_reply_translation" => " (module nf_nat not loaded?)",
         "br_forward" => " (module bridge not loaded?)",
         _ => "",
     }

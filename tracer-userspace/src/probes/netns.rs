@@ -151,7 +151,7 @@ pub fn read_sysctl_bool(path: &str) -> Option<bool> {
     Some(text.trim() != "0")
 }
 
-pub(super) fn netlink_request(
+pub(crate) fn netlink_request(
     msg: RouteNetlinkMessage,
     flags: u16,
 ) -> Result<Vec<RouteNetlinkMessage>, NetnsError> {
@@ -266,6 +266,7 @@ fn dump_links() -> Result<(Vec<Interface>, BTreeSet<u32>), NetnsError> {
                 LinkAttribute::IfName(name) => iface.name = name.clone(),
                 LinkAttribute::LinkNetNsId(_) => peer_elsewhere = true,
                 LinkAttribute::Controller(master) => iface.master = Some(*master),
+                LinkAttribute::Mtu(mtu) => iface.mtu = *mtu,
                 LinkAttribute::LinkInfo(infos) => {
                     for info in infos {
                         match info {

@@ -237,6 +237,20 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         "kprobe nf_nat_packet",
     ),
     kp("kp_br_forward", "br_forward", None, "kprobe br_forward"),
+    // ICMP errors RELATED to a NATed connection: their quoted header is
+    // translated here, not in nf_nat_manip_pkt (issue 23).
+    kp(
+        "kp_nf_nat_icmp_reply_translation",
+        "nf_nat_icmp_reply_translation",
+        None,
+        "kprobe nf_nat_icmp_reply_translation",
+    ),
+    kp(
+        "kp_nf_nat_icmpv6_reply_translation",
+        "nf_nat_icmpv6_reply_translation",
+        None,
+        "kprobe nf_nat_icmpv6_reply_translation",
+    ),
 ];
 
 const fn kp(
@@ -449,7 +463,7 @@ mod tests {
     fn kprobe_backend_without_kprobes_says_why() {
         let k = KernelFeatures::from_parts((6, 18, 0), false);
         let (_, skipped) = plan(Backend::Kprobe, &k, |_| true);
-        assert_eq!(skipped.len(), 4);
+        assert_eq!(skipped.len(), 6);
         assert!(skipped.iter().all(|s| s.reason.contains("CONFIG_KPROBES")));
     }
 
@@ -483,7 +497,7 @@ mod tests {
         let k = KernelFeatures::from_parts((6, 1, 0), true);
         let (run, skipped) = plan(Backend::Kprobe, &k, |_| true);
         assert!(skipped.is_empty());
-        assert_eq!(run.len(), 9);
+        assert_eq!(run.len(), 11);
         // nf_hook_slow must be attached before the NAT probes that read its slot.
         let first_kp = run
             .iter()

@@ -43,6 +43,9 @@ pub const FORMAT: &str = "nattrace-recording";
 /// 2: event addresses may be IPv6 (`"saddr":"fd00:10:244::2"`); IPv4 ones
 /// are written dotted as in 1, so this reader reads version 1 files as they
 /// are, and a version-1 reader warns and skips the IPv6 event lines.
+/// 4: ICMP error events (`icmp_type` set, addresses those of the packet the
+/// error quotes): an older reader would take them for that packet. Also
+/// (additive) north-south Services in the header's `kube_proxy`.
 pub const VERSION: u32 = 4;
 /// A SIGKILL loses at most this much of the recording.
 const FLUSH_EVERY: Duration = Duration::from_secs(1);

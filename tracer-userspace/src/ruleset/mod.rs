@@ -636,3 +636,26 @@ pub mod dataplane;
 pub mod nft;
 #[cfg(test)]
 mod tests;
+
+/// Every ruleset text of `netns` as its save tools print it, both families
+/// and both iptables backends, plus `nft list ruleset`: for `doctor`'s
+/// search for rules that drop ICMP errors (doctor/mtu.rs). The same
+/// read-only guards as [`read`]: a backend is asked only when it is there.
+pub(crate) fn ruleset_texts(netns: &Netns) -> Vec<String> {
+    let nf_tables = nf_tables_loaded();
+    let mut out = Vec::new();
+    for family in [&IPV4, &IPV6] {
+        if nf_tables && let Ok(t) = run_in(netns, family.nft, &[]) {
+            out.push(t);
+        }
+        if legacy_tables_exist(netns, family.legacy_names)
+            && let Ok(t) = run_in(netns, family.legacy, &[])
+        {
+            out.push(t);
+        }
+    }
+    if nf_tables && let Ok(t) = run_in(netns, "nft", &["list", "ruleset"]) {
+        out.push(t);
+    }
+    out
+}

@@ -4,6 +4,7 @@
 //! they share and the checks about sysctls, rules and drops; path, backend
 //! and IPv6 checks live in `path.rs`, `backend.rs` and `ip6.rs`.
 pub(super) mod backend;
+pub(super) mod icmp;
 pub(super) mod insert_failed;
 pub(super) mod ip6;
 pub(super) mod midstream;
@@ -258,7 +259,7 @@ pub(super) fn no_endpoints(ctx: &RuleCtx<'_>) -> Option<Found> {
         ),
         Some(_) => return None,
         None => format!("the {what} was never DNATed and got no reply"),
-    };
+    } + &icmp::reject_evidence(ctx);
     let (namespace, name) = reject
         .port_name
         .split_once('/')

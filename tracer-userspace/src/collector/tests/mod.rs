@@ -574,8 +574,9 @@ fn flow_state_stays_small() {
     // grew from <= 256 to 344, an Obs from 40 to 64. Storing the flow's
     // tuples as roles of its endpoints brought it to 200 (room for a flag).
     // The watch of an established flow (issue 21) adds 24: 2.4 MB at 100k.
+    // The ICMP errors' boxed list (issue 23) adds 8: 0.8 MB at 100k.
     assert!(
-        std::mem::size_of::<flow::Flow>() <= 224,
+        std::mem::size_of::<flow::Flow>() <= 232,
         "{}",
         std::mem::size_of::<flow::Flow>()
     );

@@ -34,6 +34,7 @@ fn facts(bridge_nf: Option<bool>, vrf: bool) -> NodeFacts {
             kind: "vrf".into(),
             master: None,
             hairpin: None,
+            mtu: 0,
         });
     }
     facts
