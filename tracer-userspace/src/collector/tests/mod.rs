@@ -9,6 +9,7 @@ use tracer_common::{
 use super::{fixtures::*, *};
 
 mod established;
+mod established_recorded;
 mod ipv6;
 mod paths;
 mod routed;
