@@ -157,8 +157,27 @@ fn start(lab: &Lab, record: &Path) -> Nattrace {
     t
 }
 
+/// Where the trace is recorded: a temporary file, or — when `cargo xtask
+/// fixtures` asks ([`lab::tracer::RECORD_DIR_ENV`]) — `DIR/<test name>.rec`,
+/// kept as the collector's recorded fixture.
 fn record_path(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("nattrace-{name}-{}.rec", std::process::id()))
+    match std::env::var(lab::tracer::RECORD_DIR_ENV) {
+        Ok(dir) => {
+            let thread = std::thread::current();
+            let test = thread
+                .name()
+                .map_or(name, |n| n.rsplit("::").next().unwrap_or(n));
+            PathBuf::from(dir).join(format!("{test}.rec"))
+        }
+        Err(_) => std::env::temp_dir().join(format!("nattrace-{name}-{}.rec", std::process::id())),
+    }
+}
+
+/// A recording asked for by `cargo xtask fixtures` stays.
+fn remove_record(record: &Path) {
+    if std::env::var_os(lab::tracer::RECORD_DIR_ENV).is_none() {
+        let _ = std::fs::remove_file(record);
+    }
 }
 
 fn flows(done: &Finished) -> Vec<Value> {
@@ -344,7 +363,7 @@ fn bridge_nf_off_mid_stream(mode: ProxyMode) {
         broken_flow["verdict"], "reply_not_reverse_nated",
         "{broken_flow}"
     );
-    let _ = std::fs::remove_file(&record);
+    remove_record(&record);
 }
 
 both_modes!(
@@ -407,7 +426,7 @@ fn conntrack_entry_deleted_mid_stream(mode: ProxyMode) {
         verdict == "dropped" || verdict == "reply_not_reverse_nated",
         "{broken_flow}"
     );
-    let _ = std::fs::remove_file(&record);
+    remove_record(&record);
 }
 
 both_modes!(

@@ -3,6 +3,7 @@
 //! (`cargo bench`), then the lab benchmarks (tests/src/bin/nattrace-bench.rs),
 //! which print the table and write BENCHMARKS.md. Takes a few minutes; not
 //! part of `cargo xtask test`.
+use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{Context as _, bail};
@@ -27,13 +28,19 @@ pub struct BenchArgs {
     /// replay), comma-separated.
     #[arg(long, default_value = "bulk,conn,startup,collector")]
     pub only: String,
-    /// Another nattrace binary (e.g. a build of main) to run on the miss
-    /// path in the same interleaved rounds, for a before/after in one run.
+    /// Another nattrace build to run in the same interleaved rounds (miss
+    /// path, traced bulk, connection rate, BPF calls), for a before/after in
+    /// one run: a nattrace binary, or a git ref (`main`, a commit), which is
+    /// built in release mode from `git archive` under target/bench/.
     #[arg(long)]
-    pub baseline: Option<std::path::PathBuf>,
+    pub baseline: Option<String>,
     /// What --baseline is, for BENCHMARKS.md.
     #[arg(long, default_value = "baseline")]
     pub baseline_label: String,
+    /// Where to write the report (default: BENCHMARKS.md at the workspace
+    /// root), e.g. for a run of some sections only.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
     /// A smoke run for working on the harness: 1 short run each, 20 pods,
     /// a small collector replay; writes target/bench/BENCHMARKS.quick.md.
     #[arg(long)]
@@ -48,6 +55,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let root = workspace_root();
     let out_dir = root.join("target/bench");
     std::fs::create_dir_all(&out_dir)?;
+    // Before this tree's build: both share target/release.
+    let baseline = match &args.baseline {
+        Some(b) => Some(baseline_binary(b, &args.baseline_label)?),
+        None => None,
+    };
     cargo(
         &[
             "build",
@@ -88,10 +100,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         (args.runs, args.secs, args.conn_secs, args.pods)
     };
-    let md = if args.quick {
-        out_dir.join("BENCHMARKS.quick.md")
-    } else {
-        root.join("BENCHMARKS.md")
+    let md = match (&args.out, args.quick) {
+        (Some(out), _) => out.clone(),
+        (None, true) => out_dir.join("BENCHMARKS.quick.md"),
+        (None, false) => root.join("BENCHMARKS.md"),
     };
     let release = root.join("target/release");
     let status = Command::new(release.join("nattrace-bench"))
@@ -113,12 +125,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             &pods.to_string(),
         ])
         .args(["--only", &args.only])
-        .args(args.baseline.iter().flat_map(|b| {
+        .args(baseline.iter().flat_map(|(b, label)| {
             [
                 "--baseline".into(),
                 b.display().to_string(),
                 "--baseline-label".into(),
-                args.baseline_label.clone(),
+                label.clone(),
             ]
         }))
         .status()
@@ -127,4 +139,74 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         bail!("nattrace-bench failed ({status})");
     }
     Ok(())
+}
+
+/// `--baseline`: a binary as given, or a git ref built once per commit into
+/// target/bench/baseline-<commit>/nattrace (its sources from `git archive`,
+/// compiled with this workspace's target dir so the dependencies are
+/// shared). Returns the binary and its label for BENCHMARKS.md.
+fn baseline_binary(given: &str, label: &str) -> anyhow::Result<(PathBuf, String)> {
+    let path = PathBuf::from(given);
+    if path.is_file() {
+        return Ok((path, label.to_string()));
+    }
+    let root = workspace_root();
+    let rev = Command::new("git")
+        .current_dir(&root)
+        .args(["rev-parse", "--verify", "--quiet"])
+        .arg(format!("{given}^{{commit}}"))
+        .output()
+        .context("running git rev-parse")?;
+    if !rev.status.success() {
+        bail!("--baseline {given}: neither a file nor a git ref of this repository");
+    }
+    let commit = String::from_utf8_lossy(&rev.stdout).trim().to_string();
+    let dir = root.join("target/bench").join(format!("baseline-{commit}"));
+    let bin = dir.join("nattrace");
+    let label = if label == "baseline" {
+        format!("{given} ({})", &commit[..7])
+    } else {
+        label.to_string()
+    };
+    if bin.is_file() {
+        eprintln!("xtask: baseline {label}: {} (built before)", bin.display());
+        return Ok((bin, label));
+    }
+    let src = dir.join("src");
+    if src.exists() {
+        std::fs::remove_dir_all(&src)?;
+    }
+    std::fs::create_dir_all(&src)?;
+    let status = Command::new("sh")
+        .current_dir(&root)
+        .arg("-c")
+        .arg(format!(
+            "git archive {commit} | tar -x -C '{}'",
+            src.display()
+        ))
+        .status()
+        .context("running git archive")?;
+    if !status.success() {
+        bail!("git archive {commit} failed ({status})");
+    }
+    eprintln!("xtask: building the baseline {label} in {}", src.display());
+    let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .current_dir(&src)
+        .env("CARGO_TARGET_DIR", root.join("target"))
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "tracer-userspace",
+            "--bin",
+            "nattrace",
+        ])
+        .status()
+        .context("building the baseline")?;
+    if !status.success() {
+        bail!("building the baseline {label} failed ({status})");
+    }
+    std::fs::copy(root.join("target/release/nattrace"), &bin)
+        .with_context(|| format!("copying the baseline to {}", bin.display()))?;
+    Ok((bin, label))
 }

@@ -41,6 +41,11 @@ pub fn recorded_dir() -> PathBuf {
     workspace_root().join(FIXTURES_DIR).join("recorded")
 }
 
+/// Where the established-flow recordings (issue 21) and their goldens live.
+pub fn established_dir() -> PathBuf {
+    workspace_root().join(FIXTURES_DIR).join("established")
+}
+
 /// Writes `NAME.json`, the recording `NAME.rec`'s `nattrace analyze
 /// --output json -v`, next to it: the golden the collector's tests compare
 /// against.

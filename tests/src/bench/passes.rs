@@ -23,7 +23,7 @@ fn under<R>(
 ) -> anyhow::Result<(R, HashSet<u32>)> {
     match cond {
         Cond::None => Ok((f(0)?, HashSet::new())),
-        Cond::Other | Cond::This | Cond::OtherBaseline => {
+        Cond::Other | Cond::This | Cond::OtherBaseline | Cond::ThisBaseline => {
             let (tracer, _) = shared::start_nattrace(ctx.binary(cond), ctx.lab, &[svc], &[])?;
             let pid = tracer.pid();
             let names = profile::thread_ids(pid);
@@ -78,8 +78,17 @@ pub fn bpf_pass(ctx: &Ctx, r: &mut Results, bulk: bool, conn: bool) -> anyhow::R
         conds.push((Cond::Other, "bulk, nattrace, another Service"));
         conds.push((Cond::This, "bulk, nattrace, this Service"));
     }
+    if bulk && ctx.opts.baseline.is_some() {
+        conds.push((Cond::ThisBaseline, "bulk, baseline build, this Service"));
+    }
     if conn {
         conds.push((Cond::This, "connections, nattrace, this Service"));
+    }
+    if conn && ctx.opts.baseline.is_some() {
+        conds.push((
+            Cond::ThisBaseline,
+            "connections, baseline build, this Service",
+        ));
     }
     for (cond, label) in conds {
         let is_conn = label.starts_with("conn");

@@ -14,6 +14,8 @@ pub enum Cond {
     Other,
     This,
     Tcpdump,
+    /// `--baseline` tracing the traced flow itself (the bulk Service).
+    ThisBaseline,
 }
 
 impl Cond {
@@ -24,6 +26,7 @@ impl Cond {
             Cond::Other => "nattrace, another Service",
             Cond::This => "nattrace, this Service",
             Cond::Tcpdump => "tcpdump -i cni0 -w file",
+            Cond::ThisBaseline => "baseline build, this Service",
         }
     }
 }
@@ -36,6 +39,8 @@ pub struct BulkSample {
     pub lost: u64,
     pub rss_kib: u64,
     pub pcap_bytes: u64,
+    /// Flows the tracer reported (iperf3's control and data connections).
+    pub flows: u64,
 }
 
 /// One run of the BPF run-time pass.
@@ -56,6 +61,8 @@ pub struct ConnResults {
     /// tcpdump -i cni0 -w FILE writing the same connections.
     pub dump: Vec<ClientRun>,
     pub broken: Option<(ClientRun, CountCheck)>,
+    /// `--baseline` tracing the same connections, in the same rounds.
+    pub baseline: Vec<(ClientRun, CountCheck)>,
 }
 
 #[derive(Debug, Default)]
@@ -228,7 +235,10 @@ fn bulk_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
         let avg = |f: fn(&BulkSample) -> u64| {
             samples.iter().map(f).sum::<u64>() / samples.len().max(1) as u64
         };
-        let traced = matches!(cond, Cond::Other | Cond::This | Cond::OtherBaseline);
+        let traced = matches!(
+            cond,
+            Cond::Other | Cond::This | Cond::OtherBaseline | Cond::ThisBaseline
+        );
         let opt = |v: u64| {
             if traced { v.to_string() } else { "–".into() }
         };
@@ -272,6 +282,15 @@ fn bulk_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
             r.baseline_label
         );
     }
+    if let Some(base) = ratio_of.get(&Cond::ThisBaseline) {
+        let _ = writeln!(
+            w,
+            "And the traced bulk flow: the baseline build {base:.3} against this build's \
+             {this:.3} (this / baseline {:.3}).\n",
+            this / base
+        );
+    }
+    long_lived(w, r, targets);
     targets.push(format!(
         "untraced traffic (filter miss) ≥ 0.98: {other:.3} — {}{}",
         verdict(other >= 0.98),
@@ -339,9 +358,12 @@ fn conn_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
         w,
         "| condition | conns/s median | ratio | IQR (ratio) | run-by-run ratio median |\n|---|---|---|---|---|"
     );
+    let baseline_v: Vec<f64> = c.baseline.iter().map(|x| x.0.per_sec).collect();
+    let baseline_label = format!("baseline build ({}), this Service", r.baseline_label);
     for (label, v) in [
         ("no tracer", &plain_v),
         ("nattrace, this Service", &traced_v),
+        (baseline_label.as_str(), &baseline_v),
         ("tcpdump -i cni0 -w file", &dump_v),
     ] {
         if v.is_empty() {
@@ -364,6 +386,25 @@ fn conn_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
         w,
         "\nEvents per connection (all traced runs): **{per_conn:.2}** ({events} events, {conns} connections).\n"
     );
+    if !c.baseline.is_empty() {
+        let b_events: u64 = c.baseline.iter().map(|x| x.1.events).sum();
+        let b_conns: u64 = c.baseline.iter().map(|x| x.0.attempted).sum();
+        let b_ok = c.baseline.iter().all(|x| x.1.problems.is_empty());
+        let _ = writeln!(
+            w,
+            "The baseline build ({}), same rounds: {:.2} events per connection ({b_events} events, \
+             {b_conns} connections); conns/s this / baseline, run by run: **{:.3}**; its count \
+             check {}.\n",
+            r.baseline_label,
+            b_events as f64 / b_conns.max(1) as f64,
+            paired_ratio(&traced_v, &baseline_v),
+            if b_ok {
+                "passed in every run"
+            } else {
+                "failed in some run"
+            }
+        );
+    }
     // Two decimals alone would print 3.00 for a run a few events over.
     let over = events.saturating_sub(3 * conns);
     targets.push(format!(
@@ -434,6 +475,44 @@ fn conn_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
             String::new()
         }
     ));
+}
+
+/// What a long-lived healthy TCP connection costs after its opening: the
+/// traced bulk runs are two such connections each (iperf3's control and
+/// data connections, seconds long, client and backend on one bridge), whose
+/// openings cost 3 events each (docs/DESIGN.md, "Event budget"); every
+/// later packet is checked by the kernel's watch and only counted (muted).
+fn long_lived(w: &mut String, r: &Results, targets: &mut Vec<String>) {
+    for cond in [Cond::This, Cond::ThisBaseline] {
+        let Some((_, s)) = r.bulk.iter().find(|(c, _)| *c == cond) else {
+            continue;
+        };
+        let events: u64 = s.iter().map(|s| s.events).sum();
+        let flows: u64 = s.iter().map(|s| s.flows).sum();
+        let muted: u64 = s.iter().map(|s| s.muted).sum();
+        let after = events.saturating_sub(3 * flows);
+        let label = if cond == Cond::This {
+            "this build".to_string()
+        } else {
+            format!("the baseline build ({})", r.baseline_label)
+        };
+        let _ = writeln!(
+            w,
+            "Long-lived healthy TCP connections, {label}: {flows} connections in {} traced bulk \
+             runs cost {events} events ({:.2} per connection), {} after their openings; \
+             {muted} later packets checked in the kernel without an event.\n",
+            s.len(),
+            events as f64 / flows.max(1) as f64,
+            after
+        );
+        if cond == Cond::This {
+            targets.push(format!(
+                "a long-lived healthy TCP connection costs 0 events after its opening: \
+                 {after} in {flows} connections ({muted} packets muted) — {}",
+                verdict(after == 0)
+            ));
+        }
+    }
 }
 
 fn result(check: &CountCheck) -> String {

@@ -181,7 +181,7 @@ pub(crate) struct Ctx<'a> {
 impl Ctx<'_> {
     pub(crate) fn binary(&self, cond: Cond) -> &Path {
         match (&self.opts.baseline, cond) {
-            (Some((path, _)), Cond::OtherBaseline) => path,
+            (Some((path, _)), Cond::OtherBaseline | Cond::ThisBaseline) => path,
             _ => &self.opts.nattrace,
         }
     }
@@ -212,6 +212,7 @@ fn bulk(ctx: &Ctx, loads: &mut Vec<f64>) -> anyhow::Result<Vec<(Cond, Vec<BulkSa
     let mut conds = vec![Cond::None, Cond::Other, Cond::This, Cond::Tcpdump];
     if ctx.opts.baseline.is_some() {
         conds.insert(1, Cond::OtherBaseline);
+        conds.insert(4, Cond::ThisBaseline);
     }
     let mut out: Vec<(Cond, Vec<BulkSample>)> = conds.iter().map(|c| (*c, Vec::new())).collect();
     for r in 0..ctx.opts.runs {
@@ -269,7 +270,7 @@ fn bulk_run(ctx: &Ctx, cond: Cond) -> anyhow::Result<BulkSample> {
             gbps: iperf(ctx)?,
             ..Default::default()
         }),
-        Cond::Other | Cond::This | Cond::OtherBaseline => {
+        Cond::Other | Cond::This | Cond::OtherBaseline | Cond::ThisBaseline => {
             let (tracer, _) =
                 shared::start_nattrace(ctx.binary(cond), ctx.lab, &[ctx.svc(cond)], &[])?;
             let pid = tracer.pid();
@@ -284,6 +285,7 @@ fn bulk_run(ctx: &Ctx, cond: Cond) -> anyhow::Result<BulkSample> {
                 lost: summary["lost_events"].as_u64().unwrap_or(0),
                 rss_kib: hwm,
                 pcap_bytes: 0,
+                flows: summary["flows"].as_u64().unwrap_or(0),
             })
         }
         Cond::Tcpdump => {
@@ -349,6 +351,27 @@ fn conn(ctx: &Ctx, loads: &mut Vec<f64>) -> anyhow::Result<ConnResults> {
         let traced = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load)?;
         let done = shared::stop_nattrace_after(tracer, traced.attempted)?;
         let check = shared::count_check(&done, &ctx.addrs, &traced, true);
+        if let Some((bin, _)) = &ctx.opts.baseline {
+            let (tracer, _) = shared::start_nattrace(bin, ctx.lab, &[svc], &[])?;
+            let run = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load)?;
+            let done = shared::stop_nattrace_after(tracer, run.attempted)?;
+            let check = shared::count_check(&done, &ctx.addrs, &run, true);
+            say(&format!(
+                "conn run {}/{}: {:7.0} conns/s baseline build traced; {:.2} events/conn; count check: {} conns, {} flows{}",
+                r + 1,
+                ctx.opts.runs,
+                run.per_sec,
+                check.events as f64 / run.attempted.max(1) as f64,
+                run.attempted,
+                check.flows,
+                if check.problems.is_empty() {
+                    String::new()
+                } else {
+                    format!(" FAILED: {:?}", check.problems)
+                }
+            ));
+            res.baseline.push((run, check));
+        }
         let mut dump = start_tcpdump(ctx.lab, &file)?;
         let dumped = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load);
         unsafe { libc::kill(dump.id() as i32, libc::SIGTERM) };

@@ -14,7 +14,9 @@
 //! silently produce no events; and that all backends agree flow for flow.
 //! Each seed 000 case runs again without `-v`, with the kernel's per-flow
 //! buffer on (`vm-guest/held.rs`). Then seed 000 over IPv6 on a
-//! dual-stack node (`vm-guest/ipv6.rs`).
+//! dual-stack node (`vm-guest/ipv6.rs`), and long-lived connections broken
+//! after an `ok` opening, each beside a healthy twin
+//! (`vm-guest/established.rs`).
 //! One `vm-guest: PASS|FAIL` line per check; exit 0 only if all pass.
 //!
 //! `--record-fixtures` also has each seed 000 run `--write` its recording and
@@ -23,6 +25,8 @@
 //! record nothing (auto fallback, IPv6) to spare the emulated guest.
 
 // Not tests/src/bin/facts.rs: cargo would take that for a binary of its own.
+#[path = "vm-guest/established.rs"]
+mod established;
 #[path = "vm-guest/facts.rs"]
 mod facts;
 #[path = "vm-guest/held.rs"]
@@ -227,6 +231,7 @@ fn run() -> anyhow::Result<bool> {
 
     if !record_fixtures {
         ipv6::run(&mut checks, &nattrace, &backends)?;
+        established::run(&mut checks, &nattrace, &backends);
     }
 
     say(&format!(

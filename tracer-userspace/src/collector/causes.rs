@@ -138,7 +138,7 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         name: "bridge_nf_call_iptables_off",
         verdicts: &[Verdict::ReplyNotReverseNated],
         check: bridged_reply_sysctl_off,
-        incident: "seed 000/001: same-node reply bridged past netfilter (br_netfilter off), TCP or DNS",
+        incident: "seed 000/001: same-node reply bridged past netfilter (br_netfilter off), TCP or DNS; or switched off while running (issue 21: phase established, the node's sysctls read again when the flow breaks mid-stream)",
         fix: "load br_netfilter and set net.bridge.bridge-nf-call-iptables=1 in the node namespace (before kubelet starts)",
     },
     CauseRow {

@@ -571,7 +571,7 @@ pub fn run(netns: Option<&str>, json: bool) -> u8 {
 
 pub mod conntrack_stats;
 pub mod ipv6;
-mod north_south;
 pub mod mtu;
+mod north_south;
 #[cfg(test)]
 mod tests;

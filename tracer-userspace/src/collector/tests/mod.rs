@@ -10,6 +10,7 @@ use super::{fixtures::*, *};
 
 mod established;
 mod established_more;
+mod established_recorded;
 mod ipv6;
 mod paths;
 mod routed;
