@@ -31,7 +31,7 @@ use tracer_common::{
     proto, v4_mapped,
 };
 
-use crate::emit::Packet;
+use crate::packet::{Packet, copy_addr};
 
 /// Bytes of the error read at once: the ICMPv6 header, the quoted IPv6
 /// header and 8 bytes of its L4 header (the largest quote read).
@@ -180,7 +180,7 @@ pub fn v4<Q: Quote>(q: &Q, pkt: &mut Packet) -> Result<(), ()> {
     let src = small::<Q, 4>(q, 12)?;
     // SAFETY: as above.
     unsafe {
-        crate::emit::copy_addr(&raw mut (*s).from, &v4_mapped(src));
+        copy_addr(&raw mut (*s).from, &v4_mapped(src));
         (*s).mtu = mtu;
     }
     Ok(())
@@ -282,11 +282,11 @@ pub fn fill(ev: *mut PacketEvent, icmp_type: u8, icmp_code: u8) {
     unsafe {
         match scratch {
             Some(e) => {
-                crate::emit::copy_addr(&raw mut (*ev).icmp_from, &(*e).from);
+                copy_addr(&raw mut (*ev).icmp_from, &(*e).from);
                 (*ev).icmp_mtu = (*e).mtu;
             }
             None => {
-                crate::emit::copy_addr(&raw mut (*ev).icmp_from, &[0; 4]);
+                copy_addr(&raw mut (*ev).icmp_from, &[0; 4]);
                 (*ev).icmp_mtu = 0;
             }
         }

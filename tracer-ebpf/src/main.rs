@@ -11,6 +11,7 @@ mod held;
 mod icmp;
 mod kprobes;
 mod netfilter;
+mod packet;
 mod prefilter;
 mod skb;
 mod tc;

@@ -1,5 +1,6 @@
 //! The `--svc IP[:PORT]` filter, IPv4 or IPv6 (`fd00:10:96::a`,
 //! `[fd00:10:96::a]:80`).
+use crate::ruleset::{KubeProxyRules, external::ExternalKind};
 use std::{
     fmt,
     net::{IpAddr, SocketAddr},
@@ -156,7 +157,7 @@ pub struct ServicePort {
 /// REJECTs for having none).
 pub fn traced_ports(
     services: &[Service],
-    rules: Option<&crate::ruleset::KubeProxyRules>,
+    rules: Option<&KubeProxyRules>,
 ) -> std::collections::BTreeSet<ServicePort> {
     use tracer_common::proto;
     let proto_of = |p: &str| match p {
@@ -177,7 +178,7 @@ pub fn traced_ports(
     let Some(rules) = rules else { return out };
     // ClusterIPs, rejects, NodePorts on the node's addresses, LB and
     // external IPs (issue 24).
-    for t in crate::service_lookup::all_targets(rules) {
+    for t in all_targets(rules) {
         if let Some(proto) = proto_of(&t.proto) {
             out.insert(ServicePort {
                 addr: t.addr,
@@ -223,6 +224,100 @@ impl ServiceSet {
     pub fn is_empty(&self) -> bool {
         self.set.is_empty()
     }
+}
+
+/// What kind of address of a Service a [`Target`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum AddrKind {
+    ClusterIp,
+    External(ExternalKind),
+}
+
+impl AddrKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AddrKind::ClusterIp => "ClusterIP",
+            AddrKind::External(k) => k.as_str(),
+        }
+    }
+}
+
+/// One address:port a Service port is reached at.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Target {
+    pub addr: IpAddr,
+    pub port: u16,
+    /// "tcp" / "udp".
+    pub proto: String,
+    pub kind: AddrKind,
+    /// kube-proxy's `namespace/name:port`.
+    pub port_name: String,
+}
+
+impl Target {
+    pub fn service(&self) -> Service {
+        Service {
+            addr: self.addr,
+            port: Some(self.port),
+        }
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} ({} {}/{})",
+            self.service(),
+            self.port_name,
+            self.kind.as_str(),
+            self.proto
+        )
+    }
+}
+
+/// Every address of every Service port in the rules (NodePorts once per
+/// address kube-proxy accepts them on).
+pub fn all_targets(rules: &KubeProxyRules) -> Vec<Target> {
+    let mut out: Vec<Target> = rules
+        .services
+        .iter()
+        .map(|s| (s.cluster_ip, s.port, s.proto.as_str(), &s.name))
+        .chain(
+            rules
+                .no_endpoints
+                .iter()
+                .map(|r| (r.ip, r.port, r.protocol.as_str(), &r.port_name)),
+        )
+        .map(|(addr, port, proto, name)| Target {
+            addr,
+            port,
+            proto: proto.to_string(),
+            kind: AddrKind::ClusterIp,
+            port_name: name.clone(),
+        })
+        .collect();
+    let ns = &rules.north_south;
+    for e in &ns.external {
+        let addrs = match e.ip {
+            Some(ip) => vec![ip],
+            None => ns.node_port_addrs(e.ipv6),
+        };
+        for addr in addrs {
+            out.push(Target {
+                addr,
+                port: e.port,
+                proto: e.proto.clone(),
+                kind: AddrKind::External(e.kind),
+                port_name: e.name.clone(),
+            });
+        }
+    }
+    // A no-endpoints reject of an external IP is listed as the external
+    // entry too: one target per address and port.
+    out.sort();
+    out.dedup_by(|a, b| a.addr == b.addr && a.port == b.port && a.proto == b.proto);
+    out
 }
 
 #[cfg(test)]

@@ -6,10 +6,7 @@
 //! `ruleset::read`. Also what target checks at start use (issue 28).
 use std::{collections::BTreeSet, fmt, net::IpAddr};
 
-use crate::{
-    ruleset::{KubeProxyRules, external::ExternalKind},
-    service::Service,
-};
+use crate::{ruleset::KubeProxyRules, service::Service};
 
 /// `--svc NAMESPACE/NAME[:PORT]`; the port by name or number.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -109,99 +106,7 @@ impl SvcArg {
     }
 }
 
-/// What kind of address of a Service a [`Target`] is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum AddrKind {
-    ClusterIp,
-    External(ExternalKind),
-}
-
-impl AddrKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AddrKind::ClusterIp => "ClusterIP",
-            AddrKind::External(k) => k.as_str(),
-        }
-    }
-}
-
-/// One address:port a Service port is reached at.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Target {
-    pub addr: IpAddr,
-    pub port: u16,
-    /// "tcp" / "udp".
-    pub proto: String,
-    pub kind: AddrKind,
-    /// kube-proxy's `namespace/name:port`.
-    pub port_name: String,
-}
-
-impl Target {
-    pub fn service(&self) -> Service {
-        Service {
-            addr: self.addr,
-            port: Some(self.port),
-        }
-    }
-}
-
-impl fmt::Display for Target {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} ({} {}/{})",
-            self.service(),
-            self.port_name,
-            self.kind.as_str(),
-            self.proto
-        )
-    }
-}
-
-/// Every address of every Service port in the rules (NodePorts once per
-/// address kube-proxy accepts them on).
-pub fn all_targets(rules: &KubeProxyRules) -> Vec<Target> {
-    let mut out: Vec<Target> = rules
-        .services
-        .iter()
-        .map(|s| (s.cluster_ip, s.port, s.proto.as_str(), &s.name))
-        .chain(
-            rules
-                .no_endpoints
-                .iter()
-                .map(|r| (r.ip, r.port, r.protocol.as_str(), &r.port_name)),
-        )
-        .map(|(addr, port, proto, name)| Target {
-            addr,
-            port,
-            proto: proto.to_string(),
-            kind: AddrKind::ClusterIp,
-            port_name: name.clone(),
-        })
-        .collect();
-    let ns = &rules.north_south;
-    for e in &ns.external {
-        let addrs = match e.ip {
-            Some(ip) => vec![ip],
-            None => ns.node_port_addrs(e.ipv6),
-        };
-        for addr in addrs {
-            out.push(Target {
-                addr,
-                port: e.port,
-                proto: e.proto.clone(),
-                kind: AddrKind::External(e.kind),
-                port_name: e.name.clone(),
-            });
-        }
-    }
-    // A no-endpoints reject of an external IP is listed as the external
-    // entry too: one target per address and port.
-    out.sort();
-    out.dedup_by(|a, b| a.addr == b.addr && a.port == b.port && a.proto == b.proto);
-    out
-}
+pub use crate::service::{AddrKind, Target, all_targets};
 
 /// `namespace/name` of a port label.
 fn service_of(port_name: &str) -> &str {

@@ -163,7 +163,7 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         id: CauseId::ConntrackInvalid,
         name: "conntrack_invalid",
         verdicts: &[Verdict::ReplyNotReverseNated, Verdict::Dropped],
-        check: super::established::conntrack_invalid,
+        check: super::checks::midstream::conntrack_invalid,
         incident: "issue 21: mid-stream the connection's conntrack entry is gone (conntrack -D/-F, a kube-proxy restart, a timeout with nf_conntrack_tcp_loose=0) or its packets fall out of the TCP window: INVALID, NAT skips them; kube-proxy's `KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP` drops them, or the reply reaches the client un-reverse-NATed and the client resets",
         fix: "keep conntrack tracking long-lived connections: net.netfilter.nf_conntrack_tcp_be_liberal=1 (out-of-window packets stay ESTABLISHED; kube-proxy, iptables and nftables modes, reads it when it starts and installs no INVALID DROP rule while it is set: \"nf_conntrack_tcp_be_liberal set, not installing DROP rules for INVALID packets\", pkg/proxy/iptables/proxier.go NewProxier; nftables mode: setupNFTables adds `ct state invalid drop` to its `forward` chain under the same condition — restart kube-proxy after setting it) and nf_conntrack_tcp_loose=1 (the default: a mid-stream packet picks an entry up again); do not flush entries of live connections (conntrack -F/-D); `conntrack -S` shows the invalid counter",
     },

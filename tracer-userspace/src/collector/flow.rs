@@ -134,7 +134,7 @@ pub(crate) struct Flow {
     pub held: bool,
     /// Set once the opening was reported `ok`: the rest of the connection
     /// is watched (`established.rs`).
-    pub watch: Option<super::established::Watch>,
+    pub watch: Option<Watch>,
     pub packets: Vec<Packet>,
     pub obs: Vec<Obs>,
     /// ICMP errors about the flow's packets (`icmp.rs`). Boxed: 8 bytes in
@@ -143,7 +143,7 @@ pub(crate) struct Flow {
         clippy::box_collection,
         reason = "8 bytes in every flow instead of a Vec's 24, for what few flows have"
     )]
-    pub icmp: Option<Box<Vec<super::icmp::IcmpObs>>>,
+    pub icmp: Option<Box<Vec<IcmpObs>>>,
 }
 
 impl Flow {
@@ -199,8 +199,7 @@ impl Flow {
                 size_of::<Vec<Endpoint>>() + v.capacity() * size_of::<Endpoint>()
             })
             + self.icmp.as_ref().map_or(0, |v| {
-                size_of::<Vec<super::icmp::IcmpObs>>()
-                    + v.capacity() * size_of::<super::icmp::IcmpObs>()
+                size_of::<Vec<IcmpObs>>() + v.capacity() * size_of::<IcmpObs>()
             })
     }
 
@@ -505,5 +504,108 @@ fn observed_in_node(obs: &Obs, ctx: &FlowCtx<'_>) -> bool {
         }
         hook::DEV_RX | hook::DEV_TX => obs.netns != 0 && obs.netns == ctx.node_netns,
         _ => false,
+    }
+}
+
+/// The watch of one flow, kept on the flow after its opening was `ok`
+/// (24 bytes: every `ok` flow carries one until it goes idle).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Watch {
+    /// When the opening was decided `ok`.
+    pub ok_ts: u64,
+    /// The first failure's time; 0 while none.
+    pub failed_ts: u64,
+    /// Reverse-NATed replies at the client: seen here after the `ok`
+    /// (events the kernel did not mute), then at the first failure the
+    /// larger of that and the kernel's count.
+    pub good: u32,
+    /// The established report is out (one per flow).
+    pub reported: bool,
+    /// A RST of the flow was seen while it was healthy: the connection was
+    /// closed by an endpoint (an abort, SO_LINGER 0), and what follows (a
+    /// segment in flight reaching the closed socket: NO_SOCKET, a bare
+    /// RST back) is its aftermath, not a failure.
+    pub closed: bool,
+}
+
+impl Watch {
+    pub fn failed(&self) -> bool {
+        self.failed_ts != 0
+    }
+}
+
+/// Error events a flow keeps at most (each error packet is seen at
+/// about ten points; a black hole repeats its error per retransmission).
+const MAX_ICMP_OBS: usize = 64;
+
+/// One event of an ICMP error about the flow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct IcmpObs {
+    /// Where it was seen, with the quote's endpoints as `src`/`dst`.
+    pub obs: Obs,
+    pub icmp_type: u8,
+    pub code: u8,
+    pub v6: bool,
+    pub mtu: u32,
+    pub from: std::net::IpAddr,
+    /// The quoted packet's length, IP id and TCP seq: the same at every
+    /// point (NAT rewrites none of them), so they name the error packet.
+    pub quoted_len: u16,
+    pub quoted_ip_id: u16,
+    pub quoted_seq: u32,
+}
+
+impl IcmpObs {
+    pub fn new(ev: &PacketEvent) -> Self {
+        let from = crate::service::ip_of(ev.icmp_from);
+        Self {
+            obs: Obs::new(ev, 0),
+            icmp_type: ev.icmp_type,
+            code: ev.icmp_code,
+            v6: crate::service::ip_of(ev.daddr).is_ipv6(),
+            mtu: ev.icmp_mtu,
+            from,
+            quoted_len: ev.ip_len,
+            quoted_ip_id: ev.ip_id,
+            quoted_seq: ev.seq,
+        }
+    }
+
+    pub(crate) fn same_error(&self, other: &IcmpObs) -> bool {
+        self.icmp_type == other.icmp_type
+            && self.code == other.code
+            && self.quoted_len == other.quoted_len
+            && self.quoted_ip_id == other.quoted_ip_id
+            && self.quoted_seq == other.quoted_seq
+    }
+
+    pub fn is_too_big(&self) -> bool {
+        tracer_common::icmp::is_too_big(self.v6, self.icmp_type, self.code)
+    }
+
+    pub fn is_port_unreachable(&self) -> bool {
+        tracer_common::icmp::is_port_unreachable(self.v6, self.icmp_type, self.code)
+    }
+}
+
+impl Flow {
+    /// Keeps an error event; false when the flow holds its maximum.
+    pub(crate) fn add_icmp(&mut self, ev: &PacketEvent) -> bool {
+        self.last_ts = self.last_ts.max(ev.ts_ns);
+        let list = self.icmp.get_or_insert_with(Box::default);
+        if list.len() >= MAX_ICMP_OBS {
+            self.truncated = true;
+            return false;
+        }
+        let o = IcmpObs::new(ev);
+        if list.contains(&o) {
+            return false;
+        }
+        list.push(o);
+        true
+    }
+
+    pub(crate) fn icmp_obs(&self) -> &[IcmpObs] {
+        self.icmp.as_deref().map_or(&[], |v| v.as_slice())
     }
 }

@@ -10,92 +10,18 @@
 use std::net::{IpAddr, SocketAddr};
 
 use serde::Serialize;
-use tracer_common::{PacketEvent, hook, icmp, nf_hook};
+use tracer_common::{hook, icmp, nf_hook};
 
 use super::{
     flow::Flow,
-    report::{Hop, ReportCtx, hop},
+    hops::{Hop, ReportCtx, hop},
     types::{Dir, Name, Obs, in_node},
 };
 
-/// Error events a flow keeps at most (each error packet is seen at
-/// about ten points; a black hole repeats its error per retransmission).
-const MAX_ICMP_OBS: usize = 64;
+pub(crate) use super::flow::IcmpObs;
 
 /// Events of one error packet are this close (as the flow's packets).
 const PACKET_GAP_NS: u64 = 100_000_000;
-
-/// One event of an ICMP error about the flow.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct IcmpObs {
-    /// Where it was seen, with the quote's endpoints as `src`/`dst`.
-    pub obs: Obs,
-    pub icmp_type: u8,
-    pub code: u8,
-    pub v6: bool,
-    pub mtu: u32,
-    pub from: IpAddr,
-    /// The quoted packet's length, IP id and TCP seq: the same at every
-    /// point (NAT rewrites none of them), so they name the error packet.
-    pub quoted_len: u16,
-    pub quoted_ip_id: u16,
-    pub quoted_seq: u32,
-}
-
-impl IcmpObs {
-    pub fn new(ev: &PacketEvent) -> Self {
-        let from = crate::service::ip_of(ev.icmp_from);
-        Self {
-            obs: Obs::new(ev, 0),
-            icmp_type: ev.icmp_type,
-            code: ev.icmp_code,
-            v6: crate::service::ip_of(ev.daddr).is_ipv6(),
-            mtu: ev.icmp_mtu,
-            from,
-            quoted_len: ev.ip_len,
-            quoted_ip_id: ev.ip_id,
-            quoted_seq: ev.seq,
-        }
-    }
-
-    fn same_error(&self, other: &IcmpObs) -> bool {
-        self.icmp_type == other.icmp_type
-            && self.code == other.code
-            && self.quoted_len == other.quoted_len
-            && self.quoted_ip_id == other.quoted_ip_id
-            && self.quoted_seq == other.quoted_seq
-    }
-
-    pub fn is_too_big(&self) -> bool {
-        icmp::is_too_big(self.v6, self.icmp_type, self.code)
-    }
-
-    pub fn is_port_unreachable(&self) -> bool {
-        icmp::is_port_unreachable(self.v6, self.icmp_type, self.code)
-    }
-}
-
-impl Flow {
-    /// Keeps an error event; false when the flow holds its maximum.
-    pub(crate) fn add_icmp(&mut self, ev: &PacketEvent) -> bool {
-        self.last_ts = self.last_ts.max(ev.ts_ns);
-        let list = self.icmp.get_or_insert_with(Box::default);
-        if list.len() >= MAX_ICMP_OBS {
-            self.truncated = true;
-            return false;
-        }
-        let o = IcmpObs::new(ev);
-        if list.contains(&o) {
-            return false;
-        }
-        list.push(o);
-        true
-    }
-
-    pub(crate) fn icmp_obs(&self) -> &[IcmpObs] {
-        self.icmp.as_deref().map_or(&[], |v| v.as_slice())
-    }
-}
 
 /// One ICMP error packet about the flow, as reported (JSON `icmp_errors`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

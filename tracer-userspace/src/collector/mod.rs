@@ -13,6 +13,7 @@ mod drop_reason;
 mod established;
 mod flow;
 mod held;
+mod hops;
 mod icmp;
 mod ifnames;
 mod report;

@@ -5,47 +5,18 @@ use std::net::SocketAddr;
 use serde::Serialize;
 use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
 
+pub use super::hops::Hop;
+pub(crate) use super::hops::{ReportCtx, hop};
+
 use super::{
     causes::{self, Cause},
     checks::RuleCtx,
-    drop_reason::{DropReasons, KnownReasons},
     established::{Established, Phase},
     flow::{ClientReply, Flow},
-    ifnames::IfNames,
-    types::{Dir, Name, Obs, Proto, in_node, packet_kind},
+    types::{Dir, Name, Obs, Proto, packet_kind},
     verdict::{Verdict, drop_place, first_drop, packet_backend, reply_backend, verdict_of},
 };
-use crate::{
-    facts::NodeFacts,
-    ruleset::{KubeMatch, KubeProxyRules},
-};
-
-/// One event of a packet, as reported.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct Hop {
-    pub ts_ns: u64,
-    pub hook: &'static str,
-    /// Netfilter hook ("PREROUTING", ...) for netfilter events.
-    pub nf_hook: Option<&'static str>,
-    /// "before-nat" / "after-nat" where the event brackets a NAT stage.
-    pub nat_stage: Option<&'static str>,
-    pub ifindex: u32,
-    /// The interface's name in its namespace (`netns`), when known: the
-    /// node's from the start, pods' and new ones as they are seen.
-    pub ifname: Option<Name>,
-    /// Inode of the namespace (the node's, for tc and netfilter events).
-    pub netns: u32,
-    pub node_ns: bool,
-    pub src: SocketAddr,
-    pub dst: SocketAddr,
-    pub drop_reason: Option<Name>,
-    /// This is where the reply was judged.
-    pub client_side: bool,
-    /// The node whose recording this hop comes from, when flows are merged
-    /// across nodes (`analyze b.rec a.rec`); absent for one node.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub node: Option<Name>,
-}
+use crate::ruleset::KubeMatch;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct PacketEvidence {
@@ -118,28 +89,6 @@ pub struct FlowReport {
     /// packet with every point it passed; absent when there were none.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub icmp_errors: Vec<super::icmp::IcmpError>,
-}
-
-pub(crate) struct ReportCtx<'a> {
-    pub facts: &'a NodeFacts,
-    pub ifnames: &'a IfNames,
-    pub reasons: &'a DropReasons,
-    pub known: &'a KnownReasons,
-    pub reply_timeout_ns: u64,
-    pub kube: &'a KubeProxyRules,
-}
-
-impl ReportCtx<'_> {
-    pub(crate) fn is_node(&self, netns: u32) -> bool {
-        in_node(netns, self.facts.netns_inode)
-    }
-
-    pub(crate) fn reason_name(&self, value: u32) -> Name {
-        self.reasons
-            .name(value)
-            .cloned()
-            .unwrap_or_else(|| Name(format!("reason {value}").into()))
-    }
 }
 
 /// How the decision was reached, beyond the flow's own evidence.
@@ -531,29 +480,6 @@ fn reverse_nat_point(flow: &Flow, packet: u8) -> Option<&'static str> {
         prev = Some(o);
     }
     None
-}
-
-/// One observation as reported.
-pub(crate) fn hop(o: &Obs, ctx: &ReportCtx<'_>, client_side: bool) -> Hop {
-    Hop {
-        ts_ns: o.ts_ns,
-        hook: hook::name(o.hook),
-        nf_hook: (o.hook == hook::NETFILTER).then(|| nf_hook::name(o.nf_hook)),
-        nat_stage: (o.nat_stage != nat_stage::NONE).then(|| nat_stage::name(o.nat_stage)),
-        ifindex: o.ifindex,
-        ifname: ctx.ifnames.get(o.netns, o.ifindex).cloned(),
-        netns: if o.netns == 0 {
-            ctx.facts.netns_inode
-        } else {
-            o.netns
-        },
-        node_ns: ctx.is_node(o.netns),
-        src: o.src.socket_addr(),
-        dst: o.dst.socket_addr(),
-        drop_reason: (o.hook == hook::DROP).then(|| ctx.reason_name(o.drop_reason)),
-        client_side,
-        node: None,
-    }
 }
 
 fn evidence(flow: &Flow, ctx: &ReportCtx<'_>) -> Vec<PacketEvidence> {

@@ -1,5 +1,5 @@
 use super::*;
-use crate::ruleset::{external::tests::SAVE, parse_save};
+use crate::ruleset::{external::ExternalKind, external::tests::SAVE, parse_save};
 
 fn rules() -> KubeProxyRules {
     let mut r = parse_save(SAVE);

@@ -3,6 +3,7 @@
 //! SIGTERM or `--duration`, then detach and summarise.
 mod live;
 mod steps;
+mod tick;
 mod watch;
 
 use std::{

@@ -11,8 +11,7 @@ use crate::doctor::conntrack_stats::ConntrackStats;
 
 use super::{
     EXIT_BUDGET, OUTPUT_STALL, SLOW_DETACH_INTERFACES, SessionError, SessionOptions, Stop,
-    live::Live,
-    monotonic_ns, summarize_removed,
+    summarize_removed,
     watch::{NetnsWatch, Notices},
 };
 use crate::{
@@ -26,7 +25,7 @@ use crate::{
         ifnames::IfNameResolver,
         netns::{Netns, NetnsError},
     },
-    recording::{Header, RecordingError, RecordingWriter, StatsLine},
+    recording::{Header, RecordingError, RecordingWriter},
 };
 pub(super) fn say_start_notes(tracer: &Tracer, notices: &mut Notices) {
     if let Some(note) = tracer.tc_split_note() {
@@ -181,137 +180,6 @@ pub(super) fn remove_leftovers(netns: Option<&str>, notices: &mut Notices) {
     }
 }
 
-/// The event loop's periodic steps, as methods of the session they work on.
-impl Live {
-    /// The periodic work of the event loop after the ring buffer was drained:
-    /// late tc attachments, loss warnings, the recording's stats line, decided
-    /// flows out, their endpoints muted, and (every `poll_interfaces`) new
-    /// interfaces picked up.
-    pub(super) fn on_tick(&mut self, poll_interfaces: bool) -> Result<(), SessionError> {
-        let Live {
-            tracer,
-            collector,
-            continuous,
-            recorder,
-            outputs,
-            notices,
-            last_lost,
-            rules_reread,
-            conntrack,
-            ..
-        } = self;
-        let mut recorder = recorder.as_mut();
-        // Before the stats line: `analyze` applies a rules line where the live
-        // run did, before the tick.
-        for line in continuous.tick(tracer, collector, recorder.as_deref_mut()) {
-            notices.say(line);
-        }
-        // A flow failed the watch: the node's sysctls may be what changed
-        // (br_netfilter switched off while running). Before the stats line,
-        // like the rules line, so `analyze` judges with the same values.
-        if collector.take_sysctls_request()
-            && let Some(now) = tracer.reread_sysctls()
-            && now != collector.sysctls()
-        {
-            collector.update_sysctls(now);
-            if let Some(rec) = recorder.as_deref_mut() {
-                rec.sysctls(now);
-            }
-        }
-        // A failing DNATed flow waits for this tick: whether its backend is
-        // still an endpoint is asked of the rules as they are now (a stale
-        // conntrack entry), recorded before the stats line for `analyze`.
-        // A request made while the last read is too recent waits for the
-        // next tick (it is not taken), so it is never lost.
-        if rules_reread.due() && collector.take_rules_request() {
-            rules_reread.done();
-            let mut now = tracer.reread_rules();
-            now.outside_netfilter = collector.rules().outside_netfilter.clone();
-            if now.mode != crate::ruleset::ProxyMode::None && now != *collector.rules() {
-                if let Some(rec) = recorder.as_deref_mut() {
-                    rec.rules(&now);
-                }
-                collector.update_rules(now);
-            }
-        }
-        if continuous.has_metrics()
-            && let Some(now) = conntrack.due_read(tracer)
-        {
-            continuous.conntrack(&now);
-        }
-        let attached = tracer.collect_tc();
-        if attached > 0 {
-            notices.say(format_args!("tc now attached on {attached} more interfaces (their device tracepoints stood in until now)"));
-        }
-        let stats = tracer.stats();
-        if stats.ringbuf_full > *last_lost {
-            notices.warn(format_args!(
-                "{} events lost so far (ring buffer full); affected flows are marked incomplete",
-                stats.ringbuf_full
-            ));
-            *last_lost = stats.ringbuf_full;
-        }
-        let now = monotonic_ns();
-        if let Some(rec) = recorder {
-            rec.stats(StatsLine::new(now, &stats));
-            if let Some(w) = rec.take_warning() {
-                notices.warn(w);
-            }
-        }
-        collector.note_lost(stats.ringbuf_full);
-        let reports = collector.tick(now);
-        continuous.flows(&reports);
-        outputs.flows(reports).map_err(SessionError::Output)?;
-        continuous.gauges(tracer, collector, &stats, outputs.dropped_lines());
-        for w in outputs.take_warnings() {
-            notices.warn(w);
-        }
-        for client in collector.take_mute_candidates() {
-            if let Err(err) = tracer.mute(client) {
-                warn!("could not mute a decided flow: {err}");
-            }
-        }
-        if poll_interfaces {
-            match tracer.poll_new_interfaces() {
-                Ok(names) if !names.is_empty() => {
-                    notices.say(format_args!("now also tracing {}", names.join(", ")))
-                }
-                Ok(_) => {}
-                Err(err) => warn!("watching for new interfaces failed: {err}"),
-            }
-        }
-        Ok(())
-    }
-
-    /// Held flows whose reply deadline comes (the collector's
-    /// `take_due_held`): their events are read from the kernel and go to
-    /// the collector and the recording like ring-buffer events. `sweep` also
-    /// pulls buffers nobody asked for (their first event was lost), once they
-    /// are well past any deadline.
-    pub(super) fn pull_held(&mut self, sweep: bool) {
-        let Live {
-            tracer,
-            collector,
-            recorder,
-            ifnames,
-            ..
-        } = self;
-        let now = monotonic_ns();
-        let due = collector.take_due_held(now);
-        let mut events = Vec::new();
-        if !due.is_empty() {
-            tracer.pull(&due, &mut events);
-        }
-        if sweep {
-            let stale = collector.reply_timeout_ns() * 2 + 1_000_000_000;
-            tracer.pull_older(now.saturating_sub(stale), &mut events);
-        }
-        if !events.is_empty() {
-            super::push(collector, recorder.as_mut(), ifnames.as_mut(), &mut events);
-        }
-    }
-}
-
 /// The traced namespace was deleted: let go of it first, since our
 /// descriptors are what keeps the deleted node alive.
 pub(super) fn release_deleted_netns(
@@ -420,11 +288,11 @@ pub(super) struct RulesReread {
 impl RulesReread {
     const MIN_GAP: Duration = Duration::from_millis(500);
 
-    fn due(&self) -> bool {
+    pub(super) fn due(&self) -> bool {
         self.last.is_none_or(|t| t.elapsed() >= Self::MIN_GAP)
     }
 
-    fn done(&mut self) {
+    pub(super) fn done(&mut self) {
         self.last = Some(Instant::now());
     }
 }
@@ -447,7 +315,7 @@ impl ConntrackWatch {
         }
     }
 
-    fn due_read(&mut self, tracer: &crate::probes::Tracer) -> Option<ConntrackStats> {
+    pub(super) fn due_read(&mut self, tracer: &crate::probes::Tracer) -> Option<ConntrackStats> {
         if self.last_read.elapsed() < Self::EVERY {
             return None;
         }

@@ -5,7 +5,7 @@ use tracer_common::{hook, tcp_flags};
 use super::{Found, RuleCtx};
 use crate::collector::{
     types::{Proto, in_node},
-    verdict::{Verdict, reply_backend},
+    verdict::{Verdict, drop_place, reply_backend},
 };
 
 /// A flow that was `ok` and then got a bare RST (no ACK) from the backend's
@@ -87,4 +87,64 @@ pub(in crate::collector) fn dropped_by_rule(ctx: &RuleCtx<'_>) -> Option<Found> 
             rule.chain
         ),
     ))
+}
+
+/// Cause `conntrack_invalid`: an established flow whose opening conntrack
+/// NATed stops being NATed while br_netfilter runs (a netfilter hook saw
+/// its packets after the failure): netfilter dropped one after FORWARD —
+/// kube-proxy's `-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP`,
+/// which it installs unless nf_conntrack_tcp_be_liberal is set (1.29+),
+/// is the rule that drops INVALID packets there — or its reply reached the
+/// client with the backend's source although it passed netfilter.
+/// nf_nat_inet_fn (net/netfilter/nf_nat_core.c) NATs only packets with a
+/// conntrack entry; an INVALID one has none (skb->_nfct is 0).
+pub(crate) fn conntrack_invalid(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let flow = ctx.flow;
+    if !flow.watch.is_some_and(|w| w.failed()) || ctx.facts.bridge_nf_call_iptables == Some(false) {
+        return None;
+    }
+    let in_nf = |p: u8| {
+        flow.packet_obs(p)
+            .any(|o| o.hook == tracer_common::hook::NETFILTER && in_node(o.netns, ctx.node_netns))
+    };
+    match ctx.verdict {
+        Verdict::Dropped => {
+            // The watched drop itself comes alone (its hops were muted); the
+            // retransmissions after it show where netfilter dropped them.
+            let place = "after netfilter FORWARD";
+            let drop = flow.obs.iter().find(|o| {
+                o.hook == tracer_common::hook::DROP
+                    && Some(o.drop_reason) == ctx.known.netfilter_drop
+                    && drop_place(flow, o, ctx.ifnames) == place
+            })?;
+            // The node's own INVALID rule as written, when its filter table
+            // (read again at the failure) has one; kube-proxy's nftables
+            // rules are not read for it.
+            let rule = match ctx.kube.filter_drops.iter().find(|r| r.invalid) {
+                Some(r) => format!("the node's `{}` (chain {})", r.rule, r.chain),
+                None => "kube-proxy's `-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP` (or its nftables mode's `ct state invalid drop`)".to_string(),
+            };
+            Some((
+                "conntrack no longer tracked the connection and netfilter dropped it as INVALID"
+                    .to_string(),
+                format!(
+                    "mid-stream, after the opening was DNATed, a netfilter rule dropped the {} {place} ({} → {}): a packet of an established connection dropped in FORWARD is what {rule} does once the connection's conntrack entry is gone (deleted, flushed, timed out with nf_conntrack_tcp_loose=0) or its packet is out of the TCP window; no other DROP rule of the filter table matches it",
+                    ctx.kind(drop.packet),
+                    drop.src,
+                    drop.dst
+                ),
+            ))
+        }
+        Verdict::ReplyNotReverseNated => {
+            let passed = (0..flow.packets.len() as u8).find(|&p| in_nf(p))?;
+            Some((
+                "conntrack no longer NATs the connection (entry gone or INVALID)".to_string(),
+                format!(
+                    "mid-stream the reply reached the client with the backend's source although the flow's packets still pass netfilter (the {} did): conntrack no longer holds the connection's NAT — its entry was deleted or flushed (with nf_conntrack_tcp_loose=0 no new one is made mid-stream) or the packets are INVALID (out of the TCP window), and NAT skips packets without an entry",
+                    ctx.kind(passed)
+                ),
+            ))
+        }
+        _ => None,
+    }
 }
