@@ -164,8 +164,11 @@ fn continuous(mode: ProxyMode) {
         &format!("127.0.0.1:{port}"),
         "--write",
         rec.to_str().expect("utf-8 path"),
+        // Each rotated file starts with the header (about 10 KB since the
+        // node checks and north-south rules joined it): room for a few KB
+        // of events per file, so this run's traffic fills `keep` files.
         "--write-max-mb",
-        "0.01",
+        "0.014",
         "--write-keep",
         &keep.to_string(),
     ]
