@@ -170,7 +170,16 @@ impl Nattrace {
                 Ok(line)
             }
             Err(RecvTimeoutError::Timeout) => {
-                bail!("nattrace printed nothing within {timeout:?} (still attaching?)")
+                // Its stderr is the only clue (a verifier log, a step that
+                // hangs), so it is stopped and what it said goes with the error.
+                self.signal(libc::SIGKILL);
+                let said = self
+                    .wait(Duration::from_secs(5))
+                    .map(|done| tail(&done.stderr, 40))
+                    .unwrap_or_default();
+                bail!(
+                    "nattrace printed nothing within {timeout:?} (still attaching?); stderr: {said}"
+                )
             }
             Err(RecvTimeoutError::Disconnected) => {
                 let done = self.wait(Duration::from_secs(5))?;
@@ -323,6 +332,12 @@ impl Nattrace {
             stderr,
         })
     }
+}
+
+/// The last `n` lines of `text`.
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.trim_end().lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// Whether a JSON output line is a decided flow.

@@ -199,6 +199,13 @@ fn store(
     }
     let node_netns = crate::config::config().map_or(0, |c| c.node_netns);
     let in_node = tracer_common::held::in_node(at.hook, at.netns, node_netns);
+    // Clamped again after a read through memory: LLVM spills the count it
+    // read (a full u64) before the check above, and 6.1's verifier keeps no
+    // bounds for a spilled unbounded scalar (check_stack_write_fixed_off
+    // saves the register only if register_is_bounded), so the reload it
+    // indexes with is unbounded ("math between map_value pointer and
+    // register with unbounded min value"). 6.3 tracks such spills.
+    let i = unsafe { core::ptr::read_volatile(&i) }.min(HELD_SLOTS - 1);
     unsafe {
         let slot = &raw mut (*p).events[i];
         // Flagged as it will be sent if the flow turns out a problem.

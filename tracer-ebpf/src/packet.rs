@@ -7,6 +7,21 @@ use network_types::{
 };
 use tracer_common::{Addr, addr_from_bytes, proto, v4_mapped};
 
+/// The IPv6 parsers' (tc.rs `ipv6`, skb.rs `parse_ipv6`) "not a packet we
+/// trace".
+pub const NOT_TRACED: u64 = u64::MAX;
+/// The IPv6 parsers' "an ICMPv6 message at this offset" (low 11 bits): the
+/// caller parses it beside the parser, so that icmp.rs's frame is not stacked
+/// under the parser's (6.1's verifier limits the deepest chain of calls to
+/// 512 bytes in all, each frame rounded up to 32).
+pub const ICMPV6_AT: u64 = u64::MAX << 16;
+
+/// [`ICMPV6_AT`] for the message at `l3_len`.
+#[inline(always)]
+pub fn icmpv6_at(l3_len: usize) -> u64 {
+    ICMPV6_AT | (l3_len as u64 & 0x7ff)
+}
+
 /// What every observation point extracts from a packet.
 #[derive(Clone, Copy, Default)]
 pub struct Packet {

@@ -12,6 +12,7 @@ use tracer_common::{KernelOffsets, icmp, proto, stat};
 use crate::{
     emit::{Packet, stat_inc},
     filter::{UDP_HDR_LEN, ipv6_l4},
+    packet::{ICMPV6_AT, NOT_TRACED, icmpv6_at},
 };
 
 /// Where the IP header of this skb is at this observation point.
@@ -211,14 +212,6 @@ fn payload_at(pkt: &Packet, l3_len: usize, l4: u64, l4_len: usize) -> u64 {
     }
 }
 
-/// [`parse_ipv6`]'s "not a packet we trace".
-const NOT_TRACED: u64 = u64::MAX;
-/// [`parse_ipv6`]'s "an ICMPv6 message at this offset" (low 16 bits): the
-/// caller parses it, so that icmp.rs's frame is not stacked under
-/// parse_ipv6's (the verifier's combined limit, 512 bytes, counts the
-/// deepest chain of calls).
-const ICMPV6_AT: u64 = u64::MAX << 16;
-
 /// IPv6: TCP/UDP right after the fixed header, or after the extension
 /// headers [`ipv6_l4`] steps over. A BPF-to-BPF call that fills `pkt` in
 /// the caller's frame: inlined, LLVM duplicated the whole filter and event
@@ -233,7 +226,7 @@ fn parse_ipv6(ip_addr: u64, ip: &Ipv6Hdr, pkt: &mut Packet) -> u64 {
         return NOT_TRACED;
     };
     if l4_proto == icmp::PROTO_ICMPV6 {
-        return ICMPV6_AT | (l3_len as u64 & 0x7ff);
+        return icmpv6_at(l3_len);
     }
     *pkt = Packet::from_ipv6(ip, l4_proto);
     let l4 = ip_addr + l3_len as u64;

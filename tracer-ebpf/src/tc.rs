@@ -12,6 +12,7 @@ use tracer_common::{hook, icmp, proto};
 use crate::{
     emit::{Packet, Point},
     filter::{UDP_HDR_LEN, ipv6_l4, observe},
+    packet::{NOT_TRACED, icmpv6_at},
 };
 
 // TC_ACT_UNSPEC (-1) is also TCX_NEXT: "continue with the next program".
@@ -117,7 +118,7 @@ fn ipv4(ctx: &TcContext, data: usize, end: usize) -> Result<Packet, ()> {
 /// proven to the verifier one by one. Not inlined, and filling the caller's
 /// `pkt`: inlined, LLVM duplicated the filter and event path per family.
 /// Returns 0 for a TCP/UDP packet parsed into `pkt`, [`NOT_TRACED`], or
-/// [`ICMPV6_AT`] with the ICMPv6 message's offset in the low bits for the
+/// [`crate::packet::ICMPV6_AT`] with the ICMPv6 message's offset in the low bits for the
 /// caller to parse (a u64, not a 16-byte Result: see skb.rs parse_ipv6).
 #[inline(never)]
 fn ipv6(ctx: &TcContext, pkt: &mut Packet) -> u64 {
@@ -142,7 +143,7 @@ fn ipv6(ctx: &TcContext, pkt: &mut Packet) -> u64 {
         return NOT_TRACED;
     }
     if l4_proto == icmp::PROTO_ICMPV6 {
-        return ICMPV6_AT | (l3_len as u64 & 0x7ff);
+        return icmpv6_at(l3_len);
     }
     *pkt = Packet::from_ipv6(ip, l4_proto);
     let l4 = l3 + (l3_len & 0x7ff);
@@ -151,8 +152,3 @@ fn ipv6(ctx: &TcContext, pkt: &mut Packet) -> u64 {
         Err(()) => NOT_TRACED,
     }
 }
-
-/// [`ipv6`]'s "not a packet we trace".
-const NOT_TRACED: u64 = u64::MAX;
-/// [`ipv6`]'s "an ICMPv6 message at this offset" (low 11 bits).
-const ICMPV6_AT: u64 = u64::MAX << 16;

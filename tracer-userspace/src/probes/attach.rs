@@ -142,12 +142,22 @@ fn load_in_parallel(ebpf: &mut Ebpf, plan: &[&'static ProgramSpec]) -> Result<()
         .programs_mut()
         .filter(|(name, _)| global.contains(name))
         .collect();
-    let load = |name: &str, prog: &mut Program| match prog {
-        Program::RawTracePoint(p) => p.load().map_err(|e| load_error(name, e)),
-        Program::KProbe(p) => p.load().map_err(|e| load_error(name, e)),
-        _ => Err(TraceError::Kernel(format!(
-            "{name}: not a raw tracepoint or kprobe"
-        ))),
+    let load = |name: &str, prog: &mut Program| {
+        // Per program: an old verifier's slow one is otherwise hidden in
+        // the step's total (6.1 under TCG took minutes for one).
+        let began = std::time::Instant::now();
+        let loaded = match prog {
+            Program::RawTracePoint(p) => p.load().map_err(|e| load_error(name, e)),
+            Program::KProbe(p) => p.load().map_err(|e| load_error(name, e)),
+            _ => Err(TraceError::Kernel(format!(
+                "{name}: not a raw tracepoint or kprobe"
+            ))),
+        };
+        log::debug!(
+            "start-up: {name} loaded and verified in {:.1} ms",
+            began.elapsed().as_secs_f64() * 1e3
+        );
+        loaded
     };
     std::thread::scope(|s| {
         let threads: Vec<_> = programs

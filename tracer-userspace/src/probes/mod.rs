@@ -44,6 +44,12 @@ const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 /// The kernel object built by build.rs (aya-build).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer"));
 
+/// The embedded kernel object, for tests that inspect it without a kernel
+/// (tests/stack_depth.rs: what an old verifier would refuse).
+pub fn object() -> &'static [u8] {
+    OBJECT
+}
+
 pub struct TraceOptions {
     pub services: Vec<Service>,
     /// `--netns NAME|PATH`; None = the current namespace.
