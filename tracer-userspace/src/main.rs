@@ -90,6 +90,10 @@ struct Cli {
     #[arg(long, value_name = "FILE", value_parser = parse_out_path)]
     pcap: Option<PathBuf>,
 
+    /// No "waiting for connections" line, live status line or periodic progress lines on stderr.
+    #[arg(short, long)]
+    quiet: bool,
+
     /// This node's name in the --write recording (default: the --netns name, else the hostname); `analyze` of several nodes' recordings labels each hop with it.
     #[arg(long, value_name = "NAME", value_parser = parse_node_name)]
     node_name: Option<String>,
@@ -432,6 +436,8 @@ fn main() -> ExitCode {
             max_flows: cli.max_flows,
             write_keep: cli.write_keep,
         },
+        expected: Vec::new(),
+        quiet: cli.quiet,
     };
     match session::run(options) {
         Ok(outcome) => ExitCode::from(outcome.exit_status()),

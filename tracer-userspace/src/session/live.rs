@@ -42,6 +42,11 @@ pub(super) struct Live {
     /// The node namespace's conntrack counters at start, and when they
     /// were last read for the metrics.
     pub(super) conntrack: super::steps::ConntrackWatch,
+    /// The `--svc` targets a flow is expected to (none with
+    /// `--all-services`), and when tracing began, for the end's
+    /// "no connection seen" line.
+    pub(super) expected: Vec<super::Expected>,
+    pub(super) started: Instant,
 }
 
 impl Live {
@@ -96,6 +101,12 @@ impl Live {
             last_lost: 0,
             rules_reread: Default::default(),
             conntrack,
+            expected: if options.continuous.all_services {
+                Vec::new()
+            } else {
+                options.expected.clone()
+            },
+            started: Instant::now(),
         })
     }
 
@@ -194,6 +205,8 @@ impl Live {
             last_lost: _,
             rules_reread: _,
             conntrack,
+            expected,
+            started,
         } = self;
         let stopped_at = Instant::now();
 
@@ -249,6 +262,28 @@ impl Live {
         );
         let mut outcome = std::mem::take(&mut outputs.outcome);
         outcome.aborted = stop == Stop::NetnsGone;
+        if !interrupted {
+            outcome.no_flow = no_flow(&outcome, &expected);
+            let secs = (stopped_at - started).as_secs_f64();
+            for label in &outcome.no_flow {
+                notices.say(format_args!(
+                    "no connection to {label} was seen in {secs:.1}s; check the address and port (the Service's ClusterIP and port: iptables-save -t nat | grep KUBE-SVC, or nft list table ip kube-proxy) and that a client connects to it while nattrace runs"
+                ));
+            }
+            notices.drain(
+                Instant::now() + Duration::from_millis(200),
+                Duration::from_millis(100),
+            );
+        }
         Ok(outcome)
     }
+}
+
+/// The `--svc` targets none of whose addresses any decided flow went to.
+fn no_flow(outcome: &Outcome, expected: &[super::Expected]) -> Vec<String> {
+    expected
+        .iter()
+        .filter(|e| !e.services.iter().any(|s| outcome.saw(s)))
+        .map(|e| e.label.clone())
+        .collect()
 }
