@@ -46,6 +46,8 @@ mod netns_gone;
 mod priorities;
 #[path = "tracer/stalled.rs"]
 mod stalled;
+#[path = "tracer/status.rs"]
+mod status;
 #[path = "tracer/targets.rs"]
 mod targets;
 #[path = "tracer/under_traffic.rs"]

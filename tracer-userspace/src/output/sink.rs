@@ -126,6 +126,18 @@ impl Outputs {
         overflow: Overflow,
     ) -> io::Result<Self> {
         let target = Box::new(queue::stdout_file()?);
+        Self::with_target(format, color, verbose, overflow, target)
+    }
+
+    /// [`new`](Self::new) writing to `target` instead of stdout itself (a
+    /// live run's stdout stepping around the status line on its terminal).
+    pub fn with_target(
+        format: OutputFormat,
+        color: bool,
+        verbose: bool,
+        overflow: Overflow,
+        target: Box<dyn Write + Send>,
+    ) -> io::Result<Self> {
         let queue = WriteQueue::spawn("stdout", target, queue_bytes(STDOUT_QUEUE_BYTES), overflow)?;
         let out = QueueWriter::new(queue);
         let stdout = match format {

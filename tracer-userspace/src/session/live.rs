@@ -47,12 +47,15 @@ pub(super) struct Live {
     /// "no connection seen" line.
     pub(super) expected: Vec<super::Expected>,
     pub(super) started: Instant,
+    /// The status line (a terminal) or periodic progress lines on stderr.
+    pub(super) status: super::status::Status,
 }
 
 impl Live {
     /// Opens the outputs, attaches the probes and writes the preamble.
     pub(super) fn start(options: &SessionOptions) -> Result<Live, SessionError> {
-        let mut notices = Notices::new();
+        let status = super::status::Status::new(options.quiet);
+        let mut notices = Notices::around(status.bar());
         let (record_file, pcap_file) = open_output_files(options)?;
         let mut continuous = Continuous::bind(&options.continuous, &options.services)
             .map_err(SessionError::CreateOutput)?;
@@ -80,11 +83,15 @@ impl Live {
             let _t = timing::step("header (waits for doctor's facts)");
             header(options, &tracer, gathering)
         };
-        let (recorder, outputs) = open_outputs(options, &header, record_file, pcap_file)?;
+        let (recorder, outputs) =
+            open_outputs(options, &header, record_file, pcap_file, status.bar())?;
         timing::mark("start line queued");
         let collector = Collector::new(header.collector_config()?);
         for line in continuous.start(options.netns.as_deref(), &mut tracer, &header) {
             notices.say(line);
+        }
+        if !options.quiet {
+            notices.say(super::steps::waiting_line(options));
         }
         let ifnames = interface_names(options, &tracer);
         let conntrack = super::steps::ConntrackWatch::start(&tracer);
@@ -107,6 +114,7 @@ impl Live {
                 options.expected.clone()
             },
             started: Instant::now(),
+            status,
         })
     }
 
@@ -207,7 +215,10 @@ impl Live {
             conntrack,
             expected,
             started,
+            status,
         } = self;
+        // Before the last flows, the summary and the closing lines.
+        status.finish();
         let stopped_at = Instant::now();
 
         // What the kernel still holds; then the last verdicts go to the output

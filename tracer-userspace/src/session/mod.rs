@@ -2,6 +2,7 @@
 //! collector, print each flow as its verdict is decided, stop on Ctrl-C,
 //! SIGTERM or `--duration`, then detach and summarise.
 mod live;
+mod status;
 mod steps;
 mod tick;
 mod watch;
