@@ -119,7 +119,7 @@ enum Command {
     },
     /// Re-decide the flows of a recording made with --write, with the same output as the live run; given several nodes' recordings, decide each flow across all of them.
     Analyze {
-        /// The recording(s): one per node.
+        /// The recording(s): one per node; `-` reads one from stdin.
         #[arg(value_name = "FILE", value_parser = parse_in_file, required = true, num_args = 1..)]
         files: Vec<PathBuf>,
         /// Output format.
@@ -305,6 +305,9 @@ fn parse_out_path(s: &str) -> Result<PathBuf, String> {
 
 fn parse_in_file(s: &str) -> Result<PathBuf, String> {
     let path = PathBuf::from(s);
+    if s == nattrace::recording::STDIN {
+        return Ok(path);
+    }
     match std::fs::File::open(&path) {
         Ok(f) if f.metadata().is_ok_and(|m| m.is_file()) => Ok(path),
         Ok(_) => Err(format!("'{s}' is not a regular file")),
@@ -366,6 +369,13 @@ fn main() -> ExitCode {
             color,
             pcap,
         }) => {
+            let stdin = std::path::Path::new(nattrace::recording::STDIN);
+            if files.iter().filter(|f| *f == stdin).count() > 1 {
+                nattrace::output::clean::say(
+                    "analyze: '-' (stdin) can be given once: stdin holds one recording",
+                );
+                return ExitCode::from(2);
+            }
             let opts = AnalyzeOptions {
                 path: files[0].clone(),
                 format: format_of(output),
