@@ -356,7 +356,19 @@ fn usage_error(err: clap::Error) -> ExitCode {
 
 fn main() -> ExitCode {
     nattrace::timing::init();
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    // One warning style: `nattrace: warning: …`, as the session's own.
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format(|buf, record| {
+            use std::io::Write as _;
+            let line = nattrace::output::clean::log_line(
+                record.level(),
+                record.target(),
+                &record.args().to_string(),
+            );
+            writeln!(buf, "{line}")
+        })
+        .target(env_logger::Target::Pipe(Box::new(session::LogWriter)))
+        .init();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(err) => return usage_error(err),

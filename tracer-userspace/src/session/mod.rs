@@ -3,6 +3,7 @@
 //! SIGTERM or `--duration`, then detach and summarise.
 mod live;
 mod status;
+pub use status::LogWriter;
 mod steps;
 mod tick;
 mod watch;

@@ -59,6 +59,32 @@ impl Counts {
     }
 }
 
+/// The status line being drawn, for writers that do not know the session
+/// (the logger).
+static ACTIVE: std::sync::Mutex<Option<ProgressBar>> = std::sync::Mutex::new(None);
+
+fn set_active(bar: Option<ProgressBar>) {
+    *ACTIVE.lock().unwrap_or_else(|e| e.into_inner()) = bar;
+}
+
+/// stderr for the logger: its lines step around a live status line too.
+pub struct LogWriter;
+
+impl Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let bar = ACTIVE.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match bar {
+            Some(bar) => bar.suspend(|| io::stderr().write_all(buf))?,
+            None => io::stderr().write_all(buf)?,
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        io::stderr().flush()
+    }
+}
+
 pub struct Status {
     bar: Option<ProgressBar>,
     plain_every: Option<Duration>,
@@ -73,6 +99,7 @@ impl Status {
         let bar = tty.then(|| {
             let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
             bar.set_style(ProgressStyle::with_template("{msg}").expect("a valid template"));
+            set_active(Some(bar.clone()));
             bar
         });
         let plain_every = (!quiet && !tty).then(|| {
@@ -118,6 +145,7 @@ impl Status {
     /// Gone before the summary and the last lines.
     pub fn finish(&self) {
         if let Some(bar) = &self.bar {
+            set_active(None);
             bar.finish_and_clear();
         }
     }
