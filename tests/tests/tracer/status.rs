@@ -39,27 +39,37 @@ fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
-#[test]
-fn root_status_line_on_a_terminal_stays_out_of_stdout() {
-    require_root!();
-    let lab = seed000(true, Backend::SameNode, ProxyMode::Iptables);
-    let _lock = tracing_lock();
-    let dir = std::env::temp_dir().join(format!("nattrace-status-{}", std::process::id()));
+/// What nattrace wrote to the pseudo-terminal `script` gave it (stderr,
+/// and stdout unless `stdout_to` redirects it), once a status line counted
+/// the one curl's flow; then it is stopped with Ctrl-C's signal.
+struct PtyRun {
+    seen: String,
+    counted: bool,
+    status: Option<i32>,
+}
+
+fn under_pty(lab: &Lab, first_port: u16, stdout_to: Option<&std::path::Path>) -> PtyRun {
+    let dir = std::env::temp_dir().join(format!(
+        "nattrace-status-{}-{first_port}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
-    let (out, pidfile) = (dir.join("stdout.json"), dir.join("pid"));
+    let pidfile = dir.join("pid");
     let mut cmd = vec![nattrace().display().to_string()];
-    cmd.extend(args(&lab, &[presets::web_svc()], &[]));
+    cmd.extend(args(lab, &[presets::web_svc()], &[]));
+    let redirect = stdout_to
+        .map(|p| format!(" > {}", shell_quote(&p.display().to_string())))
+        .unwrap_or_default();
     let inner = format!(
-        "echo $$ > {}; exec {} > {}",
+        "echo $$ > {}; exec {}{redirect}",
         shell_quote(&pidfile.display().to_string()),
         cmd.iter()
             .map(|a| shell_quote(a))
             .collect::<Vec<_>>()
             .join(" "),
-        shell_quote(&out.display().to_string())
     );
-    // stderr on the pty `script` makes, whose output is what we read;
-    // stdout redirected to a file inside it.
+    // stderr (and stdout) on the pty `script` makes, whose output is what
+    // we read.
     let mut script = Command::new("script")
         .args([
             "-qfec",
@@ -98,7 +108,7 @@ fn root_status_line_on_a_terminal_stays_out_of_stdout() {
         kill(libc::SIGKILL);
         panic!("no start on the pty:\n{seen:?}");
     }
-    curl_web(&lab, 47000);
+    curl_web(lab, first_port);
     let counted = wait_for(&rx, &mut seen, |s| {
         s.contains("nattrace: 1 flow (1 ok, 0 failed), ") && s.contains("— Ctrl-C to stop")
     });
@@ -109,10 +119,26 @@ fn root_status_line_on_a_terminal_stays_out_of_stdout() {
     while let Ok(more) = rx.try_recv() {
         seen.push_str(&more);
     }
-    let stdout = std::fs::read_to_string(&out).unwrap_or_default();
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(counted, "no status line on the pty:\n{seen:?}");
-    assert_eq!(status.code(), Some(0), "{seen:?}\n{stdout}");
+    PtyRun {
+        seen,
+        counted,
+        status: status.code(),
+    }
+}
+
+#[test]
+fn root_status_line_on_a_terminal_stays_out_of_stdout() {
+    require_root!();
+    let lab = seed000(true, Backend::SameNode, ProxyMode::Iptables);
+    let _lock = tracing_lock();
+    let out = std::env::temp_dir().join(format!("nattrace-status-{}.json", std::process::id()));
+    let run = under_pty(&lab, 47000, Some(&out));
+    let stdout = std::fs::read_to_string(&out).unwrap_or_default();
+    let _ = std::fs::remove_file(&out);
+    let seen = &run.seen;
+    assert!(run.counted, "no status line on the pty:\n{seen:?}");
+    assert_eq!(run.status, Some(0), "{seen:?}\n{stdout}");
     // stdout holds JSON lines only: the start, the flow, the summary.
     let kinds: Vec<String> = stdout
         .lines()
@@ -127,6 +153,37 @@ fn root_status_line_on_a_terminal_stays_out_of_stdout() {
         !stdout.contains("Ctrl-C") && !stdout.contains('\x1b'),
         "{stdout}"
     );
+}
+
+/// stdout on the status line's terminal: the line is cleared before each
+/// output line, which therefore starts on a line of its own, whole.
+#[test]
+fn root_status_line_steps_around_output_on_the_same_terminal() {
+    require_root!();
+    let lab = seed000(true, Backend::SameNode, ProxyMode::Iptables);
+    let _lock = tracing_lock();
+    let run = under_pty(&lab, 47050, None);
+    let seen = &run.seen;
+    assert!(run.counted, "no status line on the pty:\n{seen:?}");
+    assert_eq!(run.status, Some(0), "{seen:?}");
+    let mut kinds = Vec::new();
+    // JSON lines start with `{"` (the start line's keys are sorted).
+    for line in seen.split('\n').filter(|l| l.contains("{\"")) {
+        let at = line.find("{\"").unwrap();
+        // What the terminal shows before the JSON: what follows the last
+        // clearing of the line (`\r` ESC[2K: the status line suspended).
+        let shown = line[..at].rsplit("\x1b[2K").next().unwrap_or_default();
+        let before = shown.replace('\r', "");
+        assert!(
+            before.is_empty(),
+            "{before:?} before a line: {line:?}\n{seen:?}"
+        );
+        let json = line[at..].trim_end_matches('\r');
+        let v: serde_json::Value =
+            serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json:?}\n{seen:?}"));
+        kinds.push(v["kind"].as_str().unwrap_or_default().to_owned());
+    }
+    assert_eq!(kinds, ["start", "flow", "summary"], "{seen:?}");
 }
 
 /// stderr not a terminal: a plain line every NATTRACE_STATUS_EVERY_MS.
