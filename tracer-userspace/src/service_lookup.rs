@@ -251,8 +251,8 @@ pub fn ambiguous_v6(svc: &Service) -> Option<(Service, String)> {
 }
 
 /// How to list the Services in rules of this mode (and family).
-fn list_command(rules: &KubeProxyRules, ipv6: bool) -> &'static str {
-    match (rules.mode, ipv6) {
+pub fn list_command(mode: crate::ruleset::ProxyMode, ipv6: bool) -> &'static str {
+    match (mode, ipv6) {
         (crate::ruleset::ProxyMode::Nftables, false) => "nft list table ip kube-proxy",
         (crate::ruleset::ProxyMode::Nftables, true) => "nft list table ip6 kube-proxy",
         (_, false) => "iptables-save -t nat | grep KUBE-SVC",
@@ -307,7 +307,7 @@ pub fn check_addr(rules: &KubeProxyRules, svc: &Service) -> Option<String> {
         ));
     }
     let at_addr: Vec<&Target> = targets.iter().filter(|t| t.addr == svc.addr).collect();
-    let list = list_command(rules, svc.addr.is_ipv6());
+    let list = list_command(rules.mode, svc.addr.is_ipv6());
     if at_addr.is_empty() {
         // The other reading of an ambiguous address may be a Service.
         if let Some((other, _)) = &ambiguous

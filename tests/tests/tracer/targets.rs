@@ -74,8 +74,9 @@ fn typo_warned(mode: ProxyMode) {
     assert_eq!(said.len(), 2, "{all}");
     for svc in [TYPO, wrong_port.as_str()] {
         assert!(
-            said.iter()
-                .any(|l| l.starts_with(&format!("nattrace: no connection to {svc} was seen in "))),
+            said.iter().any(|l| l
+                .starts_with(&format!("nattrace: no connection to {svc} was seen in "))
+                && l.contains(list)),
             "{all}"
         );
     }

@@ -114,7 +114,7 @@ impl Live {
                 options.expected.clone()
             },
             started: Instant::now(),
-            status,
+            status: status.tracing_began(),
         })
     }
 
@@ -220,6 +220,7 @@ impl Live {
         // Before the last flows, the summary and the closing lines.
         status.finish();
         let stopped_at = Instant::now();
+        let mode = collector.rules().mode;
 
         // What the kernel still holds; then the last verdicts go to the output
         // threads, which write them while we detach (with hundreds of tcx
@@ -276,9 +277,15 @@ impl Live {
         if !interrupted {
             outcome.no_flow = no_flow(&outcome, &expected);
             let secs = (stopped_at - started).as_secs_f64();
-            for label in &outcome.no_flow {
+            for e in expected
+                .iter()
+                .filter(|e| outcome.no_flow.contains(&e.label))
+            {
+                let ipv6 = e.services.first().is_some_and(|s| s.addr.is_ipv6());
                 notices.say(format_args!(
-                    "no connection to {label} was seen in {secs:.1}s; check the address and port (the Service's ClusterIP and port: iptables-save -t nat | grep KUBE-SVC, or nft list table ip kube-proxy) and that a client connects to it while nattrace runs"
+                    "no connection to {} was seen in {secs:.1}s; check the address and port (the Services: {}) and that a client connects to it while nattrace runs",
+                    e.label,
+                    crate::service_lookup::list_command(mode, ipv6)
                 ));
             }
             notices.drain(

@@ -118,6 +118,13 @@ impl Status {
         }
     }
 
+    /// Elapsed counts from here: once the programs are attached, as the
+    /// end's "no connection … was seen in N s" does.
+    pub fn tracing_began(mut self) -> Self {
+        self.started = Instant::now();
+        self
+    }
+
     /// The status line, for writers to the same terminal to step around.
     pub fn bar(&self) -> Option<ProgressBar> {
         self.bar.clone()
