@@ -90,6 +90,10 @@ struct Cli {
     #[arg(long, value_name = "FILE", value_parser = parse_out_path)]
     pcap: Option<PathBuf>,
 
+    /// No "waiting for connections" line, live status line or periodic progress lines on stderr.
+    #[arg(short, long)]
+    quiet: bool,
+
     /// This node's name in the --write recording (default: the --netns name, else the hostname); `analyze` of several nodes' recordings labels each hop with it.
     #[arg(long, value_name = "NAME", value_parser = parse_node_name)]
     node_name: Option<String>,
@@ -115,7 +119,7 @@ enum Command {
     },
     /// Re-decide the flows of a recording made with --write, with the same output as the live run; given several nodes' recordings, decide each flow across all of them.
     Analyze {
-        /// The recording(s): one per node.
+        /// The recording(s): one per node; `-` reads one from stdin.
         #[arg(value_name = "FILE", value_parser = parse_in_file, required = true, num_args = 1..)]
         files: Vec<PathBuf>,
         /// Output format.
@@ -301,6 +305,9 @@ fn parse_out_path(s: &str) -> Result<PathBuf, String> {
 
 fn parse_in_file(s: &str) -> Result<PathBuf, String> {
     let path = PathBuf::from(s);
+    if s == nattrace::recording::STDIN {
+        return Ok(path);
+    }
     match std::fs::File::open(&path) {
         Ok(f) if f.metadata().is_ok_and(|m| m.is_file()) => Ok(path),
         Ok(_) => Err(format!("'{s}' is not a regular file")),
@@ -349,7 +356,19 @@ fn usage_error(err: clap::Error) -> ExitCode {
 
 fn main() -> ExitCode {
     nattrace::timing::init();
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    // One warning style: `nattrace: warning: …`, as the session's own.
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format(|buf, record| {
+            use std::io::Write as _;
+            let line = nattrace::output::clean::log_line(
+                record.level(),
+                record.target(),
+                &record.args().to_string(),
+            );
+            writeln!(buf, "{line}")
+        })
+        .target(env_logger::Target::Pipe(Box::new(session::LogWriter)))
+        .init();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(err) => return usage_error(err),
@@ -362,6 +381,13 @@ fn main() -> ExitCode {
             color,
             pcap,
         }) => {
+            let stdin = std::path::Path::new(nattrace::recording::STDIN);
+            if files.iter().filter(|f| *f == stdin).count() > 1 {
+                nattrace::output::clean::say(
+                    "analyze: '-' (stdin) can be given once: stdin holds one recording",
+                );
+                return ExitCode::from(2);
+            }
             let opts = AnalyzeOptions {
                 path: files[0].clone(),
                 format: format_of(output),
@@ -432,6 +458,8 @@ fn main() -> ExitCode {
             max_flows: cli.max_flows,
             write_keep: cli.write_keep,
         },
+        expected: Vec::new(),
+        quiet: cli.quiet,
     };
     match session::run(options) {
         Ok(outcome) => ExitCode::from(outcome.exit_status()),

@@ -228,5 +228,163 @@ pub fn target_at(rules: &KubeProxyRules, addr: IpAddr, port: u16) -> Vec<Target>
         .collect()
 }
 
+/// An unbracketed IPv6 address whose last group reads as a port
+/// (`fd00::1:80`): `FromStr` takes it as an address with no port (a bare
+/// address is parsed first), which the user may not have meant. The other
+/// reading, `[fd00::1]:80`, when there is one.
+pub fn ambiguous_v6(svc: &Service) -> Option<(Service, String)> {
+    let (IpAddr::V6(_), None) = (svc.addr, svc.port) else {
+        return None;
+    };
+    let text = svc.addr.to_string();
+    let (head, tail) = text.rsplit_once(':')?;
+    if tail.is_empty() || !tail.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let port: u16 = tail.parse().ok().filter(|p| *p != 0)?;
+    let addr: std::net::Ipv6Addr = head.parse().ok()?;
+    let other = Service {
+        addr: IpAddr::V6(addr),
+        port: Some(port),
+    };
+    Some((other, text))
+}
+
+/// How to list the Services in rules of this mode (and family).
+pub fn list_command(mode: crate::ruleset::ProxyMode, ipv6: bool) -> &'static str {
+    match (mode, ipv6) {
+        (crate::ruleset::ProxyMode::Nftables, false) => "nft list table ip kube-proxy",
+        (crate::ruleset::ProxyMode::Nftables, true) => "nft list table ip6 kube-proxy",
+        (_, false) => "iptables-save -t nat | grep KUBE-SVC",
+        (_, true) => "ip6tables-save -t nat | grep KUBE-SVC",
+    }
+}
+
+/// The addresses of the rules' Services nearest to `addr` (same family,
+/// by numeric distance: a typo in the last octet lands next to the real
+/// one), each with the Services at it.
+pub fn nearest_addrs(rules: &KubeProxyRules, addr: IpAddr, n: usize) -> Vec<(IpAddr, Vec<String>)> {
+    let key = |a: IpAddr| -> u128 {
+        match a {
+            IpAddr::V4(v4) => u128::from(u32::from(v4)),
+            IpAddr::V6(v6) => u128::from(v6),
+        }
+    };
+    let mut by_addr: std::collections::BTreeMap<IpAddr, BTreeSet<String>> = Default::default();
+    for t in all_targets(rules) {
+        if t.addr.is_ipv4() == addr.is_ipv4() {
+            by_addr
+                .entry(t.addr)
+                .or_default()
+                .insert(service_of(&t.port_name).to_owned());
+        }
+    }
+    let mut near: Vec<(u128, IpAddr, Vec<String>)> = by_addr
+        .into_iter()
+        .map(|(a, names)| (key(a).abs_diff(key(addr)), a, names.into_iter().collect()))
+        .collect();
+    near.sort();
+    near.into_iter().take(n).map(|(_, a, s)| (a, s)).collect()
+}
+
+/// The one warning line for a `--svc IP[:PORT]` that no Service of the
+/// rules has (None when one has it). Not an error: kube-proxy may not
+/// have written the Service's rules yet, so it is traced anyway.
+pub fn check_addr(rules: &KubeProxyRules, svc: &Service) -> Option<String> {
+    let targets = all_targets(rules);
+    let ambiguous = ambiguous_v6(svc);
+    let read_as = |why: &str| match &ambiguous {
+        Some((other, text)) => format!(
+            "--svc {text} is read as the address {text} (every port){why}; for port {} of {} write {other}",
+            other.port.unwrap_or_default(),
+            other.addr
+        ),
+        None => format!("--svc {svc}{why}"),
+    };
+    if targets.is_empty() {
+        return Some(read_as(
+            ": cannot check it, no kube-proxy rules were readable on this node; tracing it anyway",
+        ));
+    }
+    let at_addr: Vec<&Target> = targets.iter().filter(|t| t.addr == svc.addr).collect();
+    let list = list_command(rules.mode, svc.addr.is_ipv6());
+    if at_addr.is_empty() {
+        // The other reading of an ambiguous address may be a Service.
+        if let Some((other, _)) = &ambiguous
+            && targets
+                .iter()
+                .any(|t| t.addr == other.addr && Some(t.port) == other.port)
+        {
+            return Some(read_as(&format!(
+                ", which no Service has ({other} is a Service's)"
+            )));
+        }
+        let near: Vec<String> = nearest_addrs(rules, svc.addr, 3)
+            .into_iter()
+            .map(|(a, names)| format!("{a} ({})", names.join(", ")))
+            .collect();
+        let near = if near.is_empty() {
+            String::new()
+        } else {
+            format!("; nearest: {}", near.join(", "))
+        };
+        return Some(read_as(&format!(
+            ": no Service has this address in kube-proxy's rules{near}; list them: {list}; tracing it anyway"
+        )));
+    }
+    let port = svc.port?;
+    if at_addr.iter().any(|t| t.port == port) {
+        return None;
+    }
+    let services: BTreeSet<&str> = at_addr.iter().map(|t| service_of(&t.port_name)).collect();
+    let ports: BTreeSet<String> = at_addr
+        .iter()
+        .map(|t| {
+            let name = t.port_name.rsplit_once(':').map_or("", |(_, p)| p);
+            format!(
+                "{}/{}{}",
+                t.port,
+                t.proto,
+                if name.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({name})")
+                }
+            )
+        })
+        .collect();
+    Some(format!(
+        "--svc {svc}: {} at {} has no port {port} in kube-proxy's rules (its ports: {}); list them: {list}; tracing it anyway",
+        services.into_iter().collect::<Vec<_>>().join(", "),
+        svc.addr,
+        ports.into_iter().collect::<Vec<_>>().join(", ")
+    ))
+}
+
+/// [`check_addr`] for every `--svc IP[:PORT]`: with no rules readable,
+/// one line for all of them (an ambiguous IPv6 one keeps its own).
+pub fn check_addrs(rules: &KubeProxyRules, services: &[Service]) -> Vec<String> {
+    if !all_targets(rules).is_empty() {
+        return services
+            .iter()
+            .filter_map(|s| check_addr(rules, s))
+            .collect();
+    }
+    let (ambiguous, plain): (Vec<&Service>, Vec<&Service>) =
+        services.iter().partition(|s| ambiguous_v6(s).is_some());
+    let mut out: Vec<String> = ambiguous
+        .into_iter()
+        .filter_map(|s| check_addr(rules, s))
+        .collect();
+    if !plain.is_empty() {
+        let list: Vec<String> = plain.iter().map(ToString::to_string).collect();
+        out.push(format!(
+            "--svc {}: cannot check, no kube-proxy rules were readable on this node; tracing anyway",
+            list.join(", ")
+        ));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests;

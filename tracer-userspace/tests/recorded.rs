@@ -180,3 +180,60 @@ fn guest_kprobe_recordings_see_the_reply_at_br_forward() {
         }
     }
 }
+
+/// `nattrace analyze -` reads the recording from stdin (issue 28), with
+/// the output and exit status of `analyze FILE`; `-` twice is refused.
+#[test]
+fn analyze_reads_a_recording_from_stdin() {
+    use std::process::{Command, Stdio};
+    let rec = recordings()
+        .into_iter()
+        .find(|r| {
+            r.file_stem()
+                .is_some_and(|s| s.to_string_lossy().starts_with("root_seed000_broken"))
+        })
+        .expect("seed 000's broken recording");
+    let analyze = |args: &[&str], stdin: Stdio| {
+        Command::new(env!("CARGO_BIN_EXE_nattrace"))
+            .arg("analyze")
+            .args(args)
+            .args(["--output", "json"])
+            .env_remove("RUST_LOG")
+            .stdin(stdin)
+            .output()
+            .expect("running nattrace analyze")
+    };
+    let from_file = analyze(&[rec.to_str().unwrap()], Stdio::null());
+    let file = std::fs::File::open(&rec).unwrap();
+    let from_stdin = analyze(&["-"], Stdio::from(file));
+    assert_eq!(from_file.status.code(), Some(1), "{from_file:?}");
+    assert_eq!(
+        from_stdin.status.code(),
+        from_file.status.code(),
+        "{from_stdin:?}"
+    );
+    assert!(!from_stdin.stdout.is_empty(), "{from_stdin:?}");
+    assert_eq!(
+        lines(&String::from_utf8_lossy(&from_stdin.stdout)),
+        lines(&String::from_utf8_lossy(&from_file.stdout))
+    );
+    // A pipe, not only a file on stdin.
+    let mut cat = Command::new("cat")
+        .arg(&rec)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("cat");
+    let piped = analyze(&["-"], Stdio::from(cat.stdout.take().unwrap()));
+    let _ = cat.wait();
+    assert_eq!(
+        lines(&String::from_utf8_lossy(&piped.stdout)),
+        lines(&String::from_utf8_lossy(&from_file.stdout))
+    );
+    let twice = analyze(&["-", "-"], Stdio::null());
+    assert_eq!(twice.status.code(), Some(2), "{twice:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&twice.stderr).lines().count(),
+        1,
+        "{twice:?}"
+    );
+}

@@ -58,6 +58,22 @@ pub fn warn(line: impl std::fmt::Display) {
     eprintln!("nattrace: warning: {}", sanitize(&line.to_string()));
 }
 
+/// A log record as one of our own stderr lines, in the same style as
+/// [`warn`] (issue 28: not env_logger's `[… WARN nattrace::…]`):
+/// `nattrace: warning: …`, `nattrace: error: …`; the debug levels (only
+/// with RUST_LOG) also name the module.
+pub fn log_line(level: log::Level, target: &str, message: &str) -> String {
+    let message = sanitize(message);
+    match level {
+        log::Level::Error => format!("nattrace: error: {message}"),
+        log::Level::Warn => format!("nattrace: warning: {message}"),
+        other => format!(
+            "nattrace: {}: {target}: {message}",
+            other.as_str().to_lowercase()
+        ),
+    }
+}
+
 /// `nattrace: <line>` on stderr, sanitized (errors quote paths and
 /// recordings).
 pub fn say(line: impl std::fmt::Display) {
@@ -130,5 +146,34 @@ mod tests {
         let name = "\x1b[2Jevil\r";
         write!(w, "if {name}").unwrap();
         assert_eq!(w.into_inner(), b"if \\x1b[2Jevil\\x0d");
+    }
+}
+
+#[cfg(test)]
+mod log_style {
+    use super::log_line;
+
+    #[test]
+    fn log_records_read_like_the_other_warnings() {
+        assert_eq!(
+            log_line(
+                log::Level::Warn,
+                "nattrace::probes",
+                "could not mute a decided flow: x"
+            ),
+            "nattrace: warning: could not mute a decided flow: x"
+        );
+        assert_eq!(
+            log_line(log::Level::Error, "nattrace", "boom \x1b[2J"),
+            "nattrace: error: boom \\x1b[2J"
+        );
+        assert_eq!(
+            log_line(
+                log::Level::Debug,
+                "nattrace::probes::tc",
+                "interface x is gone"
+            ),
+            "nattrace: debug: nattrace::probes::tc: interface x is gone"
+        );
     }
 }

@@ -40,16 +40,26 @@ pub struct Outcome {
     /// pcapng failed, stdout was closed, or (`analyze`) recording lines
     /// could not be read. Each was warned about once.
     pub output_lost: bool,
+    /// The Services (original destinations) of every flow decided.
+    pub services_seen: std::collections::HashSet<std::net::SocketAddr>,
+    /// `--svc` targets no flow was seen to (set at the end of a live run
+    /// with `--svc`, not `--all-services`).
+    pub no_flow: Vec<String>,
 }
 
 /// `traced, but output was lost` (README's exit-status table).
 pub const EXIT_OUTPUT_LOST: u8 = 3;
+/// `traced, but a --svc saw no connection at all` (README's table): a
+/// mistyped address must not look like a healthy Service.
+pub const EXIT_NO_FLOW: u8 = 4;
 
 impl Outcome {
     /// 0 = every flow fine, 1 = at least one flow not `ok`, 2 = aborted,
     /// 3 = output lost. 2 wins over 3 (nothing more could be traced), 3
     /// over 1: with evidence or verdicts missing, "a flow failed" is not
     /// the whole answer, and the warnings on stderr say what was lost.
+    /// 4 = a `--svc` saw no flow, only when all else would be 0: a failed
+    /// flow says more than an idle target.
     pub fn exit_status(&self) -> u8 {
         if self.aborted {
             return 2;
@@ -57,7 +67,20 @@ impl Outcome {
         if self.output_lost {
             return EXIT_OUTPUT_LOST;
         }
-        u8::from(self.problem_flows > 0)
+        if self.problem_flows > 0 {
+            return 1;
+        }
+        if !self.no_flow.is_empty() {
+            return EXIT_NO_FLOW;
+        }
+        0
+    }
+
+    /// Whether a flow to `svc` (every port when it has none) was decided.
+    pub fn saw(&self, svc: &crate::service::Service) -> bool {
+        self.services_seen
+            .iter()
+            .any(|s| s.ip() == svc.addr && svc.port.is_none_or(|p| p == s.port()))
     }
 }
 
@@ -103,6 +126,18 @@ impl Outputs {
         overflow: Overflow,
     ) -> io::Result<Self> {
         let target = Box::new(queue::stdout_file()?);
+        Self::with_target(format, color, verbose, overflow, target)
+    }
+
+    /// [`new`](Self::new) writing to `target` instead of stdout itself (a
+    /// live run's stdout stepping around the status line on its terminal).
+    pub fn with_target(
+        format: OutputFormat,
+        color: bool,
+        verbose: bool,
+        overflow: Overflow,
+        target: Box<dyn Write + Send>,
+    ) -> io::Result<Self> {
         let queue = WriteQueue::spawn("stdout", target, queue_bytes(STDOUT_QUEUE_BYTES), overflow)?;
         let out = QueueWriter::new(queue);
         let stdout = match format {
@@ -168,6 +203,7 @@ impl Outputs {
     pub fn flows(&mut self, reports: Vec<FlowReport>) -> io::Result<()> {
         for report in &reports {
             self.outcome.flows += 1;
+            self.outcome.services_seen.insert(report.service);
             // An unseen opening, or a flow cut by the stop, without
             // evidence is not a failure seen.
             if report.verdict != Verdict::Ok && !report.verdict.is_undetermined() {

@@ -27,7 +27,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 use tracer_common::PacketEvent;
 
-pub use self::reader::{MAX_LINE_BYTES, ReadProblem, Reader, Record};
+pub use self::reader::{MAX_LINE_BYTES, ReadProblem, Reader, Record, STDIN};
 use crate::{
     collector::{CollectorConfig, DropReasons},
     facts::NodeFacts,

@@ -73,9 +73,20 @@ enum Raw {
     TooLong,
 }
 
+/// The path that stands for stdin.
+pub const STDIN: &str = "-";
+
 impl Reader<BufReader<File>> {
+    /// `path`, or stdin for `-` (`nattrace analyze -`, a recording piped
+    /// from another node: `ssh node cat x.rec | nattrace analyze -`).
     pub fn open(path: &Path) -> Result<(Self, Header), RecordingError> {
-        let file = File::open(path).map_err(|error| RecordingError::Open {
+        let file = if path == Path::new(STDIN) {
+            use std::os::fd::AsFd as _;
+            io::stdin().as_fd().try_clone_to_owned().map(File::from)
+        } else {
+            File::open(path)
+        };
+        let file = file.map_err(|error| RecordingError::Open {
             path: path.to_owned(),
             error,
         })?;

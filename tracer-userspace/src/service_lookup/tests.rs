@@ -87,3 +87,113 @@ fn an_address_names_its_service_port() {
     assert_eq!(t[0].port_name, "ns/loc:http");
     assert_eq!(t[0].kind, AddrKind::External(ExternalKind::NodePort));
 }
+
+fn svc(s: &str) -> Service {
+    Service::cluster_ip(s).unwrap()
+}
+
+#[test]
+fn a_mistyped_address_names_the_nearest_services_by_address() {
+    let near = nearest_addrs(&rules(), "10.96.0.22".parse().unwrap(), 3);
+    let got: Vec<String> = near
+        .iter()
+        .map(|(a, s)| format!("{a} {}", s.join(",")))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            "10.96.0.21 ns/loc",
+            "10.96.0.20 ns/np",
+            "192.168.50.2 ns/loc,ns/np"
+        ]
+    );
+    let line = check_addr(&rules(), &svc("10.96.0.22:80")).unwrap();
+    assert_eq!(
+        line,
+        "--svc 10.96.0.22:80: no Service has this address in kube-proxy's rules; nearest: 10.96.0.21 (ns/loc), 10.96.0.20 (ns/np), 192.168.50.2 (ns/loc, ns/np); list them: iptables-save -t nat | grep KUBE-SVC; tracing it anyway"
+    );
+    // Other families are not near.
+    assert!(nearest_addrs(&rules(), "fd00::1".parse().unwrap(), 3).is_empty());
+}
+
+#[test]
+fn a_port_the_service_does_not_have_names_its_ports() {
+    let line = check_addr(&rules(), &svc("10.96.0.20:8080")).unwrap();
+    assert_eq!(
+        line,
+        "--svc 10.96.0.20:8080: ns/np at 10.96.0.20 has no port 8080 in kube-proxy's rules (its ports: 80/tcp (http)); list them: iptables-save -t nat | grep KUBE-SVC; tracing it anyway"
+    );
+    // A Service's address, with its port, without: fine. A NodePort too.
+    for ok in [
+        "10.96.0.20:80",
+        "10.96.0.20",
+        "192.168.50.2:30090",
+        "203.0.113.10:80",
+    ] {
+        assert_eq!(check_addr(&rules(), &svc(ok)), None, "{ok}");
+    }
+    let mut nft = rules();
+    nft.mode = crate::ruleset::ProxyMode::Nftables;
+    assert!(
+        check_addr(&nft, &svc("10.96.0.99"))
+            .unwrap()
+            .contains("list them: nft list table ip kube-proxy;")
+    );
+}
+
+#[test]
+fn without_rules_the_check_says_it_could_not_look() {
+    assert_eq!(
+        check_addr(&KubeProxyRules::default(), &svc("10.96.0.20:80")).unwrap(),
+        "--svc 10.96.0.20:80: cannot check it, no kube-proxy rules were readable on this node; tracing it anyway"
+    );
+    // Several addresses: one line for all of them.
+    let two = [svc("10.96.0.20:80"), svc("10.96.0.21")];
+    assert_eq!(
+        check_addrs(&KubeProxyRules::default(), &two),
+        [
+            "--svc 10.96.0.20:80, 10.96.0.21: cannot check, no kube-proxy rules were readable on this node; tracing anyway"
+        ]
+    );
+    assert_eq!(check_addrs(&rules(), &two), Vec::<String>::new());
+}
+
+#[test]
+fn an_unbracketed_ipv6_address_with_a_port_like_tail_is_read_as_an_address() {
+    // Parsed as it always was: an address, every port.
+    let s = svc("fd00::1:80");
+    assert_eq!(s.port, None);
+    assert_eq!(s.addr, "fd00::1:80".parse::<IpAddr>().unwrap());
+    let (other, text) = ambiguous_v6(&s).unwrap();
+    assert_eq!(
+        (other.to_string(), text.as_str()),
+        ("[fd00::1]:80".into(), "fd00::1:80")
+    );
+    let line = check_addr(&KubeProxyRules::default(), &s).unwrap();
+    assert!(
+        line.starts_with(
+            "--svc fd00::1:80 is read as the address fd00::1:80 (every port): cannot check it"
+        ) && line.ends_with("; for port 80 of fd00::1 write [fd00::1]:80"),
+        "{line}"
+    );
+    // Bracketed, hex tails, or a port given: nothing ambiguous.
+    for plain in ["[fd00::1]:80", "fd00::1:ab", "fd00::a", "10.96.0.20"] {
+        assert_eq!(ambiguous_v6(&svc(plain)), None, "{plain}");
+    }
+    // With rules holding [fd00::1]:80, the warning says that is a Service's.
+    let mut r = rules();
+    r.services.push(crate::ruleset::SvcRule {
+        name: "ns/v6:http".into(),
+        cluster_ip: "fd00::1".parse().unwrap(),
+        port: 80,
+        proto: "tcp".into(),
+        chain: "KUBE-SVC-V6".into(),
+        masquerade_all: false,
+        endpoints: vec![],
+    });
+    let line = check_addr(&r, &s).unwrap();
+    assert_eq!(
+        line,
+        "--svc fd00::1:80 is read as the address fd00::1:80 (every port), which no Service has ([fd00::1]:80 is a Service's); for port 80 of fd00::1 write [fd00::1]:80"
+    );
+}

@@ -42,12 +42,20 @@ pub(super) struct Live {
     /// The node namespace's conntrack counters at start, and when they
     /// were last read for the metrics.
     pub(super) conntrack: super::steps::ConntrackWatch,
+    /// The `--svc` targets a flow is expected to (none with
+    /// `--all-services`), and when tracing began, for the end's
+    /// "no connection seen" line.
+    pub(super) expected: Vec<super::Expected>,
+    pub(super) started: Instant,
+    /// The status line (a terminal) or periodic progress lines on stderr.
+    pub(super) status: super::status::Status,
 }
 
 impl Live {
     /// Opens the outputs, attaches the probes and writes the preamble.
     pub(super) fn start(options: &SessionOptions) -> Result<Live, SessionError> {
-        let mut notices = Notices::new();
+        let status = super::status::Status::new(options.quiet);
+        let mut notices = Notices::around(status.bar());
         let (record_file, pcap_file) = open_output_files(options)?;
         let mut continuous = Continuous::bind(&options.continuous, &options.services)
             .map_err(SessionError::CreateOutput)?;
@@ -75,11 +83,15 @@ impl Live {
             let _t = timing::step("header (waits for doctor's facts)");
             header(options, &tracer, gathering)
         };
-        let (recorder, outputs) = open_outputs(options, &header, record_file, pcap_file)?;
+        let (recorder, outputs) =
+            open_outputs(options, &header, record_file, pcap_file, status.bar())?;
         timing::mark("start line queued");
         let collector = Collector::new(header.collector_config()?);
         for line in continuous.start(options.netns.as_deref(), &mut tracer, &header) {
             notices.say(line);
+        }
+        if !options.quiet {
+            notices.say(super::steps::waiting_line(options));
         }
         let ifnames = interface_names(options, &tracer);
         let conntrack = super::steps::ConntrackWatch::start(&tracer);
@@ -96,6 +108,13 @@ impl Live {
             last_lost: 0,
             rules_reread: Default::default(),
             conntrack,
+            expected: if options.continuous.all_services {
+                Vec::new()
+            } else {
+                options.expected.clone()
+            },
+            started: Instant::now(),
+            status: status.tracing_began(),
         })
     }
 
@@ -194,8 +213,14 @@ impl Live {
             last_lost: _,
             rules_reread: _,
             conntrack,
+            expected,
+            started,
+            status,
         } = self;
+        // Before the last flows, the summary and the closing lines.
+        status.finish();
         let stopped_at = Instant::now();
+        let mode = collector.rules().mode;
 
         // What the kernel still holds; then the last verdicts go to the output
         // threads, which write them while we detach (with hundreds of tcx
@@ -249,6 +274,34 @@ impl Live {
         );
         let mut outcome = std::mem::take(&mut outputs.outcome);
         outcome.aborted = stop == Stop::NetnsGone;
+        if !interrupted {
+            outcome.no_flow = no_flow(&outcome, &expected);
+            let secs = (stopped_at - started).as_secs_f64();
+            for e in expected
+                .iter()
+                .filter(|e| outcome.no_flow.contains(&e.label))
+            {
+                let ipv6 = e.services.first().is_some_and(|s| s.addr.is_ipv6());
+                notices.say(format_args!(
+                    "no connection to {} was seen in {secs:.1}s; check the address and port (the Services: {}) and that a client connects to it while nattrace runs",
+                    e.label,
+                    crate::service_lookup::list_command(mode, ipv6)
+                ));
+            }
+            notices.drain(
+                Instant::now() + Duration::from_millis(200),
+                Duration::from_millis(100),
+            );
+        }
         Ok(outcome)
     }
+}
+
+/// The `--svc` targets none of whose addresses any decided flow went to.
+fn no_flow(outcome: &Outcome, expected: &[super::Expected]) -> Vec<String> {
+    expected
+        .iter()
+        .filter(|e| !e.services.iter().any(|s| outcome.saw(s)))
+        .map(|e| e.label.clone())
+        .collect()
 }

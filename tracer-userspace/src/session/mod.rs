@@ -2,6 +2,8 @@
 //! collector, print each flow as its verdict is decided, stop on Ctrl-C,
 //! SIGTERM or `--duration`, then detach and summarise.
 mod live;
+mod status;
+pub use status::LogWriter;
 mod steps;
 mod tick;
 mod watch;
@@ -52,6 +54,22 @@ pub struct SessionOptions {
     pub node_name: Option<String>,
     /// `--all-services`, `--metrics-addr`, `--max-flows`, `--write-keep`.
     pub continuous: ContinuousOptions,
+    /// Filled by [`run`]: each `--svc` with the addresses it stands for,
+    /// for the target checks at start and the "no flow seen" status.
+    pub expected: Vec<Expected>,
+    /// `--quiet`: no waiting line, status line or periodic progress lines.
+    pub quiet: bool,
+}
+
+/// One `--svc` argument and the addresses it stands for (a name: every
+/// address it resolved to). With none of them in any flow the run ends
+/// with [`crate::output::sink::EXIT_NO_FLOW`] (issue 28).
+#[derive(Clone, Debug)]
+pub struct Expected {
+    pub label: String,
+    pub services: Vec<Service>,
+    /// Given as `IP[:PORT]` (checked against the rules at start).
+    pub by_address: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +102,15 @@ pub fn run(mut options: SessionOptions) -> Result<Outcome, SessionError> {
     // Before the leftover cleanup, which also needs root: bad setups fail
     // before anything is touched.
     probes::preflight()?;
+    options.expected = options
+        .services
+        .iter()
+        .map(|s| Expected {
+            label: s.to_string(),
+            services: vec![*s],
+            by_address: true,
+        })
+        .collect();
     resolve_names(&mut options)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -108,6 +135,11 @@ fn resolve_names(options: &mut SessionOptions) -> Result<(), SessionError> {
             "--svc {wanted} resolves to {}",
             list.join(", ")
         ));
+        options.expected.push(Expected {
+            label: wanted.to_string(),
+            services: targets.iter().map(|t| t.service()).collect(),
+            by_address: false,
+        });
         for t in targets {
             let svc = t.service();
             if !options.services.contains(&svc) {
@@ -287,6 +319,17 @@ fn header(
     // Without the rules flows carry no Service name or chains: say why.
     for tool in &inputs.kube_proxy.missing_tools {
         crate::output::clean::warn(format_args!("kube-proxy's rules not read: {tool}"));
+    }
+    // A typo in `--svc IP[:PORT]` traces nothing, silently: one line each
+    // naming the nearest Services (names resolved from these rules already).
+    let by_address: Vec<Service> = options
+        .expected
+        .iter()
+        .filter(|e| e.by_address)
+        .flat_map(|e| e.services.iter().copied())
+        .collect();
+    for line in crate::service_lookup::check_addrs(&inputs.kube_proxy, &by_address) {
+        crate::output::clean::warn(line);
     }
     let traced_since = monotonic_ns();
     let clock = Clock {

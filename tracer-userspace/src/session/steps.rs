@@ -39,6 +39,25 @@ pub(super) fn say_start_notes(tracer: &Tracer, notices: &mut Notices) {
     }
 }
 
+/// "waiting for connections to … (Ctrl-C to stop)": what is traced, in a
+/// short line however many Services.
+pub(super) fn waiting_line(options: &SessionOptions) -> String {
+    let labels: Vec<&str> = options.expected.iter().map(|e| e.label.as_str()).collect();
+    let what = match (options.continuous.all_services, labels.is_empty()) {
+        (true, true) => "every Service in kube-proxy's rules".to_owned(),
+        (true, false) => format!(
+            "every Service in kube-proxy's rules and {}",
+            crate::doctor::first_few(&labels, ", ")
+        ),
+        (false, _) => crate::doctor::first_few(&labels, ", "),
+    };
+    let until = match options.duration {
+        Some(d) => format!(" for {}s", d.as_secs_f64()),
+        None => String::new(),
+    };
+    format!("waiting for connections to {what}{until} (Ctrl-C to stop)")
+}
+
 /// The recording writer (`--write`) and the outputs (stdout, `--pcap`),
 /// on the files opened before attaching; the preamble goes out here.
 pub(super) fn open_outputs(
@@ -46,6 +65,7 @@ pub(super) fn open_outputs(
     header: &Header,
     record_file: Option<std::fs::File>,
     pcap_file: Option<std::fs::File>,
+    bar: Option<indicatif::ProgressBar>,
 ) -> Result<(Option<RecordingWriter>, Outputs), SessionError> {
     let mut recorder = match (record_file, &options.write) {
         (Some(file), Some(path)) => Some(RecordingWriter::from_file(
@@ -59,11 +79,19 @@ pub(super) fn open_outputs(
     if let Some(rec) = recorder.as_mut() {
         rec.keep_files(options.continuous.write_keep);
     }
-    let mut outputs = Outputs::new(
+    let stdout = Box::new(queue::stdout_file().map_err(SessionError::Output)?);
+    let target: Box<dyn io::Write + Send> = match bar {
+        Some(bar) if super::status::stdout_is_stderr_terminal() => {
+            Box::new(super::status::AroundBar::new(stdout, bar))
+        }
+        _ => stdout,
+    };
+    let mut outputs = Outputs::with_target(
         options.format,
         options.color,
         options.verbose,
         Overflow::Drop,
+        target,
     )
     .map_err(SessionError::Output)?;
     if let (Some(file), Some(path)) = (pcap_file, &options.pcap) {

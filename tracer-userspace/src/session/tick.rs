@@ -24,6 +24,7 @@ impl Live {
             last_lost,
             rules_reread,
             conntrack,
+            status,
             ..
         } = self;
         let mut recorder = recorder.as_mut();
@@ -87,7 +88,11 @@ impl Live {
         collector.note_lost(stats.ringbuf_full);
         let reports = collector.tick(now);
         continuous.flows(&reports);
+        status.counts.flows(&reports);
         outputs.flows(reports).map_err(SessionError::Output)?;
+        // After this tick's flows: a test that saw a flow line knows a
+        // progress line was due by then.
+        status.update(stats.events, stats.ringbuf_full, notices);
         continuous.gauges(tracer, collector, &stats, outputs.dropped_lines());
         for w in outputs.take_warnings() {
             notices.warn(w);

@@ -68,9 +68,18 @@ const NOTICE_QUEUE_BYTES: usize = 64 * 1024;
 
 impl Notices {
     pub fn new() -> Self {
+        Self::around(None)
+    }
+
+    /// With a live status line on stderr: each line clears it first.
+    pub fn around(bar: Option<indicatif::ProgressBar>) -> Self {
         let out = queue::stderr_file()
             .and_then(|f| {
-                WriteQueue::spawn("stderr", Box::new(f), NOTICE_QUEUE_BYTES, Overflow::Drop)
+                let target: Box<dyn std::io::Write + Send> = match bar {
+                    Some(bar) => Box::new(super::status::AroundBar::new(f, bar)),
+                    None => Box::new(f),
+                };
+                WriteQueue::spawn("stderr", target, NOTICE_QUEUE_BYTES, Overflow::Drop)
             })
             .map(QueueWriter::new)
             .ok();
