@@ -153,9 +153,16 @@ fn load_in_parallel(ebpf: &mut Ebpf, plan: &[&'static ProgramSpec]) -> Result<()
                 "{name}: not a raw tracepoint or kprobe"
             ))),
         };
+        // The kernel's count of instructions it walked: what the time
+        // grows with, comparable across kernels and machines.
+        let insns = prog
+            .info()
+            .ok()
+            .and_then(|i| i.verified_instruction_count());
         log::debug!(
-            "start-up: {name} loaded and verified in {:.1} ms",
-            began.elapsed().as_secs_f64() * 1e3
+            "start-up: {name} loaded and verified in {:.1} ms ({} instructions processed)",
+            began.elapsed().as_secs_f64() * 1e3,
+            insns.map_or("?".to_owned(), |n| n.to_string())
         );
         loaded
     };
