@@ -54,6 +54,16 @@ pub fn nattrace() -> PathBuf {
     nattrace_path().unwrap_or_else(|e| panic!("{e:#}"))
 }
 
+/// What of a spawned nattrace's output is copied live to ours.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Echo {
+    None,
+    /// Its stderr: progress on a console whose silence counts as a hang
+    /// (vm-guest), without its stdout's JSON.
+    Stderr,
+    Both,
+}
+
 static TRACING: Mutex<()> = Mutex::new(());
 
 /// Held by a test for the whole of its trace, so that traces in one test
@@ -110,6 +120,17 @@ impl Nattrace {
         envs: &[(&str, &str)],
         echo: bool,
     ) -> anyhow::Result<Nattrace> {
+        let echo = if echo { Echo::Both } else { Echo::None };
+        Self::spawn_echoing(bin, args, envs, echo)
+    }
+
+    /// [`Nattrace::spawn`] copying only what `echo` says to ours.
+    pub fn spawn_echoing(
+        bin: &Path,
+        args: &[String],
+        envs: &[(&str, &str)],
+        echo: Echo,
+    ) -> anyhow::Result<Nattrace> {
         let mut child = Command::new(bin)
             .args(args)
             .envs(envs.iter().copied())
@@ -124,7 +145,7 @@ impl Nattrace {
         let stdout_thread = thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                if echo {
+                if echo == Echo::Both {
                     println!("{line}");
                 }
                 if tx.send(line).is_err() {
@@ -133,7 +154,7 @@ impl Nattrace {
             }
         });
         let stderr_thread = thread::spawn(move || {
-            if !echo {
+            if echo == Echo::None {
                 let mut text = String::new();
                 let _ = stderr.read_to_string(&mut text);
                 return text;

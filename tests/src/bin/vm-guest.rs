@@ -48,7 +48,7 @@ use anyhow::{Context as _, bail};
 use facts::{LabFacts, check_fields, compare, lab_facts};
 use lab::Lab;
 use lab::presets::{self, BACKEND_IP, Seed000, WEB_PORT, WEB_SERVICE_IP};
-use lab::tracer::{Finished, Nattrace, nattrace_path, say};
+use lab::tracer::{Echo, Finished, Nattrace, nattrace_path, say};
 use serde_json::Value;
 
 /// Connections per run; all are made at once, so a broken run costs one timeout.
@@ -57,11 +57,15 @@ const CONNECTIONS: usize = 3;
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(1500);
 /// Loading (BTF parsing, verifier) under TCG emulation is far slower than on
 /// hardware: 6.1 verifies the kprobe backend's programs in 26-71 s each (in
-/// parallel; 76 s to the start line, `RUST_LOG=nattrace=debug` shows each).
-/// Only a failure bound: the wait ends on nattrace's start line. Below the
-/// 180 s of console silence after which vm-test kills a guest as hung, so
-/// that a slow start fails here, with nattrace's stderr.
-const ATTACH_TIMEOUT: Duration = Duration::from_secs(170);
+/// parallel; 76 s to the start line on a quiet host, twice that beside
+/// `stress-ng --cpu 2`). Only a failure bound: the wait ends on nattrace's
+/// start line, and [`TRACER_ENV`]'s progress lines keep the console from
+/// looking hung to vm-test meanwhile.
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(400);
+/// The guests' nattrace prints each program's load (with its verifier
+/// count) on stderr, which vm-guest copies to the console: progress during
+/// a start that can take minutes, and what the kernel was doing if it fails.
+const TRACER_ENV: &[(&str, &str)] = &[("RUST_LOG", "warn,nattrace::probes::attach=debug")];
 const CAUSE: &str = "bridge_nf_call_iptables_off";
 
 struct Scenario {
@@ -461,7 +465,7 @@ fn trace(
         args.extend(["--write".to_string(), w.display().to_string()]);
     }
     let t = Instant::now();
-    let mut tracer = Nattrace::spawn(nattrace, &args, &[], false)?;
+    let mut tracer = Nattrace::spawn_echoing(nattrace, &args, TRACER_ENV, Echo::Stderr)?;
     let first = tracer.wait_started(ATTACH_TIMEOUT)?;
     let attach = t.elapsed();
     let start: Value =

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use lab::presets::{self, NODE_A, Seed000, WEB_PORT, WEB_SERVICE_IP};
-use lab::tracer::{Finished, Nattrace, say};
+use lab::tracer::{Echo, Finished, Nattrace, say};
 use lab::{Lab, Protocol, ServiceSpec};
 use serde_json::Value;
 
@@ -130,7 +130,7 @@ fn one(nattrace: &Path, backend: &str, case: &Case, invalid: bool) -> anyhow::Re
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let mut t = Nattrace::spawn(nattrace, &args, &[], false)?;
+    let mut t = Nattrace::spawn_echoing(nattrace, &args, super::TRACER_ENV, Echo::Stderr)?;
     let first = t.wait_started(ATTACH_TIMEOUT)?;
     if !first.contains("\"kind\":\"start\"") {
         bail!("first line: {first}");

@@ -14,7 +14,7 @@ use anyhow::Context as _;
 use lab::Lab;
 use lab::dual_stack::service_ip6;
 use lab::presets::{self, Seed000, WEB_PORT, WEB_SERVICE_IP};
-use lab::tracer::{Nattrace, say};
+use lab::tracer::{Echo, Nattrace, say};
 use serde_json::Value;
 
 use super::{ATTACH_TIMEOUT, CONNECT_TIMEOUT, CONNECTIONS, Checks};
@@ -85,7 +85,7 @@ fn trace(
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let mut tracer = Nattrace::spawn(nattrace, &args, &[], false)?;
+    let mut tracer = Nattrace::spawn_echoing(nattrace, &args, super::TRACER_ENV, Echo::Stderr)?;
     tracer.wait_started(ATTACH_TIMEOUT)?;
     let ok = thread::scope(|s| {
         let handles: Vec<_> = (0..CONNECTIONS)
