@@ -9,7 +9,6 @@ use std::{
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use super::watch::Notices;
 use crate::collector::{FlowReport, Verdict};
 
 /// How often the plain (not a terminal) progress line is printed.
@@ -130,8 +129,10 @@ impl Status {
         self.bar.clone()
     }
 
-    /// Redraws the line, or prints the plain one when it is due.
-    pub fn update(&mut self, events: u64, lost: u64, notices: &mut Notices) {
+    /// Redraws the line; returns the plain one when it is due, for the
+    /// caller to say among its notices.
+    #[must_use = "the plain line is due: say it"]
+    pub fn update(&mut self, events: u64, lost: u64) -> Option<String> {
         self.counts.events = events;
         self.counts.lost = lost;
         let elapsed = self.started.elapsed();
@@ -141,12 +142,12 @@ impl Status {
                 self.counts.line(elapsed)
             ));
         }
-        if let Some(every) = self.plain_every
-            && Instant::now() >= self.next_plain
-        {
-            notices.say(self.counts.line(elapsed));
-            self.next_plain = Instant::now() + every;
+        let every = self.plain_every?;
+        if Instant::now() < self.next_plain {
+            return None;
         }
+        self.next_plain = Instant::now() + every;
+        Some(self.counts.line(elapsed))
     }
 
     /// Gone before the summary and the last lines.

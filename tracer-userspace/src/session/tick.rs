@@ -92,7 +92,9 @@ impl Live {
         outputs.flows(reports).map_err(SessionError::Output)?;
         // After this tick's flows: a test that saw a flow line knows a
         // progress line was due by then.
-        status.update(stats.events, stats.ringbuf_full, notices);
+        if let Some(line) = status.update(stats.events, stats.ringbuf_full) {
+            notices.say(line);
+        }
         continuous.gauges(tracer, collector, &stats, outputs.dropped_lines());
         for w in outputs.take_warnings() {
             notices.warn(w);
