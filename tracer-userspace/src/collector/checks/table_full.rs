@@ -16,7 +16,10 @@
 //! the initial one only). So the request dies with NETFILTER_DROP in the
 //! node before any netfilter point nattrace has — never DNATed — while the
 //! node's `nf_conntrack_count` is at `nf_conntrack_max`, and `drop` rises
-//! (`early_drop` where eviction made room for others).
+//! (`early_drop` where eviction made room for others). The kprobe backend
+//! also reports the hook's entry (`nf_hook_slow`, no NAT stage) at
+//! PREROUTING/OUTPUT: seen on the 6.12 guest, the SYN's hops are tc-ingress,
+//! netfilter PREROUTING, drop NETFILTER_DROP.
 //!
 //! Not `conntrack_insert_failed` (checks/insert_failed.rs): that drop is at
 //! confirmation, after POSTROUTING's NAT point; this one is before the
@@ -24,7 +27,7 @@
 //! counters (a full table and a clash both raise `drop`). What else drops
 //! there is a raw-table rule (priority -300): the counters decide, and the
 //! text says so.
-use tracer_common::hook;
+use tracer_common::{hook, nat_stage, nf_hook};
 
 use super::{Found, RuleCtx};
 use crate::{collector::types::Dir, collector::verdict::drop_place, facts::ConntrackTable};
@@ -39,13 +42,18 @@ pub(in crate::collector) fn conntrack_table_full(ctx: &RuleCtx<'_>) -> Option<Fo
     {
         return None;
     }
-    let passed_netfilter = flow.obs.iter().any(|o| {
+    // The kprobe backend reports entering the hook (nf_hook_slow, stage
+    // NONE) before any hook function ran: that one is where it died. Any
+    // other netfilter point means it got past conntrack.
+    let passed_conntrack = flow.obs.iter().any(|o| {
         o.packet == drop.packet
             && o.ts_ns <= drop.ts_ns
             && o.hook == hook::NETFILTER
             && ctx.is_node(o.netns)
+            && !(o.nat_stage == nat_stage::NONE
+                && matches!(o.nf_hook, nf_hook::PRE_ROUTING | nf_hook::LOCAL_OUT))
     });
-    if passed_netfilter {
+    if passed_conntrack {
         return None;
     }
     let start = ctx.facts.conntrack;

@@ -1,6 +1,8 @@
 //! `conntrack_table_full` from events (checks/table_full.rs): a SYN dropped
 //! with NETFILTER_DROP in the node before any netfilter point, judged with
 //! the conntrack table read after the drop.
+use tracer_common::{nat_stage, nf_hook};
+
 use super::*;
 use crate::doctor::conntrack_stats::ConntrackStats;
 use crate::facts::ConntrackTable;
@@ -20,10 +22,14 @@ fn table(count: u64, max: u64, drop: u64) -> ConntrackTable {
 }
 
 /// The client's SYN (and its retransmits at 1 s and 3 s) reaches the node
-/// and dies there with NETFILTER_DROP before PREROUTING's first point.
-fn syn_dropped_at_conntrack() -> Vec<PacketEvent> {
+/// and dies there with NETFILTER_DROP before PREROUTING's first point; with
+/// `hook_entry`, the kprobe backend's event for entering PREROUTING
+/// (nf_hook_slow) comes first, as on the 6.12 guest.
+fn syn_dropped_at(hook_entry: bool) -> Vec<PacketEvent> {
     let mut b = Builder::default();
     let (c, s) = (CLIENT, SVC);
+    let entry = [(nf(PRE_ROUTING, nat_stage::NONE), c, s)];
+    let entry: &[crate::collector::fixtures::Hop] = if hook_entry { &entry } else { &[] };
     for (i, dt) in [0, 1_000 * MS, 3_000 * MS].into_iter().enumerate() {
         let syn = tcp(
             tcp_flags::SYN,
@@ -38,15 +44,49 @@ fn syn_dropped_at_conntrack() -> Vec<PacketEvent> {
             T0 + dt,
             &[
                 &from_pod(CLIENT_NS, VETH_CLIENT, c, s),
-                &[
-                    (rx(NODE_NS, VETH_CLIENT), c, s),
-                    (rx(NODE_NS, CNI0), c, s),
-                    (drop(NODE_NS, CNI0, NETFILTER_DROP), c, s),
-                ],
+                &[(rx(NODE_NS, VETH_CLIENT), c, s), (rx(NODE_NS, CNI0), c, s)],
+                entry,
+                &[(drop(NODE_NS, CNI0, NETFILTER_DROP), c, s)],
             ],
         );
     }
     b.events
+}
+
+fn syn_dropped_at_conntrack() -> Vec<PacketEvent> {
+    syn_dropped_at(false)
+}
+
+/// The kprobe backend's shape (6.12 guest): the hook's entry, then the drop.
+#[test]
+fn the_kprobe_backends_hook_entry_is_where_it_died() {
+    let (flows, _) = decide(&syn_dropped_at(true), table(3, 3, 0), table(3, 3, 2));
+    assert_eq!(cause(&flows[0]), CauseId::ConntrackTableFull);
+}
+
+/// Dropped after PREROUTING's NAT points (mangle/filter, never DNATed):
+/// past conntrack, so a rule's, even with the table full.
+#[test]
+fn a_drop_past_the_nat_points_is_a_rules_even_with_the_table_full() {
+    let mut b = Builder::default();
+    let (c, s) = (CLIENT, SVC);
+    let syn = tcp(tcp_flags::SYN, 7, 0, 700, 0xffff_8880_000b_0000, REQUEST);
+    b.route(
+        syn,
+        T0,
+        &[
+            &from_pod(CLIENT_NS, VETH_CLIENT, c, s),
+            &[
+                (rx(NODE_NS, CNI0), c, s),
+                (nf(PRE_ROUTING, BEFORE), c, s),
+                (nf(PRE_ROUTING, AFTER), c, s),
+                (nf(nf_hook::FORWARD, nat_stage::NONE), c, s),
+                (drop(NODE_NS, CNI0, NETFILTER_DROP), c, s),
+            ],
+        ],
+    );
+    let (flows, _) = decide(&b.events, table(3, 3, 0), table(3, 3, 2));
+    assert_eq!(cause(&flows[0]), CauseId::DroppedByNetfilter);
 }
 
 /// Runs the events; after the first tick (the drop processed) the session
