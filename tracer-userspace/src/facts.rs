@@ -41,6 +41,15 @@ pub struct NodeFacts {
     /// `call_ip6tables` for ETH_P_IPV6). Absent from older recordings.
     #[serde(default)]
     pub bridge_nf_call_ip6tables: Option<bool>,
+    /// conntrack's table and counters in the namespace at start (issue 22:
+    /// `conntrack_table_full` judges the counters' rise against these).
+    /// Absent from older recordings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conntrack: Option<ConntrackTable>,
+    /// The latest reading while tracing (a recording's `conntrack` lines),
+    /// never written in a header: flows decided after it are judged with it.
+    #[serde(skip)]
+    pub conntrack_now: Option<ConntrackTable>,
 }
 
 impl NodeFacts {
@@ -72,4 +81,40 @@ pub struct Sysctls {
     #[serde(default)]
     pub bridge_nf_call_ip6tables: Option<bool>,
     pub ip_forward: Option<bool>,
+}
+
+/// conntrack's table in the node namespace: `nf_conntrack_count` (this
+/// namespace's entries) against `nf_conntrack_max` (one limit for every
+/// namespace, writable only in the initial one), and its counters
+/// (doctor/conntrack_stats.rs). Read at start and again when a request was
+/// dropped by netfilter before any NAT (checks/table_full.rs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ConntrackTable {
+    pub count: Option<u64>,
+    pub max: Option<u64>,
+    pub stats: Option<crate::doctor::conntrack_stats::ConntrackStats>,
+}
+
+impl ConntrackTable {
+    /// Reads the calling thread's namespace's (call inside the node's).
+    pub fn read() -> Self {
+        let read = |p: &str| {
+            std::fs::read_to_string(p)
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+        };
+        Self {
+            count: read("/proc/sys/net/netfilter/nf_conntrack_count"),
+            max: read("/proc/sys/net/netfilter/nf_conntrack_max"),
+            stats: crate::doctor::conntrack_stats::ConntrackStats::read(),
+        }
+    }
+
+    /// The table is at its limit: a new connection's entry can be had only
+    /// by evicting an unreplied one (`__nf_conntrack_alloc`). A max of 0
+    /// means no limit.
+    pub fn at_max(&self) -> bool {
+        matches!((self.count, self.max), (Some(c), Some(m)) if m > 0 && c >= m)
+    }
 }

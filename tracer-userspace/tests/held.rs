@@ -251,6 +251,7 @@ fn decide_held(rec: &std::path::Path) -> (Vec<FlowReport>, u64, u64) {
             Record::Interface(i) => c.learn_interface(i.netns, i.ifindex, &i.name),
             Record::Rules(r) => c.update_rules(*r),
             Record::Sysctls(s) => c.update_sysctls(s),
+            Record::Conntrack(t) => c.update_conntrack(t),
             Record::Stats(s) => {
                 let due: Vec<Key> = c
                     .take_due_held(s.now_ns)

@@ -327,6 +327,7 @@ fn recordings_carry_no_kernel_address_and_decide_the_same() {
                 Record::Stats(s) => w.stats(s),
                 Record::Rules(r) => w.rules(&r),
                 Record::Sysctls(s) => w.sysctls(s),
+                Record::Conntrack(t) => w.conntrack(t),
                 Record::End(s) => w.end(s),
                 Record::Capped { .. } | Record::Rotated { .. } => {}
             }
@@ -521,6 +522,7 @@ fn rerecord(path: &Path, out: &Path, limit: Option<u64>, keep: usize) {
             Record::Stats(s) => w.stats(s),
             Record::Rules(r) => w.rules(&r),
             Record::Sysctls(s) => w.sysctls(s),
+            Record::Conntrack(t) => w.conntrack(t),
             Record::End(s) => w.end(s),
             Record::Capped { .. } | Record::Rotated { .. } => {}
         }

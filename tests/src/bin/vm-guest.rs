@@ -16,7 +16,8 @@
 //! buffer on (`vm-guest/held.rs`). Then seed 000 over IPv6 on a
 //! dual-stack node (`vm-guest/ipv6.rs`), and long-lived connections broken
 //! after an `ok` opening, each beside a healthy twin
-//! (`vm-guest/established.rs`).
+//! (`vm-guest/established.rs`); and a full conntrack table, the guest's
+//! `nf_conntrack_max` lowered and put back (`vm-guest/table_full.rs`).
 //! One `vm-guest: PASS|FAIL` line per check; exit 0 only if all pass.
 //!
 //! `--record-fixtures` also has each seed 000 run `--write` its recording and
@@ -35,6 +36,8 @@ mod held;
 mod ipv6;
 #[path = "vm-guest/record.rs"]
 mod record;
+#[path = "vm-guest/table_full.rs"]
+mod table_full;
 
 use std::fs::File;
 use std::io::{Read as _, Write as _};
@@ -239,6 +242,7 @@ fn run() -> anyhow::Result<bool> {
     if !record_fixtures {
         ipv6::run(&mut checks, &nattrace, &backends)?;
         established::run(&mut checks, &nattrace, &backends);
+        table_full::run(&mut checks, &nattrace, &backends);
     }
 
     say(&format!(

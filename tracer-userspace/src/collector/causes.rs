@@ -81,6 +81,9 @@ pub enum CauseId {
     /// Issue 23: an ICMP error about the flow reached the client with its
     /// quoted header still naming the backend.
     IcmpErrorNotReverseNated,
+    /// Issue 22: a new connection's first packet dropped at conntrack's own
+    /// hook, before any NAT, while the table was at nf_conntrack_max.
+    ConntrackTableFull,
 }
 
 pub(crate) struct CauseRow {
@@ -255,6 +258,17 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         check: super::checks::north_south::no_local_endpoints,
         incident: "issue 24: NodePort / LoadBalancer / external IP of an externalTrafficPolicy: Local Service, no endpoint on this node: kube-proxy's \"has no local endpoints\" DROP (filter KUBE-EXTERNAL-SERVICES, nftables no-endpoint-nodeports / no-endpoint-services), the client times out",
         fix: "run an endpoint of the Service on this node, or let the load balancer's health check on healthCheckNodePort take this node out (kube-proxy answers 503 there), or set externalTrafficPolicy: Cluster (the client's address is then masqueraded)",
+    },
+    // Before no_endpoints and dropped_by_netfilter, which share its drop
+    // reason: this drop is before the first netfilter point, and the table
+    // was full (checks/table_full.rs).
+    CauseRow {
+        id: CauseId::ConntrackTableFull,
+        name: "conntrack_table_full",
+        verdicts: &[Verdict::Dropped],
+        check: super::checks::table_full::conntrack_table_full,
+        incident: "issue 22: conntrack's table is full (kubernetes#18604): a new connection's first packet is dropped at conntrack's own PREROUTING/OUTPUT hook before any NAT (NETFILTER_DROP, \"nf_conntrack: table full, dropping packet\"), while nf_conntrack_count is at nf_conntrack_max or conntrack -S drop/early_drop rise; established connections go on",
+        fix: "raise the limit: sysctl -w net.netfilter.nf_conntrack_max=<more> on the node (one limit for every namespace, set in the host's) and in kube-proxy, which sets it when it starts: --conntrack-max-per-core / conntrack.maxPerCore × CPUs, at least conntrack.min (cmd/kube-proxy/app/conntrack.go, getConntrackMax); find what fills the table: conntrack -L | awk '{for (i = 1; i <= NF; i++) if ($i ~ /^dst=/) { print $1, $i; break }}' | sort | uniq -c | sort -rn | head; shorten the timeouts that keep idle entries (net.netfilter.nf_conntrack_tcp_timeout_established, kube-proxy conntrack.tcpEstablishedTimeout; nf_conntrack_tcp_timeout_time_wait, nf_conntrack_udp_timeout); watch conntrack -S drop/early_drop",
     },
     CauseRow {
         id: CauseId::NoEndpoints,

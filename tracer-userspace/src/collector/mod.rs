@@ -195,6 +195,11 @@ pub struct Collector {
     rules_wanted: bool,
     /// `timeout_q` deadlines up to here were looked at for `rules_wanted`.
     rules_scanned_upto: u64,
+    /// A request was dropped by netfilter before any DNAT: the session
+    /// reads conntrack's table before the flow's verdict (its reply
+    /// timeout), so a full table is judged as it is then
+    /// (checks/table_full.rs).
+    conntrack_wanted: bool,
     ready: Vec<FlowReport>,
     /// Processing stops once this many reports wait (see [`Self::resume`]).
     report_batch: usize,
@@ -241,6 +246,7 @@ impl Collector {
             sysctls_wanted: false,
             rules_wanted: false,
             rules_scanned_upto: 0,
+            conntrack_wanted: false,
             ready: Vec::new(),
             report_batch: usize::MAX,
             stalled: false,
@@ -463,6 +469,20 @@ impl Collector {
     /// `sysctls` line): flows decided from now on are judged with these.
     pub fn update_sysctls(&mut self, s: crate::facts::Sysctls) {
         self.cfg.facts.set_sysctls(s);
+    }
+
+    /// Whether a request was dropped by netfilter before any DNAT since the
+    /// last call: the session then reads conntrack's table in the node
+    /// namespace, hands it to [`Collector::update_conntrack`] and records it
+    /// as a `conntrack` line, before the tick.
+    pub fn take_conntrack_request(&mut self) -> bool {
+        std::mem::take(&mut self.conntrack_wanted)
+    }
+
+    /// conntrack's table read again (live, or a recording's `conntrack`
+    /// line): flows decided from now on are judged with it.
+    pub fn update_conntrack(&mut self, t: crate::facts::ConntrackTable) {
+        self.cfg.facts.conntrack_now = Some(t);
     }
 
     pub fn reply_timeout_ns(&self) -> u64 {
@@ -710,6 +730,12 @@ impl Collector {
             );
         }
         let added = flow.add_event(ev, key, &ctx);
+        if ev.hook == tracer_common::hook::DROP
+            && Some(ev.drop_reason) == self.known.netfilter_drop
+            && flow.backend.is_none()
+        {
+            self.conntrack_wanted = true;
+        }
         let pair_idx = flow.pair_count() - 1;
         if added.duplicate {
             self.summary.duplicate_events += 1;

@@ -81,6 +81,7 @@ pub fn facts(bridge_nf: Option<bool>) -> NodeFacts {
         bridge_nf_call_iptables: bridge_nf,
         ip_forward: Some(true),
         bridge_nf_call_ip6tables: bridge_nf,
+        ..NodeFacts::default()
     }
 }
 

@@ -125,7 +125,9 @@ const FIX_BR_NETFILTER: CauseId = CauseId::BridgeNfCallIptablesOff;
 const FIX_HAIRPIN: CauseId = CauseId::HairpinModeOff;
 const FIX_FORWARD: &str = "sysctl -w net.ipv4.ip_forward=1";
 const FIX_RP_FILTER: CauseId = CauseId::DroppedByRpFilter;
-const FIX_CONNTRACK: &str = "raise net.netfilter.nf_conntrack_max (kube-proxy --conntrack-max-per-core) or find what fills the table (conntrack -S)";
+/// At 90% and above a burst fills the table and new connections are
+/// dropped (cause `conntrack_table_full`).
+const FIX_CONNTRACK: &str = "raise net.netfilter.nf_conntrack_max (kube-proxy sets it at start from --conntrack-max-per-core / conntrack.maxPerCore × CPUs) or find what fills the table (conntrack -L | awk '{for (i = 1; i <= NF; i++) if ($i ~ /^dst=/) { print $1, $i; break }}' | sort | uniq -c | sort -rn | head; conntrack -S drop/early_drop) and shorten idle timeouts (nf_conntrack_tcp_timeout_established)";
 const FIX_KUBE_PROXY: &str = "check that kube-proxy runs on this node and syncs its rules (its logs, iptables-save | grep KUBE-SERVICES)";
 const FIX_DATAPLANE: CauseId = CauseId::ServiceNotNetfilter;
 const FIX_MASQ_ALL: CauseId = CauseId::NoReplyThroughNode;

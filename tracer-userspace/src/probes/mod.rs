@@ -330,6 +330,12 @@ impl Tracer {
             .flatten()
     }
 
+    /// conntrack's table and counters in the traced namespace, read now
+    /// (checks/table_full.rs).
+    pub fn conntrack_table(&self) -> Option<crate::facts::ConntrackTable> {
+        self.netns.run(crate::facts::ConntrackTable::read).ok()
+    }
+
     /// kube-proxy's rules in the traced namespace, read now (blocking:
     /// `iptables-save`/`nft` take milliseconds to a second on a big node).
     pub fn reread_rules(&self) -> crate::ruleset::KubeProxyRules {

@@ -127,5 +127,6 @@ pub(super) fn read_facts(facts: &mut NodeFacts) -> Result<BTreeSet<u32>, TraceEr
     facts.ip_forward = netns::read_sysctl_bool("/proc/sys/net/ipv4/ip_forward");
     facts.bridge_nf_call_ip6tables =
         netns::read_sysctl_bool("/proc/sys/net/bridge/bridge-nf-call-ip6tables");
+    facts.conntrack = Some(crate::facts::ConntrackTable::read());
     Ok(links.pod_veths)
 }

@@ -267,6 +267,10 @@ pub enum Line {
     /// after this line are judged with these.
     Sysctls(crate::facts::Sysctls),
     End(StatsLine),
+    /// conntrack's table and counters read again after a request was
+    /// dropped by netfilter before any DNAT: flows decided after this line
+    /// are judged with it (checks/table_full.rs).
+    Conntrack(crate::facts::ConntrackTable),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -450,6 +454,11 @@ impl RecordingWriter {
             h.facts.set_sysctls(s);
         }
         self.line(&Line::Sysctls(s));
+    }
+
+    /// conntrack's table read again (a request dropped before any DNAT).
+    pub fn conntrack(&mut self, t: crate::facts::ConntrackTable) {
+        self.line(&Line::Conntrack(t));
     }
 
     pub fn interface(&mut self, netns: u32, ifindex: u32, name: &str) {

@@ -37,6 +37,8 @@ pub enum Record {
     /// The node's sysctls, read again when an established flow went wrong.
     Sysctls(crate::facts::Sysctls),
     End(StatsLine),
+    /// conntrack's table read again during the run.
+    Conntrack(crate::facts::ConntrackTable),
 }
 
 /// Why the recording was read only in part (one line for the user).
@@ -299,6 +301,7 @@ impl<R: BufRead> Reader<R> {
                 }
                 Line::Rules { kube_proxy } => Some(Record::Rules(Box::new(kube_proxy))),
                 Line::Sysctls(s) => Some(Record::Sysctls(s)),
+                Line::Conntrack(t) => Some(Record::Conntrack(t)),
                 Line::End(s) if s.now_ns >= MAX_TS_NS => {
                     self.skip("end time out of range");
                     continue;

@@ -114,6 +114,7 @@ pub fn replay<E>(
             Record::Rotated { bytes } => rotated = Some(bytes),
             Record::Rules(rules) => c.update_rules(*rules),
             Record::Sysctls(s) => c.update_sysctls(s),
+            Record::Conntrack(t) => c.update_conntrack(t),
             Record::End(s) => {
                 lost = lost.max(s.lost_events);
                 held = s;

@@ -61,6 +61,17 @@ impl Live {
                 collector.update_rules(now);
             }
         }
+        // A request dropped by netfilter before any DNAT: whether the table
+        // was full is asked of it now, before the flow's reply timeout
+        // decides it; recorded before the stats line for `analyze`.
+        if collector.take_conntrack_request()
+            && let Some(now) = tracer.conntrack_table()
+        {
+            collector.update_conntrack(now);
+            if let Some(rec) = recorder.as_deref_mut() {
+                rec.conntrack(now);
+            }
+        }
         if continuous.has_metrics()
             && let Some(now) = conntrack.due_read(tracer)
         {

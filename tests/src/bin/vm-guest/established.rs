@@ -263,14 +263,14 @@ fn judge(
 
 /// A `GET /stream` from inside the client pod, its lines counted on a
 /// thread of its own (setns moves only that thread).
-struct Stream {
-    port: u16,
+pub(super) struct Stream {
+    pub(super) port: u16,
     lines: Arc<AtomicUsize>,
     socket: TcpStream,
 }
 
 impl Stream {
-    fn open(client_ns: &Path, ip: Ipv4Addr) -> anyhow::Result<Stream> {
+    pub(super) fn open(client_ns: &Path, ip: Ipv4Addr) -> anyhow::Result<Stream> {
         let ns = client_ns.to_path_buf();
         let (tx, rx) = std::sync::mpsc::channel();
         let lines = Arc::new(AtomicUsize::new(0));
@@ -318,13 +318,13 @@ impl Stream {
         })
     }
 
-    fn lines(&self) -> usize {
+    pub(super) fn lines(&self) -> usize {
         self.lines.load(Ordering::Relaxed)
     }
 
     /// Until `n` lines of the body were read in all; an error
     /// if the stream stalls past [`EVENT_TIMEOUT`].
-    fn wait_lines(&self, n: usize) -> anyhow::Result<()> {
+    pub(super) fn wait_lines(&self, n: usize) -> anyhow::Result<()> {
         let deadline = Instant::now() + EVENT_TIMEOUT;
         while self.lines() < n {
             if Instant::now() > deadline {
@@ -340,7 +340,7 @@ impl Stream {
         Ok(())
     }
 
-    fn stop(&self) {
+    pub(super) fn stop(&self) {
         let _ = self.socket.shutdown(Shutdown::Both);
     }
 }

@@ -11,6 +11,7 @@ pub(super) mod midstream;
 pub(super) mod north_south;
 pub(super) mod path;
 pub(super) mod stale_entry;
+pub(super) mod table_full;
 
 use tracer_common::{hook, nat_stage, nf_hook};
 

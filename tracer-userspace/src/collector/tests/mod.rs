@@ -19,6 +19,7 @@ pub(crate) mod stale;
 mod stale_entry;
 mod stopped;
 mod store;
+mod table_full;
 mod tracepoints;
 mod unseen;
 mod watch;
