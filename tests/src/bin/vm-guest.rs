@@ -512,9 +512,18 @@ fn http_get_in(ns: &Path) -> Result<String, String> {
     nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET)
         .map_err(|e| format!("setns: {e}"))?;
     let addr = SocketAddr::V4(SocketAddrV4::new(WEB_SERVICE_IP, WEB_PORT));
-    let mut s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
+    let s = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
         .map_err(|e| format!("connect {addr}: {e}"))?;
-    let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
+    http_status(s, addr, Duration::from_secs(3))
+}
+
+/// One `GET /` on a connected stream: its status line if it is 200.
+fn http_status(
+    mut s: TcpStream,
+    addr: SocketAddr,
+    read_timeout: Duration,
+) -> Result<String, String> {
+    let _ = s.set_read_timeout(Some(read_timeout));
     s.write_all(format!("GET / HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
         .map_err(|e| format!("send: {e}"))?;
     let mut body = String::new();

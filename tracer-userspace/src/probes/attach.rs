@@ -154,16 +154,19 @@ fn load_in_parallel(ebpf: &mut Ebpf, plan: &[&'static ProgramSpec]) -> Result<()
             ))),
         };
         // The kernel's count of instructions it walked: what the time
-        // grows with, comparable across kernels and machines.
-        let insns = prog
-            .info()
-            .ok()
-            .and_then(|i| i.verified_instruction_count());
-        log::debug!(
-            "start-up: {name} loaded and verified in {:.1} ms ({} instructions processed)",
-            began.elapsed().as_secs_f64() * 1e3,
-            insns.map_or("?".to_owned(), |n| n.to_string())
-        );
+        // grows with, comparable across kernels and machines. Asked for
+        // (a bpf syscall) only when the line is printed.
+        if log::log_enabled!(log::Level::Debug) {
+            let insns = prog
+                .info()
+                .ok()
+                .and_then(|i| i.verified_instruction_count());
+            log::debug!(
+                "start-up: {name} loaded and verified in {:.1} ms ({} instructions processed)",
+                began.elapsed().as_secs_f64() * 1e3,
+                insns.map_or("?".to_owned(), |n| n.to_string())
+            );
+        }
         loaded
     };
     std::thread::scope(|s| {

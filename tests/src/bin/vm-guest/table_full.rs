@@ -16,8 +16,7 @@
 //!   HTTP 200 and is `ok`;
 //! - `nattrace analyze` of the recording decides both the same (the
 //!   `conntrack` line carries the table read after the drop).
-use std::io::{Read as _, Write as _};
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -25,7 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use lab::Lab;
 use lab::presets::{self, CLIENT_IP, NODE_A, Seed000, WEB_PORT, WEB_SERVICE_IP};
-use lab::tracer::{Nattrace, is_flow_line, say};
+use lab::tracer::{Echo, Nattrace, is_flow_line, say};
 use serde_json::Value;
 
 use super::{ATTACH_TIMEOUT, Checks, established::Stream};
@@ -136,7 +135,7 @@ fn one(nattrace: &Path, backend: &str) -> anyhow::Result<String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let mut t = Nattrace::spawn(nattrace, &args, &[], false)?;
+    let mut t = Nattrace::spawn_echoing(nattrace, &args, super::TRACER_ENV, Echo::Stderr)?;
     let first = t.wait_started(ATTACH_TIMEOUT)?;
     if !first.contains("\"kind\":\"start\"") {
         bail!("first line: {first}");
@@ -249,17 +248,7 @@ fn get_from(client_ns: &Path, port: u16, timeout: Duration) -> Result<String, St
         let addr = SocketAddr::V4(SocketAddrV4::new(WEB_SERVICE_IP, WEB_PORT));
         sock.connect_timeout(&addr.into(), timeout)
             .map_err(|e| format!("connect {addr} from port {port}: {e}"))?;
-        let mut s: TcpStream = sock.into();
-        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-        s.write_all(format!("GET / HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-            .map_err(|e| format!("send: {e}"))?;
-        let mut body = String::new();
-        s.read_to_string(&mut body)
-            .map_err(|e| format!("read: {e}"))?;
-        match body.lines().next() {
-            Some(status) if status.contains(" 200") => Ok(status.to_string()),
-            other => Err(format!("unexpected response {other:?}")),
-        }
+        super::http_status(sock.into(), addr, Duration::from_secs(5))
     })
     .join()
     .unwrap_or_else(|_| Err("panicked".into()))
