@@ -11,17 +11,23 @@ pub use crate::packet::{Packet, copy_addr};
 
 use crate::{EVENTS, STATS};
 
-/// Where a packet was seen.
+/// Where a packet was seen. No implicit padding: it is passed by pointer to
+/// a global function (filter.rs `judge`), and the verifier refuses to pass
+/// stack memory with an uninitialised byte (kernel/bpf/verifier.c
+/// `check_stack_range_initialized`).
+#[repr(C)]
 #[derive(Clone, Copy, Default)]
 pub struct Point {
     pub hook: u8,
     pub nf_hook: u8,
     pub nat_stage: u8,
+    _pad: [u8; 5],
     /// Kernel address of the sk_buff (0 if unknown).
     pub skb: u64,
     pub netns: u32,
     pub ifindex: u32,
     pub drop_reason: u32,
+    _pad2: u32,
 }
 
 impl Point {

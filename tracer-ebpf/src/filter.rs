@@ -254,17 +254,56 @@ pub fn observe(
     if !details(pkt, at) {
         return;
     }
+    judge(pkt, at, u32::from(m.dir), u32::from(m.svc));
+}
 
+/// Everything after the match: the watch, the per-flow buffer and the event.
+/// A global BPF function (exported, never inlined: its BTF linkage is
+/// global), so the kernel verifies it once, on its own, with the packet and
+/// the point as unknown memory (kernel/bpf/verifier.c `do_check_subprogs`;
+/// a static subprogram or inlined code is walked again for every path that
+/// reaches it, kernel/bpf/verifier.c `check_func_call`). Inlined, each of
+/// classify()'s matches and each way a packet is parsed (IPv4, IPv6, the
+/// quote of an ICMP error) walked this code again with its own constants:
+/// about 80k instructions per program on 6.18, minutes per kprobe program
+/// on 6.1 under TCG. The state is looked up again by the client side:
+/// a global function's arguments can only be scalars or plain memory, not a
+/// map value (kernel/bpf/btf.c `btf_prepare_func_args`). The return value
+/// is unused: 6.1 refuses a global function that does not return a scalar.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) -> u32 {
+    // SAFETY: the callers pass their own stack's Packet and Point; the
+    // verifier only knows them as memory that may be null.
+    let (Some(pkt), Some(at)) = (unsafe { pkt.as_mut() }, unsafe { at.as_mut() }) else {
+        return 0;
+    };
+    let (dir, svc) = (dir as u8, svc as u8);
+    let client = if dir == direction::REPLY {
+        key(pkt.daddr, pkt.dport, pkt.proto)
+    } else {
+        key(pkt.saddr, pkt.sport, pkt.proto)
+    };
+    let m = Match {
+        dir,
+        svc,
+        state: ENDPOINTS.get_ptr_mut(client),
+    };
+    let is_drop = at.hook == hook::DROP;
+    let control = (pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST)) | pkt.icmp_type;
     let mut flags = 0;
     let mut hold_for = None;
     let mut good = 0;
     if let Some(state) = m.state
         && muted(state)
-        && pkt.tcp_flags & tcp_flags::RST != 0
+        && (pkt.tcp_flags & tcp_flags::RST != 0 || pkt.icmp_type != 0)
     {
-        // A reset of a muted flow is sent as it is; the collector judges
-        // it (a bare RST from the backend's side is a failure) and needs
-        // the count of replies that were fine before it.
+        // A reset or an ICMP error about a muted flow is sent as it is; the
+        // collector judges it (a bare RST from the backend's side, any ICMP
+        // error is news) and needs the count of replies that were fine
+        // before it. The ICMP error comes first: a UDP request to a closed
+        // port is answered (__udp4_lib_rcv → icmp_send) before its skb is
+        // freed with NO_SOCKET, whose WATCH event carries the count too.
         good = watch::good(state);
     }
     if let Some(state) = m.state
@@ -281,7 +320,7 @@ pub fn observe(
         match check {
             Check::Fine => {
                 stat_inc(stat::MUTED_PACKETS);
-                return;
+                return 0;
             }
             Check::Alert => {
                 set_muted(state, false);
@@ -336,7 +375,7 @@ pub fn observe(
         let purged = is_drop && at.ifindex == 0 && pkt.icmp_type == 0;
         if muted(state) && ((control == 0 && !is_drop) || purged) {
             stat_inc(stat::MUTED_PACKETS);
-            return;
+            return 0;
         }
         if mute_now {
             set_muted(state, true);
@@ -364,19 +403,14 @@ pub fn observe(
     }
 
     if let Some((state, fate)) = hold_for {
-        // The client side the state belongs to, whichever rule matched.
-        let client = if m.dir == direction::REPLY {
-            key(pkt.daddr, pkt.dport, pkt.proto)
-        } else {
-            key(pkt.saddr, pkt.sport, pkt.proto)
-        };
         match held::hold(&client, state, pkt, at, m.dir, m.svc, fate) {
             Some(f) => flags |= f,
-            None => return,
+            None => return 0,
         }
     }
 
     emit(pkt, at, m.dir, m.svc, flags, good);
+    0
 }
 
 /// A device event outside the traced node namespace (the pods' side).

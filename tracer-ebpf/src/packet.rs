@@ -22,7 +22,11 @@ pub fn icmpv6_at(l3_len: usize) -> u64 {
     ICMPV6_AT | (l3_len as u64 & 0x7ff)
 }
 
-/// What every observation point extracts from a packet.
+const _: () = assert!(size_of::<Packet>() == 56);
+
+/// What every observation point extracts from a packet. repr(C) with no
+/// padding: passed by pointer to a global function, as emit.rs's `Point`.
+#[repr(C)]
 #[derive(Clone, Copy, Default)]
 pub struct Packet {
     pub saddr: Addr,

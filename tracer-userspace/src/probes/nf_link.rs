@@ -8,7 +8,10 @@
 //! EVENTS, ...), link bpf-to-bpf calls, and issue
 //! `bpf(BPF_PROG_LOAD, prog_type=NETFILTER, expected_attach_type=BPF_NETFILTER)`
 //! and `bpf(BPF_LINK_CREATE, netfilter={pf, hooknum, priority})` ourselves.
-//! No BTF/func_info is passed: the programs are fully inlined and need none.
+//! The object's BTF goes with them, with each program's func_info: without
+//! it the kernel takes every bpf-to-bpf callee for a static one and walks
+//! the global `judge` (filter.rs) again on every path that calls it
+//! (kernel/bpf/verifier.c `check_func_call`); with it, once.
 //!
 //! Links are fd-owned: closing the fd detaches. A link attaches in the
 //! network namespace of the calling thread.
@@ -88,6 +91,8 @@ pub enum NfLinkError {
     NoProgram(String),
     #[error("map {0} used by the netfilter programs was not created by aya")]
     NoMap(String),
+    #[error("the kernel rejected the eBPF object's BTF: {0}")]
+    Btf(io::Error),
     #[error("the kernel rejected netfilter program {name}: {error}{log}")]
     Load {
         name: String,
@@ -155,8 +160,47 @@ pub(super) fn sys_bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> io::Result<OwnedFd> 
 /// verified on another thread while the caller goes on (and even drops the
 /// maps) without a closed fd number being reused under them.
 pub struct NfPrepared {
-    programs: Vec<(String, Vec<bpf_insn>)>,
+    programs: Vec<Prepared>,
+    btf: Option<OwnedFd>,
     _map_fds: Vec<OwnedFd>,
+}
+
+/// One program's instructions and the BTF records that go with them.
+struct Prepared {
+    name: String,
+    insns: Vec<bpf_insn>,
+    func_info: Vec<u8>,
+    func_info_rec_size: usize,
+    func_info_cnt: u32,
+    line_info: Vec<u8>,
+    line_info_rec_size: usize,
+    line_info_cnt: u32,
+}
+
+/// Loads the object's BTF as aya would (sanitised for this kernel's BTF
+/// features); None when the kernel or the object has none, and the programs
+/// then load without func_info, as before global functions.
+fn load_btf(obj: &mut aya_obj::Object) -> Result<Option<OwnedFd>, NfLinkError> {
+    let Some(features) = aya::features().btf() else {
+        return Ok(None);
+    };
+    let Some(btf) = obj
+        .fixup_and_sanitize_btf(features)
+        .map_err(|e| NfLinkError::Relocate(format!("BTF: {e}")))?
+    else {
+        return Ok(None);
+    };
+    let raw = btf.to_bytes();
+    // SAFETY: as in sys_bpf's callers; `raw` outlives the syscall.
+    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+    unsafe {
+        let u = &mut attr.__bindgen_anon_7;
+        u.btf = raw.as_ptr() as u64;
+        u.btf_size = raw.len() as u32;
+    }
+    sys_bpf(bpf_cmd::BPF_BTF_LOAD, &mut attr)
+        .map(Some)
+        .map_err(NfLinkError::Btf)
 }
 
 impl NfPrepared {
@@ -182,17 +226,28 @@ impl NfPrepared {
             .map_err(|e| NfLinkError::Relocate(e.to_string()))?;
         obj.relocate_calls(&text_sections)
             .map_err(|e| NfLinkError::Relocate(e.to_string()))?;
+        let btf = load_btf(&mut obj)?;
         let mut programs = Vec::new();
         for &name in names {
             let prog = obj
                 .programs
                 .get(name)
                 .ok_or_else(|| NfLinkError::NoProgram(name.to_owned()))?;
-            let insns = obj.functions[&prog.function_key()].instructions.clone();
-            programs.push((name.to_owned(), insns));
+            let f = &obj.functions[&prog.function_key()];
+            programs.push(Prepared {
+                name: name.to_owned(),
+                insns: f.instructions.clone(),
+                func_info: f.func_info.func_info_bytes(),
+                func_info_rec_size: f.func_info_rec_size,
+                func_info_cnt: f.func_info.len() as u32,
+                line_info: f.line_info.line_info_bytes(),
+                line_info_rec_size: f.line_info_rec_size,
+                line_info_cnt: f.line_info.len() as u32,
+            });
         }
         Ok(NfPrepared {
             programs,
+            btf,
             _map_fds: map_fds,
         })
     }
@@ -202,10 +257,11 @@ impl NfPrepared {
     /// (kernel/bpf/verifier.c bpf_check), so two verify at once.
     pub fn load(self) -> Result<NfPrograms, NfLinkError> {
         let license = CString::new("GPL").expect("no NUL");
-        let load_all = |programs: &[(String, Vec<bpf_insn>)]| {
+        let btf = self.btf.as_ref().map(|fd| fd.as_fd());
+        let load_all = |programs: &[Prepared]| {
             programs
                 .iter()
-                .map(|(name, insns)| Ok((name.clone(), load_one(name, insns, &license)?)))
+                .map(|p| Ok((p.name.clone(), load_one(p, btf, &license)?)))
                 .collect::<Result<Vec<_>, NfLinkError>>()
         };
         let (first, second) = self.programs.split_at(self.programs.len() / 2);
@@ -329,7 +385,17 @@ pub fn probe_support() -> Option<bool> {
         },
     ];
     let license = CString::new("GPL").expect("no NUL");
-    match load_one("nattrace_probe", &insns, &license) {
+    let probe = Prepared {
+        name: "nattrace_probe".to_owned(),
+        insns: insns.to_vec(),
+        func_info: Vec::new(),
+        func_info_rec_size: 0,
+        func_info_cnt: 0,
+        line_info: Vec::new(),
+        line_info_rec_size: 0,
+        line_info_cnt: 0,
+    };
+    match load_one(&probe, None, &license) {
         Ok(_) => Some(true),
         Err(NfLinkError::Load { error, .. }) if error.raw_os_error() == Some(libc::EINVAL) => {
             Some(false)
@@ -338,26 +404,44 @@ pub fn probe_support() -> Option<bool> {
     }
 }
 
-fn load_one(name: &str, insns: &[bpf_insn], license: &CString) -> Result<OwnedFd, NfLinkError> {
+fn load_one(
+    p: &Prepared,
+    btf: Option<BorrowedFd<'_>>,
+    license: &CString,
+) -> Result<OwnedFd, NfLinkError> {
+    let (name, insns) = (p.name.as_str(), &p.insns);
     let attempt = |log: Option<&mut Vec<u8>>| {
         // SAFETY: as above.
         let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
         // SAFETY: writing plain-integer union fields; the pointers stay valid
         // for the duration of the syscall.
         unsafe {
-            let p = &mut attr.__bindgen_anon_3;
-            p.prog_type = bpf_prog_type::BPF_PROG_TYPE_NETFILTER as u32;
-            p.expected_attach_type = bpf_attach_type::BPF_NETFILTER as u32;
-            p.insn_cnt = insns.len() as u32;
-            p.insns = insns.as_ptr() as u64;
-            p.license = license.as_ptr() as u64;
-            for (dst, src) in p.prog_name.iter_mut().zip(name.bytes().take(15)) {
+            let a = &mut attr.__bindgen_anon_3;
+            a.prog_type = bpf_prog_type::BPF_PROG_TYPE_NETFILTER as u32;
+            a.expected_attach_type = bpf_attach_type::BPF_NETFILTER as u32;
+            a.insn_cnt = insns.len() as u32;
+            a.insns = insns.as_ptr() as u64;
+            a.license = license.as_ptr() as u64;
+            for (dst, src) in a.prog_name.iter_mut().zip(name.bytes().take(15)) {
                 *dst = src as libc::c_char;
             }
+            if let Some(btf) = btf {
+                a.prog_btf_fd = btf.as_raw_fd() as u32;
+                if p.func_info_rec_size > 0 {
+                    a.func_info = p.func_info.as_ptr() as u64;
+                    a.func_info_cnt = p.func_info_cnt;
+                    a.func_info_rec_size = p.func_info_rec_size as u32;
+                }
+                if p.line_info_rec_size > 0 {
+                    a.line_info = p.line_info.as_ptr() as u64;
+                    a.line_info_cnt = p.line_info_cnt;
+                    a.line_info_rec_size = p.line_info_rec_size as u32;
+                }
+            }
             if let Some(log) = log {
-                p.log_level = 1;
-                p.log_size = log.len() as u32;
-                p.log_buf = log.as_mut_ptr() as u64;
+                a.log_level = 1;
+                a.log_size = log.len() as u32;
+                a.log_buf = log.as_mut_ptr() as u64;
             }
         }
         sys_bpf(bpf_cmd::BPF_PROG_LOAD, &mut attr)
