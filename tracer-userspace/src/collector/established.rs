@@ -169,6 +169,26 @@ pub(crate) fn is_good_reply(flow: &Flow, ev: &PacketEvent) -> bool {
         && Endpoint::src(ev) == flow.service
 }
 
+/// Reverse-NATed replies at the client already in the flow's evidence
+/// beyond the first when its opening is decided `ok`: on a busy node the
+/// decision can come after later exchanges were read (a UDP flow's second
+/// and third queries answered in the same batch), and those are good
+/// replies the watch would otherwise never count.
+pub(crate) fn good_before_watch(flow: &Flow) -> u32 {
+    let n = flow
+        .obs
+        .iter()
+        .filter(|o| {
+            o.hook == hook::DEV_RX
+                && flow.client_netns != 0
+                && o.netns == flow.client_netns
+                && o.dst == flow.client
+                && o.src == flow.service
+        })
+        .count();
+    u32::try_from(n.saturating_sub(1)).unwrap_or(u32::MAX)
+}
+
 /// The flow's evidence starts again at `ev`, which failed the watch.
 pub(crate) fn reopen(flow: &mut Flow, ev: &PacketEvent) {
     let Some(w) = flow.watch.as_mut() else {

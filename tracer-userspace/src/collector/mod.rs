@@ -1030,10 +1030,12 @@ impl Collector {
         self.ready.push(report);
         if let Some(f) = self.flow_mut(r) {
             f.reported = true;
+            let good = established::good_before_watch(f);
             f.drop_evidence();
             if ok {
                 f.watch = Some(established::Watch {
                     ok_ts: at,
+                    good,
                     ..Default::default()
                 });
             }

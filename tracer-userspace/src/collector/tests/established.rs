@@ -110,6 +110,28 @@ fn a_watch_event_after_an_ok_opening_is_reported_mid_stream() {
     assert_eq!(summary.by_verdict.reply_not_reverse_nated, 1);
 }
 
+/// Replies read before the opening was decided (a busy node's batch held
+/// the second and third exchanges too) are good replies: the kernel never
+/// muted them, so its count at the failure is 0 (seen as a flaky
+/// tests/tests/established_more.rs `root_udp_later_exchange_fails_*`).
+#[test]
+fn good_replies_read_before_the_ok_count_at_a_later_failure() {
+    let mut events = fixture("seed000_healthy.jsonl");
+    let reply = client_reply(&events);
+    events.push(later(&reply, 10 * MS, 1));
+    events.push(later(&reply, 20 * MS, 2));
+    let mut bad = later(&reply, 1_400 * MS, 3);
+    bad.saddr = tracer_common::v4_mapped(BACKEND);
+    bad.flags = event_flags::WATCH;
+    bad.good = 0;
+    events.push(bad);
+    let (reports, _) = decide(&events, None);
+    let e = established(&reports);
+    assert_eq!(e.len(), 1, "{reports:#?}");
+    let info = e[0].established.expect("established info");
+    assert_eq!(info.good_replies, 2, "{:#?}", e[0]);
+}
+
 /// The client's RST to the backend (its answer to the un-NATed reply)
 /// crossed the bridge without netfilter; the sysctls read again say
 /// bridge-nf-call-iptables is now 0: the cause of the seed 000 opening,
