@@ -162,11 +162,22 @@ pub(crate) fn opens_unseen(ev: &PacketEvent) -> bool {
 
 /// A reverse-NATed reply reaching the client of an `ok` flow (counted).
 pub(crate) fn is_good_reply(flow: &Flow, ev: &PacketEvent) -> bool {
-    ev.hook == hook::DEV_RX
+    good_reply_at(
+        flow,
+        ev.hook,
+        ev.netns,
+        Endpoint::src(ev),
+        Endpoint::dst(ev),
+    )
+}
+
+/// [`is_good_reply`] for a packet seen at `hook` in `netns` from `src` to `dst`.
+fn good_reply_at(flow: &Flow, hook: u8, netns: u32, src: Endpoint, dst: Endpoint) -> bool {
+    hook == hook::DEV_RX
         && flow.client_netns != 0
-        && ev.netns == flow.client_netns
-        && Endpoint::dst(ev) == flow.client
-        && Endpoint::src(ev) == flow.service
+        && netns == flow.client_netns
+        && dst == flow.client
+        && src == flow.service
 }
 
 /// Reverse-NATed replies at the client already in the flow's evidence
@@ -178,13 +189,7 @@ pub(crate) fn good_before_watch(flow: &Flow) -> u32 {
     let n = flow
         .obs
         .iter()
-        .filter(|o| {
-            o.hook == hook::DEV_RX
-                && flow.client_netns != 0
-                && o.netns == flow.client_netns
-                && o.dst == flow.client
-                && o.src == flow.service
-        })
+        .filter(|o| good_reply_at(flow, o.hook, o.netns, o.src, o.dst))
         .count();
     u32::try_from(n.saturating_sub(1)).unwrap_or(u32::MAX)
 }

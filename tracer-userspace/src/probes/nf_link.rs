@@ -165,16 +165,16 @@ pub struct NfPrepared {
     _map_fds: Vec<OwnedFd>,
 }
 
-/// One program's instructions and the BTF records that go with them.
+/// One program's instructions and the BTF records that go with them (as
+/// bytes, `*_rec_size` each; none when the rec size is 0).
+#[derive(Default)]
 struct Prepared {
     name: String,
     insns: Vec<bpf_insn>,
     func_info: Vec<u8>,
     func_info_rec_size: usize,
-    func_info_cnt: u32,
     line_info: Vec<u8>,
     line_info_rec_size: usize,
-    line_info_cnt: u32,
 }
 
 /// Loads the object's BTF as aya would (sanitised for this kernel's BTF
@@ -239,10 +239,8 @@ impl NfPrepared {
                 insns: f.instructions.clone(),
                 func_info: f.func_info.func_info_bytes(),
                 func_info_rec_size: f.func_info_rec_size,
-                func_info_cnt: f.func_info.len() as u32,
                 line_info: f.line_info.line_info_bytes(),
                 line_info_rec_size: f.line_info_rec_size,
-                line_info_cnt: f.line_info.len() as u32,
             });
         }
         Ok(NfPrepared {
@@ -388,12 +386,7 @@ pub fn probe_support() -> Option<bool> {
     let probe = Prepared {
         name: "nattrace_probe".to_owned(),
         insns: insns.to_vec(),
-        func_info: Vec::new(),
-        func_info_rec_size: 0,
-        func_info_cnt: 0,
-        line_info: Vec::new(),
-        line_info_rec_size: 0,
-        line_info_cnt: 0,
+        ..Default::default()
     };
     match load_one(&probe, None, &license) {
         Ok(_) => Some(true),
@@ -427,14 +420,14 @@ fn load_one(
             }
             if let Some(btf) = btf {
                 a.prog_btf_fd = btf.as_raw_fd() as u32;
-                if p.func_info_rec_size > 0 {
+                if let Some(n) = p.func_info.len().checked_div(p.func_info_rec_size) {
                     a.func_info = p.func_info.as_ptr() as u64;
-                    a.func_info_cnt = p.func_info_cnt;
+                    a.func_info_cnt = n as u32;
                     a.func_info_rec_size = p.func_info_rec_size as u32;
                 }
-                if p.line_info_rec_size > 0 {
+                if let Some(n) = p.line_info.len().checked_div(p.line_info_rec_size) {
                     a.line_info = p.line_info.as_ptr() as u64;
-                    a.line_info_cnt = p.line_info_cnt;
+                    a.line_info_cnt = n as u32;
                     a.line_info_rec_size = p.line_info_rec_size as u32;
                 }
             }

@@ -37,6 +37,17 @@ fn later(template: &PacketEvent, after: u64, n: u32) -> PacketEvent {
     }
 }
 
+/// The kernel's watch event for a later reply from the backend's address
+/// at the client, after `good` replies it counted as fine.
+fn unnated_watch(reply: &PacketEvent, after: u64, n: u32, good: u32) -> PacketEvent {
+    PacketEvent {
+        saddr: tracer_common::v4_mapped(BACKEND),
+        flags: event_flags::WATCH,
+        good,
+        ..later(reply, after, n)
+    }
+}
+
 fn decide(
     events: &[PacketEvent],
     sysctls: Option<crate::facts::Sysctls>,
@@ -76,10 +87,7 @@ fn established(reports: &[FlowReport]) -> Vec<&FlowReport> {
 fn a_watch_event_after_an_ok_opening_is_reported_mid_stream() {
     let mut events = fixture("seed000_healthy.jsonl");
     let reply = client_reply(&events);
-    let mut bad = later(&reply, 1_400 * MS, 0);
-    bad.saddr = tracer_common::v4_mapped(BACKEND);
-    bad.flags = event_flags::WATCH;
-    bad.good = 57;
+    let bad = unnated_watch(&reply, 1_400 * MS, 0, 57);
     events.push(bad);
     let (reports, summary) = decide(&events, None);
     assert_eq!(reports.len(), 2, "{reports:#?}");
@@ -120,11 +128,7 @@ fn good_replies_read_before_the_ok_count_at_a_later_failure() {
     let reply = client_reply(&events);
     events.push(later(&reply, 10 * MS, 1));
     events.push(later(&reply, 20 * MS, 2));
-    let mut bad = later(&reply, 1_400 * MS, 3);
-    bad.saddr = tracer_common::v4_mapped(BACKEND);
-    bad.flags = event_flags::WATCH;
-    bad.good = 0;
-    events.push(bad);
+    events.push(unnated_watch(&reply, 1_400 * MS, 3, 0));
     let (reports, _) = decide(&events, None);
     let e = established(&reports);
     assert_eq!(e.len(), 1, "{reports:#?}");
@@ -140,9 +144,7 @@ fn good_replies_read_before_the_ok_count_at_a_later_failure() {
 fn bridge_nf_switched_off_mid_stream_is_named_from_the_sysctls_read_again() {
     let mut events = fixture("seed000_healthy.jsonl");
     let reply = client_reply(&events);
-    let mut bad = later(&reply, 1_400 * MS, 0);
-    bad.saddr = tracer_common::v4_mapped(BACKEND);
-    bad.flags = event_flags::WATCH;
+    let bad = unnated_watch(&reply, 1_400 * MS, 0, reply.good);
     events.push(bad);
     // The client's RST, client → backend, bridged from its port to the backend's.
     let rst = PacketEvent {
