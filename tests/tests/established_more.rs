@@ -500,7 +500,18 @@ fn policy_drop_on(mode: ProxyMode, datapath: Datapath) {
     );
     healthy.exchange(3);
     let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
-    assert!(line.is_some(), "nattrace reports the broken connection");
+    if line.is_none() {
+        // What CI needs to find out why: the recording stays, and what
+        // nattrace printed is in the message.
+        t.terminate();
+        let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+        panic!(
+            "nattrace reports the broken connection; its recording is kept at {}; it printed:\n{}\n{}",
+            record.display(),
+            done.stdout.join("\n"),
+            done.stderr
+        );
+    }
     healthy.exchange(3);
     t.terminate();
     let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));

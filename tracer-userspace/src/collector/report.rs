@@ -103,7 +103,12 @@ pub(crate) struct Decision {
 }
 
 pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport {
-    let verdict = verdict_of(flow, ctx.known, d.stopped && d.cut_short);
+    let verdict = verdict_of(
+        flow,
+        ctx.known,
+        ctx.facts.netns_inode,
+        d.stopped && d.cut_short,
+    );
     let incomplete = flow.evicted;
     let drop =
         super::established::placed_drop(flow, ctx.known).or_else(|| first_drop(flow, ctx.known));
@@ -372,8 +377,16 @@ fn dropped_detail(flow: &Flow, ctx: &ReportCtx<'_>, o: &Obs) -> String {
             drop_place(flow, o, ctx.ifnames)
         )
     };
+    // A reply at the client with a drop still standing: the backend's
+    // retransmissions of what the client already had (verdict.rs
+    // request_drop_stands).
+    let replies = if flow.client_reply.is_some() {
+        "replies still reached the client, but nothing the client sent after it left the node"
+    } else {
+        "no reply reached the client"
+    };
     format!(
-        "the {} was dropped {place}, reason {}; no reply reached the client",
+        "the {} was dropped {place}, reason {}; {replies}",
         flow.kind(o.packet),
         ctx.reason_name(o.drop_reason)
     )

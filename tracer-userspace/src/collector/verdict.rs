@@ -69,7 +69,12 @@ impl Verdict {
 /// `stopped_early`: decided at the trace's end before the flow's reply
 /// timeout ran out. Only a missing reply is cut short by that; positive
 /// evidence (a drop, a reply not reverse-NATed, a RST) decides as ever.
-pub(crate) fn verdict_of(flow: &Flow, known: &KnownReasons, stopped_early: bool) -> Verdict {
+pub(crate) fn verdict_of(
+    flow: &Flow,
+    known: &KnownReasons,
+    node_netns: u32,
+    stopped_early: bool,
+) -> Verdict {
     match flow.client_reply {
         Some(r)
             if r.reverse_nated
@@ -78,13 +83,40 @@ pub(crate) fn verdict_of(flow: &Flow, known: &KnownReasons, stopped_early: bool)
         {
             Verdict::Refused
         }
-        Some(r) if r.reverse_nated => Verdict::Ok,
+        Some(r) if r.reverse_nated && !request_drop_stands(flow, known, node_netns) => Verdict::Ok,
+        Some(r) if r.reverse_nated => Verdict::Dropped,
         Some(_) => Verdict::ReplyNotReverseNated,
         None if first_drop(flow, known).is_some() => Verdict::Dropped,
         None if !flow.opening_seen => Verdict::Unseen,
         None if stopped_early => Verdict::Undecided,
         None => Verdict::NoReply,
     }
+}
+
+/// A reopened (established) flow whose packets to the backend are being
+/// dropped in the node, with none seen leaving it since: a reverse-NATed
+/// reply at the client does not mean the connection got over the drop
+/// then. With the client's ACKs dropped, the backend retransmits data the
+/// client already has, and each copy reaches it reverse-NATed (its TCP
+/// drops the copy as TCP_OLD_DATA, tcp_data_queue in net/ipv4/tcp_input.c,
+/// a reason the kernel's watch counts as benign) while nothing the client
+/// sends arrives. Recovery is a request leaving the node after the drop.
+pub(crate) fn request_drop_stands(flow: &Flow, known: &KnownReasons, node_netns: u32) -> bool {
+    if !flow.watch.is_some_and(|w| w.failed()) {
+        return false;
+    }
+    let Some(drop) = first_drop(flow, known) else {
+        return false;
+    };
+    if flow.packets[drop.packet as usize].dir != Dir::Request || !in_node(drop.netns, node_netns) {
+        return false;
+    }
+    !flow.obs.iter().any(|o| {
+        o.ts_ns > drop.ts_ns
+            && flow.packets[o.packet as usize].dir == Dir::Request
+            && o.netns == node_netns
+            && node_egress(o.hook)
+    })
 }
 
 /// Only drops of packets this node handled: another node's drop of a reply

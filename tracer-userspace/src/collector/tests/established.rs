@@ -286,3 +286,54 @@ fn a_drop_followed_by_a_good_reply_reports_nothing() {
     assert_eq!(summary.by_verdict.ok, 1);
     assert_eq!(summary.established_failures, 0);
 }
+
+/// A request dropped in the node mid-stream while replies still reach the
+/// client reverse-NATed (the backend retransmitting what the client
+/// already had, its ACKs being what is dropped): `dropped`. The same drop
+/// followed by a request leaving the node toward the backend is one the
+/// connection got over: nothing reported.
+#[test]
+fn replies_at_the_client_clear_a_request_drop_only_once_a_request_leaves_the_node() {
+    let base = fixture("seed000_healthy.jsonl");
+    let reply = client_reply(&base);
+    let egress = *base
+        .iter()
+        .find(|e| e.hook == hook::TC_EGRESS && e.direction == direction::REQUEST)
+        .expect("the fixture's request leaving the node");
+    let mut drop = later(&egress, 1_400 * MS, 0);
+    drop.hook = hook::DROP;
+    drop.ifindex = VETH_CLIENT;
+    drop.drop_reason = DropReasons::default().code("NETFILTER_DROP").unwrap();
+    drop.flags = event_flags::WATCH;
+    let retransmitted = later(&reply, 1_600 * MS, 1);
+    let run = |extra: &[PacketEvent]| {
+        let mut events = base.clone();
+        events.push(drop);
+        events.extend_from_slice(extra);
+        // Per packet after the failure: the reply's hop in the node too.
+        events.push(PacketEvent {
+            ts_ns: retransmitted.ts_ns - 10_000,
+            hook: hook::TC_EGRESS,
+            netns: NODE_NS,
+            ifindex: VETH_CLIENT,
+            ..retransmitted
+        });
+        events.push(retransmitted);
+        events.sort_by_key(|e| e.ts_ns);
+        decide(&events, None)
+    };
+    let (reports, summary) = run(&[]);
+    let e = established(&reports);
+    assert_eq!(e.len(), 1, "{reports:#?}");
+    assert_eq!(e[0].verdict, Verdict::Dropped, "{:#?}", e[0]);
+    assert!(
+        e[0].detail.contains("replies still reached the client"),
+        "{}",
+        e[0].detail
+    );
+    assert_eq!(summary.established_failures, 1);
+
+    let (reports, summary) = run(&[later(&egress, 1_500 * MS, 2)]);
+    assert!(established(&reports).is_empty(), "{reports:#?}");
+    assert_eq!(summary.established_failures, 0);
+}

@@ -278,3 +278,38 @@ fn the_healthy_twin_costs_no_event_after_its_handshake() {
         }
     }
 }
+
+/// A run of tests/tests/established_more.rs (routed node, nftables mode,
+/// 6.18) in which the policy DROP rule went in before the client's delayed
+/// ACK of its last echo: the client's ACKs and its next line are dropped
+/// after FORWARD while the backend retransmits that echo, and each copy
+/// reaches the client reverse-NATed. Before the fix this was decided `ok`
+/// at every reopening (a drop the connection got over) and never
+/// reported; the client's line was never echoed. Captured from the failing
+/// run, not made by `cargo xtask fixtures`.
+#[test]
+fn a_policy_drop_with_the_backend_retransmitting_is_dropped_by_the_rule() {
+    let text = include_str!(crate::fixture!(
+        "established/policy_drop_acks_dropped_backend_retransmits.rec"
+    ));
+    let (reports, summary) = decide(text);
+    let established: Vec<&FlowReport> = reports
+        .iter()
+        .filter(|r| r.phase == Phase::Established)
+        .collect();
+    assert_eq!(established.len(), 1, "{reports:#?}");
+    let e = established[0];
+    assert_eq!(e.client.port(), 41011, "{e:#?}");
+    assert_eq!(e.verdict, Verdict::Dropped, "{e:#?}");
+    assert_eq!(e.cause.as_ref().map(|c| c.id), Some(CauseId::DroppedByRule));
+    assert!(
+        e.detail.contains(
+            "replies still reached the client, but nothing the client sent after it left the node"
+        ),
+        "{}",
+        e.detail
+    );
+    // The twin on 41012, to the same backend, stays `ok`.
+    assert_eq!(summary.by_verdict.ok, 2, "{summary:#?}");
+    assert_eq!(summary.established_failures, 1);
+}
