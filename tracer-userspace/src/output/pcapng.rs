@@ -1,8 +1,9 @@
-//! pcapng for Wireshark/tshark: every packet of each decided flow at every
-//! observation point it passed, one interface block per point (hook +
-//! interface), each packet block commented with hook, NAT stage and the
-//! flow's verdict — so the SYN to the Service address and the same SYN to the
-//! backend after DNAT sit next to each other.
+//! pcapng for Wireshark/tshark: every packet of each decided flow once per
+//! address pair it had (`sightings`), one interface block per observation
+//! point (hook + interface), each packet block commented with the points it
+//! passed, NAT stages and the flow's verdict — so the SYN to the Service
+//! address and the same SYN to the backend after DNAT sit next to each
+//! other.
 //!
 //! The kernel events carry header fields, not payload: the IPv4/IPv6 + TCP/UDP
 //! headers written here are synthesized from them (addresses and ports as
@@ -104,8 +105,9 @@ impl<W: io::Write> PcapngOutput<W> {
             ),
             None => verdict,
         };
-        for packet in &r.packets {
-            for hop in &packet.hops {
+        {
+            for (packet, sighting) in sightings(&r.packets) {
+                let hop = sighting[0];
                 let id = self.interface(hop)?;
                 let data = synthesize(r.proto, packet, hop.src, hop.dst);
                 let clock = match &hop.node {
@@ -120,12 +122,13 @@ impl<W: io::Write> PcapngOutput<W> {
                     Dir::Request => "request",
                     Dir::Reply => "reply",
                 };
+                let points: Vec<String> = sighting.iter().map(|h| point_name(h)).collect();
                 let comment = format!(
-                    "{} {dir} at {}: {} → {}; flow {} → {}: {verdict}",
+                    "{} {dir} {} → {} at {}; flow {} → {}: {verdict}",
                     packet.kind,
-                    point_name(hop),
                     hop.src,
                     hop.dst,
+                    points.join(", "),
                     r.client,
                     r.service,
                 );
@@ -180,6 +183,45 @@ impl<W: io::Write> PcapngOutput<W> {
         self.points.insert(point, id);
         Ok(id)
     }
+}
+
+/// A flow's hops grouped by what a capture there would show: one group
+/// per packet (flags, sequence numbers, IP id) and address pair (and
+/// node), in the order first seen. Wireshark's TCP analysis keys a
+/// connection by addresses and ports only, not by interface, so the same
+/// segment written once per hop read as a retransmission at every hop
+/// after the first (tshark 4.0's expert info "This frame is a (suspected)
+/// retransmission"; tried: neither separate interfaces, pcapng's
+/// epb_packetid — the format's mark for one packet seen on several
+/// interfaces, which pcap-file 2.0 cannot write anyway: its UnknownOption
+/// is not exported — epb_flags nor separate sections change that). One
+/// block per group keeps the packet before and after NAT side by side and
+/// every hop named in the comment. A real retransmission carries a new IP
+/// id (Linux counts per socket) and stays a block of its own.
+fn sightings(packets: &[PacketEvidence]) -> Vec<(&PacketEvidence, Vec<&Hop>)> {
+    let same = |a: &PacketEvidence, b: &PacketEvidence| {
+        a.dir == b.dir
+            && a.tcp_flags == b.tcp_flags
+            && a.seq == b.seq
+            && a.ack == b.ack
+            && a.ip_id == b.ip_id
+            && a.dns_id == b.dns_id
+    };
+    let mut out: Vec<(&PacketEvidence, Vec<&Hop>)> = Vec::new();
+    for packet in packets {
+        for hop in &packet.hops {
+            match out.iter_mut().find(|(p, g)| {
+                same(p, packet)
+                    && g[0].src == hop.src
+                    && g[0].dst == hop.dst
+                    && g[0].node == hop.node
+            }) {
+                Some((_, g)) => g.push(hop),
+                None => out.push((packet, vec![hop])),
+            }
+        }
+    }
+    out
 }
 
 /// "tc-ingress veth-client", "netfilter PREROUTING before-nat eth0", "dev-rx if7";
