@@ -638,3 +638,50 @@ fn root_a_restart_with_write_keep_rotates_the_previous_run() {
         "{out:?}"
     );
 }
+
+/// Issue 28 item 5, words: the start line and the summary speak of the
+/// Service and the node; the namespace inode, why this probe backend and the
+/// kernel buffer's counters are for `-v` (and JSON, unchanged).
+#[test]
+fn the_start_line_and_summary_leave_nattraces_internals_to_verbose() {
+    let rec = fixture("root_bridge_nf_off_mid_stream_iptables.rec");
+    let run = |verbose: bool| {
+        let mut cmd = nattrace();
+        cmd.arg("analyze").arg(&rec);
+        if verbose {
+            cmd.arg("-v");
+        }
+        let out = cmd.output().unwrap();
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let (plain, verbose) = (run(false), run(true));
+    let line = |text: &str, start: &str| {
+        text.lines()
+            .find(|l| l.starts_with(start))
+            .unwrap_or_else(|| panic!("no {start} line in:\n{text}"))
+            .to_string()
+    };
+    let start = line(&plain, "nattrace: tracing ");
+    assert!(
+        start.contains("100.67.30.133:80")
+            && start.contains(" in netns ")
+            && start.contains("bridge-nf-call-iptables=1"),
+        "{start}"
+    );
+    for word in ["inode", "backend", "BPF"] {
+        assert!(!start.contains(word), "{word} in: {start}");
+    }
+    let summary = line(&plain, "summary: ");
+    assert!(
+        !summary.contains("held") && !summary.contains("buffer"),
+        "{summary}"
+    );
+    let start = line(&verbose, "nattrace: tracing ");
+    assert!(
+        start.contains("netns inode ")
+            && start.contains("netfilter probes (BPF netfilter links available)"),
+        "{start}"
+    );
+    let summary = line(&verbose, "summary: ");
+    assert!(summary.contains("; kernel buffer: "), "{summary}");
+}

@@ -106,6 +106,9 @@ impl Stdout {
 
 pub struct Outputs {
     format: OutputFormat,
+    /// `-v`: the start line also names the namespace's inode and why this
+    /// probe backend.
+    verbose: bool,
     stdout: Stdout,
     overflow: Overflow,
     pcap: Option<(PathBuf, PcapngOutput<QueueWriter>)>,
@@ -146,6 +149,7 @@ impl Outputs {
         };
         Ok(Self {
             format,
+            verbose,
             stdout,
             overflow,
             pcap: None,
@@ -360,14 +364,21 @@ impl Outputs {
                 let priorities = crate::probes::table::priorities_note(&h.nf_priorities)
                     .map(|note| format!("; {note}"))
                     .unwrap_or_default();
+                // The inode and why this backend are for whoever debugs
+                // nattrace (`-v`; JSON has both), not for the on-call.
+                let detail = if self.verbose {
+                    format!(
+                        "; netns inode {}; {} probes ({})",
+                        facts.netns_inode, h.backend, h.backend_reason
+                    )
+                } else {
+                    String::new()
+                };
                 // Every part may come from a recording: sanitized whole.
                 let mut text = format!(
-                    "nattrace: tracing {} in netns {} (inode {}) with the {} backend ({}) on {} interfaces; bridge-nf-call-iptables={}{priorities}\n",
+                    "nattrace: tracing {} in netns {} on {} interfaces; bridge-nf-call-iptables={}{priorities}{detail}\n",
                     traced_text(h),
                     facts.netns_name,
-                    facts.netns_inode,
-                    h.backend,
-                    h.backend_reason,
                     facts.interfaces.len(),
                     bridge_nf,
                 );

@@ -55,7 +55,7 @@ fn text_verbose_lists_every_hop_and_colour_is_optional() {
     assert!(out.contains("netfilter PREROUTING after-nat"));
     assert!(out.contains("tc-egress veth-client"));
     assert!(out.contains("drop: NO_SOCKET"));
-    assert!(out.contains("← judged here"));
+    assert!(out.contains("← the reply as the client gets it: the verdict is read here"));
     let (ok, s) = decide(&fixtures::seed000_same_node(true), true);
     let out = text(&ok, &s, false, false);
     assert!(

@@ -194,7 +194,7 @@ impl<W: io::Write> TextOutput<W> {
             line.push_str(&format!("  {}drop: {reason}{reset}", self.paint(RED)));
         }
         if h.client_side {
-            line.push_str("  ← judged here");
+            line.push_str("  ← the reply as the client gets it: the verdict is read here");
         }
         line
     }
@@ -260,10 +260,11 @@ impl<W: io::Write> TextOutput<W> {
                 s.events, s.duplicate_events, s.late_events, s.unmatched_events, s.evicted_flows, s.muted_packets
             ));
         }
-        if s.buffered_flows + s.held_map_full > 0 {
-            // The kernel's per-flow buffer (DESIGN.md, "Event budget").
+        if self.verbose && s.buffered_flows + s.held_map_full > 0 {
+            // The kernel's per-flow buffer (DESIGN.md, "Event budget"): how
+            // nattrace kept its cost down, not news about the Service.
             line.push_str(&format!(
-                "; held flows {} (events discarded {}, sent {}, pulled {}; spilled {}; map full {})",
+                "; kernel buffer: {} flows held (events of healthy flows discarded {}, sent {}, pulled {}; spilled {}; buffer full {})",
                 s.buffered_flows,
                 s.held_discarded,
                 s.flushed_events,
