@@ -25,7 +25,7 @@ pub struct AnalyzeOptions {
     pub path: PathBuf,
     pub format: OutputFormat,
     pub verbose: bool,
-    pub color: bool,
+    pub text: crate::output::text::TextStyle,
     pub pcap: Option<PathBuf>,
 }
 
@@ -148,7 +148,7 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
         headers.push(header);
     }
     let (reports, summary) = crate::merge::merge(&nodes);
-    let mut out = Outputs::new(opts.format, opts.color, opts.verbose, Overflow::Block)
+    let mut out = Outputs::new(opts.format, opts.text, opts.verbose, Overflow::Block)
         .map_err(AnalyzeError::Output)?;
     if let Some(pcap) = &opts.pcap {
         out.pcap(pcap, &headers[0]).map_err(AnalyzeError::Output)?;
@@ -259,7 +259,7 @@ fn open<'a>(
     outputs: &'a mut Option<Outputs>,
 ) -> Result<&'a mut Outputs, AnalyzeError> {
     if outputs.is_none() {
-        let mut out = Outputs::new(opts.format, opts.color, opts.verbose, Overflow::Block)
+        let mut out = Outputs::new(opts.format, opts.text, opts.verbose, Overflow::Block)
             .map_err(AnalyzeError::Output)?;
         if let Some(pcap) = &opts.pcap {
             out.pcap(pcap, header).map_err(AnalyzeError::Output)?;

@@ -4,6 +4,7 @@ use std::{io::IsTerminal as _, path::PathBuf, process::ExitCode, time::Duration}
 use clap::{Parser, ValueEnum};
 use nattrace::{
     analyze::{self, AnalyzeOptions},
+    output::text::TextStyle,
     probes::table::BackendChoice,
     service_lookup::SvcArg,
     session::{self, OutputFormat, SessionOptions},
@@ -62,9 +63,13 @@ struct Cli {
     #[arg(short, long)]
     verbose: bool,
 
-    /// Colour in text output.
+    /// Colour in text output (auto: on a terminal, unless NO_COLOR is set).
     #[arg(long, value_enum, default_value_t = Color::Auto)]
     color: Color,
+
+    /// Text output: each flow on one line instead of a headline and indented lines.
+    #[arg(long)]
+    wide: bool,
 
     /// Kernel ring-buffer size in KiB (a power of two, at least 4 KiB page).
     #[arg(long, value_name = "KIB", default_value_t = 4096, value_parser = parse_ringbuf_kib)]
@@ -128,9 +133,12 @@ enum Command {
         /// Show every packet of each flow with every point it passed.
         #[arg(short, long)]
         verbose: bool,
-        /// Colour in text output.
+        /// Colour in text output (auto: on a terminal, unless NO_COLOR is set).
         #[arg(long, value_enum, default_value_t = Color::Auto)]
         color: Color,
+        /// Text output: each flow on one line instead of a headline and indented lines.
+        #[arg(long)]
+        wide: bool,
         /// Also write the flows' packets to OUT as pcapng.
         #[arg(long, value_name = "OUT", value_parser = parse_out_path)]
         pcap: Option<PathBuf>,
@@ -319,7 +327,11 @@ fn color_on(c: Color) -> bool {
     match c {
         Color::Always => true,
         Color::Never => false,
-        Color::Auto => std::io::stdout().is_terminal(),
+        // no-color.org: set and not empty means no colour.
+        Color::Auto => {
+            std::io::stdout().is_terminal()
+                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+        }
     }
 }
 
@@ -379,6 +391,7 @@ fn main() -> ExitCode {
             output,
             verbose,
             color,
+            wide,
             pcap,
         }) => {
             let stdin = std::path::Path::new(nattrace::recording::STDIN);
@@ -392,7 +405,10 @@ fn main() -> ExitCode {
                 path: files[0].clone(),
                 format: format_of(output),
                 verbose,
-                color: color_on(color),
+                text: TextStyle {
+                    color: color_on(color),
+                    wide,
+                },
                 pcap,
             };
             let result = if files.len() > 1 {
@@ -417,7 +433,10 @@ fn main() -> ExitCode {
             matches!(output, Format::Json),
         ));
     }
-    let color = color_on(cli.color);
+    let text = TextStyle {
+        color: color_on(cli.color),
+        wide: cli.wide,
+    };
     let options = SessionOptions {
         services: cli
             .services
@@ -440,7 +459,7 @@ fn main() -> ExitCode {
         reply_timeout: Duration::from_millis(cli.reply_timeout),
         format: format_of(cli.output),
         verbose: cli.verbose,
-        color,
+        text,
         ringbuf_bytes: cli.ringbuf_kib * 1024,
         backend: match cli.backend {
             BackendArg::Auto => BackendChoice::Auto,

@@ -685,3 +685,45 @@ fn the_start_line_and_summary_leave_nattraces_internals_to_verbose() {
     let summary = line(&verbose, "summary: ");
     assert!(summary.contains("; kernel buffer: "), "{summary}");
 }
+
+/// Issue 28 item 3: colour only on a terminal (under a pseudo-terminal from
+/// util-linux `script`), never when piped, and not with NO_COLOR set
+/// (no-color.org); `--color always` still asks for it.
+#[test]
+fn text_colour_is_for_a_terminal_without_no_color() {
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("skipped: util-linux `script` is not installed (no pseudo-terminal)");
+        return;
+    }
+    let rec = fixture("root_seed000_broken_every_same_node_connection_is_not_reverse_nated.rec");
+    let on_tty = |no_color: bool, extra: &str| {
+        let cmd = format!(
+            "{} analyze {} {extra}",
+            env!("CARGO_BIN_EXE_nattrace"),
+            rec.display()
+        );
+        let mut script = Command::new("script");
+        script
+            .args(["-qec", &cmd, "/dev/null"])
+            .env_remove("NO_COLOR");
+        if no_color {
+            script.env("NO_COLOR", "1");
+        }
+        let out = script.output().unwrap();
+        assert!(
+            out.status.success() || out.status.code() == Some(1),
+            "{out:?}"
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let tty = on_tty(false, "");
+    assert!(tty.contains("reply_not_reverse_nated"), "{tty}");
+    assert!(tty.contains("\x1b[31m"), "no colour on a terminal: {tty}");
+    assert!(
+        !on_tty(true, "").contains('\x1b'),
+        "colour despite NO_COLOR"
+    );
+    assert!(on_tty(true, "--color always").contains("\x1b[31m"));
+    let piped = nattrace().arg("analyze").arg(&rec).output().unwrap();
+    assert!(!piped.stdout.contains(&0x1b), "colour in a pipe");
+}

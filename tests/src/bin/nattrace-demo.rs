@@ -162,12 +162,13 @@ fn run_case(nattrace: &std::path::Path, case: &Case) -> anyhow::Result<bool> {
     Ok(judge(case, done.status.code(), &done.stdout))
 }
 
-/// Reads the verdicts off the text lines (`<mark> <verdict> <proto> ...`),
-/// ignoring colour codes.
+/// Reads the verdicts off the flows' headlines (`<mark> <verdict> <proto>
+/// ...`; their indented lines follow), ignoring colour codes.
 fn judge(case: &Case, code: Option<i32>, stdout: &[String]) -> bool {
     let plain: Vec<String> = stdout.iter().map(|l| strip_ansi(l)).collect();
     let verdicts: Vec<&str> = plain
         .iter()
+        .filter(|l| l.starts_with(['✓', '✗', '?']))
         .filter_map(|l| l.split_whitespace().nth(1))
         .filter(|w| VERDICTS.contains(w))
         .collect();

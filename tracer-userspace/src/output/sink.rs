@@ -15,7 +15,7 @@ use super::{
     json::JsonOutput,
     pcapng::PcapngOutput,
     queue::{self, Overflow, QueueWriter, WriteQueue, queue_bytes},
-    text::TextOutput,
+    text::{TextOutput, TextStyle},
 };
 use crate::{
     collector::{FlowReport, Summary, Verdict},
@@ -124,19 +124,19 @@ impl Outputs {
     /// the reader), [`Overflow::Block`] for `analyze`.
     pub fn new(
         format: OutputFormat,
-        color: bool,
+        style: TextStyle,
         verbose: bool,
         overflow: Overflow,
     ) -> io::Result<Self> {
         let target = Box::new(queue::stdout_file()?);
-        Self::with_target(format, color, verbose, overflow, target)
+        Self::with_target(format, style, verbose, overflow, target)
     }
 
     /// [`new`](Self::new) writing to `target` instead of stdout itself (a
     /// live run's stdout stepping around the status line on its terminal).
     pub fn with_target(
         format: OutputFormat,
-        color: bool,
+        style: TextStyle,
         verbose: bool,
         overflow: Overflow,
         target: Box<dyn Write + Send>,
@@ -144,7 +144,7 @@ impl Outputs {
         let queue = WriteQueue::spawn("stdout", target, queue_bytes(STDOUT_QUEUE_BYTES), overflow)?;
         let out = QueueWriter::new(queue);
         let stdout = match format {
-            OutputFormat::Text => Stdout::Text(TextOutput::new(out, color, verbose)),
+            OutputFormat::Text => Stdout::Text(TextOutput::new(out, style, verbose)),
             OutputFormat::Json => Stdout::Json(JsonOutput::new(out, verbose)),
         };
         Ok(Self {

@@ -1,4 +1,7 @@
-use super::{json::JsonOutput, text::TextOutput};
+use super::{
+    json::JsonOutput,
+    text::{TextOutput, TextStyle},
+};
 use crate::collector::{Collector, CollectorConfig, FlowReport, Summary, fixtures};
 
 fn decide(events: &[tracer_common::PacketEvent], bridge_nf: bool) -> (Vec<FlowReport>, Summary) {
@@ -13,8 +16,13 @@ fn decide(events: &[tracer_common::PacketEvent], bridge_nf: bool) -> (Vec<FlowRe
     c.finish(fixtures::T0 + 10_000_000_000)
 }
 
+/// The one-line form (`--wide`), as the tests below read it.
 fn text(reports: &[FlowReport], summary: &Summary, color: bool, verbose: bool) -> String {
-    let mut out = TextOutput::new(Vec::new(), color, verbose);
+    styled(reports, summary, TextStyle { color, wide: true }, verbose)
+}
+
+fn styled(reports: &[FlowReport], summary: &Summary, style: TextStyle, verbose: bool) -> String {
+    let mut out = TextOutput::new(Vec::new(), style, verbose);
     for r in reports {
         out.flow(r).unwrap();
     }
@@ -388,7 +396,7 @@ mod queue {
 #[test]
 fn dropped_output_lines_are_in_the_summary() {
     let (reports, summary) = decide(&fixtures::seed000_same_node(true), true);
-    let mut out = TextOutput::new(Vec::new(), false, false);
+    let mut out = TextOutput::new(Vec::new(), TextStyle::default(), false);
     out.summary(&summary, 0).unwrap();
     out.summary(&summary, 42).unwrap();
     let text = String::from_utf8(out.into_inner()).unwrap();
@@ -566,4 +574,65 @@ fn a_real_retransmission_is_still_one_in_wireshark() {
     };
     assert_eq!(retransmissions(&frames), 6, "{frames:#?}");
     assert_eq!(frames.len(), 8, "{frames:#?}");
+}
+
+/// Issue 28 item 3: a headline within 100 columns (mark, verdict, client →
+/// Service DNAT→ backend), then indented lines wrapped at 80 for the
+/// evidence, the cause and the fix; every word of the one-line form is
+/// there, none cut; `--wide` keeps one line.
+#[test]
+fn text_is_a_headline_and_indented_lines_that_fit_a_terminal() {
+    let (reports, summary) = decide(&fixtures::seed000_same_node(false), false);
+    let out = styled(&reports, &summary, TextStyle::default(), false);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[0],
+        "✗ reply_not_reverse_nated tcp 100.96.54.240:43534 → 100.67.30.133:80 DNAT→ 100.96.54.247:80"
+    );
+    let flow: Vec<&str> = lines
+        .iter()
+        .skip(1)
+        .take_while(|l| l.starts_with("    "))
+        .copied()
+        .collect();
+    assert!(flow.len() >= 4, "{out}");
+    for l in &flow {
+        assert!(
+            l.chars().count() <= 80,
+            "{} columns: {l}",
+            l.chars().count()
+        );
+    }
+    assert!(
+        flow.contains(&"    cause: bridge_nf_call_iptables_off"),
+        "{out}"
+    );
+    assert!(
+        flow.iter()
+            .any(|l| l.starts_with("    fix: load br_netfilter")),
+        "{out}"
+    );
+    // A continuation sits under the text after its label.
+    let fix = flow
+        .iter()
+        .position(|l| l.starts_with("    fix: "))
+        .unwrap();
+    assert!(
+        flow[fix + 1].starts_with("         node namespace"),
+        "{out}"
+    );
+    assert!(
+        out.contains("net.bridge.bridge-nf-call-iptables=1"),
+        "{out}"
+    );
+    let words = |s: &str| {
+        s.split_whitespace()
+            .filter(|w| *w != "—" && *w != "fix:" && *w != "cause:")
+            .map(|w| w.trim_end_matches('.').to_string())
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    let wide = text(&reports, &summary, false, false);
+    let one = wide.lines().next().unwrap();
+    assert_eq!(words(one), words(&lines[..=flow.len()].join(" ")), "{out}");
+    assert_eq!(wide.lines().count(), 2, "{wide}");
 }

@@ -1,6 +1,9 @@
-//! One line per decided flow, optionally each packet's hook path under it,
-//! and a summary line. Colour only when asked (the CLI asks when stdout is
-//! a terminal), so piped output stays plain.
+//! Per decided flow a headline (mark, verdict, client → Service → backend)
+//! and indented lines for the evidence, the cause and the fix, wrapped to
+//! fit a terminal (`--wide`: the whole flow on one line, for grep);
+//! optionally each packet's hook path under it; a summary line. Colour
+//! only when asked (the CLI asks when stdout is a terminal and NO_COLOR is
+//! not set), so piped output stays plain.
 use std::io::{self, Write as _};
 
 use super::clean::Clean;
@@ -15,19 +18,34 @@ const RESET: &str = "\x1b[0m";
 /// The only escape sequences that reach the terminal: the colours above.
 const OURS: &[&str] = &[GREEN, RED, YELLOW, DIM, BOLD, RESET];
 
+/// Width the indented lines are wrapped to: readable in an 80-column
+/// terminal with its scrollbar, and what a pasted incident note shows.
+const WRAP: usize = 80;
+
+/// How flows are written as text.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TextStyle {
+    /// ANSI colours (a terminal that wants them).
+    pub color: bool,
+    /// One line per flow (`--wide`).
+    pub wide: bool,
+}
+
 /// Everything it writes goes through [`Clean`]: names in a flow (interfaces,
 /// Services, chains) come from the node or a recording, not from us.
 pub struct TextOutput<W: io::Write> {
     out: Clean<W>,
     color: bool,
+    wide: bool,
     verbose: bool,
 }
 
 impl<W: io::Write> TextOutput<W> {
-    pub fn new(out: W, color: bool, verbose: bool) -> Self {
+    pub fn new(out: W, style: TextStyle, verbose: bool) -> Self {
         Self {
-            out: Clean::new(out, if color { OURS } else { &[] }),
-            color,
+            out: Clean::new(out, if style.color { OURS } else { &[] }),
+            color: style.color,
+            wide: style.wide,
             verbose,
         }
     }
@@ -53,7 +71,7 @@ impl<W: io::Write> TextOutput<W> {
             _ => ("✗", RED),
         };
         let (c, b, reset) = (self.paint(colour), self.paint(BOLD), self.paint(RESET));
-        let mut line = format!(
+        let mut head = format!(
             "{c}{mark} {b}{}{reset} {} {} → {}",
             r.verdict.as_str(),
             r.proto.as_str(),
@@ -61,36 +79,63 @@ impl<W: io::Write> TextOutput<W> {
             r.service
         );
         if let Some(backend) = r.backend {
-            line.push_str(&format!(" DNAT→ {backend}"));
+            head.push_str(&format!(" DNAT→ {backend}"));
         }
-        if let Some(snat) = r.snat {
-            line.push_str(&format!(" SNAT→ {snat}"));
-        }
-        if let Some(k) = &r.kube {
-            line.push_str(&format!(" [{} {}", k.service, k.svc_chain));
-            if let Some(sep) = &k.sep_chain {
-                line.push_str(&format!(" → {sep}"));
-            }
-            line.push(']');
-        }
-        line.push_str(&format!(" — {}.", r.detail));
-        if let Some(a) = attempts(r) {
-            line.push_str(&format!(" Attempts: {a}."));
-        }
-        if let Some(cause) = &r.cause {
-            line.push_str(&format!(
-                " {b}cause: {}{reset} — fix: {}",
-                cause.id.as_str(),
-                cause.hint
-            ));
-        }
+        let chains = r.kube.as_ref().map(|k| match &k.sep_chain {
+            Some(sep) => format!("[{} {} → {sep}]", k.service, k.svc_chain),
+            None => format!("[{} {}]", k.service, k.svc_chain),
+        });
+        let mut notes = Vec::new();
         if r.incomplete {
-            line.push_str(" (incomplete: verdict not confirmed)");
+            notes.push("incomplete: verdict not confirmed");
         }
         if !r.opening_seen {
-            line.push_str(" (opening not seen: began before tracing)");
+            notes.push("opening not seen: began before tracing");
         }
-        writeln!(self.out, "{line}")?;
+        if self.wide {
+            let mut line = head;
+            if let Some(snat) = r.snat {
+                line.push_str(&format!(" SNAT→ {snat}"));
+            }
+            if let Some(chains) = &chains {
+                line.push_str(&format!(" {chains}"));
+            }
+            line.push_str(&format!(" — {}.", r.detail));
+            if let Some(a) = attempts(r) {
+                line.push_str(&format!(" Attempts: {a}."));
+            }
+            if let Some(cause) = &r.cause {
+                line.push_str(&format!(
+                    " {b}cause: {}{reset} — fix: {}",
+                    cause.id.as_str(),
+                    cause.hint
+                ));
+            }
+            for n in notes {
+                line.push_str(&format!(" ({n})"));
+            }
+            writeln!(self.out, "{line}")?;
+        } else {
+            writeln!(self.out, "{head}")?;
+            // Addresses and chain names on lines of their own: never cut.
+            if let Some(snat) = r.snat {
+                writeln!(self.out, "    SNAT→ {snat}")?;
+            }
+            if let Some(chains) = &chains {
+                writeln!(self.out, "    kube-proxy: {chains}")?;
+            }
+            self.wrapped("", &format!("{}.", r.detail))?;
+            if let Some(a) = attempts(r) {
+                self.wrapped("attempts: ", &a)?;
+            }
+            if let Some(cause) = &r.cause {
+                writeln!(self.out, "    {b}cause: {}{reset}", cause.id.as_str())?;
+                self.wrapped("fix: ", &cause.hint)?;
+            }
+            for n in notes {
+                writeln!(self.out, "    ({n})")?;
+            }
+        }
         if self.verbose {
             if let Some(cause) = &r.cause {
                 writeln!(self.out, "    why: {}", cause.text)?;
@@ -107,6 +152,24 @@ impl<W: io::Write> TextOutput<W> {
                     "    (more packets not recorded: per-flow evidence limit)"
                 )?;
             }
+        }
+        Ok(())
+    }
+
+    /// `label` and `text` on lines indented by four, wrapped at [`WRAP`]
+    /// columns (continuations under the text); a word longer than a line
+    /// (a chain name, a command) stays whole.
+    fn wrapped(&mut self, label: &str, text: &str) -> io::Result<()> {
+        let first = format!("    {label}");
+        let rest = " ".repeat(first.chars().count());
+        let options = textwrap::Options::new(WRAP)
+            .initial_indent(&first)
+            .subsequent_indent(&rest)
+            .break_words(false)
+            // A sysctl or a flag is one word: never cut at its hyphens.
+            .word_splitter(textwrap::WordSplitter::NoHyphenation);
+        for line in textwrap::wrap(text, options) {
+            writeln!(self.out, "{line}")?;
         }
         Ok(())
     }

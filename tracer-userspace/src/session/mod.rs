@@ -41,7 +41,7 @@ pub struct SessionOptions {
     pub reply_timeout: Duration,
     pub format: OutputFormat,
     pub verbose: bool,
-    pub color: bool,
+    pub text: crate::output::text::TextStyle,
     pub ringbuf_bytes: u32,
     pub backend: BackendChoice,
     /// `--write FILE`: record every event for `nattrace analyze`.

@@ -88,7 +88,7 @@ pub(super) fn open_outputs(
     };
     let mut outputs = Outputs::with_target(
         options.format,
-        options.color,
+        options.text,
         options.verbose,
         Overflow::Drop,
         target,

@@ -144,7 +144,7 @@ fn ipv6_flows_in_json_text_and_pcapng() {
     let v: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
     assert_eq!(v["client"], "[fd00:64:60::36:f0]:43534");
     assert_eq!(v["service"], "[fd00:64:43::1e:85]:80");
-    let mut text = crate::output::text::TextOutput::new(Vec::new(), false, false);
+    let mut text = crate::output::text::TextOutput::new(Vec::new(), Default::default(), false);
     text.flow(r).unwrap();
     text.summary(&summary, 0).unwrap();
     let text = String::from_utf8(text.into_inner()).unwrap();
