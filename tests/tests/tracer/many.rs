@@ -102,6 +102,8 @@ fn root_300_pods_short_lines_same_seed000_verdict_and_ctrl_c_within_a_second() {
         &node,
         "--output",
         "text",
+        // One line per flow: the verdict, cause and backend read off it.
+        "--wide",
         "--color",
         "never",
         "--reply-timeout",
