@@ -105,41 +105,39 @@ impl<W: io::Write> PcapngOutput<W> {
             ),
             None => verdict,
         };
-        {
-            for (packet, sighting) in sightings(&r.packets) {
-                let hop = sighting[0];
-                let id = self.interface(hop)?;
-                let data = synthesize(r.proto, packet, hop.src, hop.dst);
-                let clock = match &hop.node {
-                    Some(n) => self.node_clocks.get(n.as_str()),
-                    None => self.clock.as_ref(),
-                };
-                let ts = match clock {
-                    Some(c) => c.to_unix(hop.ts_ns),
-                    None => hop.ts_ns,
-                };
-                let dir = match packet.dir {
-                    Dir::Request => "request",
-                    Dir::Reply => "reply",
-                };
-                let points: Vec<String> = sighting.iter().map(|h| point_name(h)).collect();
-                let comment = format!(
-                    "{} {dir} {} → {} at {}; flow {} → {}: {verdict}",
-                    packet.kind,
-                    hop.src,
-                    hop.dst,
-                    points.join(", "),
-                    r.client,
-                    r.service,
-                );
-                self.writer.write_pcapng_block(EnhancedPacketBlock {
-                    interface_id: id,
-                    timestamp: Duration::from_nanos(ts),
-                    original_len: data.len() as u32,
-                    data: Cow::Owned(data),
-                    options: vec![EnhancedPacketOption::Comment(Cow::Owned(comment))],
-                })?;
-            }
+        for (packet, sighting) in sightings(&r.packets) {
+            let hop = sighting[0];
+            let id = self.interface(hop)?;
+            let data = synthesize(r.proto, packet, hop.src, hop.dst);
+            let clock = match &hop.node {
+                Some(n) => self.node_clocks.get(n.as_str()),
+                None => self.clock.as_ref(),
+            };
+            let ts = match clock {
+                Some(c) => c.to_unix(hop.ts_ns),
+                None => hop.ts_ns,
+            };
+            let dir = match packet.dir {
+                Dir::Request => "request",
+                Dir::Reply => "reply",
+            };
+            let points: Vec<String> = sighting.iter().map(|h| point_name(h)).collect();
+            let comment = format!(
+                "{} {dir} {} → {} at {}; flow {} → {}: {verdict}",
+                packet.kind,
+                hop.src,
+                hop.dst,
+                points.join(", "),
+                r.client,
+                r.service,
+            );
+            self.writer.write_pcapng_block(EnhancedPacketBlock {
+                interface_id: id,
+                timestamp: Duration::from_nanos(ts),
+                original_len: data.len() as u32,
+                data: Cow::Owned(data),
+                options: vec![EnhancedPacketOption::Comment(Cow::Owned(comment))],
+            })?;
         }
         Ok(())
     }
