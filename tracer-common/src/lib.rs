@@ -236,12 +236,17 @@ pub mod icmp {
     pub const V4_FRAG_NEEDED: u8 = 4;
     /// Destination unreachable code 3.
     pub const V4_PORT_UNREACH: u8 = 3;
+    /// Destination unreachable code 1: what the node sends when ARP for
+    /// the next hop fails.
+    pub const V4_HOST_UNREACH: u8 = 1;
     pub const V6_DEST_UNREACH: u8 = 1;
     pub const V6_PACKET_TOO_BIG: u8 = 2;
     pub const V6_TIME_EXCEEDED: u8 = 3;
     pub const V6_PARAMETER_PROBLEM: u8 = 4;
     /// Destination unreachable code 4.
     pub const V6_PORT_UNREACH: u8 = 4;
+    /// Destination unreachable code 3: neighbour discovery failed.
+    pub const V6_ADDR_UNREACH: u8 = 3;
 
     /// An IPv4 error type followed (redirects, echo, ... are not).
     #[inline(always)]

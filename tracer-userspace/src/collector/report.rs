@@ -14,7 +14,10 @@ use super::{
     established::{Established, Phase},
     flow::{ClientReply, Flow},
     types::{Dir, Name, Obs, Proto, packet_kind},
-    verdict::{Verdict, drop_place, first_drop, packet_backend, reply_backend, verdict_of},
+    verdict::{
+        Verdict, drop_place, first_drop, neighbour_gave_up, packet_backend, reply_backend,
+        verdict_of,
+    },
 };
 use crate::ruleset::KubeMatch;
 
@@ -186,6 +189,7 @@ fn attempts(
         flow.proto != proto::TCP
             || key.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
     };
+    let gave_up = neighbour_gave_up(flow, ctx.facts.netns_inode);
     let mut out: Vec<(Attempt, Option<super::types::Endpoint>)> = flow
         .packets
         .iter()
@@ -196,7 +200,15 @@ fn attempts(
             let dropped = flow
                 .packet_obs(i as u8)
                 .find(|o| o.hook == hook::DROP && ctx.known.is_drop(o.drop_reason))
-                .map(|o| ctx.reason_name(o.drop_reason));
+                .map(|o| o.drop_reason)
+                // The reason the kernel frees it with when the drop event
+                // itself was missed (verdict.rs `neighbour_gave_up`).
+                .or_else(|| {
+                    gave_up
+                        .filter(|(p, _)| usize::from(*p) == i)
+                        .and(ctx.known.neigh[0])
+                })
+                .map(|r| ctx.reason_name(r));
             // Usually the reported backend, whose chain is already known.
             let sep_chain = b.and_then(|b| {
                 if Some(b) == reported {
@@ -274,9 +286,10 @@ fn detail(
                 flow.service
             )
         }
-        (Verdict::Dropped, _) => {
-            dropped_detail(flow, ctx, drop.expect("dropped verdict has a drop"))
-        }
+        (Verdict::Dropped, _) => match drop {
+            Some(o) => dropped_detail(flow, ctx, o),
+            None => gave_up_detail(flow, ctx),
+        },
         (Verdict::Undecided, _) => undecided_detail(flow, ctx, d),
         _ => no_reply_detail(flow, ctx, d),
     };
@@ -389,6 +402,25 @@ fn dropped_detail(flow: &Flow, ctx: &ReportCtx<'_>, o: &Obs) -> String {
         "the {} was dropped {place}, reason {}; {replies}",
         flow.kind(o.packet),
         ctx.reason_name(o.drop_reason)
+    )
+}
+
+/// Dropped with no drop event: the node's ICMP error tells the queued
+/// request's fate (verdict.rs `neighbour_gave_up`).
+fn gave_up_detail(flow: &Flow, ctx: &ReportCtx<'_>) -> String {
+    let Some((p, at)) = neighbour_gave_up(flow, ctx.facts.netns_inode) else {
+        return "no reply reached the client".to_string();
+    };
+    let since = flow.packets[p as usize].first_ts;
+    let error = if flow.client.addr.is_ipv6() {
+        "ICMPv6 address unreachable"
+    } else {
+        "ICMP host unreachable"
+    };
+    format!(
+        "the {} was dropped in the node namespace after DNAT when neighbour resolution failed: {} ms later the node answered the client with {error} (its drop event was not seen); no reply reached the client",
+        flow.kind(p),
+        at.saturating_sub(since) / 1_000_000
     )
 }
 

@@ -53,6 +53,11 @@ pub struct Summary {
     pub incomplete_flows: u64,
     /// Events the kernel could not deliver (last value given to `note_lost`).
     pub lost_events: u64,
+    /// Runs of the tracing programs the kernel skipped (a program fired on
+    /// a CPU where it was already running): each may have been an event of
+    /// a traced packet, most are of others (filled in by the caller).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub skipped_runs: u64,
     /// Packets of muted flows counted in the kernel instead of emitted (filled in by the caller).
     pub muted_packets: u64,
     pub events: u64,

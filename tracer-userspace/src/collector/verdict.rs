@@ -3,7 +3,7 @@
 //! kind of packet is this, where did DNAT send it, where was it dropped,
 //! and how long may a decision still wait for evidence.
 use serde::Serialize;
-use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
+use tracer_common::{hook, icmp, nat_stage, nf_hook, proto, tcp_flags};
 
 use super::{
     drop_reason::KnownReasons,
@@ -87,6 +87,7 @@ pub(crate) fn verdict_of(
         Some(r) if r.reverse_nated => Verdict::Dropped,
         Some(_) => Verdict::ReplyNotReverseNated,
         None if first_drop(flow, known).is_some() => Verdict::Dropped,
+        None if neighbour_gave_up(flow, node_netns).is_some() => Verdict::Dropped,
         None if !flow.opening_seen => Verdict::Unseen,
         None if stopped_early => Verdict::Undecided,
         None => Verdict::NoReply,
@@ -216,6 +217,41 @@ pub(crate) fn vanished_since(flow: &Flow, node_netns: u32) -> Option<u64> {
             dnated.then_some(p.first_ts)
         })
         .min()
+}
+
+/// A request held here for neighbour resolution that the kernel gave up
+/// on, known by the error the node sent about it when the drop event itself
+/// is missing (the kernel skips a tracing program that fires while the same
+/// program runs on that CPU, kernel/trace/bpf_trace.c `__bpf_trace_run`,
+/// and the queued packet is freed from the neighbour timer's softirq).
+/// `neigh_invalidate` hands each queued packet to the family's error report
+/// (net/core/neighbour.c): `arp_error_report` (net/ipv4/arp.c) sends ICMP
+/// host unreachable through `dst_link_failure` and frees the packet as
+/// NEIGH_FAILED; `ndisc_error_report` (net/ipv6/ndisc.c) sends ICMPv6
+/// address unreachable. Returns the packet and the error's time.
+pub(crate) fn neighbour_gave_up(flow: &Flow, node_netns: u32) -> Option<(u8, u64)> {
+    let since = vanished_since(flow, node_netns)?;
+    let packet = flow
+        .packets
+        .iter()
+        .position(|p| p.first_ts == since && p.dir == Dir::Request)? as u8;
+    let backend = packet_backend(flow, packet)?;
+    super::icmp::groups(flow).iter().find_map(|g| {
+        let first = &g[0];
+        let gave_up = if first.v6 {
+            first.icmp_type == icmp::V6_DEST_UNREACH && first.code == icmp::V6_ADDR_UNREACH
+        } else {
+            first.icmp_type == icmp::V4_DEST_UNREACH && first.code == icmp::V4_HOST_UNREACH
+        };
+        // Sent by the node itself, quoting the request as DNAT left it.
+        (gave_up
+            && first.obs.ts_ns >= since
+            && in_node(first.obs.netns, node_netns)
+            && first.obs.hook == hook::NETFILTER
+            && first.obs.nf_hook == nf_hook::LOCAL_OUT
+            && first.obs.dst == backend)
+            .then_some((packet, first.obs.ts_ns))
+    })
 }
 
 /// Until when a `no_reply` decision should wait: a request DNATed here with

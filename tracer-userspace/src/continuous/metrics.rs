@@ -75,6 +75,7 @@ struct Totals {
     held: [AtomicU64; 3],
     held_spilled: AtomicU64,
     held_map_full: AtomicU64,
+    skipped_runs: AtomicU64,
 }
 
 fn advance(counter: &Counter, last: &AtomicU64, now: u64) {
@@ -99,6 +100,7 @@ pub struct Metrics {
     held_events: Family<HeldLabels, Counter>,
     held_spilled: Counter,
     held_map_full: Counter,
+    skipped_runs: Counter,
     live_flows: Gauge,
     services: Gauge,
     services_untraced: Gauge,
@@ -127,6 +129,7 @@ impl Metrics {
             held_events: Family::default(),
             held_spilled: Counter::default(),
             held_map_full: Counter::default(),
+            skipped_runs: Counter::default(),
             live_flows: Gauge::default(),
             services: Gauge::default(),
             services_untraced: Gauge::default(),
@@ -181,6 +184,11 @@ impl Metrics {
             "lost_events",
             "Kernel events lost because the ring buffer was full",
             self.lost.clone(),
+        );
+        r.register(
+            "skipped_runs",
+            "Runs of nattrace's tracing programs the kernel skipped because the program was already running on that CPU (recursion_misses): an event of a traced packet may be among them",
+            self.skipped_runs.clone(),
         );
         r.register(
             "kernel_events",
@@ -317,6 +325,7 @@ impl Metrics {
         advance(&self.map_full, &t.map_full, stats.flow_map_full);
         advance(&self.held_spilled, &t.held_spilled, stats.held_spilled);
         advance(&self.held_map_full, &t.held_map_full, stats.held_map_full);
+        advance(&self.skipped_runs, &t.skipped_runs, stats.skipped_runs);
         self.held("discarded", &t.held[0], stats.held_discarded);
     }
 
@@ -391,9 +400,11 @@ mod tests {
         m.kernel(&KernelStats {
             events: 25,
             ringbuf_full: 2,
+            skipped_runs: 3,
             ..Default::default()
         });
         let text = m.encode();
+        assert!(text.contains("nattrace_skipped_runs_total 3\n"), "{text}");
         assert!(text.contains("nattrace_kernel_events_total 25\n"), "{text}");
         assert!(text.contains("nattrace_lost_events_total 2\n"), "{text}");
         assert!(

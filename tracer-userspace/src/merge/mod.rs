@@ -105,6 +105,7 @@ pub fn merge(nodes: &[NodeFlows]) -> (Vec<FlowReport>, Summary) {
     for n in nodes {
         let s = &n.summary;
         summary.lost_events += s.lost_events;
+        summary.skipped_runs += s.skipped_runs;
         summary.muted_packets += s.muted_packets;
         summary.events += s.events;
         summary.duplicate_events += s.duplicate_events;

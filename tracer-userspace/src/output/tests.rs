@@ -415,6 +415,34 @@ fn dropped_output_lines_are_in_the_summary() {
     assert_eq!(v["flows"], reports.len());
 }
 
+/// Runs the kernel skipped are shown beside the lost events, in text and
+/// JSON, and absent from both when there were none.
+#[test]
+fn skipped_program_runs_are_in_the_summary() {
+    let (_, mut summary) = decide(&fixtures::seed000_same_node(true), true);
+    let render = |s: &Summary| {
+        let mut out = TextOutput::new(Vec::new(), TextStyle::default(), false);
+        out.summary(s, 0).unwrap();
+        let text = String::from_utf8(out.into_inner()).unwrap();
+        let mut out = JsonOutput::new(Vec::new(), false);
+        out.summary(s, 0).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.into_inner()).unwrap();
+        (text, v)
+    };
+    let (text, v) = render(&summary);
+    assert!(!text.contains("skipped"), "{text}");
+    assert!(v.get("skipped_runs").is_none(), "{v}");
+    summary.skipped_runs = 5;
+    let (text, v) = render(&summary);
+    assert!(
+        text.contains(
+            "lost events: 0 (and 5 program runs the kernel skipped: an event may be missing)"
+        ),
+        "{text}"
+    );
+    assert_eq!(v["skipped_runs"], 5);
+}
+
 /// Issue 11: a SYN retransmit load-balanced to another backend (a real lab
 /// recording): JSON carries every attempt, the text line lists them.
 #[test]

@@ -290,6 +290,12 @@ impl<W: io::Write> TextOutput<W> {
             ));
         }
         line.push_str(&format!("; lost events: {}", s.lost_events));
+        if s.skipped_runs > 0 {
+            line.push_str(&format!(
+                " (and {} program runs the kernel skipped: an event may be missing)",
+                s.skipped_runs
+            ));
+        }
         // conntrack dropping packets itself while tracing (issue 22).
         if let Some(c) = s
             .conntrack

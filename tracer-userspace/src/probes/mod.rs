@@ -15,7 +15,11 @@ pub mod services;
 pub mod table;
 mod tc;
 
-use std::{collections::BTreeSet, io, os::fd::OwnedFd};
+use std::{
+    collections::BTreeSet,
+    io,
+    os::fd::{AsFd as _, AsRawFd as _, OwnedFd},
+};
 
 use aya::{
     Ebpf,
@@ -72,6 +76,21 @@ pub struct TraceOptions {
     pub benign_drops: [u64; 4],
 }
 
+/// `recursion_misses` of a program's fdinfo (kernel/bpf/syscall.c
+/// `bpf_prog_show_fdinfo`, 5.12+): raw tracepoint programs are skipped
+/// when the same program is already running on the CPU
+/// (kernel/trace/bpf_trace.c `__bpf_trace_run`: `prog->active`), kprobe
+/// programs when any kprobe program is (`trace_call_bpf`: `bpf_prog_active`).
+/// A kfree_skb in a softirq that interrupts the program's run for another
+/// drop is never seen. aya 0.14's `ProgramInfo` does not expose the field.
+pub fn skipped_runs_of(fdinfo: &str) -> u64 {
+    fdinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("recursion_misses:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// A program of the table that is not running, and why (one line for the CLI).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Skipped {
@@ -97,6 +116,11 @@ pub struct KernelStats {
     pub held_spilled: u64,
     /// Connections sent per packet because the held-flow map was full.
     pub held_map_full: u64,
+    /// Runs of the tracing programs the kernel skipped: a program fired on
+    /// a CPU where it was already running (a softirq's drop interrupting
+    /// a task's), see [`skipped_runs_of`]. Each may have been a traced
+    /// packet's event.
+    pub skipped_runs: u64,
 }
 
 /// See [`Tracer::tc_state`].
@@ -473,7 +497,20 @@ impl Tracer {
             held_discarded: sum(stat::HELD_DISCARDED),
             held_spilled: sum(stat::HELD_SPILLED),
             held_map_full: sum(stat::HELD_MAP_FULL),
+            skipped_runs: self.skipped_runs(),
         }
+    }
+
+    fn skipped_runs(&self) -> u64 {
+        self.ebpf
+            .programs()
+            .filter_map(|(_, p)| p.fd().ok())
+            .filter_map(|fd| {
+                let path = format!("/proc/self/fdinfo/{}", fd.as_fd().as_raw_fd());
+                std::fs::read_to_string(path).ok()
+            })
+            .map(|info| skipped_runs_of(&info))
+            .sum()
     }
 
     /// From now on, plain data packets of this flow are only counted
@@ -671,5 +708,21 @@ fn drain_ring(
             fill_node_netns(&mut ev, netns_inode);
             out.push(ev);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::skipped_runs_of;
+
+    #[test]
+    fn skipped_runs_come_from_the_programs_fdinfo() {
+        // As 6.18 prints it for a raw tracepoint program.
+        let info = "pos:\t0\nflags:\t02000002\nmnt_id:\t16\nino:\t2071\nprog_type:\t17\n\
+                    prog_jited:\t1\nprog_tag:\t6c5d1e5b1f7b3e4d\nmemlock:\t8192\nprog_id:\t97\n\
+                    run_time_ns:\t0\nrun_cnt:\t0\nrecursion_misses:\t3\nverified_insns:\t412\n";
+        assert_eq!(skipped_runs_of(info), 3);
+        // Before 5.12 there is no such line: none known.
+        assert_eq!(skipped_runs_of("prog_type:\t17\nprog_id:\t97\n"), 0);
     }
 }

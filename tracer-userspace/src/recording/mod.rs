@@ -204,6 +204,10 @@ pub struct StatsLine {
     pub held_spilled: u64,
     #[serde(default)]
     pub held_map_full: u64,
+    /// Runs of the tracing programs the kernel skipped, cumulative
+    /// (`KernelStats::skipped_runs`); absent in older files.
+    #[serde(default)]
+    pub skipped_runs: u64,
     /// `end` only: how much the node namespace's conntrack counters rose
     /// over the run (the summary's `conntrack`, so `analyze` shows it too).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -222,6 +226,7 @@ impl StatsLine {
             held_discarded: s.held_discarded,
             held_spilled: s.held_spilled,
             held_map_full: s.held_map_full,
+            skipped_runs: s.skipped_runs,
             conntrack: None,
         }
     }
@@ -539,6 +544,7 @@ impl RecordingWriter {
         line.held_discarded = line.held_discarded.saturating_sub(base.held_discarded);
         line.held_spilled = line.held_spilled.saturating_sub(base.held_spilled);
         line.held_map_full = line.held_map_full.saturating_sub(base.held_map_full);
+        line.skipped_runs = line.skipped_runs.saturating_sub(base.skipped_runs);
         line.lost_events += self.dropped_lines();
         line
     }

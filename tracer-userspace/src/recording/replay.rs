@@ -142,6 +142,7 @@ pub fn replay<E>(
     summary.held_discarded = held.held_discarded;
     summary.held_spilled = held.held_spilled;
     summary.held_map_full = held.held_map_full;
+    summary.skipped_runs = held.skipped_runs;
     summary.conntrack = held.conntrack;
     if !reports.is_empty() {
         decided(reports)?;

@@ -541,3 +541,17 @@ fn a_recording_stopped_within_the_reply_timeout_is_undecided_as_live() {
     assert_eq!(reports[0].verdict, crate::collector::Verdict::Undecided);
     assert!(reports[0].detail.contains("700 ms before tracing stopped"));
 }
+
+/// The kernel's skipped program runs reach `analyze`'s summary from the
+/// `end` line, as the live summary had them; older files have none.
+#[test]
+fn skipped_runs_are_read_back_into_the_summary() {
+    let rec = include_str!(crate::fixture!("stale_dns.rec"));
+    let read = |text: &str| {
+        let (mut reader, header) = Reader::new(Cursor::new(text.as_bytes())).unwrap();
+        super::replay::decide_all(&mut reader, &header, None).1
+    };
+    assert_eq!(read(rec).skipped_runs, 0);
+    let with = rec.replace(r#"{"kind":"end","#, r#"{"kind":"end","skipped_runs":7,"#);
+    assert_eq!(read(&with).skipped_runs, 7);
+}

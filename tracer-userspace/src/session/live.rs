@@ -35,8 +35,8 @@ pub(super) struct Live {
     pub(super) ifnames: Option<IfNameResolver>,
     pub(super) watch: Option<NetnsWatch>,
     pub(super) events: Vec<PacketEvent>,
-    /// Ring-buffer losses already warned about.
-    pub(super) last_lost: u64,
+    /// Ring-buffer losses and skipped program runs already warned about.
+    pub(super) last_lost: (u64, u64),
     /// When failing flows last had the rules re-read.
     pub(super) rules_reread: super::steps::RulesReread,
     /// The node namespace's conntrack counters at start, and when they
@@ -105,7 +105,7 @@ impl Live {
             ifnames,
             watch,
             events: Vec::with_capacity(4096),
-            last_lost: 0,
+            last_lost: (0, 0),
             rules_reread: Default::default(),
             conntrack,
             expected: if options.continuous.all_services {

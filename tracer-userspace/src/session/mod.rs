@@ -247,6 +247,7 @@ async fn finish(
     summary.held_discarded = stats.held_discarded;
     summary.held_spilled = stats.held_spilled;
     summary.held_map_full = stats.held_map_full;
+    summary.skipped_runs = stats.skipped_runs;
     summary.conntrack = conntrack;
     while !reports.is_empty() {
         let rest = reports.split_off(reports.len().min(256));

@@ -82,12 +82,22 @@ impl Live {
             notices.say(format_args!("tc now attached on {attached} more interfaces (their device tracepoints stood in until now)"));
         }
         let stats = tracer.stats();
-        if stats.ringbuf_full > *last_lost {
+        if stats.ringbuf_full > last_lost.0 {
             notices.warn(format_args!(
                 "{} events lost so far (ring buffer full); affected flows are marked incomplete",
                 stats.ringbuf_full
             ));
-            *last_lost = stats.ringbuf_full;
+            last_lost.0 = stats.ringbuf_full;
+        }
+        // Not a count of lost events: most skipped runs are for packets of
+        // no traced flow, so flows are not marked; the verdicts that rest
+        // on one event have a second witness (verdict.rs neighbour_gave_up).
+        if stats.skipped_runs > last_lost.1 {
+            notices.warn(format_args!(
+                "the kernel skipped {} runs of nattrace's tracing programs so far (a program fired on a CPU where it was already running, e.g. a drop in a softirq during another drop); a traced packet's event may be among them",
+                stats.skipped_runs
+            ));
+            last_lost.1 = stats.skipped_runs;
         }
         let now = monotonic_ns();
         if let Some(rec) = recorder {

@@ -42,7 +42,7 @@ use crate::collector::{
     flow::Flow,
     flow::NEIGH_FAIL_WAIT_NS,
     types::{Dir, Endpoint, Obs, Proto, in_node},
-    verdict::{packet_backend, reply_backend, vanished_since},
+    verdict::{neighbour_gave_up, packet_backend, reply_backend, vanished_since},
 };
 
 /// A request dropped in the node at the route lookup right after DNAT: no
@@ -157,6 +157,25 @@ pub(in crate::collector) fn backend_unreachable(ctx: &RuleCtx<'_>) -> Option<Fou
                 )
             };
             (o.dst, how)
+        }
+        None if let Some((p, at)) = neighbour_gave_up(flow, ctx.node_netns) => {
+            let b = packet_backend(flow, p)?;
+            let since = flow.packets[p as usize].first_ts;
+            let (asked, error) = if b.addr.is_ipv6() {
+                ("neighbour solicitations", "ICMPv6 address unreachable")
+            } else {
+                ("ARP requests", "ICMP host unreachable")
+            };
+            (
+                b,
+                format!(
+                    "the node could not resolve {}'s MAC address: nothing answered its {asked}, and {} ms after the {} was queued the kernel gave up, answered the client with {error} and freed the {} (NEIGH_FAILED; that drop's own event was not seen)",
+                    b.addr,
+                    at.saturating_sub(since) / 1_000_000,
+                    ctx.kind(p),
+                    ctx.kind(p),
+                ),
+            )
         }
         None => {
             // No drop (yet): a request held for neighbour resolution for

@@ -22,6 +22,8 @@ fn recording(name: &str) -> &'static [u8] {
         "retransmit" => include_bytes!(crate::fixture!("stale_retransmit.rec")),
         "other_node" => include_bytes!(crate::fixture!("stale_deleted_other_node.rec")),
         "blackhole" => include_bytes!(crate::fixture!("stale_blackhole.rec")),
+        "dns" => include_bytes!(crate::fixture!("stale_dns.rec")),
+        "dns_drop_unseen" => include_bytes!(crate::fixture!("stale_dns_drop_unseen.rec")),
         other => panic!("no recording {other}"),
     }
 }
@@ -94,6 +96,57 @@ fn deleted_backend_neighbour_failure_is_waited_for() {
         r.attempts[0].dropped.as_ref().map(|n| n.as_str()),
         Some("NEIGH_FAILED")
     );
+}
+
+/// kube-dns with a deleted pod still in its rules (tests/tests/scenarios/
+/// stale.rs `root_deleted_dns_backend_neighbour_fails`): the query waits
+/// for the pod's MAC and is freed as NEIGH_FAILED right after the node
+/// answers the client with ICMP host unreachable.
+#[test]
+fn deleted_dns_backend_query_dropped_by_neighbour_failure() {
+    let (reports, summary) = replay("dns", None);
+    let r = only(&reports);
+    assert_eq!(summary.lost_events, 0);
+    assert_unreachable_because(r, &["100.96.54.10:53", "NEIGH_FAILED"]);
+    assert_eq!(
+        r.attempts[0].dropped.as_ref().map(|n| n.as_str()),
+        Some("NEIGH_FAILED")
+    );
+    assert!(!r.detail.contains("not seen"), "{}", r.detail);
+}
+
+/// The same recording without the NEIGH_FAILED drop event, which is what a
+/// CI run under `stress-ng --cpu 2` printed (11 events: the query's four,
+/// the ICMP error's seven): the kernel skipped the kfree_skb program, which
+/// fired in the neighbour timer's softirq while it ran on that CPU. The
+/// node's ICMP host unreachable about the DNATed query tells the same
+/// story: `dropped`, not `no_reply`.
+#[test]
+fn deleted_dns_backend_dropped_even_when_the_drop_event_is_missed() {
+    let (reports, _) = replay("dns_drop_unseen", None);
+    let r = only(&reports);
+    assert_unreachable_because(
+        r,
+        &[
+            "100.96.54.10:53",
+            "ICMP host unreachable",
+            "NEIGH_FAILED",
+            "not seen",
+        ],
+    );
+    assert_eq!(
+        r.attempts[0].dropped.as_ref().map(|n| n.as_str()),
+        Some("NEIGH_FAILED")
+    );
+    assert!(
+        r.detail.contains("neighbour resolution failed"),
+        "{}",
+        r.detail
+    );
+    // The error came ~3 s after the query: decided at the same time as
+    // with the drop event.
+    let (with_drop, _) = replay("dns", None);
+    assert_eq!(r.decided_ts_ns, with_drop[0].decided_ts_ns);
 }
 
 /// Offline (all events, then finish) decides the same as the live replay.
