@@ -117,8 +117,10 @@ fn deleted_dns_backend_query_dropped_by_neighbour_failure() {
 
 /// The same recording without the NEIGH_FAILED drop event, which is what a
 /// CI run under `stress-ng --cpu 2` printed (11 events: the query's four,
-/// the ICMP error's seven): the kernel skipped the kfree_skb program, which
-/// fired in the neighbour timer's softirq while it ran on that CPU. The
+/// the ICMP error's seven, lost events 0). The likeliest way one program's
+/// event goes missing with nothing lost: the kernel skipped the kfree_skb
+/// program, fired in the neighbour timer's softirq while it ran on that
+/// CPU for another drop (now counted, `skipped_runs`). The
 /// node's ICMP host unreachable about the DNATed query tells the same
 /// story: `dropped`, not `no_reply`.
 #[test]
