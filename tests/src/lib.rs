@@ -27,6 +27,7 @@ pub mod dual_stack;
 mod error;
 pub mod kube_proxy;
 pub mod kube_proxy_nft;
+pub mod kubelet;
 mod lab;
 mod netns;
 pub mod presets;

@@ -42,6 +42,8 @@ mod nftables;
 mod no_endpoints;
 #[path = "scenarios/north_south.rs"]
 mod north_south;
+#[path = "scenarios/pods.rs"]
+mod pods;
 #[path = "scenarios/readonly.rs"]
 mod readonly;
 #[path = "scenarios/stale.rs"]

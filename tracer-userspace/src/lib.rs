@@ -10,6 +10,7 @@ pub mod facts;
 pub mod host;
 pub mod merge;
 pub mod output;
+pub mod pods;
 pub mod probes;
 pub mod recording;
 pub mod ruleset;

@@ -102,6 +102,10 @@ struct Cli {
     /// This node's name in the --write recording (default: the --netns name, else the hostname); `analyze` of several nodes' recordings labels each hop with it.
     #[arg(long, value_name = "NAME", value_parser = parse_node_name)]
     node_name: Option<String>,
+
+    /// The node's root filesystem, where kubelet's pod directories (var/log/pods) name the pods of clients and backends (default: /, else /host when only that has them, as in `kubectl debug node`).
+    #[arg(long, value_name = "DIR", value_parser = parse_host_root)]
+    host_root: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -252,6 +256,17 @@ fn parse_netns(s: &str) -> Result<String, String> {
 }
 
 /// A label for output: printable, short.
+fn parse_host_root(s: &str) -> Result<PathBuf, String> {
+    let p = PathBuf::from(s);
+    if p.is_dir() {
+        Ok(p)
+    } else {
+        Err(format!(
+            "{s} is not a directory: give the node's root filesystem (e.g. /host)"
+        ))
+    }
+}
+
 fn parse_node_name(s: &str) -> Result<String, String> {
     if s.is_empty() || s.len() > 253 || s.chars().any(|c| c.is_control() || c.is_whitespace()) {
         return Err(format!(
@@ -470,6 +485,7 @@ fn main() -> ExitCode {
         write_max_bytes: Some(cli.write_max_mb),
         pcap: cli.pcap,
         node_name: cli.node_name,
+        host_root: cli.host_root,
         continuous: nattrace::continuous::ContinuousOptions {
             all_services: cli.all_services,
             rules_interval: cli.rules_interval,

@@ -328,6 +328,7 @@ fn recordings_carry_no_kernel_address_and_decide_the_same() {
                 Record::Rules(r) => w.rules(&r),
                 Record::Sysctls(s) => w.sysctls(s),
                 Record::Conntrack(t) => w.conntrack(t),
+                Record::Pods(p) => w.pods(&p),
                 Record::End(s) => w.end(s),
                 Record::Capped { .. } | Record::Rotated { .. } => {}
             }
@@ -525,6 +526,7 @@ fn rerecord(path: &Path, out: &Path, limit: Option<u64>, keep: usize) {
             Record::Rules(r) => w.rules(&r),
             Record::Sysctls(s) => w.sysctls(s),
             Record::Conntrack(t) => w.conntrack(t),
+            Record::Pods(p) => w.pods(&p),
             Record::End(s) => w.end(s),
             Record::Capped { .. } | Record::Rotated { .. } => {}
         }

@@ -43,6 +43,13 @@ fn service_without_endpoints(mode: ProxyMode) {
     let done = no_endpoints_trace(&lab, record.as_deref());
     let f = done.only_flow();
     assert_common(&f, "dropped", Some("no_endpoints"), &done);
+    // Named in both modes although no Service chain DNATs it (issue 28).
+    assert_eq!(
+        f["k8s_service"],
+        "default/web-empty:http",
+        "{}",
+        done.describe()
+    );
     let why = f["cause_text"].as_str().expect("cause text");
     // The rule as each mode shows it: iptables-save's REJECT line, or the
     // no-endpoint-services element of kube-proxy's nftables table.

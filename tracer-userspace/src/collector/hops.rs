@@ -11,7 +11,7 @@ use super::{
     ifnames::IfNames,
     types::{Name, Obs, in_node},
 };
-use crate::{facts::NodeFacts, ruleset::KubeProxyRules};
+use crate::{facts::NodeFacts, pods::PodIndex, ruleset::KubeProxyRules};
 
 /// One event of a packet, as reported.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -38,6 +38,11 @@ pub struct Hop {
     /// across nodes (`analyze b.rec a.rec`); absent for one node.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub node: Option<Name>,
+    /// The pod whose namespace `netns` is (`namespace/name`), or `netns
+    /// NAME` when only its `ip netns` name is known; absent in the node's
+    /// namespace and when unknown (src/pods).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
 }
 
 pub(crate) struct ReportCtx<'a> {
@@ -47,6 +52,7 @@ pub(crate) struct ReportCtx<'a> {
     pub known: &'a KnownReasons,
     pub reply_timeout_ns: u64,
     pub kube: &'a KubeProxyRules,
+    pub pods: &'a PodIndex,
 }
 
 impl ReportCtx<'_> {
@@ -82,5 +88,10 @@ pub(crate) fn hop(o: &Obs, ctx: &ReportCtx<'_>, client_side: bool) -> Hop {
         drop_reason: (o.hook == hook::DROP).then(|| ctx.reason_name(o.drop_reason)),
         client_side,
         node: None,
+        pod: if ctx.is_node(o.netns) {
+            None
+        } else {
+            ctx.pods.netns_label(o.netns)
+        },
     }
 }

@@ -200,6 +200,14 @@ pub struct Collector {
     /// timeout), so a full table is judged as it is then
     /// (checks/table_full.rs).
     conntrack_wanted: bool,
+    /// The node's pod namespaces, to name clients, backends and hops.
+    pods: crate::pods::PodIndex,
+    /// Namespaces other than the node's that events came from, known to
+    /// the pods or already asked about (`pods_wanted`): an event from a new
+    /// one is a pod started since the last read. Only local pods have a
+    /// namespace here, so other nodes' addresses never ask.
+    pods_seen: std::collections::HashSet<u32>,
+    pods_wanted: bool,
     ready: Vec<FlowReport>,
     /// Processing stops once this many reports wait (see [`Self::resume`]).
     report_batch: usize,
@@ -247,6 +255,9 @@ impl Collector {
             rules_wanted: false,
             rules_scanned_upto: 0,
             conntrack_wanted: false,
+            pods: crate::pods::PodIndex::default(),
+            pods_seen: std::collections::HashSet::new(),
+            pods_wanted: false,
             ready: Vec::new(),
             report_batch: usize::MAX,
             stalled: false,
@@ -269,6 +280,12 @@ impl Collector {
     }
 
     pub fn push(&mut self, ev: PacketEvent) {
+        if ev.netns != 0
+            && ev.netns != self.cfg.facts.netns_inode
+            && self.pods_seen.insert(ev.netns)
+        {
+            self.pods_wanted = true;
+        }
         if ev.ts_ns < self.horizon {
             // Past the reorder window: still worth attaching to its flow.
             if ev.flags & held::HELD == 0 {
@@ -483,6 +500,35 @@ impl Collector {
     /// line): flows decided from now on are judged with it.
     pub fn update_conntrack(&mut self, t: crate::facts::ConntrackTable) {
         self.cfg.facts.conntrack_now = Some(t);
+    }
+
+    /// Whether an event came from a namespace no pod had since the last
+    /// call: the session then reads the node's pods again before the tick
+    /// decides,
+    /// hands them to [`Collector::update_pods`] and records them.
+    pub fn take_pods_request(&mut self) -> bool {
+        std::mem::take(&mut self.pods_wanted)
+    }
+
+    /// The node's pods as read now (live, or a recording's `pods` line).
+    pub fn update_pods(&mut self, pods: crate::pods::PodIndex) {
+        // Bounded: pods come and go for as long as nattrace runs.
+        if self.pods_seen.len() >= 8192 {
+            self.pods_seen.clear();
+        }
+        // Only named ones: an unnamed namespace asks once more when its
+        // traffic shows, by which time its pod may have started.
+        self.pods_seen.extend(
+            pods.pods
+                .iter()
+                .filter(|p| p.pod.is_some())
+                .map(|p| p.netns),
+        );
+        self.pods = pods;
+    }
+
+    pub fn pods(&self) -> &crate::pods::PodIndex {
+        &self.pods
     }
 
     pub fn reply_timeout_ns(&self) -> u64 {
@@ -940,6 +986,7 @@ impl Collector {
             known: &self.known,
             reply_timeout_ns: self.cfg.reply_timeout_ns,
             kube: &self.cfg.kube_proxy,
+            pods: &self.pods,
         }
     }
 
@@ -1010,6 +1057,7 @@ impl Collector {
             known: &self.known,
             reply_timeout_ns: self.cfg.reply_timeout_ns,
             kube: &self.cfg.kube_proxy,
+            pods: &self.pods,
         };
         let report = report::build(flow, &ctx, decision);
         if report.verdict == Verdict::Ok {

@@ -66,6 +66,13 @@ pub struct FlowReport {
     pub hairpin: bool,
     /// Service name and kube-proxy chains that sent the flow to its backend.
     pub kube: Option<KubeMatch>,
+    /// kube-proxy's name of the Service port (`namespace/name:port`), also
+    /// for a Service without endpoints (named by its REJECT rule).
+    pub k8s_service: Option<String>,
+    /// The client's and the backend's pods (`namespace/name`), when they
+    /// are pods of this node (src/pods).
+    pub client_pod: Option<String>,
+    pub backend_pod: Option<String>,
     pub cause: Option<Cause>,
     /// One sentence: what happened, for the text line.
     pub detail: String,
@@ -153,6 +160,11 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         backend.map(|b| b.socket_addr()),
     );
     let attempts = attempts(flow, ctx, proto, (backend, kube.as_ref()));
+    let k8s_service = kube.as_ref().map(|k| k.service.clone()).or_else(|| {
+        ctx.kube
+            .no_endpoints_for(flow.service.socket_addr(), proto.as_str())
+            .map(|r| r.port_name.clone())
+    });
     FlowReport {
         verdict,
         proto,
@@ -162,6 +174,11 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         snat: flow.snat.map(|s| s.socket_addr()),
         hairpin: flow.is_hairpin(),
         kube,
+        k8s_service,
+        client_pod: ctx.pods.pod_of(flow.client.addr).map(str::to_owned),
+        backend_pod: backend
+            .and_then(|b| ctx.pods.pod_of(b.addr))
+            .map(str::to_owned),
         cause,
         detail,
         incomplete,

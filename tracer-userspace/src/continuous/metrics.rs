@@ -26,6 +26,10 @@ struct FlowLabels {
     /// `opening`, or `established` for a connection that broke after an
     /// `ok` opening (it was counted `ok` once before).
     phase: String,
+    /// The client pod's Kubernetes namespace, `none` when the client is
+    /// not a pod of this node (bounded by the cluster's namespaces, not
+    /// its pods).
+    client_namespace: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -288,14 +292,22 @@ impl Metrics {
     /// `rules` name Services that have no endpoints (no KUBE-SVC chain).
     pub fn flows(&self, reports: &[FlowReport], rules: &KubeProxyRules) {
         for r in reports {
-            let service = match &r.kube {
-                Some(k) if !k.service.is_empty() => k.service.clone(),
-                _ => rules
-                    .no_endpoints_for(r.service, r.proto.as_str())
-                    .map(|n| n.port_name.clone())
-                    .filter(|n| !n.is_empty())
-                    .unwrap_or_else(|| r.service.to_string()),
-            };
+            let service = r
+                .k8s_service
+                .clone()
+                .or_else(|| {
+                    rules
+                        .no_endpoints_for(r.service, r.proto.as_str())
+                        .map(|n| n.port_name.clone())
+                })
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(|| r.service.to_string());
+            let client_namespace = r
+                .client_pod
+                .as_deref()
+                .and_then(|p| p.split_once('/'))
+                .map_or("none", |(ns, _)| ns)
+                .to_owned();
             let labels = FlowLabels {
                 service,
                 verdict: r.verdict.as_str().to_owned(),
@@ -309,6 +321,7 @@ impl Metrics {
                     crate::collector::Phase::Established => "established",
                 }
                 .to_owned(),
+                client_namespace,
             };
             self.flows.get_or_create(&labels).inc();
             if r.incomplete {

@@ -22,6 +22,12 @@ struct JsonFlow<'a> {
     hairpin: bool,
     /// kube-proxy's name of the Service port (`namespace/name:port`).
     k8s_service: Option<&'a str>,
+    /// The client's and the backend's pods (`namespace/name`), when they
+    /// are pods of the node; absent when unknown.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    client_pod: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    backend_pod: Option<&'a str>,
     svc_chain: Option<&'a str>,
     sep_chain: Option<&'a str>,
     cause: Option<&'static str>,
@@ -133,7 +139,9 @@ impl<W: io::Write> JsonOutput<W> {
             backend: r.backend,
             snat: r.snat,
             hairpin: r.hairpin,
-            k8s_service: r.kube.as_ref().map(|k| k.service.as_str()),
+            k8s_service: r.k8s_service.as_deref(),
+            client_pod: r.client_pod.as_deref(),
+            backend_pod: r.backend_pod.as_deref(),
             svc_chain: r.kube.as_ref().map(|k| k.svc_chain.as_str()),
             sep_chain: r.kube.as_ref().and_then(|k| k.sep_chain.as_deref()),
             cause: r.cause.as_ref().map(|c| c.id.as_str()),

@@ -105,6 +105,14 @@ impl<W: io::Write> PcapngOutput<W> {
             ),
             None => verdict,
         };
+        let pods = match (&r.client_pod, &r.backend_pod) {
+            (None, None) => String::new(),
+            (c, b) => format!(
+                " (pods: client {}, backend {})",
+                c.as_deref().unwrap_or("-"),
+                b.as_deref().unwrap_or("-")
+            ),
+        };
         for (packet, sighting) in sightings(&r.packets) {
             let hop = sighting[0];
             let id = self.interface(hop)?;
@@ -123,7 +131,7 @@ impl<W: io::Write> PcapngOutput<W> {
             };
             let points: Vec<String> = sighting.iter().map(|h| point_name(h)).collect();
             let comment = format!(
-                "{} {dir} {} → {} at {}; flow {} → {}: {verdict}",
+                "{} {dir} {} → {} at {}; flow {} → {}{pods}: {verdict}",
                 packet.kind,
                 hop.src,
                 hop.dst,
@@ -166,7 +174,10 @@ impl<W: io::Write> PcapngOutput<W> {
         let id = self.points.len() as u32;
         let mut description = format!("nattrace observation point: {}", point_name(hop));
         if !hop.node_ns {
-            description.push_str(&format!(" (netns inode {})", hop.netns));
+            match &hop.pod {
+                Some(pod) => description.push_str(&format!(" ({pod}, netns inode {})", hop.netns)),
+                None => description.push_str(&format!(" (netns inode {})", hop.netns)),
+            }
         }
         self.writer.write_pcapng_block(InterfaceDescriptionBlock {
             linktype: DataLink::RAW,

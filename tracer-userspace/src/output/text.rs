@@ -85,6 +85,15 @@ impl<W: io::Write> TextOutput<W> {
             Some(sep) => format!("[{} {} → {sep}]", k.service, k.svc_chain),
             None => format!("[{} {}]", k.service, k.svc_chain),
         });
+        // The names an on-call engineer's next kubectl command needs.
+        let pods = match (&r.client_pod, &r.backend_pod) {
+            (None, None) => None,
+            (c, b) => Some(format!(
+                "client {}, backend {}",
+                c.as_deref().unwrap_or("not a pod of this node"),
+                b.as_deref().unwrap_or("not a pod of this node")
+            )),
+        };
         let mut notes = Vec::new();
         if r.incomplete {
             notes.push("incomplete: verdict not confirmed");
@@ -99,6 +108,9 @@ impl<W: io::Write> TextOutput<W> {
             }
             if let Some(chains) = &chains {
                 line.push_str(&format!(" {chains}"));
+            }
+            if let Some(pods) = &pods {
+                line.push_str(&format!(" (pods: {pods})"));
             }
             line.push_str(&format!(" — {}.", r.detail));
             if let Some(a) = attempts(r) {
@@ -123,6 +135,9 @@ impl<W: io::Write> TextOutput<W> {
             }
             if let Some(chains) = &chains {
                 writeln!(self.out, "    kube-proxy: {chains}")?;
+            }
+            if let Some(pods) = &pods {
+                self.wrapped("pods: ", pods)?;
             }
             self.wrapped("", &format!("{}.", r.detail))?;
             if let Some(a) = attempts(r) {
@@ -167,7 +182,10 @@ impl<W: io::Write> TextOutput<W> {
             .subsequent_indent(&rest)
             .break_words(false)
             // A sysctl or a flag is one word: never cut at its hyphens.
-            .word_splitter(textwrap::WordSplitter::NoHyphenation);
+            .word_splitter(textwrap::WordSplitter::NoHyphenation)
+            // Nor a pod's namespace/name or a path at its slashes (Unicode
+            // line breaking allows a break after '/').
+            .word_separator(textwrap::WordSeparator::AsciiSpace);
         for line in textwrap::wrap(text, options) {
             writeln!(self.out, "{line}")?;
         }
@@ -242,11 +260,15 @@ impl<W: io::Write> TextOutput<W> {
                 None => place.push_str(&format!(" if{}", h.ifindex)),
             }
         }
+        let here = match &h.pod {
+            Some(pod) => pod.clone(),
+            None => format!("ns {}", h.netns),
+        };
         let ns = match (&h.node, h.node_ns) {
             (None, true) => "node".to_string(),
-            (None, false) => format!("ns {}", h.netns),
+            (None, false) => here,
             (Some(n), true) => n.to_string(),
-            (Some(n), false) => format!("{n} ns {}", h.netns),
+            (Some(n), false) => format!("{n} {here}"),
         };
         let (dim, reset) = (self.paint(DIM), self.paint(RESET));
         let mut line = format!(

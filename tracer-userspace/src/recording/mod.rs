@@ -46,7 +46,7 @@ pub const FORMAT: &str = "nattrace-recording";
 /// 4: ICMP error events (`icmp_type` set, addresses those of the packet the
 /// error quotes): an older reader would take them for that packet. Also
 /// (additive) north-south Services in the header's `kube_proxy`.
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 /// A SIGKILL loses at most this much of the recording.
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
 
@@ -276,6 +276,10 @@ pub enum Line {
     /// dropped by netfilter before any DNAT: flows decided after this line
     /// are judged with it (checks/table_full.rs).
     Conntrack(crate::facts::ConntrackTable),
+    /// The node's pod namespaces, read at start and again when a flow
+    /// named an address no pod had: flows decided after this line name
+    /// their pods from it (src/pods).
+    Pods(crate::pods::PodIndex),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -337,6 +341,8 @@ struct Rotation {
     header: Option<Box<Header>>,
     /// Interface names written so far, written again after a new header.
     interfaces: std::collections::BTreeMap<(u32, u32), String>,
+    /// The last pod index written, written again after a new header.
+    pods: Option<crate::pods::PodIndex>,
     /// The kernel counters at the last rotation: each file counts from zero.
     base: StatsLine,
     last: StatsLine,
@@ -459,6 +465,12 @@ impl RecordingWriter {
             h.facts.set_sysctls(s);
         }
         self.line(&Line::Sysctls(s));
+    }
+
+    /// The node's pod namespaces as read now.
+    pub fn pods(&mut self, pods: &crate::pods::PodIndex) {
+        self.rotation.pods = Some(pods.clone());
+        self.line(&Line::Pods(pods.clone()));
     }
 
     /// conntrack's table read again (a request dropped before any DNAT).
@@ -707,6 +719,9 @@ impl RecordingWriter {
             }));
         }
         self.rotation.interfaces = names;
+        if let Some(pods) = self.rotation.pods.clone() {
+            self.line(&Line::Pods(pods));
+        }
         self.rotation.starting = false;
         self.rotation.start_bytes = self.written;
         self.flush();

@@ -39,6 +39,8 @@ pub enum Record {
     End(StatsLine),
     /// conntrack's table read again during the run.
     Conntrack(crate::facts::ConntrackTable),
+    /// The node's pod namespaces.
+    Pods(crate::pods::PodIndex),
 }
 
 /// Why the recording was read only in part (one line for the user).
@@ -302,6 +304,7 @@ impl<R: BufRead> Reader<R> {
                 Line::Rules { kube_proxy } => Some(Record::Rules(Box::new(kube_proxy))),
                 Line::Sysctls(s) => Some(Record::Sysctls(s)),
                 Line::Conntrack(t) => Some(Record::Conntrack(t)),
+                Line::Pods(p) => Some(Record::Pods(p)),
                 Line::End(s) if s.now_ns >= MAX_TS_NS => {
                     self.skip("end time out of range");
                     continue;

@@ -115,6 +115,7 @@ pub fn replay<E>(
             Record::Rules(rules) => c.update_rules(*rules),
             Record::Sysctls(s) => c.update_sysctls(s),
             Record::Conntrack(t) => c.update_conntrack(t),
+            Record::Pods(p) => c.update_pods(p),
             Record::End(s) => {
                 lost = lost.max(s.lost_events);
                 held = s;

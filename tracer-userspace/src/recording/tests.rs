@@ -555,3 +555,41 @@ fn skipped_runs_are_read_back_into_the_summary() {
     let with = rec.replace(r#"{"kind":"end","#, r#"{"kind":"end","skipped_runs":7,"#);
     assert_eq!(read(&with).skipped_runs, 7);
 }
+
+/// A `pods` line names the client by its address and its namespace's hops
+/// by its namespace: `analyze` shows the names the live run had.
+#[test]
+fn a_pods_line_names_clients_and_hops() {
+    let rec = include_str!(crate::fixture!("stale_dns.rec"));
+    let (header, rest) = rec.split_once('\n').unwrap();
+    let pods = r#"{"kind":"pods","pods":[{"netns":4026532316,"addrs":["100.96.54.240"],"pod":"default/client-7d9f","uid":"3f1c2a9e-8d4b-4c1e-9a7f-0b5d6e7f8a9b"}]}"#;
+    let named = format!("{header}\n{pods}\n{rest}");
+    let (reports, problem) = decide(named.as_bytes());
+    assert_eq!(problem, None);
+    let r = &reports[0];
+    assert_eq!(r.client_pod.as_deref(), Some("default/client-7d9f"));
+    // The DNS pod was deleted: no pod has its address any more.
+    assert_eq!(r.backend_pod, None);
+    let client_hops: Vec<_> = r
+        .packets
+        .iter()
+        .flat_map(|p| &p.hops)
+        .filter(|h| h.netns == 4026532316)
+        .collect();
+    assert!(!client_hops.is_empty());
+    assert!(
+        client_hops
+            .iter()
+            .all(|h| h.pod.as_deref() == Some("default/client-7d9f"))
+    );
+    assert!(
+        r.packets
+            .iter()
+            .flat_map(|p| &p.hops)
+            .filter(|h| h.node_ns)
+            .all(|h| h.pod.is_none())
+    );
+    // Without the line: no names.
+    let (reports, _) = decide(rec.as_bytes());
+    assert_eq!(reports[0].client_pod, None);
+}

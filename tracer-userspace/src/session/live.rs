@@ -49,6 +49,8 @@ pub(super) struct Live {
     pub(super) started: Instant,
     /// The status line (a terminal) or periodic progress lines on stderr.
     pub(super) status: super::status::Status,
+    /// Reads the node's pods again when a flow names an unknown address.
+    pub(super) pods: crate::pods::scan::Rescan,
 }
 
 impl Live {
@@ -83,10 +85,22 @@ impl Live {
             let _t = timing::step("header (waits for doctor's facts)");
             header(options, &tracer, gathering)
         };
-        let (recorder, outputs) =
+        let (mut recorder, outputs) =
             open_outputs(options, &header, record_file, pcap_file, status.bar())?;
         timing::mark("start line queued");
-        let collector = Collector::new(header.collector_config()?);
+        let mut collector = Collector::new(header.collector_config()?);
+        let mut pods = crate::pods::scan::Rescan::new(
+            crate::pods::scan::Roots::node(options.host_root.as_deref()),
+            header.facts.netns_inode,
+        );
+        {
+            let _t = timing::step("pods");
+            let now = pods.scan();
+            if let Some(rec) = recorder.as_mut() {
+                rec.pods(&now);
+            }
+            collector.update_pods(now);
+        }
         for line in continuous.start(options.netns.as_deref(), &mut tracer, &header) {
             notices.say(line);
         }
@@ -115,6 +129,7 @@ impl Live {
             },
             started: Instant::now(),
             status: status.tracing_began(),
+            pods,
         })
     }
 
@@ -216,6 +231,7 @@ impl Live {
             expected,
             started,
             status,
+            pods: _,
         } = self;
         // Before the last flows, the summary and the closing lines.
         status.finish();

@@ -52,6 +52,8 @@ pub struct SessionOptions {
     pub pcap: Option<PathBuf>,
     /// `--node-name`: names this node in the recording's header.
     pub node_name: Option<String>,
+    /// `--host-root`: where kubelet's pod directories are (src/pods).
+    pub host_root: Option<PathBuf>,
     /// `--all-services`, `--metrics-addr`, `--max-flows`, `--write-keep`.
     pub continuous: ContinuousOptions,
     /// Filled by [`run`]: each `--svc` with the addresses it stands for,

@@ -25,6 +25,7 @@ impl Live {
             rules_reread,
             conntrack,
             status,
+            pods,
             ..
         } = self;
         let mut recorder = recorder.as_mut();
@@ -70,6 +71,18 @@ impl Live {
             collector.update_conntrack(now);
             if let Some(rec) = recorder.as_deref_mut() {
                 rec.conntrack(now);
+            }
+        }
+        // An event from a namespace no pod had: a pod started since the
+        // last read, named before this tick decides its flow. Recorded
+        // before the stats line, so `analyze` names it the same way.
+        if collector.take_pods_request() | pods.stale() {
+            let now = pods.scan();
+            if now != *collector.pods() {
+                if let Some(rec) = recorder.as_deref_mut() {
+                    rec.pods(&now);
+                }
+                collector.update_pods(now);
             }
         }
         if continuous.has_metrics()

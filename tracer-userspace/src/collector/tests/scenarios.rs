@@ -245,6 +245,9 @@ fn recorded_service_without_endpoints_is_no_endpoints() {
     let cause = f.cause.as_ref().expect("a cause");
     assert_eq!(cause.id, CauseId::NoEndpoints);
     assert_eq!(cause.clause, "default/web-empty:http has no endpoints");
+    // Named although no KUBE-SVC chain names it (issue 28 item 4).
+    assert!(f.kube.is_none());
+    assert_eq!(f.k8s_service.as_deref(), Some("default/web-empty:http"));
     for needle in [
         "after netfilter FORWARD",
         "-A KUBE-SERVICES -d 100.67.30.140/32 -p tcp -m comment --comment \"default/web-empty:http has no endpoints\"",
