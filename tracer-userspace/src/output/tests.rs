@@ -663,4 +663,21 @@ fn text_is_a_headline_and_indented_lines_that_fit_a_terminal() {
     let one = wide.lines().next().unwrap();
     assert_eq!(words(one), words(&lines[..=flow.len()].join(" ")), "{out}");
     assert_eq!(wide.lines().count(), 2, "{wide}");
+    // -v: the cause's full text is wrapped the same way.
+    let verbose = styled(&reports, &summary, TextStyle::default(), true);
+    let lines: Vec<&str> = verbose.lines().collect();
+    let why = lines
+        .iter()
+        .position(|l| l.starts_with("    why: "))
+        .unwrap_or_else(|| panic!("{verbose}"));
+    let block: Vec<&str> = std::iter::once(lines[why])
+        .chain(
+            lines[why + 1..]
+                .iter()
+                .copied()
+                .take_while(|l| l.starts_with("         ")),
+        )
+        .collect();
+    assert!(block.len() > 1, "{verbose}");
+    assert!(block.iter().all(|l| l.chars().count() <= 80), "{verbose}");
 }

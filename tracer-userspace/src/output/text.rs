@@ -153,7 +153,11 @@ impl<W: io::Write> TextOutput<W> {
         }
         if self.verbose {
             if let Some(cause) = &r.cause {
-                writeln!(self.out, "    why: {}", cause.text)?;
+                if self.wide {
+                    writeln!(self.out, "    why: {}", cause.text)?;
+                } else {
+                    self.wrapped("why: ", &cause.text)?;
+                }
             }
             for p in &r.packets {
                 self.packet(r, p)?;
