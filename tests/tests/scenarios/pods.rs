@@ -62,6 +62,9 @@ fn root_pods_are_named_from_the_kubelet_layout() {
     let f = done.only_flow();
     assert_eq!(f["verdict"], "ok", "{}", done.describe());
     assert_named(&f, &layout, &done);
+    // Where the names come from is said at start.
+    let source = format!("pod names from kubelet's pod directories under {root}");
+    assert!(done.stderr.contains(&source), "{}", done.describe());
     // The same names from the recording, on a machine without the pods.
     let out = std::process::Command::new(nattrace())
         .args(["analyze", "--output", "json", "-v", &rec_arg])

@@ -65,6 +65,20 @@ impl Rescan {
         }
     }
 
+    /// Where the names come from, for the start (issue 29 asks it be said).
+    pub fn source_line(&self, index: &PodIndex) -> String {
+        let host = self.roots.host.display();
+        if !self.roots.host.join(KUBELET_PODS_DIR).is_dir() {
+            return format!(
+                "pods are not named: no kubelet pod directories ({KUBELET_PODS_DIR}) under {host}; point --host-root at the node's root filesystem (e.g. /host)"
+            );
+        }
+        let named = index.pods.iter().filter(|p| p.pod.is_some()).count();
+        format!(
+            "pod names from kubelet's pod directories under {host} and the pods' cgroups ({named} pods of this node now)"
+        )
+    }
+
     pub fn stale(&self) -> bool {
         self.last.is_none_or(|t| t.elapsed() >= REFRESH_EVERY)
     }

@@ -114,6 +114,24 @@ fn the_scan_finds_this_process_namespace() {
     // Not a pod (no kubepods cgroup) and no netns name: left out.
     let index = scan::scan(&roots, 0);
     assert!(index.by_netns(own).is_none(), "{index:?}");
+    let mut rescan = scan::Rescan::new(roots.clone(), 0);
+    let now = rescan.scan();
+    let line = rescan.source_line(&now);
+    assert!(
+        line.starts_with("pod names from kubelet's pod directories under"),
+        "{line}"
+    );
+    let bare = scan::Roots {
+        host: dir.join("no-kubelet-here"),
+        ..roots.clone()
+    };
+    let rescan = scan::Rescan::new(bare, 0);
+    let line = rescan.source_line(&PodIndex::default());
+    assert!(
+        line.starts_with("pods are not named: no kubelet pod directories"),
+        "{line}"
+    );
+    assert!(line.contains("--host-root"), "{line}");
     // The node's own namespace is always left out.
     assert!(scan::scan(&roots, own).by_netns(own).is_none());
     std::fs::remove_dir_all(&dir).unwrap();

@@ -96,6 +96,9 @@ impl Live {
         {
             let _t = timing::step("pods");
             let now = pods.scan();
+            if !options.quiet {
+                notices.say(pods.source_line(&now));
+            }
             if let Some(rec) = recorder.as_mut() {
                 rec.pods(&now);
             }
