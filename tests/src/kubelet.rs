@@ -15,8 +15,8 @@ use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 
+use crate::Lab;
 use crate::error::{LabError, Result};
-use crate::{Lab, NAME_PREFIX};
 
 /// The layout of one lab; removes what it created when dropped.
 #[derive(Debug)]
@@ -156,15 +156,7 @@ fn cleanup_stale_cgroups() {
         return;
     };
     for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name
-            .strip_prefix(NAME_PREFIX)
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
+        if crate::netns::of_a_dead_lab(&e.file_name().to_string_lossy()) {
             remove_cgroups(&e.path());
         }
     }

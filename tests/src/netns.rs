@@ -123,14 +123,7 @@ pub fn cleanup_stale() {
     };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name
-            .strip_prefix(NAME_PREFIX)
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if Path::new(&format!("/proc/{pid}")).exists() {
+        if !of_a_dead_lab(&name) {
             continue;
         }
         let ns = Netns { name };
@@ -139,6 +132,14 @@ pub fn cleanup_stale() {
         }
         ns.delete();
     }
+}
+
+/// A lab object's name (`ntlab-<pid>-…`) whose test process is gone.
+pub(crate) fn of_a_dead_lab(name: &str) -> bool {
+    name.strip_prefix(NAME_PREFIX)
+        .and_then(|rest| rest.split('-').next())
+        .and_then(|p| p.parse::<u32>().ok())
+        .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists())
 }
 
 pub(crate) fn describe(args: &[&str]) -> String {

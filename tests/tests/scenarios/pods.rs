@@ -19,6 +19,17 @@ macro_rules! require_cgroup2 {
     };
 }
 
+/// The `pod` of every hop of the flow that has one.
+fn hop_pods(f: &Value) -> Vec<&str> {
+    f["packets"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|p| p["hops"].as_array().into_iter().flatten())
+        .filter_map(|h| h["pod"].as_str())
+        .collect()
+}
+
 /// The client and backend pods' names, on the flow and on the hops seen
 /// in each pod's namespace.
 fn assert_named(f: &Value, layout: &KubeletLayout, done: &Finished) {
@@ -28,13 +39,7 @@ fn assert_named(f: &Value, layout: &KubeletLayout, done: &Finished) {
     );
     assert_eq!(f["client_pod"], client, "{}", done.describe());
     assert_eq!(f["backend_pod"], backend, "{}", done.describe());
-    let pods: Vec<&str> = f["packets"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .flat_map(|p| p["hops"].as_array().into_iter().flatten())
-        .filter_map(|h| h["pod"].as_str())
-        .collect();
+    let pods = hop_pods(f);
     assert!(pods.contains(&client), "{pods:?}\n{}", done.describe());
     assert!(pods.contains(&backend), "{pods:?}\n{}", done.describe());
 }
@@ -150,13 +155,7 @@ fn root_without_kubelet_traces_hops_carry_the_netns_name_only() {
     assert!(f.get("client_pod").is_none(), "{}", done.describe());
     assert!(f.get("backend_pod").is_none(), "{}", done.describe());
     let client_ns = format!("netns {}", lab.netns(presets::CLIENT_POD).unwrap().name());
-    let labels: Vec<&str> = f["packets"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .flat_map(|p| p["hops"].as_array().into_iter().flatten())
-        .filter_map(|h| h["pod"].as_str())
-        .collect();
+    let labels = hop_pods(&f);
     assert!(
         labels.contains(&client_ns.as_str()),
         "{labels:?}\n{}",
