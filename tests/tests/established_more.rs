@@ -342,6 +342,77 @@ both_modes!(
     root_backend_gone_mid_flow_nftables
 );
 
+/// A stale conntrack entry on TCP (issue 22): the Service's endpoint moved
+/// kube-proxy style (the rules first) and the old pod cut off while a
+/// connection to it is open. Its conntrack entry still DNATs the
+/// client's segments to the old address (kube-proxy never deletes TCP
+/// entries), so the client's next line stalls: `stale_conntrack_entry`,
+/// phase established, the fix `conntrack -D -p tcp …` for this one entry,
+/// not the endpoints (they are right already). The twin to the other
+/// Service stays `ok`.
+fn stale_tcp_entry_mid_flow(mode: ProxyMode) {
+    let _lock = tracing_lock();
+    let mut lab = lab(mode);
+    let record = record_path("stale-tcp");
+    let mut t = start(&lab, &record);
+    let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
+    let mut healthy = Writer::open(&lab, REMOTE_SERVICE_IP, HEALTHY_PORT);
+    broken.exchange(4);
+    healthy.exchange(4);
+
+    let moved = ServiceSpec::new(
+        "default",
+        "web",
+        "http",
+        WEB_SERVICE_IP,
+        WEB_PORT,
+        Protocol::Tcp,
+    )
+    .endpoint(presets::REMOTE_BACKEND_POD, WEB_PORT);
+    lab.replace_service(moved).expect("moving the endpoint");
+    // The old pod cut off without closing its sockets (a deleted pod's
+    // process would send FIN first: no stale entry then), as when its
+    // node or its network goes away.
+    let veth = node_veth(&lab, presets::BACKEND_POD);
+    lab.run(NODE_A, &["ip", "link", "del", "dev", &veth])
+        .expect("removing the old backend's veth");
+    assert_eq!(
+        broken.send("after"),
+        "stalled",
+        "the connection to the deleted pod is answered"
+    );
+    healthy.exchange(4);
+    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
+    assert!(line.is_some(), "nattrace reports the broken connection");
+    healthy.exchange(3);
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    let flow = assert_broken(&done, &record, "stale_conntrack_entry", &[HEALTHY_PORT]);
+    let old = presets::BACKEND_IP.to_string();
+    let hint = flow["hint"].as_str().unwrap_or_default();
+    let delete = format!(
+        "conntrack -D -p tcp --orig-src {} --orig-port-src {BROKEN_PORT} --orig-dst {WEB_SERVICE_IP} --orig-port-dst {WEB_PORT} --reply-src {old}",
+        presets::CLIENT_IP
+    );
+    assert!(hint.contains(&delete), "{delete:?} not in the fix: {flow}");
+    let text = flow["cause_text"].as_str().unwrap_or_default();
+    let remote = lab
+        .spec()
+        .nodes
+        .iter()
+        .flat_map(|n| &n.pods)
+        .find(|p| p.name == presets::REMOTE_BACKEND_POD)
+        .map(|p| p.ip.to_string())
+        .expect("the remote backend");
+    assert!(text.contains(&old) && text.contains(&remote), "{flow}");
+    let _ = std::fs::remove_file(&record);
+}
+
+both_modes!(
+    stale_tcp_entry_mid_flow: root_stale_tcp_entry_mid_flow_iptables,
+    root_stale_tcp_entry_mid_flow_nftables
+);
+
 /// The backend on node-a loses the connection's socket without telling the
 /// client (`ss -K` with the backend's own RST dropped in the pod, as when
 /// its kernel forgot it: a restarted sandbox, a pod that took over the
