@@ -405,6 +405,16 @@ fn stale_tcp_entry_mid_flow(mode: ProxyMode) {
         .map(|p| p.ip.to_string())
         .expect("the remote backend");
     assert!(text.contains(&old) && text.contains(&remote), "{flow}");
+    // How tracer-userspace/fixtures/established/root_stale_tcp_entry_*
+    // were made (with their goldens: `nattrace analyze --output json -v`).
+    if let Ok(dir) = std::env::var(lab::tracer::RECORD_DIR_ENV) {
+        let name = format!(
+            "root_stale_tcp_entry_mid_flow_{}.rec",
+            format!("{mode:?}").to_lowercase()
+        );
+        std::fs::copy(&record, std::path::Path::new(&dir).join(name))
+            .expect("keeping the recording");
+    }
     let _ = std::fs::remove_file(&record);
 }
 

@@ -4,7 +4,9 @@
 //! mode (kernel buffer on, healthy flows muted and watched in the kernel),
 //! in `fixtures/established/` with their golden `analyze --output json -v`.
 //! Two long-lived streams each: client port 41001 broken mid-stream, 41002
-//! its healthy twin.
+//! its healthy twin. The stale TCP entry's (issue 22) come from
+//! `tests/tests/established_more.rs` run with `NATTRACE_RECORD_DIR` (ports
+//! 41011 and 41012).
 use std::io::Cursor;
 
 use serde_json::Value;
@@ -14,12 +16,19 @@ use super::*;
 use crate::output::json::JsonOutput;
 use crate::recording::{Reader, replay::decide_all};
 
-const BROKEN: u16 = 41001;
-const HEALTHY: u16 = 41002;
+/// The broken stream's and its twin's client ports: established.rs's, or
+/// established_more.rs's for the stale TCP entry.
+fn ports(name: &str) -> (u16, u16) {
+    if name.starts_with("root_stale_tcp_entry") {
+        (41011, 41012)
+    } else {
+        (41001, 41002)
+    }
+}
 
 /// (fixture, the established verdict, its cause, whether the twin's
 /// backend is on the client's node).
-const CASES: [(&str, &str, &str, bool); 4] = [
+const CASES: [(&str, &str, &str, bool); 6] = [
     (
         "root_bridge_nf_off_mid_stream_iptables",
         "reply_not_reverse_nated",
@@ -49,10 +58,32 @@ const CASES: [(&str, &str, &str, bool); 4] = [
         "conntrack_invalid",
         true,
     ),
+    // established_more.rs: the endpoint moved and the old pod cut off
+    // mid-connection; the entry still DNATs the client's data to it, which
+    // the bridge has no port for (NO_TX_TARGET). The twin's Service has its
+    // backend on the other node.
+    (
+        "root_stale_tcp_entry_mid_flow_iptables",
+        "dropped",
+        "stale_conntrack_entry",
+        false,
+    ),
+    (
+        "root_stale_tcp_entry_mid_flow_nftables",
+        "dropped",
+        "stale_conntrack_entry",
+        false,
+    ),
 ];
 
 fn recording(name: &str) -> &'static str {
     match name {
+        "root_stale_tcp_entry_mid_flow_iptables" => include_str!(crate::fixture!(
+            "established/root_stale_tcp_entry_mid_flow_iptables.rec"
+        )),
+        "root_stale_tcp_entry_mid_flow_nftables" => include_str!(crate::fixture!(
+            "established/root_stale_tcp_entry_mid_flow_nftables.rec"
+        )),
         "root_bridge_nf_off_mid_stream_iptables" => include_str!(crate::fixture!(
             "established/root_bridge_nf_off_mid_stream_iptables.rec"
         )),
@@ -71,6 +102,12 @@ fn recording(name: &str) -> &'static str {
 
 fn golden(name: &str) -> &'static str {
     match name {
+        "root_stale_tcp_entry_mid_flow_iptables" => include_str!(crate::fixture!(
+            "established/root_stale_tcp_entry_mid_flow_iptables.json"
+        )),
+        "root_stale_tcp_entry_mid_flow_nftables" => include_str!(crate::fixture!(
+            "established/root_stale_tcp_entry_mid_flow_nftables.json"
+        )),
         "root_bridge_nf_off_mid_stream_iptables" => include_str!(crate::fixture!(
             "established/root_bridge_nf_off_mid_stream_iptables.json"
         )),
@@ -152,9 +189,10 @@ fn established_recordings_are_decided_as_their_goldens() {
 #[test]
 fn established_recordings_show_the_break_and_a_healthy_twin() {
     for (name, verdict, cause, _) in CASES {
+        let (broken, healthy) = ports(name);
         let text = recording(name);
         let (reports, summary) = decide(text);
-        for port in [BROKEN, HEALTHY] {
+        for port in [broken, healthy] {
             let openings: Vec<&FlowReport> = reports
                 .iter()
                 .filter(|r| r.client.port() == port && r.phase == Phase::Opening)
@@ -165,13 +203,13 @@ fn established_recordings_show_the_break_and_a_healthy_twin() {
         assert!(
             reports
                 .iter()
-                .filter(|r| r.client.port() == HEALTHY)
+                .filter(|r| r.client.port() == healthy)
                 .all(|r| r.verdict == Verdict::Ok),
             "{name}: the healthy twin was flagged"
         );
         let e = established(&reports);
         assert_eq!(e.len(), 1, "{name}");
-        assert_eq!(e[0].client.port(), BROKEN, "{name}");
+        assert_eq!(e[0].client.port(), broken, "{name}");
         assert_eq!(e[0].verdict.as_str(), verdict, "{name}: {}", e[0].detail);
         assert_eq!(
             e[0].cause.as_ref().map(|c| c.id.as_str()),
@@ -193,7 +231,7 @@ fn established_recordings_show_the_break_and_a_healthy_twin() {
             .into_iter()
             .filter(|v| v["kind"] == "event")
             .filter(|v| v["flags"].as_u64().unwrap_or(0) & u64::from(event_flags::WATCH) != 0)
-            .filter(|v| v["sport"] == BROKEN || v["dport"] == BROKEN)
+            .filter(|v| v["sport"] == broken || v["dport"] == broken)
             .count();
         assert!(watched >= 1, "{name}: no event from the kernel's watch");
     }
@@ -263,10 +301,11 @@ fn the_bridge_cause_comes_from_the_sysctls_read_again() {
 #[test]
 fn the_healthy_twin_costs_no_event_after_its_handshake() {
     for (name, _, _, same_node) in CASES {
+        let (_, healthy) = ports(name);
         let events: Vec<Value> = lines(recording(name))
             .into_iter()
             .filter(|v| v["kind"] == "event")
-            .filter(|v| v["sport"] == HEALTHY || v["dport"] == HEALTHY)
+            .filter(|v| v["sport"] == healthy || v["dport"] == healthy)
             .collect();
         let after_handshake = events
             .iter()
