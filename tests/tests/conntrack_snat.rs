@@ -183,8 +183,9 @@ fn root_snat_port_collision_is_an_insert_failure() {
         "insert_failed rose over the run: {describe}"
     );
 
-    // `NATTRACE_RECORD_DIR=dir` keeps the recording (not a checked-in
-    // fixture: other labs' traffic on this kernel makes it megabytes).
+    // `NATTRACE_RECORD_DIR=dir` keeps the recording: run alone, it is
+    // tracer-userspace/fixtures/conntrack/snat_collision.rec (18 KB; beside
+    // the other labs' traffic on this kernel it grows to megabytes).
     if let Ok(keep) = std::env::var(lab::tracer::RECORD_DIR_ENV) {
         std::fs::copy(&rec, Path::new(&keep).join("snat_collision.rec"))
             .expect("keeping the recording");

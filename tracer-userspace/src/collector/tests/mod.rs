@@ -11,6 +11,7 @@ use super::{fixtures::*, *};
 mod established;
 mod established_more;
 mod established_recorded;
+mod insert_failed_recorded;
 mod ipv6;
 mod paths;
 mod routed;
