@@ -184,11 +184,11 @@ fn root_snat_port_collision_is_an_insert_failure() {
     );
 
     // `NATTRACE_RECORD_DIR=dir` keeps the recording: run alone, it is
-    // tracer-userspace/fixtures/conntrack/snat_collision.rec (18 KB; beside
+    // tracer-userspace/fixtures/conntrack/ (18 KB, `cargo xtask fixtures`; beside
     // the other labs' traffic on this kernel it grows to megabytes).
     if let Ok(keep) = std::env::var(lab::tracer::RECORD_DIR_ENV) {
-        std::fs::copy(&rec, Path::new(&keep).join("snat_collision.rec"))
-            .expect("keeping the recording");
+        let name = "root_snat_port_collision_is_an_insert_failure.rec";
+        std::fs::copy(&rec, Path::new(&keep).join(name)).expect("keeping the recording");
     }
 
     // The fix: a wide, fully random SNAT range; the same client is ok.

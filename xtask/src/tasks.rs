@@ -6,7 +6,8 @@ use anyhow::{Context as _, bail};
 use crate::{
     image, setup, vm,
     workspace::{
-        cargo, cargo_with_env, established_dir, recorded_dir, workspace_root, write_golden,
+        cargo, cargo_with_env, conntrack_dir, established_dir, recorded_dir, workspace_root,
+        write_golden,
     },
 };
 
@@ -154,6 +155,15 @@ pub const ESTABLISHED: &[&str] = &[
     "root_conntrack_entry_deleted_mid_stream_nftables",
 ];
 
+/// established_more.rs's tests recorded beside [`ESTABLISHED`]'s (issue 22).
+pub const ESTABLISHED_MORE: &[&str] = &[
+    "root_stale_tcp_entry_mid_flow_iptables",
+    "root_stale_tcp_entry_mid_flow_nftables",
+];
+
+/// conntrack_snat.rs's real SNAT port collision (issue 22).
+pub const CONNTRACK: &[&str] = &["root_snat_port_collision_is_an_insert_failure"];
+
 /// `cargo xtask fixtures`: runs the seed scenarios' root lab tests on this
 /// kernel with `--write` into [`recorded_dir`] (`NAME.rec`), and the
 /// established-flow tests into [`established_dir`], then writes each
@@ -177,6 +187,13 @@ pub fn fixtures() -> anyhow::Result<()> {
         })
         .collect();
     runs.push(("established", established.as_path(), ESTABLISHED.to_vec()));
+    runs.push((
+        "established_more",
+        established.as_path(),
+        ESTABLISHED_MORE.to_vec(),
+    ));
+    let conntrack = conntrack_dir();
+    runs.push(("conntrack_snat", conntrack.as_path(), CONNTRACK.to_vec()));
     for (binary, dir, tests) in &runs {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let dir_arg = dir.display().to_string();

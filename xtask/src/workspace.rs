@@ -41,6 +41,11 @@ pub fn recorded_dir() -> PathBuf {
     workspace_root().join(FIXTURES_DIR).join("recorded")
 }
 
+/// Where conntrack's own failures' recordings (issue 22) and their goldens live.
+pub fn conntrack_dir() -> PathBuf {
+    workspace_root().join(FIXTURES_DIR).join("conntrack")
+}
+
 /// Where the established-flow recordings (issue 21) and their goldens live.
 pub fn established_dir() -> PathBuf {
     workspace_root().join(FIXTURES_DIR).join("established")

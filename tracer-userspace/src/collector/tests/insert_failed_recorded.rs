@@ -12,8 +12,12 @@ use super::*;
 use crate::output::json::JsonOutput;
 use crate::recording::{Reader, replay::decide_all};
 
-const RECORDING: &str = include_str!(crate::fixture!("conntrack/snat_collision.rec"));
-const GOLDEN: &str = include_str!(crate::fixture!("conntrack/snat_collision.json"));
+const RECORDING: &str = include_str!(crate::fixture!(
+    "conntrack/root_snat_port_collision_is_an_insert_failure.rec"
+));
+const GOLDEN: &str = include_str!(crate::fixture!(
+    "conntrack/root_snat_port_collision_is_an_insert_failure.json"
+));
 
 fn decide() -> (Vec<FlowReport>, Summary) {
     let (mut reader, header) = Reader::new(Cursor::new(RECORDING.as_bytes())).expect("a recording");
