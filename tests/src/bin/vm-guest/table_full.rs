@@ -39,7 +39,9 @@ const OK_PORT: u16 = 30_002;
 const EVENT_TIMEOUT: Duration = Duration::from_secs(90);
 const MAX: &str = "/proc/sys/net/netfilter/nf_conntrack_max";
 
-pub fn run(checks: &mut Checks, nattrace: &Path, backends: &[&str]) {
+/// `fixture`: the name to print the recording under (`--record-fixtures`,
+/// record.rs), else it is only analysed and removed.
+pub fn run(checks: &mut Checks, nattrace: &Path, backends: &[&str], fixture: Option<&str>) {
     let Some(&backend) = backends
         .iter()
         .find(|b| **b == "kprobe")
@@ -49,8 +51,9 @@ pub fn run(checks: &mut Checks, nattrace: &Path, backends: &[&str]) {
     };
     let name = format!("conntrack table full {backend}");
     let t = Instant::now();
-    let result =
-        one(nattrace, backend).map(|ok| format!("{ok} (in {:.1}s)", t.elapsed().as_secs_f64()));
+    let fixture = fixture.map(|release| super::record::name(release, backend, "table_full"));
+    let result = one(nattrace, backend, fixture.as_deref())
+        .map(|ok| format!("{ok} (in {:.1}s)", t.elapsed().as_secs_f64()));
     checks.record(&name, result.map_err(|e| format!("{e:#}")));
 }
 
@@ -84,7 +87,7 @@ fn node_count(lab: &Lab) -> anyhow::Result<u64> {
     )?)
 }
 
-fn one(nattrace: &Path, backend: &str) -> anyhow::Result<String> {
+fn one(nattrace: &Path, backend: &str, fixture: Option<&str>) -> anyhow::Result<String> {
     let lab = Lab::build(presets::seed000(Seed000 {
         bridge_nf_call_iptables: true,
         backend: presets::Backend::SameNode,
@@ -181,6 +184,9 @@ fn one(nattrace: &Path, backend: &str) -> anyhow::Result<String> {
     judge(&full, &healthy).map_err(|e| anyhow::anyhow!("{e}\n{}", done.describe()))?;
 
     let analyzed = analyze(nattrace, &record);
+    if let Some(name) = fixture {
+        super::record::print(name, &record).map_err(|e| anyhow::anyhow!(e))?;
+    }
     let _ = std::fs::remove_file(&record);
     let analyzed = analyzed?;
     let find = |port: u16| {

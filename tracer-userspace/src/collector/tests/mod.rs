@@ -8,10 +8,10 @@ use tracer_common::{
 
 use super::{fixtures::*, *};
 
+mod conntrack_recorded;
 mod established;
 mod established_more;
 mod established_recorded;
-mod insert_failed_recorded;
 mod ipv6;
 mod paths;
 mod routed;
