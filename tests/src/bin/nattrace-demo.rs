@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use lab::Lab;
+use lab::kubelet::{KubeletLayout, cgroup2_mount};
 use lab::presets::{self, Backend, Seed000};
 use lab::tracer::{Nattrace, say};
 
@@ -108,6 +109,10 @@ fn run_case(nattrace: &std::path::Path, case: &Case) -> anyhow::Result<bool> {
         backend: Backend::SameNode,
     }))
     .context("building the seed 000 lab")?;
+    // What a kubelet leaves on the node (a pause per pod in its cgroup, its
+    // log directory): nattrace names the pods from it (--host-root).
+    let mut kubelet = KubeletLayout::empty(&lab)?;
+    let named = cgroup2_mount().is_some() && kubelet.start_pods(&lab).is_ok();
     let node = lab.node_netns(presets::NODE_A)?.path();
     say(&format!(
         "lab: node {} (netns {}), client pod {} {}, Service {}:{} → backend pod {} {} on the same node",
@@ -129,6 +134,12 @@ fn run_case(nattrace: &std::path::Path, case: &Case) -> anyhow::Result<bool> {
         "--duration".into(),
         TRACE_SECS.to_string(),
     ];
+    if named {
+        args.extend([
+            "--host-root".into(),
+            kubelet.host_root().display().to_string(),
+        ]);
+    }
     if std::io::stdout().is_terminal() {
         args.extend(["--color".into(), "always".into()]);
     }

@@ -104,7 +104,7 @@ fn root_pods_are_named_from_the_kubelet_layout() {
         .flat_map(str::split_whitespace)
         .collect();
     let want = format!(
-        "pods: client {}, backend {}",
+        "pods: {} → {}",
         layout.pod(presets::CLIENT_POD),
         layout.pod(presets::BACKEND_POD)
     );

@@ -88,10 +88,11 @@ impl<W: io::Write> TextOutput<W> {
         // The names an on-call engineer's next kubectl command needs.
         let pods = match (&r.client_pod, &r.backend_pod) {
             (None, None) => None,
+            // As the headline: client → backend.
             (c, b) => Some(format!(
-                "client {}, backend {}",
-                c.as_deref().unwrap_or("not a pod of this node"),
-                b.as_deref().unwrap_or("not a pod of this node")
+                "{} → {}",
+                c.as_deref().unwrap_or("(not a pod of this node)"),
+                b.as_deref().unwrap_or("(not a pod of this node)")
             )),
         };
         let mut notes = Vec::new();
