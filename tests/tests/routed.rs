@@ -544,7 +544,11 @@ fn root_routed_text_output_names_every_interface() {
     ] {
         assert!(hops.iter().any(|l| l.contains(&want)), "{want}:\n{live}");
     }
-    let in_pods: Vec<&String> = hops.iter().filter(|l| l.contains(" ns ")).collect();
+    // A pod's namespace: its pod, its `ip netns` name, or its inode.
+    let in_pods: Vec<&String> = hops
+        .iter()
+        .filter(|l| l.contains(" ns ") || l.contains(" netns "))
+        .collect();
     assert!(!in_pods.is_empty(), "the pods' device tracepoints: {live}");
     for l in &in_pods {
         assert!(l.contains(" eth0 "), "a pod hop names the pod's eth0: {l}");

@@ -64,12 +64,16 @@ fn root_deleted_node_namespace_is_released_and_exits_2() {
         done.describe()
     );
     assert_eq!(done.status.code(), Some(2), "{}", done.describe());
-    // One line about the deletion, after the start's "waiting for
-    // connections" line (issue 28).
+    // One line about the deletion, after the start's lines: "waiting for
+    // connections" and where pod names come from (issue 28).
     let stderr: Vec<&str> = done
         .stderr
         .lines()
         .filter(|l| !l.starts_with("nattrace: waiting for connections to "))
+        .filter(|l| {
+            !l.starts_with("nattrace: pods are not named")
+                && !l.starts_with("nattrace: pod names from")
+        })
         .collect();
     assert_eq!(stderr.len(), 1, "one line:\n{}", done.describe());
     assert!(
