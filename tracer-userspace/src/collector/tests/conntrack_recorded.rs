@@ -5,6 +5,9 @@
 //!   fixtures`): masquerade to one port, two clients to one backend, the
 //!   second's SYN dies at confirm with NETFILTER_DROP and `insert_failed`
 //!   rises;
+//! - `stale_conntrack_entry` on UDP: `stale_entry_udp.rec` (its golden
+//!   beside it, `cargo xtask fixtures` does not remake it: recorded from
+//!   tests/tests/conntrack.rs in iptables mode);
 //! - `conntrack_table_full`: the 6.1 and 6.12 guests' table filled with
 //!   `nf_conntrack_max` lowered in their own root namespace
 //!   (tests/src/bin/vm-guest/table_full.rs, kprobe backend; `cargo xtask
@@ -24,6 +27,12 @@ const RECORDING: &str = include_str!(crate::fixture!(
 const GOLDEN: &str = include_str!(crate::fixture!(
     "conntrack/root_snat_port_collision_is_an_insert_failure.json"
 ));
+/// tests/tests/conntrack.rs's stale UDP entry beside a stale rule
+/// (iptables mode), also checked by assertions in stale_entry.rs.
+const STALE_UDP: (&str, &str) = (
+    include_str!(crate::fixture!("stale_entry_udp.rec")),
+    include_str!(crate::fixture!("stale_entry_udp.json")),
+);
 /// (name, recording, golden) of the guests' table-full runs.
 const TABLE_FULL: [(&str, &str, &str); 2] = [
     (
@@ -94,6 +103,20 @@ fn a_real_snat_collision_is_an_insert_failure() {
 fn the_snat_collision_is_decided_as_its_golden() {
     let (reports, summary) = decide();
     let (got, want) = as_golden(&reports, &summary, GOLDEN);
+    assert_eq!(got, want);
+}
+
+#[test]
+fn the_stale_udp_entry_is_decided_as_its_golden() {
+    let (reports, summary) = decide_text(STALE_UDP.0);
+    assert!(
+        reports.iter().any(|r| r
+            .cause
+            .as_ref()
+            .is_some_and(|c| c.id.as_str() == "stale_conntrack_entry")),
+        "{reports:#?}"
+    );
+    let (got, want) = as_golden(&reports, &summary, STALE_UDP.1);
     assert_eq!(got, want);
 }
 
