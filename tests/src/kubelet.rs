@@ -51,7 +51,7 @@ pub fn k8s_name(target: &str) -> String {
     format!("{ns}/{target}-5d78c9869d-x2x7q")
 }
 
-fn uid_of(lab_id: &str, target: &str) -> String {
+pub(crate) fn uid_of(lab_id: &str, target: &str) -> String {
     let mut h = DefaultHasher::new();
     (lab_id, target).hash(&mut h);
     let a = h.finish();
@@ -138,7 +138,7 @@ impl KubeletLayout {
 }
 
 /// Removes a cgroup tree, leaves first (cgroupfs refuses anything else).
-fn remove_cgroups(dir: &Path) {
+pub(crate) fn remove_cgroups(dir: &Path) {
     if let Ok(entries) = std::fs::read_dir(dir) {
         for e in entries.flatten() {
             if e.file_type().is_ok_and(|t| t.is_dir()) {

@@ -8,13 +8,14 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::cidr::Ipv4Cidr;
+use crate::cri::CriNode;
 use crate::dual_stack::POD_NETWORK6;
 use crate::error::{LabError, Result};
 use crate::kube_proxy::{self, NodeNet, NodeNet6, ResolvedService};
 use crate::kube_proxy_nft;
 use crate::netns::{self, Netns};
 use crate::servers;
-use crate::spec::{LabSpec, NodeSpec, ProxyMode};
+use crate::spec::{LabSpec, NodeSpec, Overlay, ProxyMode, Runtime};
 use crate::topology;
 
 /// Default limit for [`Lab::exec`]: generous for curl/dig with their own
@@ -31,6 +32,8 @@ pub struct Lab {
     /// Background processes (servers, [`Lab::spawn`]); a Mutex so `spawn`
     /// works through `&Lab` from several test threads.
     processes: Mutex<Vec<Child>>,
+    /// The containerd of each [`Runtime::Containerd`] node.
+    cri: Vec<CriNode>,
 }
 
 impl Lab {
@@ -57,8 +60,10 @@ impl Lab {
             spec,
             namespaces: Vec::new(),
             processes: Mutex::new(Vec::new()),
+            cri: Vec::new(),
         };
         topology::create(&mut lab)?;
+        lab.start_cri_pods()?;
         lab.install_kube_proxy()?;
         lab.start_servers()?;
         Ok(lab)
@@ -462,11 +467,17 @@ impl Lab {
             .position(|(t, _)| t == pod)
             .ok_or_else(|| LabError::Spec(format!("pod {pod} was already deleted")))?;
         let (_, ns) = self.namespaces.remove(at);
-        let me = std::process::id() as i32;
-        for pid in ns.pids().into_iter().filter(|p| *p != me) {
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+        if let Some(cri) = self.cri_of_pod(pod) {
+            // As kubelet deletes a pod: the sandbox stopped (the CNI DEL
+            // removes its veth) and removed.
+            cri.remove_pod(pod)?;
+        } else {
+            let me = std::process::id() as i32;
+            for pid in ns.pids().into_iter().filter(|p| *p != me) {
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            ns.delete();
         }
-        ns.delete();
         // The namespace is torn down asynchronously (cleanup_net runs from a
         // workqueue): wait for its veth to vanish from the node.
         let prefix = format!("{peer}: ");
@@ -603,8 +614,57 @@ impl Lab {
         Ok(())
     }
 
+    /// Each containerd node's containerd, then its pods through the CRI
+    /// in the spec's order; the spec takes the addresses host-local gave.
+    fn start_cri_pods(&mut self) -> Result<()> {
+        let mtu = if self.spec.overlay == Overlay::Vxlan {
+            topology::VXLAN_MTU
+        } else {
+            1500
+        };
+        for n in 0..self.spec.nodes.len() {
+            if self.spec.nodes[n].runtime != Runtime::Containerd {
+                continue;
+            }
+            let node = self.spec.nodes[n].clone();
+            let cri = CriNode::start(&self.id, &node, self.netns(&node.name)?, mtu)?;
+            self.cri.push(cri);
+            for (p, pod) in node.pods.iter().enumerate() {
+                let made = self.cri.last().expect("just pushed").run_pod(&pod.name)?;
+                self.namespaces
+                    .push((pod.name.clone(), Netns::existing(&made.netns)));
+                self.spec.nodes[n].pods[p].ip = made.ip;
+                if !pod.sysctls.is_empty() {
+                    topology::set_sysctls(self.netns(&pod.name)?, &pod.sysctls, None)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The containerd of `node`, if the CRI makes its pods.
+    pub fn cri(&self, node: &str) -> Option<&CriNode> {
+        let at = self
+            .spec
+            .nodes
+            .iter()
+            .filter(|n| n.runtime == Runtime::Containerd)
+            .position(|n| n.name == node)?;
+        self.cri.get(at)
+    }
+
+    fn cri_of_pod(&self, pod: &str) -> Option<&CriNode> {
+        self.cri(&self.pod_node(pod).ok()?)
+    }
+
     fn start_servers(&self) -> Result<()> {
         for pod in self.spec.nodes.iter().flat_map(|n| &n.pods) {
+            if let Some(cri) = self.cri_of_pod(&pod.name) {
+                for (i, server) in pod.servers.iter().enumerate() {
+                    cri.start_server(&pod.name, i, server)?;
+                }
+                continue;
+            }
             for server in &pod.servers {
                 let child = servers::start(self.netns(&pod.name)?, &pod.name, server)?;
                 self.processes
@@ -619,6 +679,9 @@ impl Lab {
 
 impl Drop for Lab {
     fn drop(&mut self) {
+        // The CRI removes its pods (and their namespaces) first, as a node
+        // draining does; containerd lives in the node namespace below.
+        self.cri.clear();
         let children = std::mem::take(self.processes.get_mut().unwrap_or_else(|e| e.into_inner()));
         for mut child in children {
             netns::kill_group(&mut child);

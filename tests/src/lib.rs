@@ -23,6 +23,7 @@
 //! during a panic) kills its processes and deletes its namespaces.
 
 mod cidr;
+pub mod cri;
 pub mod dual_stack;
 mod error;
 pub mod kube_proxy;
@@ -51,7 +52,7 @@ pub use netns::{NAME_PREFIX, NETNS_DIR, Netns, cleanup_stale};
 pub use servers::{LAB_SERVER_ENV, lab_server_path};
 pub use spec::{
     CniChains, Datapath, EndpointSpec, ExternalSpec, IptablesBackend, KubeProxyConfig, LabSpec,
-    NodeSpec, OutsideSpec, Overlay, PodSpec, Protocol, ProxyMode, ROUTED_GATEWAY, Server,
+    NodeSpec, OutsideSpec, Overlay, PodSpec, Protocol, ProxyMode, ROUTED_GATEWAY, Runtime, Server,
     ServiceSpec,
 };
 pub use topology::{

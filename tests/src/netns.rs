@@ -46,6 +46,13 @@ impl Netns {
         })
     }
 
+    /// A namespace someone else created (the CRI's `cni-…` pods).
+    pub(crate) fn existing(name: &str) -> Netns {
+        Netns {
+            name: name.to_string(),
+        }
+    }
+
     /// The namespace's name as `ip netns list` shows it.
     pub fn name(&self) -> &str {
         &self.name
@@ -132,6 +139,7 @@ pub fn cleanup_stale() {
         }
         ns.delete();
     }
+    crate::cri::cleanup_stale();
 }
 
 /// A lab object's name (`ntlab-<pid>-…`) whose test process is gone.

@@ -63,7 +63,7 @@ impl Server {
         }
     }
 
-    fn args(&self, pod: &str) -> Vec<String> {
+    pub(crate) fn args(&self, pod: &str) -> Vec<String> {
         match self {
             Server::Http { port } => {
                 vec!["http".into(), port.to_string(), "--name".into(), pod.into()]

@@ -53,6 +53,15 @@ impl LabSpec {
         }
         self
     }
+
+    /// Every node's pods made by `runtime`: turns a preset into its
+    /// containerd-CRI variant.
+    pub fn with_runtime(mut self, runtime: Runtime) -> Self {
+        for node in &mut self.nodes {
+            node.runtime = runtime;
+        }
+        self
+    }
 }
 
 /// One Kubernetes node: a namespace with `eth0` on the underlay, its pods'
@@ -83,6 +92,24 @@ pub struct NodeSpec {
     pub pods: Vec<PodSpec>,
     /// How the CNI connects the pods: a bridge (default) or routed veths.
     pub datapath: Datapath,
+    /// Who makes the pods: the lab itself (default) or containerd's CRI.
+    pub runtime: Runtime,
+}
+
+/// Who creates a node's pods.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Runtime {
+    /// The lab wires each pod's namespace and veth itself, at the
+    /// addresses its [`PodSpec`] names: fast, and no runtime needed.
+    #[default]
+    HandWired,
+    /// A containerd of the node's own (in the node's namespace) creates
+    /// each pod through its CRI as kubelet does, and its CNI `bridge`
+    /// plugin wires it with flannel's delegate config (see [`crate::cri`]).
+    /// The pods' addresses are what host-local hands out: a [`PodSpec`]'s
+    /// `ip` is replaced by it (read them with [`crate::Lab::pod_ip`]).
+    /// Bridge datapath, IPv4 only.
+    Containerd,
 }
 
 /// How a node's CNI plugs its pods in.
@@ -117,7 +144,14 @@ impl NodeSpec {
             sysctls: Vec::new(),
             pods: Vec::new(),
             datapath: Datapath::Bridge,
+            runtime: Runtime::HandWired,
         }
+    }
+
+    /// Sets who creates the pods.
+    pub fn runtime(mut self, runtime: Runtime) -> Self {
+        self.runtime = runtime;
+        self
     }
 
     /// Sets how the pods are connected.

@@ -22,7 +22,7 @@ use crate::cidr::Ipv4Cidr;
 use crate::error::{LabError, Result};
 use crate::lab::Lab;
 use crate::netns::{self, Netns};
-use crate::spec::{Datapath, LabSpec, NodeSpec, Overlay, ROUTED_GATEWAY};
+use crate::spec::{Datapath, LabSpec, NodeSpec, Overlay, ROUTED_GATEWAY, Runtime};
 use crate::topology6;
 
 /// Name of the router namespace (always present: it is the nodes' underlay
@@ -115,6 +115,20 @@ pub(crate) fn validate(spec: &LabSpec) -> Result<()> {
                 "nodes {} and {} share a pod CIDR",
                 node.name, other.name
             ));
+        }
+        if node.runtime == Runtime::Containerd {
+            if node.datapath != Datapath::Bridge || node.pod_cidr6.is_some() {
+                return err(format!(
+                    "node {}: containerd pods are wired by the bridge plugin, IPv4 only",
+                    node.name
+                ));
+            }
+            if node.pods.iter().any(|p| p.hairpin != node.pods[0].hairpin) {
+                return err(format!(
+                    "node {}: the bridge plugin's hairpinMode is one setting for all of a node's pods",
+                    node.name
+                ));
+            }
         }
         for pod in &node.pods {
             names.push(pod.name.clone());
@@ -278,8 +292,11 @@ pub(crate) fn create(lab: &mut Lab) -> Result<()> {
     lab.add_netns(ROUTER)?;
     for node in &spec.nodes {
         lab.add_netns(&node.name)?;
-        for pod in &node.pods {
-            lab.add_netns(&pod.name)?;
+        // A containerd node's pods get their namespaces from the CRI.
+        if node.runtime == Runtime::HandWired {
+            for pod in &node.pods {
+                lab.add_netns(&pod.name)?;
+            }
         }
     }
     if spec.outside.is_some() {
@@ -338,15 +355,21 @@ pub(crate) fn create(lab: &mut Lab) -> Result<()> {
             UNDERLAY.prefix(),
             router_underlay_ip(),
         );
-        match node.datapath {
-            Datapath::Bridge => bridge_pods(lab, node, mtu, &mut cmds)?,
-            Datapath::Routed => routed_pods(lab, node, mtu, &mut cmds)?,
+        match (node.runtime, node.datapath) {
+            // The bridge plugin makes cni0 and the veths (crate::cri).
+            (Runtime::Containerd, _) => {}
+            (_, Datapath::Bridge) => bridge_pods(lab, node, mtu, &mut cmds)?,
+            (_, Datapath::Routed) => routed_pods(lab, node, mtu, &mut cmds)?,
         }
         topology6::node(i, node, &mut cmds);
         topology6::routed_host(node, &mut cmds);
         batch("ip", ns, &cmds)?;
 
-        for pod in &node.pods {
+        for pod in node
+            .pods
+            .iter()
+            .filter(|_| node.runtime == Runtime::HandWired)
+        {
             let mut cmds = match node.datapath {
                 Datapath::Bridge => format!(
                     "link set lo up\naddr add {}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n",
@@ -415,6 +438,9 @@ pub(crate) fn create(lab: &mut Lab) -> Result<()> {
         sysctls.extend(topology6::routed_sysctls(node));
         sysctls.extend(node.sysctls.iter().cloned());
         set_sysctls(lab.netns(&node.name)?, &sysctls, Some(node.rp_filter))?;
+        if node.runtime == Runtime::Containerd {
+            continue;
+        }
         for pod in node.pods.iter().filter(|p| !p.sysctls.is_empty()) {
             set_sysctls(lab.netns(&pod.name)?, &pod.sysctls, None)?;
         }

@@ -26,6 +26,8 @@ macro_rules! require_root {
 const SHORT: Duration = Duration::from_secs(2);
 
 // Below the macro, so its textual scope reaches it.
+#[path = "lab/cri.rs"]
+mod cri;
 #[path = "lab/layout.rs"]
 mod layout;
 
