@@ -32,6 +32,8 @@ macro_rules! require_root {
 }
 
 // Below require_root!, so its textual scope reaches them.
+#[path = "scenarios/cri.rs"]
+mod cri;
 #[path = "scenarios/doctor.rs"]
 mod doctor;
 #[path = "scenarios/ipvs.rs"]

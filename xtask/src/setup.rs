@@ -43,6 +43,14 @@ const APT_PACKAGES: &[&str] = &[
     "linux-perf",
     // the root tests are proved under load beside `stress-ng --cpu 2` (issue 26)
     "stress-ng",
+    // the lab's containerd nodes (tests/src/cri.rs): pods through the CRI,
+    // wired by the CNI bridge plugin; a static pause built with cc
+    "containerd",
+    "runc",
+    "containernetworking-plugins",
+    "libc6-dev",
+    // k8s-cri's build compiles the CRI's .proto (nattrace reads the CRI)
+    "protobuf-compiler",
 ];
 
 /// Where the PyPI tools live: a venv of Debian's python3 (its pip refuses
