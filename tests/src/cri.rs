@@ -656,6 +656,26 @@ fn which_tool(tool: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Whether the mount holding `path` is shared or a slave (mountinfo's
+/// optional fields), so a container may take its later mounts (rslave).
+fn propagates(path: &Path) -> bool {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    info.lines()
+        .filter_map(|l| {
+            let (left, _) = l.split_once(" - ")?;
+            let fields: Vec<&str> = left.split_whitespace().collect();
+            let point = Path::new(fields.get(4)?);
+            path.starts_with(point).then(|| {
+                let shared = fields[6..]
+                    .iter()
+                    .any(|f| f.starts_with("shared:") || f.starts_with("master:"));
+                (point.components().count(), shared)
+            })
+        })
+        .max_by_key(|(depth, _)| *depth)
+        .is_some_and(|(_, shared)| shared)
+}
+
 /// Mount points of every cgroup hierarchy (v1 controllers and v2).
 fn cgroup_mounts() -> Vec<PathBuf> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
@@ -749,5 +769,293 @@ pub fn cleanup_stale() {
         // `ntlab-<pid>-<n>-<rand>`: the first four dash-separated parts.
         let lab_id: Vec<&str> = name.splitn(5, '-').take(4).collect();
         remove_lab_cgroups(&lab_id.join("-"));
+    }
+}
+
+/// What a host container gets from the node, as the DaemonSet mounts it
+/// (deploy/daemonset.yaml) plus the node's root at /host, as `kubectl
+/// debug node --profile=sysadmin` gives it: (host path, container path,
+/// propagate mounts made later on the host).
+pub const HOST_MOUNTS: &[(&str, &str, bool)] = &[
+    ("/sys/kernel/btf", "/sys/kernel/btf", false),
+    ("/sys/fs/bpf", "/sys/fs/bpf", true),
+    ("/sys/kernel/tracing", "/sys/kernel/tracing", false),
+    ("/run/netns", "/run/netns", true),
+    ("/lib/modules", "/lib/modules", false),
+    ("/", "/host", true),
+];
+
+/// A privileged container in the node's network and PID namespaces (a
+/// DaemonSet's `hostNetwork`/`hostPID` pod): its own sandbox, removed on
+/// drop.
+#[derive(Debug)]
+pub struct HostContainer<'a> {
+    node: &'a CriNode,
+    sandbox_id: String,
+    container_id: String,
+    log: PathBuf,
+}
+
+/// A stream's lines from a CRI log (`<time> <stream> <P|F> <text>`; a
+/// line the runtime split is `P` parts ending with an `F`).
+pub fn cri_log_lines(text: &str, stream: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut partial = String::new();
+    for line in text.lines() {
+        let mut parts = line.splitn(4, ' ');
+        let (Some(_), Some(s), Some(tag)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        if s != stream {
+            continue;
+        }
+        partial.push_str(parts.next().unwrap_or(""));
+        if tag == "F" {
+            out.push(std::mem::take(&mut partial));
+        }
+    }
+    out
+}
+
+impl CriNode {
+    /// Imports an OCI archive into this node's containerd (`ctr images
+    /// import`, as an image is side-loaded onto a node).
+    pub fn import_image(&self, archive: &Path) -> Result<()> {
+        checked(
+            Command::new("ctr")
+                .arg("--address")
+                .arg(self.socket())
+                .args([
+                    "-n",
+                    "k8s.io",
+                    "images",
+                    "import",
+                    "--snapshotter",
+                    "native",
+                ])
+                .arg(archive),
+            "ctr images import",
+        )
+        .map(|_| ())
+    }
+
+    /// Runs `image` with `args` the way the DaemonSet runs nattrace:
+    /// privileged, the node's network and PID namespaces, read-only root,
+    /// [`HOST_MOUNTS`] and `extra` mounts (host path, container path).
+    pub fn run_host_container(
+        &self,
+        name: &str,
+        image: &str,
+        args: &[String],
+        extra: &[(PathBuf, String)],
+    ) -> Result<HostContainer<'_>> {
+        use k8s_cri::v1::{
+            LinuxContainerConfig, LinuxContainerSecurityContext, LinuxSandboxSecurityContext,
+            MountPropagation, NamespaceMode, NamespaceOption,
+        };
+        let uid = uid_of(&self.lab_id, name);
+        let log_dir = self.dir.join("pods").join(format!("nattrace_{name}_{uid}"));
+        std::fs::create_dir_all(&log_dir).map_err(io_err("creating the pod's log directory"))?;
+        let host = || NamespaceOption {
+            network: NamespaceMode::Node as i32,
+            pid: NamespaceMode::Node as i32,
+            ipc: NamespaceMode::Node as i32,
+            ..Default::default()
+        };
+        let config = PodSandboxConfig {
+            metadata: Some(PodSandboxMetadata {
+                name: name.into(),
+                uid: uid.clone(),
+                namespace: "nattrace".into(),
+                attempt: 0,
+            }),
+            // No hostname: kubelet sets none for a hostNetwork pod, whose
+            // UTS namespace is the node's (runc refuses one there).
+            log_directory: log_dir.display().to_string(),
+            linux: Some(LinuxPodSandboxConfig {
+                cgroup_parent: format!("/{}/kubepods/besteffort/pod{uid}", self.lab_id),
+                security_context: Some(LinuxSandboxSecurityContext {
+                    namespace_options: Some(host()),
+                    privileged: true,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut client = self.client();
+        let request = RunPodSandboxRequest {
+            config: Some(config.clone()),
+            runtime_handler: String::new(),
+        };
+        let sandbox_id = self
+            .call(async move { client.run_pod_sandbox(request).await })?
+            .map_err(cri_err(format!("RunPodSandbox {name}")))?
+            .into_inner()
+            .pod_sandbox_id;
+        let mut mounts: Vec<Mount> = HOST_MOUNTS
+            .iter()
+            .filter(|(host, ..)| Path::new(host).exists())
+            .map(|(host, inside, propagate)| Mount {
+                container_path: (*inside).into(),
+                host_path: (*host).into(),
+                readonly: true,
+                // rslave needs a shared (or slave) host mount, as a node's
+                // systemd makes them; this machine's may be private.
+                propagation: if *propagate && propagates(Path::new(host)) {
+                    MountPropagation::PropagationHostToContainer as i32
+                } else {
+                    MountPropagation::PropagationPrivate as i32
+                },
+                ..Default::default()
+            })
+            .collect();
+        mounts.extend(extra.iter().map(|(host, inside)| Mount {
+            container_path: inside.clone(),
+            host_path: host.display().to_string(),
+            readonly: true,
+            ..Default::default()
+        }));
+        let container = ContainerConfig {
+            metadata: Some(ContainerMetadata {
+                name: name.into(),
+                attempt: 0,
+            }),
+            image: Some(ImageSpec {
+                image: image.into(),
+                ..Default::default()
+            }),
+            args: args.to_vec(),
+            mounts,
+            log_path: format!("{name}.log"),
+            linux: Some(LinuxContainerConfig {
+                security_context: Some(LinuxContainerSecurityContext {
+                    privileged: true,
+                    readonly_rootfs: true,
+                    namespace_options: Some(host()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut me = HostContainer {
+            node: self,
+            sandbox_id: sandbox_id.clone(),
+            container_id: String::new(),
+            log: log_dir.join(format!("{name}.log")),
+        };
+        let mut client = self.client();
+        let request = CreateContainerRequest {
+            pod_sandbox_id: sandbox_id,
+            config: Some(container),
+            sandbox_config: Some(config),
+        };
+        me.container_id = self
+            .call(async move { client.create_container(request).await })?
+            .map_err(cri_err(format!("CreateContainer {name}")))?
+            .into_inner()
+            .container_id;
+        let mut client = self.client();
+        let container_id = me.container_id.clone();
+        self.call(async move {
+            client
+                .start_container(StartContainerRequest { container_id })
+                .await
+        })?
+        .map_err(cri_err(format!("StartContainer {name}")))?;
+        Ok(me)
+    }
+}
+
+impl HostContainer<'_> {
+    fn status(&self) -> Result<k8s_cri::v1::ContainerStatusResponse> {
+        let mut client = self.node.client();
+        let container_id = self.container_id.clone();
+        self.node
+            .call(async move {
+                client
+                    .container_status(k8s_cri::v1::ContainerStatusRequest {
+                        container_id,
+                        verbose: true,
+                    })
+                    .await
+            })?
+            .map_err(cri_err("ContainerStatus"))
+            .map(tonic::Response::into_inner)
+    }
+
+    /// The container's process in the node's PID namespace (hostPID).
+    pub fn pid(&self) -> Result<u32> {
+        let status = self.status()?;
+        status
+            .info
+            .get("info")
+            .and_then(|i| serde_json::from_str::<serde_json::Value>(i).ok())
+            .and_then(|v| v["pid"].as_u64())
+            .and_then(|p| u32::try_from(p).ok())
+            .filter(|p| *p != 0)
+            .ok_or_else(|| LabError::Spec("the container has no pid (not running)".into()))
+    }
+
+    /// Its stdout lines and its stderr so far, from its CRI log.
+    pub fn output(&self) -> (Vec<String>, String) {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        (
+            cri_log_lines(&text, "stdout"),
+            cri_log_lines(&text, "stderr").join("\n"),
+        )
+    }
+
+    /// Until a stdout line satisfies `pred` (returned), or the container
+    /// exits, or `timeout`.
+    pub fn wait_stdout(&self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let (out, err) = self.output();
+            if let Some(line) = out.iter().find(|l| pred(l)) {
+                return Ok(line.clone());
+            }
+            if self.exit_code()?.is_some() || Instant::now() > deadline {
+                return Err(LabError::Spec(format!(
+                    "the container printed no such line; stdout: {}\nstderr: {err}",
+                    out.join("\n")
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Its exit code once it exited.
+    pub fn exit_code(&self) -> Result<Option<i32>> {
+        let status = self.status()?;
+        Ok(status
+            .status
+            .filter(|s| s.state == k8s_cri::v1::ContainerState::ContainerExited as i32)
+            .map(|s| s.exit_code))
+    }
+
+    /// Until it exits: its exit code.
+    pub fn wait_exit(&self, timeout: Duration) -> Result<i32> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(code) = self.exit_code()? {
+                return Ok(code);
+            }
+            if Instant::now() > deadline {
+                return Err(LabError::Spec(format!(
+                    "the container did not exit within {timeout:?}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for HostContainer<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.node.remove_sandbox(&self.sandbox_id) {
+            eprintln!("lab: removing a host container's sandbox: {e}");
+        }
     }
 }

@@ -1,18 +1,19 @@
 //! The container image (`cargo xtask image`) against a lab node: `doctor`
-//! and a seed 000 trace, healthy and broken, run from the image's root
-//! filesystem give the same findings and verdicts as the bare binary —
-//! with kube-proxy's rules read by the iptables the image carries.
+//! and a seed 000 trace, healthy and broken, run from the image give the
+//! same findings and verdicts as the bare binary — with kube-proxy's rules
+//! read by the iptables the image carries.
 //!
-//! `podman run` cannot start containers on these build machines (crun:
-//! setrlimit RLIMIT_NOFILE EPERM, hybrid cgroups; docs/CONTAINERS.md), so
-//! the image runs the way a privileged host-network container does, minus
-//! the runtime: its root filesystem (`buildah mount`) under `unshare -m -p
-//! -f` (own mount and PID namespaces, the host's network namespace) and
-//! `chroot`, with /sys (BTF, bpffs), a fresh /proc and /run/netns mounted,
-//! no /dev and the image's PATH. The broken node is traced by `--netns
-//! PATH`; the healthy one from inside its namespace with no `--netns`, as
-//! a container sharing the node's network (`hostNetwork`, `kubectl debug
-//! node`) does. Both traces run at once on the node, one curl between them.
+//! The image runs under a real runtime (issue 29): side-loaded into the
+//! lab's containerd node (`ctr images import` of the OCI archive) and run
+//! through the CRI the way the DaemonSet runs it — privileged, the node's
+//! network and PID namespaces, read-only root, the DaemonSet's mounts and
+//! the node's root at /host (`kubectl debug node --profile=sysadmin`). The
+//! pods it traces are that containerd's too. `podman run` still fails on
+//! these machines (crun: setrlimit RLIMIT_NOFILE EPERM, hybrid cgroups;
+//! docs/CONTAINERS.md); containerd's runc does not, so the old chroot
+//! stand-in is gone. The broken node is traced by `--netns PATH`, the
+//! healthy one from the namespace the container shares with the node (no
+//! `--netns`); the bare binary traces beside it, one curl for both.
 //!
 //! Uses the image named by `$NATTRACE_IMAGE` (`cargo xtask test` builds it
 //! first, in the same cargo call as vm-test's musl binaries), else builds
@@ -24,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use lab::presets::{self, Backend, web_svc};
 use lab::tracer::{Finished, Nattrace, nattrace, tracing_lock};
-use lab::{Lab, build_lab};
+use lab::{Lab, Runtime, build_lab, cri};
 use serde_json::Value;
 
 const REPLY_TIMEOUT_MS: &str = "1000";
@@ -86,46 +87,15 @@ fn image() -> String {
     "localhost/nattrace:dev".to_string()
 }
 
-/// How the container meets the node's network namespace.
+/// How the container is pointed at the node.
 #[derive(Clone, Copy, PartialEq)]
 enum Network {
-    /// Its own view of the host, tracing the node by `--netns PATH`.
+    /// By `--netns PATH` (the node's /run/netns is mounted in), as one
+    /// traces a pod's or another namespace from a debug container.
     NetnsFlag,
-    /// It shares the node's namespace (`hostNetwork`, `kubectl debug
-    /// node`): started inside it by `ip netns exec` (which also mounts
-    /// that namespace's sysfs, as a runtime does), traced with no `--netns`.
+    /// No `--netns`: it traces the namespace it shares with the node
+    /// (`hostNetwork`, as the DaemonSet and `kubectl debug node` run it).
     Shared,
-}
-
-/// Program and arguments that run the image's entrypoint with `args` the
-/// way a privileged container would. No /dev: nattrace needs none.
-fn in_image(lab: &Lab, root: &Path, network: Network, args: &[String]) -> (String, Vec<String>) {
-    let script = r#"R=$1; shift
-mount --rbind /sys "$R/sys" && mount -t proc proc "$R/proc" &&
-mount --rbind /run/netns "$R/run/netns" &&
-exec env -i PATH=/usr/bin:/usr/sbin chroot "$R" /usr/bin/nattrace "$@""#;
-    let mut v: Vec<String> = ["-m", "-p", "-f", "--kill-child", "sh", "-c", script, "sh"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    v.push(root.display().to_string());
-    match network {
-        Network::NetnsFlag => {
-            v.extend(args.iter().cloned());
-            ("unshare".into(), v)
-        }
-        Network::Shared => {
-            let ns = node_ns(lab);
-            let name = Path::new(&ns).file_name().unwrap().to_string_lossy();
-            v.extend(without_netns(args));
-            let mut ip: Vec<String> = ["netns", "exec", &name, "unshare"]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
-            ip.extend(v);
-            ("ip".into(), ip)
-        }
-    }
 }
 
 /// `args` minus `--netns X`.
@@ -198,10 +168,67 @@ fn verdicts(done: &Finished) -> Vec<(String, String, String)> {
     v
 }
 
-/// Traces the lab's web Service with the bare binary and the image at
-/// once (two instances on one node are supported), curls it once, and
-/// returns both outputs once the curl's flow is decided.
-fn trace_both(lab: &Lab, root: &Path, network: Network) -> (Finished, Finished) {
+/// The image as an OCI archive (what `cargo xtask image --archive` writes
+/// and `ctr images import` side-loads onto a node), removed on drop.
+struct Archive(PathBuf);
+
+impl Archive {
+    fn of(image: &str) -> Archive {
+        let path = std::env::temp_dir().join(format!("nattrace-image-{}.tar", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        buildah(&[
+            "push",
+            "--quiet",
+            image,
+            &format!("oci-archive:{}:{image}", path.display()),
+        ]);
+        Archive(path)
+    }
+}
+
+impl Drop for Archive {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// What nattrace printed in a container, as a [`Finished`].
+fn finished_in(container: &cri::HostContainer, code: i32) -> Finished {
+    use std::os::unix::process::ExitStatusExt as _;
+    let (stdout, stderr) = container.output();
+    Finished {
+        status: std::process::ExitStatus::from_raw(code << 8),
+        stdout,
+        stderr,
+    }
+}
+
+/// Doctor and a seed 000 trace from the image run by the node's containerd
+/// as the DaemonSet runs it (privileged, hostNetwork, hostPID, the
+/// DaemonSet's mounts and /host), against the bare binary on the same node.
+fn check_node(lab: &Lab, archive: &Archive, network: Network, verdict: &str, cause: &str) {
+    let inside = |args: &[String]| match network {
+        Network::NetnsFlag => args.to_vec(),
+        Network::Shared => without_netns(args),
+    };
+    let node = lab.cri(presets::NODE_A).expect("node-a runs containerd");
+    node.import_image(&archive.0).expect("importing the image");
+    let image = image();
+    let doctor_args: Vec<String> = ["doctor", "--netns", &node_ns(lab), "--output", "json"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let bare = doctor_json(&nattrace().display().to_string(), &doctor_args);
+    let doctor = node
+        .run_host_container("nattrace-doctor", &image, &inside(&doctor_args), &[])
+        .expect("running doctor under containerd");
+    let code = doctor.wait_exit(ATTACH_TIMEOUT).expect("doctor exits");
+    let (out, err) = doctor.output();
+    let boxed: Value = serde_json::from_str(out.join("\n").trim())
+        .unwrap_or_else(|e| panic!("doctor under containerd (exit {code}): {e}: {out:?}\n{err}"));
+    assert_eq!(conclusions(&boxed), conclusions(&bare), "{boxed}\n{bare}");
+    drop(doctor);
+
     let args: Vec<String> = [
         "--svc",
         &web_svc(),
@@ -216,54 +243,34 @@ fn trace_both(lab: &Lab, root: &Path, network: Network) -> (Finished, Finished) 
     .map(|s| s.to_string())
     .collect();
     let mut bare = Nattrace::spawn(&nattrace(), &args, &[], false).expect("starting nattrace");
-    let (program, boxed_args) = in_image(lab, root, network, &args);
-    let mut boxed =
-        Nattrace::spawn(Path::new(&program), &boxed_args, &[], false).expect("starting the image");
-    for t in [&mut bare, &mut boxed] {
-        t.wait_started(ATTACH_TIMEOUT)
-            .unwrap_or_else(|e| panic!("{e:#}"));
-    }
+    let trace = node
+        .run_host_container("nattrace", &image, &inside(&args), &[])
+        .expect("running nattrace under containerd");
+    bare.wait_started(ATTACH_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    trace
+        .wait_stdout(ATTACH_TIMEOUT, |_| true)
+        .unwrap_or_else(|e| panic!("nattrace under containerd did not start: {e}"));
     let _ = lab.http_get(
         presets::CLIENT_POD,
         presets::WEB_SERVICE_IP,
         presets::WEB_PORT,
         Duration::from_secs(1),
     );
-    // Finished once the curl's flow is decided (SIGUSR1), not after a
-    // duration a loaded machine's start-up can outlast; the image's
-    // nattrace runs under unshare and sh, which pass no signal on.
     let bare = bare.finish().unwrap_or_else(|e| panic!("{e:#}"));
-    let boxed = boxed
-        .finish_descendant("nattrace")
-        .unwrap_or_else(|e| panic!("{e:#}"));
-    (bare, boxed)
-}
-
-fn check_node(lab: &Lab, root: &Path, network: Network, verdict: &str, cause: &str) {
-    let doctor_args: Vec<String> = ["doctor", "--netns", &node_ns(lab), "--output", "json"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let bare = doctor_json(&nattrace().display().to_string(), &doctor_args);
-    let (program, boxed_args) = in_image(lab, root, network, &doctor_args);
-    let boxed = doctor_json(&program, &boxed_args);
-    assert_eq!(conclusions(&boxed), conclusions(&bare), "{boxed}\n{bare}");
-    let mode = conclusions(&boxed)
-        .into_iter()
-        .find(|(check, ..)| check == "kube_proxy_mode")
-        .expect("a kube_proxy_mode finding");
-    assert_eq!(
-        mode.2, "kube-proxy=iptables",
-        "the image reads the rules: {boxed}"
-    );
-
-    let (bare, boxed) = trace_both(lab, root, network);
+    // hostPID: the container's nattrace is a process of ours to signal.
+    let pid = trace.pid().expect("the container's pid");
+    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
+    let code = trace
+        .wait_exit(lab::wait::FAIL_AFTER)
+        .expect("nattrace under containerd exits");
+    let boxed = finished_in(&trace, code);
     let (b, i) = (verdicts(&bare), verdicts(&boxed));
     assert!(!b.is_empty(), "a flow:\n{}", bare.describe());
     assert_eq!(
         i,
         b,
-        "image:\n{}\nbare:\n{}",
+        "containerd:\n{}\nbare:\n{}",
         boxed.describe(),
         bare.describe()
     );
@@ -281,45 +288,52 @@ fn check_node(lab: &Lab, root: &Path, network: Network, verdict: &str, cause: &s
         "{}",
         boxed.describe()
     );
-    // The image names the Service from kube-proxy's rules, as the bare binary does.
     let kube = |d: &Finished| d.flows().unwrap()[0]["k8s_service"].clone();
     assert_eq!(kube(&boxed), "default/web:http", "{}", boxed.describe());
-    assert_eq!(kube(&boxed), kube(&bare), "{}", bare.describe());
 }
 
+/// Issue 29 item 3: the image run by containerd (the lab's containerd
+/// node, whose pods the CRI made) gives the bare binary's findings.
 #[test]
-fn root_image_gives_the_bare_binarys_doctor_and_verdicts() {
-    if lab::skip_without_root("the image test needs root (buildah mount, unshare, eBPF)") {
+fn root_image_under_containerd_gives_the_bare_binarys_doctor_and_verdicts() {
+    if lab::skip_without_root("the image test needs root (containerd, eBPF)") {
         return;
     }
-    if Command::new("buildah").arg("--version").output().is_err() {
-        println!("skipped: buildah is not installed (cargo xtask setup installs it)");
+    if !Path::new("/usr/bin/containerd").is_file()
+        || Command::new("buildah").arg("--version").output().is_err()
+    {
+        println!(
+            "skipped: containerd or buildah is not installed (cargo xtask setup installs them)"
+        );
         return;
     }
     let started = Instant::now();
+    let archive = Archive::of(&image());
+    let _lock = tracing_lock();
     let root = Rootfs::mount(&image());
     for tool in ["usr/sbin/iptables-nft-save", "usr/sbin/nft", "usr/sbin/ip"] {
         assert!(root.path.join(tool).exists(), "the image carries {tool}");
     }
-    let _lock = tracing_lock();
-    let broken = build_lab(presets::seed000(presets::Seed000 {
-        bridge_nf_call_iptables: false,
-        backend: Backend::SameNode,
-    }));
-    check_node(
-        &broken,
-        &root.path,
-        Network::NetnsFlag,
-        "reply_not_reverse_nated",
-        "bridge_nf_call_iptables_off",
-    );
-    drop(broken);
-    let healthy = build_lab(presets::seed000(presets::Seed000 {
-        bridge_nf_call_iptables: true,
-        backend: Backend::SameNode,
-    }));
-    check_node(&healthy, &root.path, Network::Shared, "ok", "-");
-    println!("image test: {:.1?}", started.elapsed());
+    drop(root);
+    for (on, network, verdict, cause) in [
+        (
+            false,
+            Network::NetnsFlag,
+            "reply_not_reverse_nated",
+            "bridge_nf_call_iptables_off",
+        ),
+        (true, Network::Shared, "ok", "-"),
+    ] {
+        let lab = build_lab(
+            presets::seed000(presets::Seed000 {
+                bridge_nf_call_iptables: on,
+                backend: Backend::SameNode,
+            })
+            .with_runtime(Runtime::Containerd),
+        );
+        check_node(&lab, &archive, network, verdict, cause);
+    }
+    println!("image under containerd: {:.1?}", started.elapsed());
 }
 
 /// Without iptables and nft (a scratch image that carries neither) doctor
