@@ -106,3 +106,89 @@ fn root_cri_pause_image_is_built_offline() {
     let archive = cri::pause_image_archive().expect("pause image");
     assert!(std::fs::metadata(&archive).unwrap().len() > 1000);
 }
+
+/// Not a test on its own: builds a containerd lab, says what it made and
+/// waits to be killed (see the test below).
+#[test]
+#[ignore = "run by root_cri_lab_of_a_killed_test_is_removed_by_the_next"]
+fn cri_lab_that_waits_to_be_killed() {
+    if std::env::var_os("NATTRACE_CRI_KILLED").is_none() {
+        return;
+    }
+    let lab = cri_seed000(true);
+    let node = lab.cri(presets::NODE_A).expect("containerd node");
+    let netns: Vec<String> = node.pods().into_iter().map(|p| p.netns).collect();
+    println!("built {} {}", lab.id(), netns.join(" "));
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+/// A test process killed with SIGKILL runs no Drop: its containerd, the
+/// pods' processes, their `cni-…` namespaces, containerd's directory and
+/// the pods' cgroups stay. The next lab's `cleanup_stale` removes them.
+#[test]
+fn root_cri_lab_of_a_killed_test_is_removed_by_the_next() {
+    require_root!();
+    require_containerd!();
+    use std::io::BufRead as _;
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "cri::cri_lab_that_waits_to_be_killed",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("NATTRACE_CRI_KILLED", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("the killed test process");
+    let mut line = String::new();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    while !line.starts_with("built ") {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).expect("its output") > 0,
+            "the child exited before building its lab"
+        );
+    }
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let (id, netns) = (words[1].to_string(), words[2..].to_vec());
+    assert_eq!(netns.len(), 2, "{line}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let dir = std::env::temp_dir().join(format!("{id}-{}-cri", presets::NODE_A));
+    assert!(dir.is_dir(), "containerd's directory stays after SIGKILL");
+    assert!(
+        netns
+            .iter()
+            .all(|n| Path::new(lab::NETNS_DIR).join(n).exists())
+    );
+    lab::cleanup_stale();
+    for n in &netns {
+        assert!(
+            !Path::new(lab::NETNS_DIR).join(n).exists(),
+            "{n} left behind"
+        );
+    }
+    assert!(!dir.exists(), "{} left behind", dir.display());
+    assert!(!netns_list().contains(&id), "{}", netns_list());
+    let dir_text = dir.display().to_string();
+    let procs = Command::new("pgrep")
+        .args(["-f", &dir_text])
+        .output()
+        .unwrap();
+    assert!(
+        procs.stdout.is_empty(),
+        "containerd of the killed lab still runs: {procs:?}"
+    );
+    let cgroups: Vec<String> = std::fs::read_dir("/sys/fs/cgroup")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|c| c.path().join(&id))
+        .chain([Path::new("/sys/fs/cgroup").join(&id)])
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    assert!(cgroups.is_empty(), "cgroups left behind: {cgroups:?}");
+}
