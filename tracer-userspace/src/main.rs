@@ -106,6 +106,10 @@ struct Cli {
     /// The node's root filesystem, where kubelet's pod directories (var/log/pods) name the pods of clients and backends (default: /, else /host when only that has them, as in `kubectl debug node`).
     #[arg(long, value_name = "DIR", value_parser = parse_host_root)]
     host_root: Option<PathBuf>,
+
+    /// The container runtime's CRI socket, asked first for the pods' names (default: run/containerd/containerd.sock, else var/run/crio/crio.sock, under the host root).
+    #[arg(long, value_name = "PATH", value_parser = parse_cri_socket)]
+    cri_socket: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -263,6 +267,17 @@ fn parse_host_root(s: &str) -> Result<PathBuf, String> {
     } else {
         Err(format!(
             "{s} is not a directory: give the node's root filesystem (e.g. /host)"
+        ))
+    }
+}
+
+fn parse_cri_socket(s: &str) -> Result<PathBuf, String> {
+    let p = PathBuf::from(s);
+    if nattrace::pods::cri::is_socket(&p) {
+        Ok(p)
+    } else {
+        Err(format!(
+            "{s} is not a socket: give the container runtime's CRI socket (e.g. /run/containerd/containerd.sock)"
         ))
     }
 }
@@ -486,6 +501,7 @@ fn main() -> ExitCode {
         pcap: cli.pcap,
         node_name: cli.node_name,
         host_root: cli.host_root,
+        cri_socket: cli.cri_socket,
         continuous: nattrace::continuous::ContinuousOptions {
             all_services: cli.all_services,
             rules_interval: cli.rules_interval,

@@ -1,6 +1,9 @@
 //! Pods by name with no API server (issue 28 item 4): which pod a network
 //! namespace and an address belong to, from what the node itself has.
 //!
+//! - First the container runtime's CRI ([`cri`], issue 29), when its socket
+//!   is there: kubelet's own view of the pods. What follows fills in the
+//!   pods it did not list (and is all there is without it).
 //! - A pod's processes sit in a cgroup whose path names the pod's UID,
 //!   whatever the cgroup driver: cgroupfs `…/kubepods/burstable/pod<UID>/…`,
 //!   systemd `…/kubepods-burstable-pod<UID with _>.slice/…` (kubelet's
@@ -16,8 +19,8 @@
 //!
 //! The index is plain data: the session builds it ([`scan`]) and hands it
 //! to the collector, and records it (`pods` lines) so `analyze` names the
-//! same pods on another machine. The container runtime's CRI is the real
-//! runtime issue's part (issue 29).
+//! same pods on another machine.
+pub mod cri;
 pub mod scan;
 
 use std::net::IpAddr;
@@ -32,8 +35,8 @@ pub struct PodEntry {
     /// Its local addresses (loopback left out).
     #[serde(default)]
     pub addrs: Vec<IpAddr>,
-    /// `namespace/name` from kubelet's pod directories; None when only
-    /// the netns name below is known.
+    /// `namespace/name` from the CRI or kubelet's pod directories; None
+    /// when only the netns name below is known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -41,6 +44,19 @@ pub struct PodEntry {
     /// The `ip netns` name, if the namespace has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub netns_name: Option<String>,
+    /// Where `pod` came from (absent in older recordings, and unnamed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub named_by: Option<PodSource>,
+}
+
+/// Which of the node's sources named a pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PodSource {
+    /// The container runtime's CRI.
+    Cri,
+    /// The pod UID in a cgroup path joined with kubelet's pod directories.
+    Kubelet,
 }
 
 impl PodEntry {

@@ -1,6 +1,7 @@
-//! Reading the node for the [`PodIndex`]: /proc, kubelet's pod directories
-//! under the host root, and `ip netns` names. Unreadable parts are skipped:
-//! a name is a help, never a reason to stop tracing.
+//! Reading the node for the [`PodIndex`]: the container runtime's CRI,
+//! /proc, kubelet's pod directories under the host root, and `ip netns`
+//! names. Unreadable parts are skipped: a name is a help, never a reason to
+//! stop tracing.
 use std::{
     collections::HashMap,
     fs,
@@ -8,7 +9,9 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::{PodEntry, PodIndex, local_v4, local_v6, pod_of_log_dir, pod_uid_of_cgroup};
+use super::{
+    PodEntry, PodIndex, PodSource, cri, local_v4, local_v6, pod_of_log_dir, pod_uid_of_cgroup,
+};
 
 /// Where kubelet keeps a directory per pod, relative to the host root.
 pub const KUBELET_PODS_DIR: &str = "var/log/pods";
@@ -51,10 +54,24 @@ pub struct Rescan {
     roots: Roots,
     node_netns: u32,
     last: Option<std::time::Instant>,
+    cri: Option<CriSource>,
+}
+
+/// The runtime's socket and what it last said.
+struct CriSource {
+    socket: PathBuf,
+    /// The runtime's name and version, or why it did not answer.
+    answer: Option<Result<String, String>>,
+    /// After a timeout: not asked again before then (each ask holds up
+    /// the event loop for as long as the runtime hangs).
+    resting_until: Option<std::time::Instant>,
 }
 
 /// A /proc walk takes milliseconds: this often costs nothing.
 pub const REFRESH_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long a runtime that timed out is left alone.
+pub const CRI_REST: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Rescan {
     pub fn new(roots: Roots, node_netns: u32) -> Self {
@@ -62,20 +79,77 @@ impl Rescan {
             roots,
             node_netns,
             last: None,
+            cri: None,
         }
+    }
+
+    /// Asks the runtime at `socket` first (`--cri-socket`, else the first
+    /// of [`cri::SOCKETS`] under the host root: see [`cri::find_socket`]).
+    pub fn with_cri(mut self, socket: Option<PathBuf>) -> Self {
+        self.cri = socket.map(|socket| CriSource {
+            socket,
+            answer: None,
+            resting_until: None,
+        });
+        self
     }
 
     /// Where the names come from, for the start (issue 29 asks it be said).
     pub fn source_line(&self, index: &PodIndex) -> String {
         let host = self.roots.host.display();
-        if !self.roots.host.join(KUBELET_PODS_DIR).is_dir() {
-            return format!(
-                "pods are not named: no kubelet pod directories ({KUBELET_PODS_DIR}) under {host}; point --host-root at the node's root filesystem (e.g. /host)"
+        let count = |src| {
+            index
+                .pods
+                .iter()
+                .filter(|p| p.named_by == Some(src))
+                .count()
+        };
+        let kubelet = self.roots.host.join(KUBELET_PODS_DIR).is_dir();
+        let cri_failed = match &self.cri {
+            Some(CriSource {
+                socket,
+                answer: Some(Ok(runtime)),
+                ..
+            }) => {
+                let more = match count(PodSource::Kubelet) {
+                    0 => String::new(),
+                    n => format!(", {n} more from kubelet's pod directories under {host}"),
+                };
+                return format!(
+                    "pod names from the container runtime ({runtime} at {}; {} pods{more})",
+                    socket.display(),
+                    count(PodSource::Cri)
+                );
+            }
+            Some(CriSource {
+                socket,
+                answer: Some(Err(why)),
+                ..
+            }) => Some(format!(
+                "the container runtime at {} did not answer ({why})",
+                socket.display()
+            )),
+            _ => None,
+        };
+        if kubelet {
+            // The wording the lab's tests look for when this is the source.
+            let line = format!(
+                "pod names from kubelet's pod directories under {host} and the pods' cgroups ({} pods of this node now)",
+                count(PodSource::Kubelet)
             );
+            return match cri_failed {
+                Some(why) => format!("{line}; {why}"),
+                None => line,
+            };
         }
-        let named = index.pods.iter().filter(|p| p.pod.is_some()).count();
+        let cri = cri_failed.unwrap_or_else(|| {
+            format!(
+                "no container runtime socket under {host} ({}; give its path with --cri-socket)",
+                cri::SOCKETS.join(", ")
+            )
+        });
         format!(
-            "pod names from kubelet's pod directories under {host} and the pods' cgroups ({named} pods of this node now)"
+            "pods are not named: {cri}, and no kubelet pod directories ({KUBELET_PODS_DIR}) under {host}; point --host-root at the node's root filesystem (e.g. /host)"
         )
     }
 
@@ -84,8 +158,29 @@ impl Rescan {
     }
 
     pub fn scan(&mut self) -> PodIndex {
-        self.last = Some(std::time::Instant::now());
-        scan(&self.roots, self.node_netns)
+        let now = std::time::Instant::now();
+        self.last = Some(now);
+        let from_cri = match self.cri.as_mut() {
+            Some(c) if c.resting_until.is_none_or(|t| now >= t) => {
+                match cri::query(&c.socket, cri::TIMEOUT) {
+                    Ok(listing) => {
+                        c.answer = Some(Ok(listing.runtime.clone()));
+                        c.resting_until = None;
+                        listing.entries(&self.roots, self.node_netns)
+                    }
+                    Err(e) => {
+                        if e.is_timeout() {
+                            c.resting_until = Some(now + CRI_REST);
+                        }
+                        log::debug!("CRI at {}: {e}", c.socket.display());
+                        c.answer = Some(Err(e.to_string()));
+                        Vec::new()
+                    }
+                }
+            }
+            _ => Vec::new(),
+        };
+        scan_with(&self.roots, self.node_netns, from_cri)
     }
 }
 
@@ -117,7 +212,7 @@ fn netns_names(run_netns: &Path) -> HashMap<u32, String> {
 }
 
 /// The netns inode of `/proc/PID`, from its `ns/net` link (`net:[N]`).
-fn netns_of(pid_dir: &Path) -> Option<u32> {
+pub(super) fn netns_of(pid_dir: &Path) -> Option<u32> {
     let link = fs::read_link(pid_dir.join("ns/net")).ok()?;
     link.to_str()?
         .strip_prefix("net:[")?
@@ -126,8 +221,14 @@ fn netns_of(pid_dir: &Path) -> Option<u32> {
         .ok()
 }
 
-/// Every pod network namespace but the node's own (`node_netns`).
+/// Every pod network namespace but the node's own (`node_netns`), from
+/// the node's files alone.
 pub fn scan(roots: &Roots, node_netns: u32) -> PodIndex {
+    scan_with(roots, node_netns, Vec::new())
+}
+
+/// [`scan`], with the runtime's pods (`from_cri`) taking precedence.
+pub fn scan_with(roots: &Roots, node_netns: u32, from_cri: Vec<PodEntry>) -> PodIndex {
     let names = kubelet_pods(&roots.host);
     let netns_names = netns_names(&roots.run_netns);
     let mut by_netns: HashMap<u32, PodEntry> = HashMap::new();
@@ -151,6 +252,7 @@ pub fn scan(roots: &Roots, node_netns: u32) -> PodIndex {
             pod: None,
             uid: None,
             netns_name: netns_names.get(&netns).cloned(),
+            named_by: None,
         });
         if entry.uid.is_some() {
             continue;
@@ -158,6 +260,7 @@ pub fn scan(roots: &Roots, node_netns: u32) -> PodIndex {
         let cgroup = fs::read_to_string(dir.join("cgroup")).unwrap_or_default();
         if let Some(uid) = cgroup.lines().find_map(pod_uid_of_cgroup) {
             entry.pod = names.get(&uid).cloned();
+            entry.named_by = entry.pod.as_ref().map(|_| PodSource::Kubelet);
             entry.uid = Some(uid);
         }
     }
@@ -170,15 +273,48 @@ pub fn scan(roots: &Roots, node_netns: u32) -> PodIndex {
                 pod: None,
                 uid: None,
                 netns_name: Some(name),
+                named_by: None,
             });
         }
     }
-    let mut pods: Vec<PodEntry> = by_netns
-        .into_values()
-        .filter(|p| p.uid.is_some() || p.netns_name.is_some())
+    let mut pods: Vec<PodEntry> = merge(by_netns.into_values().collect(), from_cri)
+        .into_iter()
+        .filter(|p| p.uid.is_some() || p.netns_name.is_some() || p.pod.is_some())
         .collect();
-    pods.sort_by_key(|p| p.netns);
+    pods.sort_by(|a, b| (a.netns, &a.pod).cmp(&(b.netns, &b.pod)));
     PodIndex { pods }
+}
+
+/// The runtime's pods over what the node's files say: each CRI entry takes
+/// the found namespace of the same inode (or of the same pod UID) and
+/// gives it its pod, UID and addresses (the namespace's own when the
+/// runtime lists none); the `ip netns` name stays. Namespaces the runtime
+/// did not list keep what the cgroups and kubelet's directories said.
+pub fn merge(mut found: Vec<PodEntry>, from_cri: Vec<PodEntry>) -> Vec<PodEntry> {
+    for c in from_cri {
+        // By UID only when the runtime's netns was not found here: a
+        // UID's other namespace is its pod's previous sandbox.
+        let same = if c.netns != 0 {
+            found.iter().position(|f| f.netns == c.netns)
+        } else {
+            c.uid
+                .as_ref()
+                .and_then(|u| found.iter().position(|f| f.uid.as_ref() == Some(u)))
+        };
+        match same {
+            Some(i) => {
+                let f = &mut found[i];
+                if !c.addrs.is_empty() {
+                    f.addrs = c.addrs;
+                }
+                f.pod = c.pod;
+                f.uid = c.uid.or(f.uid.take());
+                f.named_by = Some(PodSource::Cri);
+            }
+            None => found.push(c),
+        }
+    }
+    found
 }
 
 fn addrs_of(pid_dir: &Path) -> Vec<std::net::IpAddr> {

@@ -89,10 +89,13 @@ impl Live {
             open_outputs(options, &header, record_file, pcap_file, status.bar())?;
         timing::mark("start line queued");
         let mut collector = Collector::new(header.collector_config()?);
-        let mut pods = crate::pods::scan::Rescan::new(
-            crate::pods::scan::Roots::node(options.host_root.as_deref()),
-            header.facts.netns_inode,
-        );
+        let roots = crate::pods::scan::Roots::node(options.host_root.as_deref());
+        let socket = options
+            .cri_socket
+            .clone()
+            .or_else(|| crate::pods::cri::find_socket(&roots.host));
+        let mut pods =
+            crate::pods::scan::Rescan::new(roots, header.facts.netns_inode).with_cri(socket);
         {
             let _t = timing::step("pods");
             let now = pods.scan();

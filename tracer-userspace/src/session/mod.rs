@@ -54,6 +54,8 @@ pub struct SessionOptions {
     pub node_name: Option<String>,
     /// `--host-root`: where kubelet's pod directories are (src/pods).
     pub host_root: Option<PathBuf>,
+    /// `--cri-socket`: the container runtime asked first for pod names.
+    pub cri_socket: Option<PathBuf>,
     /// `--all-services`, `--metrics-addr`, `--max-flows`, `--write-keep`.
     pub continuous: ContinuousOptions,
     /// Filled by [`run`]: each `--svc` with the addresses it stands for,
