@@ -71,19 +71,61 @@ fn root_cri_seed000_broken_is_not_reverse_nated() {
     assert_eq!(done.status.code(), Some(1), "{}", done.describe());
 }
 
+/// Also issue 29 item 2: the pods named from the runtime's CRI. No kubelet
+/// directories exist for these pods (the machine's /var/log/pods is not
+/// theirs), so the names can come from the CRI only.
 #[test]
-fn root_cri_seed000_healthy_is_ok() {
+fn root_cri_seed000_healthy_is_ok_and_names_the_pods_from_the_cri() {
     require_root!();
     require_containerd!();
     let _lock = tracing_lock();
     let lab = seed000(true);
-    let done = trace(&lab, presets::NODE_A, &web_svc(), &[], || {
-        assert!(curl(&lab, presets::CLIENT_POD), "the Service answers");
-    });
+    let socket = lab.cri(presets::NODE_A).expect("containerd node").socket();
+    let socket = socket.display().to_string();
+    let done = trace(
+        &lab,
+        presets::NODE_A,
+        &web_svc(),
+        &["--cri-socket", &socket],
+        || {
+            assert!(curl(&lab, presets::CLIENT_POD), "the Service answers");
+        },
+    );
     let f = done.only_flow();
     assert_common(&f, "ok", None, &done);
     assert_web_flow(&f, &lab);
     assert_eq!(done.status.code(), Some(0), "{}", done.describe());
+    let source = "pod names from the container runtime (containerd ";
+    assert!(done.stderr.contains(source), "{}", done.describe());
+    assert!(done.stderr.contains(&socket), "{}", done.describe());
+    let k8s = |pod: &str| lab::kubelet::k8s_name(pod);
+    assert_eq!(
+        f["client_pod"],
+        k8s(presets::CLIENT_POD),
+        "{}",
+        done.describe()
+    );
+    assert_eq!(
+        f["backend_pod"],
+        k8s(presets::BACKEND_POD),
+        "{}",
+        done.describe()
+    );
+    let hops: Vec<&str> = f["packets"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|p| p["hops"].as_array().into_iter().flatten())
+        .filter_map(|h| h["pod"].as_str())
+        .collect();
+    assert!(
+        hops.contains(&k8s(presets::CLIENT_POD).as_str()),
+        "{hops:?}"
+    );
+    assert!(
+        hops.contains(&k8s(presets::BACKEND_POD).as_str()),
+        "{hops:?}"
+    );
 }
 
 fn dns_trace(bridge_nf_call_iptables: bool) -> (Lab, Finished, bool) {
