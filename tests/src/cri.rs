@@ -435,31 +435,25 @@ impl CriNode {
             .join("pods")
             .join(format!("{namespace}_{name}_{uid}"));
         std::fs::create_dir_all(&log_dir).map_err(io_err("creating the pod's log directory"))?;
-        let config = PodSandboxConfig {
-            metadata: Some(PodSandboxMetadata {
-                name: name.into(),
-                uid: uid.clone(),
-                namespace: namespace.into(),
-                attempt: 0,
-            }),
-            hostname: target.into(),
-            log_directory: log_dir.display().to_string(),
-            linux: Some(LinuxPodSandboxConfig {
-                cgroup_parent: format!("/{}/kubepods/besteffort/pod{uid}", self.lab_id),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
-        let mut client = self.client();
-        let request = RunPodSandboxRequest {
-            config: Some(config.clone()),
-            runtime_handler: String::new(),
-        };
-        let sandbox_id = self
-            .call(async move { client.run_pod_sandbox(request).await })?
-            .map_err(cri_err(format!("RunPodSandbox {k8s}")))?
-            .into_inner()
-            .pod_sandbox_id;
+        let mut config = self.sandbox_config(namespace, name, &uid, &log_dir);
+        config.hostname = target.into();
+        let sandbox_id = self.run_sandbox(&config)?;
+        self.pod_of_sandbox(target, &k8s, uid, sandbox_id.clone(), config)
+            .inspect_err(|_| {
+                // Not yet in `pods`, so Drop would not remove it.
+                let _ = self.remove_sandbox(&sandbox_id);
+            })
+    }
+
+    /// The sandbox's address and netns, from its verbose status, recorded.
+    fn pod_of_sandbox(
+        &self,
+        target: &str,
+        k8s: &str,
+        uid: String,
+        sandbox_id: String,
+        config: PodSandboxConfig,
+    ) -> Result<CriPod> {
         let mut client = self.client();
         let id = sandbox_id.clone();
         let status = self
@@ -486,7 +480,7 @@ impl CriNode {
             .ok_or_else(|| LabError::Spec(format!("sandbox of {k8s}: no netns in its status")))?;
         let pod = CriPod {
             target: target.into(),
-            k8s_name: k8s.clone(),
+            k8s_name: k8s.into(),
             uid,
             sandbox_id,
             netns,
@@ -499,6 +493,84 @@ impl CriNode {
             .push(pod.clone());
         self.write_netns_list();
         Ok(pod)
+    }
+
+    /// A pod's sandbox config as kubelet fills it: metadata, log
+    /// directory, and a cgroup parent named after the pod's UID.
+    fn sandbox_config(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        log_dir: &Path,
+    ) -> PodSandboxConfig {
+        PodSandboxConfig {
+            metadata: Some(PodSandboxMetadata {
+                name: name.into(),
+                uid: uid.into(),
+                namespace: namespace.into(),
+                attempt: 0,
+            }),
+            log_directory: log_dir.display().to_string(),
+            linux: Some(LinuxPodSandboxConfig {
+                cgroup_parent: format!("/{}/kubepods/besteffort/pod{uid}", self.lab_id),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// RunPodSandbox: the sandbox's id.
+    fn run_sandbox(&self, config: &PodSandboxConfig) -> Result<String> {
+        let what = config
+            .metadata
+            .as_ref()
+            .map(|m| format!("RunPodSandbox {}/{}", m.namespace, m.name))
+            .unwrap_or_default();
+        let mut client = self.client();
+        let request = RunPodSandboxRequest {
+            config: Some(config.clone()),
+            runtime_handler: String::new(),
+        };
+        Ok(self
+            .call(async move { client.run_pod_sandbox(request).await })?
+            .map_err(cri_err(what))?
+            .into_inner()
+            .pod_sandbox_id)
+    }
+
+    /// CreateContainer in the sandbox, then StartContainer: its id.
+    fn create_and_start(
+        &self,
+        sandbox_id: &str,
+        config: ContainerConfig,
+        sandbox: &PodSandboxConfig,
+    ) -> Result<String> {
+        let name = config
+            .metadata
+            .as_ref()
+            .map(|m| m.name.clone())
+            .unwrap_or_default();
+        let mut client = self.client();
+        let request = CreateContainerRequest {
+            pod_sandbox_id: sandbox_id.into(),
+            config: Some(config),
+            sandbox_config: Some(sandbox.clone()),
+        };
+        let id = self
+            .call(async move { client.create_container(request).await })?
+            .map_err(cri_err(format!("CreateContainer {name}")))?
+            .into_inner()
+            .container_id;
+        let mut client = self.client();
+        let container_id = id.clone();
+        self.call(async move {
+            client
+                .start_container(StartContainerRequest { container_id })
+                .await
+        })?
+        .map_err(cri_err(format!("StartContainer {name}")))?;
+        Ok(id)
     }
 
     /// Every pod's netns, for [`cleanup_stale`] after a killed test.
@@ -554,24 +626,7 @@ impl CriNode {
             log_path: log.clone(),
             ..Default::default()
         };
-        let mut client = self.client();
-        let request = CreateContainerRequest {
-            pod_sandbox_id: pod.sandbox_id.clone(),
-            config: Some(config),
-            sandbox_config: Some(pod.config.clone()),
-        };
-        let id = self
-            .call(async move { client.create_container(request).await })?
-            .map_err(cri_err(format!("CreateContainer in {}", pod.k8s_name)))?
-            .into_inner()
-            .container_id;
-        let mut client = self.client();
-        self.call(async move {
-            client
-                .start_container(StartContainerRequest { container_id: id })
-                .await
-        })?
-        .map_err(cri_err(format!("StartContainer in {}", pod.k8s_name)))?;
+        self.create_and_start(&pod.sandbox_id, config, &pod.config)?;
         // The CRI log: `<time> stdout F ready` once the socket is bound.
         let path = PathBuf::from(&pod.config.log_directory).join(log);
         let deadline = Instant::now() + START_TIMEOUT;
@@ -862,37 +917,17 @@ impl CriNode {
             ipc: NamespaceMode::Node as i32,
             ..Default::default()
         };
-        let config = PodSandboxConfig {
-            metadata: Some(PodSandboxMetadata {
-                name: name.into(),
-                uid: uid.clone(),
-                namespace: "nattrace".into(),
-                attempt: 0,
-            }),
-            // No hostname: kubelet sets none for a hostNetwork pod, whose
-            // UTS namespace is the node's (runc refuses one there).
-            log_directory: log_dir.display().to_string(),
-            linux: Some(LinuxPodSandboxConfig {
-                cgroup_parent: format!("/{}/kubepods/besteffort/pod{uid}", self.lab_id),
-                security_context: Some(LinuxSandboxSecurityContext {
-                    namespace_options: Some(host()),
-                    privileged: true,
-                    ..Default::default()
-                }),
+        // No hostname: kubelet sets none for a hostNetwork pod, whose UTS
+        // namespace is the node's (runc refuses one there).
+        let mut config = self.sandbox_config("nattrace", name, &uid, &log_dir);
+        if let Some(linux) = config.linux.as_mut() {
+            linux.security_context = Some(LinuxSandboxSecurityContext {
+                namespace_options: Some(host()),
+                privileged: true,
                 ..Default::default()
-            }),
-            ..Default::default()
-        };
-        let mut client = self.client();
-        let request = RunPodSandboxRequest {
-            config: Some(config.clone()),
-            runtime_handler: String::new(),
-        };
-        let sandbox_id = self
-            .call(async move { client.run_pod_sandbox(request).await })?
-            .map_err(cri_err(format!("RunPodSandbox {name}")))?
-            .into_inner()
-            .pod_sandbox_id;
+            });
+        }
+        let sandbox_id = self.run_sandbox(&config)?;
         let mut mounts: Vec<Mount> = HOST_MOUNTS
             .iter()
             .filter(|(host, ..)| Path::new(host).exists())
@@ -945,25 +980,8 @@ impl CriNode {
             container_id: String::new(),
             log: log_dir.join(format!("{name}.log")),
         };
-        let mut client = self.client();
-        let request = CreateContainerRequest {
-            pod_sandbox_id: sandbox_id,
-            config: Some(container),
-            sandbox_config: Some(config),
-        };
-        me.container_id = self
-            .call(async move { client.create_container(request).await })?
-            .map_err(cri_err(format!("CreateContainer {name}")))?
-            .into_inner()
-            .container_id;
-        let mut client = self.client();
-        let container_id = me.container_id.clone();
-        self.call(async move {
-            client
-                .start_container(StartContainerRequest { container_id })
-                .await
-        })?
-        .map_err(cri_err(format!("StartContainer {name}")))?;
+        // From here on a failure still removes the sandbox (Drop).
+        me.container_id = self.create_and_start(&sandbox_id, container, &config)?;
         Ok(me)
     }
 }

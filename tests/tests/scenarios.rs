@@ -147,9 +147,15 @@ fn dns_trace(bridge_nf_call_iptables: bool, mode: ProxyMode) -> (Finished, bool)
             backend: Backend::SameNode,
         }),
     );
+    dns_trace_on(&lab)
+}
+
+/// Traces the cluster DNS Service on node-a while the client digs it once:
+/// the trace, and whether the answer came.
+fn dns_trace_on(lab: &Lab) -> (Finished, bool) {
     let svc = format!("{}:53", presets::DNS_SERVICE_IP);
     let mut answered = false;
-    let done = trace(&lab, presets::NODE_A, &svc, &[], || {
+    let done = trace(lab, presets::NODE_A, &svc, &[], || {
         let out = lab
             .dig(
                 presets::CLIENT_POD,

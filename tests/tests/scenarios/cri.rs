@@ -133,20 +133,7 @@ fn dns_trace(bridge_nf_call_iptables: bool) -> (Lab, Finished, bool) {
         bridge_nf_call_iptables,
         backend: Backend::SameNode,
     }));
-    let svc = format!("{}:53", presets::DNS_SERVICE_IP);
-    let mut answered = false;
-    let done = trace(&lab, presets::NODE_A, &svc, &[], || {
-        let out = lab
-            .dig(
-                presets::CLIENT_POD,
-                presets::DNS_SERVICE_IP,
-                presets::DNS_NAME,
-                CLIENT_TIMEOUT,
-            )
-            .expect("running dig");
-        answered =
-            String::from_utf8_lossy(&out.stdout).contains(&presets::WEB_SERVICE_IP.to_string());
-    });
+    let (done, answered) = dns_trace_on(&lab);
     (lab, done, answered)
 }
 
