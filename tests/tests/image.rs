@@ -242,9 +242,15 @@ fn check_node(lab: &Lab, archive: &Archive, network: Network, verdict: &str, cau
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let mut bare = Nattrace::spawn(&nattrace(), &args, &[], false).expect("starting nattrace");
+    // The runtime's socket where the DaemonSet mounts the node's: names
+    // from the CRI in both.
+    let socket = node.socket();
+    let mut bare_args = args.clone();
+    bare_args.extend(["--cri-socket".to_string(), socket.display().to_string()]);
+    let mut bare = Nattrace::spawn(&nattrace(), &bare_args, &[], false).expect("starting nattrace");
+    let cri_mount = [(socket, "/run/containerd/containerd.sock".to_string())];
     let trace = node
-        .run_host_container("nattrace", &image, &inside(&args), &[])
+        .run_host_container("nattrace", &image, &inside(&args), &cri_mount)
         .expect("running nattrace under containerd");
     bare.wait_started(ATTACH_TIMEOUT)
         .unwrap_or_else(|e| panic!("{e:#}"));
@@ -288,8 +294,25 @@ fn check_node(lab: &Lab, archive: &Archive, network: Network, verdict: &str, cau
         "{}",
         boxed.describe()
     );
-    let kube = |d: &Finished| d.flows().unwrap()[0]["k8s_service"].clone();
-    assert_eq!(kube(&boxed), "default/web:http", "{}", boxed.describe());
+    let field = |d: &Finished, k: &str| d.flows().unwrap()[0][k].clone();
+    assert_eq!(
+        field(&boxed, "k8s_service"),
+        "default/web:http",
+        "{}",
+        boxed.describe()
+    );
+    for (key, pod) in [
+        ("client_pod", presets::CLIENT_POD),
+        ("backend_pod", presets::BACKEND_POD),
+    ] {
+        assert_eq!(
+            field(&boxed, key),
+            lab::kubelet::k8s_name(pod),
+            "{}",
+            boxed.describe()
+        );
+        assert_eq!(field(&boxed, key), field(&bare, key), "{}", bare.describe());
+    }
 }
 
 /// Issue 29 item 3: the image run by containerd (the lab's containerd
