@@ -73,6 +73,12 @@ pub const REFRESH_EVERY: std::time::Duration = std::time::Duration::from_secs(10
 /// How long a runtime that timed out is left alone.
 pub const CRI_REST: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// The budget of a rescan's CRI query (the start's is [`cri::TIMEOUT`]):
+/// a rescan runs on the event loop between ring-buffer drains, so a slow
+/// runtime may hold the loop this long at most, once a [`CRI_REST`]. A
+/// healthy containerd answers a node's hundred pods in tens of ms.
+pub const CRI_RESCAN_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(250);
+
 impl Rescan {
     pub fn new(roots: Roots, node_netns: u32) -> Self {
         Self {
@@ -159,10 +165,15 @@ impl Rescan {
 
     pub fn scan(&mut self) -> PodIndex {
         let now = std::time::Instant::now();
+        let budget = if self.last.is_none() {
+            cri::TIMEOUT
+        } else {
+            CRI_RESCAN_TIMEOUT
+        };
         self.last = Some(now);
         let from_cri = match self.cri.as_mut() {
             Some(c) if c.resting_until.is_none_or(|t| now >= t) => {
-                match cri::query(&c.socket, cri::TIMEOUT) {
+                match cri::query(&c.socket, budget) {
                     Ok(listing) => {
                         c.answer = Some(Ok(listing.runtime.clone()));
                         c.resting_until = None;

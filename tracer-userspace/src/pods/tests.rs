@@ -427,6 +427,43 @@ fn a_hung_runtime_is_given_up_on_within_the_timeout() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A rescan (on the event loop) waits for a runtime a quarter of the
+/// start's budget: one that refused at start and hangs now holds the loop
+/// [`scan::CRI_RESCAN_TIMEOUT`], then is left alone.
+#[test]
+fn a_rescan_waits_for_a_hung_runtime_less_than_the_start() {
+    let dir = std::env::temp_dir().join(format!("nattrace-cri-rescan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let socket = dir.join("later.sock");
+    let roots = scan::Roots {
+        proc: dir.join("no-proc"),
+        host: dir.clone(),
+        run_netns: dir.join("no-netns"),
+    };
+    let mut rescan = scan::Rescan::new(roots, 1).with_cri(Some(socket.clone()));
+    // Nothing listens yet: refused at once, so asked again next time.
+    let started = std::time::Instant::now();
+    rescan.scan();
+    assert!(started.elapsed() < std::time::Duration::from_secs(1));
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let started = std::time::Instant::now();
+    rescan.scan();
+    let took = started.elapsed();
+    assert!(
+        took >= scan::CRI_RESCAN_TIMEOUT && took < cri::TIMEOUT,
+        "{took:?}"
+    );
+    // Rested: the next rescan does not ask.
+    let started = std::time::Instant::now();
+    rescan.scan();
+    assert!(
+        started.elapsed() < scan::CRI_RESCAN_TIMEOUT,
+        "{:?}",
+        started.elapsed()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Against a live runtime (not run by default): `NATTRACE_TEST_CRI_SOCKET=
 /// /run/containerd/containerd.sock cargo test -p tracer-userspace --lib
 /// live_runtime -- --ignored --nocapture`, as root for the netns lookups.
