@@ -426,7 +426,9 @@ impl CriNode {
 
     /// Creates the pod `target` as kubelet does: RunPodSandbox with its
     /// metadata (namespace, name, UID), log directory and cgroup parent.
-    pub(crate) fn run_pod(&self, target: &str) -> Result<CriPod> {
+    /// The lab creates its spec's pods so; a test may add one while a
+    /// trace runs (no server, no Service: a client), removed with the node.
+    pub fn run_pod(&self, target: &str) -> Result<CriPod> {
         let k8s = k8s_name(target);
         let (namespace, name) = k8s.split_once('/').expect("k8s_name has a namespace");
         let uid = uid_of(&self.lab_id, target);

@@ -273,3 +273,46 @@ fn root_cri_removed_sandbox_backend_is_unreachable() {
     assert!(text.contains(&sep), "{}", done.describe());
     assert!(text.contains("NEIGH_FAILED"), "{}", done.describe());
 }
+
+/// A pod the runtime starts while nattrace runs: its first flow comes from
+/// a namespace no named pod had, so the node is read again (the CRI asked
+/// within the rescan's budget) before that flow is decided.
+#[test]
+fn root_cri_a_pod_started_while_tracing_is_named_from_the_cri() {
+    require_root!();
+    require_containerd!();
+    let _lock = tracing_lock();
+    let lab = cri_lab(presets::single_node(true));
+    let node = lab.cri(presets::NODE_A).expect("containerd node");
+    let socket = node.socket().display().to_string();
+    let mut late = None;
+    let done = trace(
+        &lab,
+        presets::NODE_A,
+        &web_svc(),
+        &["--cri-socket", &socket],
+        || {
+            let pod = node
+                .run_pod("late-client")
+                .expect("a pod started through the CRI");
+            let url = format!("http://{}:{}/", presets::WEB_SERVICE_IP, presets::WEB_PORT);
+            let out = std::process::Command::new("ip")
+                .args(["netns", "exec", &pod.netns, "curl", "-sS", "-m", "5", &url])
+                .output()
+                .expect("running curl in the new pod");
+            assert!(out.status.success(), "{out:?}");
+            late = Some(pod);
+        },
+    );
+    let late = late.expect("the pod was started");
+    let f = done.only_flow();
+    assert_common(&f, "ok", None, &done);
+    assert_eq!(ip_of(&f["client"]), late.ip, "{}", done.describe());
+    assert_eq!(f["client_pod"], late.k8s_name, "{}", done.describe());
+    assert_eq!(
+        f["backend_pod"],
+        lab::kubelet::k8s_name(presets::BACKEND_POD),
+        "{}",
+        done.describe()
+    );
+}

@@ -77,7 +77,7 @@ pub const CRI_REST: std::time::Duration = std::time::Duration::from_secs(60);
 /// a rescan runs on the event loop between ring-buffer drains, so a slow
 /// runtime may hold the loop this long at most, once a [`CRI_REST`]. A
 /// healthy containerd answers a node's hundred pods in tens of ms.
-pub const CRI_RESCAN_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(250);
+pub const CRI_RESCAN_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
 
 impl Rescan {
     pub fn new(roots: Roots, node_netns: u32) -> Self {
