@@ -534,11 +534,27 @@ impl CriNode {
             config: Some(config.clone()),
             runtime_handler: String::new(),
         };
-        Ok(self
+        let id = self
             .call(async move { client.run_pod_sandbox(request).await })?
             .map_err(cri_err(what))?
             .into_inner()
-            .pod_sandbox_id)
+            .pod_sandbox_id;
+        self.note_id(&id);
+        Ok(id)
+    }
+
+    /// Every sandbox and container id, for [`cleanup_stale`] after a
+    /// killed test: the shim's socket and runc's state are kept by id
+    /// outside the node's directory.
+    fn note_id(&self, id: &str) {
+        use std::io::Write as _;
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(IDS_LIST))
+        {
+            let _ = writeln!(f, "{id}");
+        }
     }
 
     /// CreateContainer in the sandbox, then StartContainer: its id.
@@ -564,6 +580,7 @@ impl CriNode {
             .map_err(cri_err(format!("CreateContainer {name}")))?
             .into_inner()
             .container_id;
+        self.note_id(&id);
         let mut client = self.client();
         let container_id = id.clone();
         self.call(async move {
@@ -761,6 +778,42 @@ fn unmount_below(dir: &Path) {
     }
 }
 
+/// Where the lab's node lists its sandbox and container ids.
+const IDS_LIST: &str = "ids.list";
+
+/// What containerd 1.6 keeps by id outside its own directories, and a
+/// killed one leaves: runc's state (`/run/containerd/runc/<ns>/<id>`) and
+/// the shim's socket, `/run/containerd/s/<sha256 of ADDRESS/NS/ID>`
+/// (runtime/v2/shim/util_unix.go `SocketAddress`).
+pub fn runtime_state(socket: &Path, id: &str) -> [PathBuf; 2] {
+    use sha2::Digest as _;
+    let key = socket.join("k8s.io").join(id);
+    let hash = sha2::Sha256::digest(key.as_os_str().as_encoded_bytes());
+    let name: String = hash.iter().map(|b| format!("{b:02x}")).collect();
+    [
+        Path::new("/run/containerd/runc/k8s.io").join(id),
+        Path::new("/run/containerd/s").join(name),
+    ]
+}
+
+fn remove_runtime_state(socket: &Path, id: &str) {
+    if id.is_empty() || id.contains('/') {
+        return;
+    }
+    let [runc, shim] = runtime_state(socket, id);
+    let _ = std::fs::remove_dir_all(runc);
+    let _ = std::fs::remove_file(shim);
+}
+
+/// The sandbox and container ids a node of lab directory `dir` created.
+pub fn ids_of(dir: &Path) -> Vec<String> {
+    std::fs::read_to_string(dir.join(IDS_LIST))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
 /// Kills what runs in a `cni-…` namespace and deletes it.
 fn remove_netns(name: &str) {
     let ns = Netns::existing(name);
@@ -820,6 +873,9 @@ pub fn cleanup_stale() {
         let list = std::fs::read_to_string(dir.join("netns.list")).unwrap_or_default();
         for ns in list.lines().filter(|l| l.starts_with("cni-")) {
             remove_netns(ns);
+        }
+        for id in ids_of(&dir) {
+            remove_runtime_state(&dir.join("containerd.sock"), &id);
         }
         unmount_below(&dir);
         let _ = std::fs::remove_dir_all(&dir);

@@ -158,6 +158,15 @@ fn root_cri_lab_of_a_killed_test_is_removed_by_the_next() {
     child.wait().unwrap();
     let dir = std::env::temp_dir().join(format!("{id}-{}-cri", presets::NODE_A));
     assert!(dir.is_dir(), "containerd's directory stays after SIGKILL");
+    let socket = dir.join("containerd.sock");
+    let state: Vec<(String, std::path::PathBuf)> = cri::ids_of(&dir)
+        .into_iter()
+        .flat_map(|id| cri::runtime_state(&socket, &id).map(|p| (id.clone(), p)))
+        .collect();
+    assert!(
+        state.iter().any(|(_, p)| p.exists()),
+        "a killed containerd leaves its shims' sockets and runc's state: {state:?}"
+    );
     assert!(
         netns
             .iter()
@@ -191,4 +200,9 @@ fn root_cri_lab_of_a_killed_test_is_removed_by_the_next() {
         .map(|p| p.display().to_string())
         .collect();
     assert!(cgroups.is_empty(), "cgroups left behind: {cgroups:?}");
+    // containerd's state kept by id outside its directory: each shim's
+    // socket and runc's state of each container.
+    for (id, path) in &state {
+        assert!(!path.exists(), "{} of {id} left behind", path.display());
+    }
 }
