@@ -339,21 +339,7 @@ impl CriNode {
             hairpin,
         };
         me.wait_ready()?;
-        checked(
-            Command::new("ctr")
-                .arg("--address")
-                .arg(&socket)
-                .args([
-                    "-n",
-                    "k8s.io",
-                    "images",
-                    "import",
-                    "--snapshotter",
-                    "native",
-                ])
-                .arg(&archive),
-            "ctr images import (the pause image)",
-        )?;
+        me.import_image(&archive)?;
         Ok(me)
     }
 
