@@ -78,6 +78,19 @@ impl Lab {
         };
         for ns in [&lab.node, &lab.client, &lab.backend] {
             sh(&["ip", "netns", "add", ns]);
+            // DAD off before any link exists: `nodad` below covers the global
+            // addresses only, and while cni0's kernel-made link-local is
+            // tentative the node sends no neighbour solicitation for a
+            // forwarded packet (net/ipv6/ndisc.c ndisc_send_ns(): no saddr
+            // and ipv6_get_lladdr(.., IFA_F_TENTATIVE|IFA_F_OPTIMISTIC) fails
+            // → return), so the first SYNs wait ~2 s in the neighbour queue
+            // and a busy machine's connect timed out (6 of 15 runs).
+            for key in [
+                "net.ipv6.conf.all.accept_dad=0",
+                "net.ipv6.conf.default.accept_dad=0",
+            ] {
+                sh(&["ip", "netns", "exec", ns, "sysctl", "-qw", key]);
+            }
             sh(&["ip", "-n", ns, "link", "set", "lo", "up"]);
         }
         let n = lab.node.as_str();
