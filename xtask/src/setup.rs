@@ -41,6 +41,9 @@ const APT_PACKAGES: &[&str] = &[
     "prometheus",
     // `cargo xtask bench` profiles with perf record (cpu-clock: no PMU in these VMs)
     "linux-perf",
+    // `cargo xtask bench`'s counting measure of the process's cost per
+    // connection (callgrind on `analyze` of a recorded run: no clock noise)
+    "valgrind",
     // the root tests are proved under load beside `stress-ng --cpu 2` (issue 26)
     "stress-ng",
     // the lab's containerd nodes (tests/src/cri.rs): pods through the CRI,

@@ -56,11 +56,11 @@ fn conn_load(ctx: &Ctx) -> ClientLoad {
     }
 }
 
-fn conn_svc(ctx: &Ctx) -> SocketAddrV4 {
+pub(crate) fn conn_svc(ctx: &Ctx) -> SocketAddrV4 {
     SocketAddrV4::new(ctx.addrs.conn_svc, CONN_PORT)
 }
 
-fn client(ctx: &Ctx) -> anyhow::Result<ClientRun> {
+pub(crate) fn client(ctx: &Ctx) -> anyhow::Result<ClientRun> {
     shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &conn_load(ctx))
 }
 

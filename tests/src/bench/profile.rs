@@ -44,6 +44,9 @@ pub struct Profile {
     /// Busy CPU ms of the workload, the tracer and kernel threads (not of
     /// other processes).
     pub busy_ms: f64,
+    /// The tracer's own CPU ms by stage ([`STAGES`]) and by leaf symbol.
+    pub tracer_stages: BTreeMap<&'static str, f64>,
+    pub tracer_syms: BTreeMap<String, f64>,
 }
 
 impl Profile {
@@ -57,6 +60,12 @@ impl Profile {
         }
         for (k, v) in o.syms {
             *self.syms.entry(k).or_default() += v;
+        }
+        for (k, v) in o.tracer_stages {
+            *self.tracer_stages.entry(k).or_default() += v;
+        }
+        for (k, v) in o.tracer_syms {
+            *self.tracer_syms.entry(k).or_default() += v;
         }
     }
 }
@@ -176,6 +185,96 @@ fn bucket(
     }
 }
 
+/// Where the tracer process's time goes, by its samples' leaf symbol. The
+/// release binary has no frame pointers, so a stage is the leaf's crate or
+/// kernel path, not the caller that asked for it: an allocation is its own
+/// stage whoever allocated.
+pub const STAGES: &[&str] = &[
+    "ring buffer read (aya, user copy)",
+    "collector (flows, verdicts)",
+    "output (JSON/text formatting, queue)",
+    "recording / metrics / pods",
+    "allocation (malloc, free)",
+    "async runtime (tokio)",
+    "kernel: write/read syscalls",
+    "kernel: wakeups, scheduling, epoll, futex",
+    "kernel: other (page faults, timers, ...)",
+    "other user code (std, core, libc)",
+];
+
+fn stage(sym: &str, user: bool) -> &'static str {
+    let has = |p: &[&str]| p.iter().any(|x| sym.contains(x));
+    if !user {
+        return if has(&[
+            "write",
+            "read",
+            "pipe",
+            "copy_to_user",
+            "copy_from_user",
+            "_copy_",
+            "splice",
+            "ext4",
+            "vfs_",
+            "fsnotify",
+        ]) {
+            STAGES[6]
+        } else if has(&[
+            "schedule",
+            "switch",
+            "epoll",
+            "futex",
+            "wake",
+            "ep_",
+            "poll",
+            "enqueue",
+            "dequeue",
+            "irq",
+            "syscall",
+            "entry_",
+            "do_nanosleep",
+            "hrtimer",
+            "clock_nanosleep",
+        ]) {
+            STAGES[7]
+        } else {
+            STAGES[8]
+        };
+    }
+    if has(&["ring_buf", "RingBuf", "drain_ring", "next_events"]) {
+        STAGES[0]
+    } else if has(&["nattrace::collector", "tracer_common"]) {
+        STAGES[1]
+    } else if has(&[
+        "serde_json",
+        "nattrace::output",
+        "serde::ser",
+        "core::fmt",
+        "itoa",
+        "ryu",
+    ]) {
+        STAGES[2]
+    } else if has(&[
+        "nattrace::recording",
+        "nattrace::continuous",
+        "nattrace::pods",
+    ]) {
+        STAGES[3]
+    } else if has(&[
+        "malloc",
+        "free",
+        "realloc",
+        "__rust_alloc",
+        "__rdl_",
+        "memalign",
+    ]) {
+        STAGES[4]
+    } else if has(&["tokio", "mio::"]) {
+        STAGES[5]
+    } else {
+        STAGES[9]
+    }
+}
+
 fn is_idle(sym: &str) -> bool {
     [
         "pv_native_safe_halt",
@@ -247,6 +346,11 @@ pub fn summarize(
         let softirq = !parent.contains("[other]");
         let b = bucket((tid, comm), sym, user, softirq, tracer);
         *p.buckets.entry(b).or_default() += n * ms;
+        if b == BUCKETS[5] {
+            *p.tracer_stages.entry(stage(sym, user)).or_default() += n * ms;
+            let tag = if user { "" } else { "[k] " };
+            *p.tracer_syms.entry(format!("{tag}{sym}")).or_default() += n * ms;
+        }
         if b == BUCKETS[8] {
             continue;
         }
@@ -320,4 +424,68 @@ pub fn markdown(w: &mut String, base: &Profile, traced: &[Profile], unit: &str) 
         );
     }
     let _ = writeln!(w);
+    tracer_stages(w, traced, unit);
+}
+
+/// The tracer process's own time by stage, in µs per unit/1000 (per
+/// connection for "1000 conns", per MB for "GB"), and its top symbols.
+fn tracer_stages(w: &mut String, traced: &[Profile], unit: &str) {
+    let traced: Vec<&Profile> = traced
+        .iter()
+        .filter(|t| !t.tracer_stages.is_empty())
+        .collect();
+    if traced.is_empty() {
+        return;
+    }
+    let per = if unit == "GB" { "MB" } else { "connection" };
+    let _ = write!(
+        w,
+        "| the tracer process's own CPU, by stage (µs per {per}) |"
+    );
+    for t in &traced {
+        let _ = write!(w, " {} |", t.label);
+    }
+    let _ = write!(w, "\n|---|");
+    for _ in &traced {
+        let _ = write!(w, "---|");
+    }
+    let _ = writeln!(w);
+    // CPU ms per (unit) = µs per (unit / 1000).
+    let us = |t: &Profile, v: f64| v / t.work.max(1e-9);
+    for name in STAGES {
+        let _ = write!(w, "| {name} |");
+        for t in &traced {
+            let v = t.tracer_stages.get(name).copied().unwrap_or(0.0);
+            let _ = write!(w, " {:.2} |", us(t, v));
+        }
+        let _ = writeln!(w);
+    }
+    let _ = write!(w, "| **all of the tracer process** |");
+    for t in &traced {
+        let all: f64 = t.tracer_stages.values().sum();
+        let _ = write!(w, " **{:.2}** |", us(t, all));
+    }
+    let _ = writeln!(w);
+    for t in &traced {
+        let mut top: Vec<(&String, &f64)> = t.tracer_syms.iter().collect();
+        top.sort_by(|a, b| b.1.total_cmp(a.1));
+        let list: Vec<String> = top
+            .iter()
+            .take(12)
+            .map(|(s, v)| format!("`{}` {:.2}", short(s), us(t, **v)))
+            .collect();
+        let _ = writeln!(
+            w,
+            "\nThe tracer's top symbols (µs per {per}), {}: {}.",
+            t.label,
+            list.join(", ")
+        );
+    }
+    let _ = writeln!(w);
+}
+
+/// A Rust symbol without its hash and generic arguments, for the table.
+fn short(sym: &str) -> String {
+    let s = sym.split("::h").next().unwrap_or(sym);
+    s.chars().take(90).collect()
 }

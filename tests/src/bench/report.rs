@@ -88,6 +88,8 @@ pub struct Results {
     pub bpf: Vec<BpfSample>,
     /// (unit of work, no-tracer profile, traced profiles).
     pub profiles: Vec<(&'static str, Profile, Vec<Profile>)>,
+    /// Instructions per connection of `analyze` of a recorded run.
+    pub counted: Option<crate::callgrind::Counted>,
     /// The event the profile sampled (cycles, or cpu-clock without a PMU).
     pub perf_event: &'static str,
     /// What `--baseline` is (e.g. "main before issue 15").
@@ -684,5 +686,8 @@ fn profile_section(w: &mut String, r: &Results) {
     );
     for (unit, base, traced) in &r.profiles {
         profile::markdown(w, base, traced, unit);
+    }
+    if let Some(c) = &r.counted {
+        crate::callgrind::markdown(w, c);
     }
 }

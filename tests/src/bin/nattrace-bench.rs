@@ -10,6 +10,8 @@
 //! Conditions alternate run by run, so slow drifts of a shared machine hit
 //! all of them alike; results are ratios to the no-tracer median.
 
+#[path = "../bench/callgrind.rs"]
+mod callgrind;
 #[path = "../bench/passes.rs"]
 mod passes;
 #[path = "../bench/profile.rs"]
@@ -134,6 +136,9 @@ fn run() -> anyhow::Result<()> {
         }
         passes::bpf_pass(&ctx, &mut results, do_bulk, do_conn)?;
         passes::profile_pass(&ctx, &mut results, do_bulk, do_conn)?;
+        if do_conn {
+            results.counted = callgrind::pass(&ctx)?;
+        }
         results.startup_small = startup_runs(&ctx, 3)?.start_ms;
     }
     if opts.only.iter().any(|s| s == "startup") {

@@ -29,7 +29,9 @@ pub struct Hop {
     /// Inode of the namespace (the node's, for tc and netfilter events).
     pub netns: u32,
     pub node_ns: bool,
+    #[serde(serialize_with = "super::addr_text::serialize")]
     pub src: SocketAddr,
+    #[serde(serialize_with = "super::addr_text::serialize")]
     pub dst: SocketAddr,
     pub drop_reason: Option<Name>,
     /// This is where the reply was judged.

@@ -15,14 +15,15 @@ const MAX_NAMES: usize = 65536;
 #[derive(Clone, Debug, Default)]
 pub(crate) struct IfNames {
     node_inode: u32,
-    names: HashMap<(u32, u32), Name>,
+    /// foldhash: looked up for every hop of every reported flow.
+    names: HashMap<(u32, u32), Name, foldhash::fast::RandomState>,
 }
 
 impl IfNames {
     pub fn new(facts: &NodeFacts) -> Self {
         let mut names = Self {
             node_inode: facts.netns_inode,
-            names: HashMap::new(),
+            names: HashMap::default(),
         };
         for i in &facts.interfaces {
             names.learn(facts.netns_inode, i.ifindex, &i.name);

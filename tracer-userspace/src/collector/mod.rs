@@ -7,6 +7,7 @@
 //! the reports, `take_mute_candidates()` → mute those endpoints in the
 //! kernel. At exit: drain, `note_lost`, `finish(now)`. Offline: `push` all,
 //! `finish(last ts)`.
+pub(crate) mod addr_text;
 mod causes;
 mod checks;
 mod drop_reason;
@@ -170,7 +171,7 @@ pub struct Collector {
     free: Vec<u32>,
     live: usize,
     pairs: PairIndex,
-    skbs: HashMap<u64, SkbEntry>,
+    skbs: HashMap<u64, SkbEntry, foldhash::fast::RandomState>,
     last_skb_purge: u64,
     decide_q: VecDeque<(u64, FlowRef)>,
     timeout_q: VecDeque<(u64, FlowRef)>,
@@ -206,7 +207,7 @@ pub struct Collector {
     /// the pods or already asked about (`pods_wanted`): an event from a new
     /// one is a pod started since the last read. Only local pods have a
     /// namespace here, so other nodes' addresses never ask.
-    pods_seen: std::collections::HashSet<u32>,
+    pods_seen: std::collections::HashSet<u32, foldhash::fast::RandomState>,
     pods_wanted: bool,
     ready: Vec<FlowReport>,
     /// Processing stops once this many reports wait (see [`Self::resume`]).
@@ -242,7 +243,7 @@ impl Collector {
             free: Vec::new(),
             live: 0,
             pairs: PairIndex::default(),
-            skbs: HashMap::new(),
+            skbs: HashMap::default(),
             last_skb_purge: 0,
             decide_q: VecDeque::new(),
             timeout_q: VecDeque::new(),
@@ -256,7 +257,7 @@ impl Collector {
             rules_scanned_upto: 0,
             conntrack_wanted: false,
             pods: crate::pods::PodIndex::default(),
-            pods_seen: std::collections::HashSet::new(),
+            pods_seen: std::collections::HashSet::default(),
             pods_wanted: false,
             ready: Vec::new(),
             report_batch: usize::MAX,

@@ -44,6 +44,7 @@ pub struct Attempt {
     /// First event of this transmission.
     pub at_ns: u64,
     /// Where DNAT sent it (None: not seen after DNAT).
+    #[serde(serialize_with = "super::addr_text::serialize_opt")]
     pub backend: Option<SocketAddr>,
     /// kube-proxy's endpoint chain for that backend.
     pub sep_chain: Option<String>,

@@ -120,7 +120,9 @@ impl PairEntry {
 #[derive(Default)]
 pub(super) struct PairIndex {
     table: HashTable<PairEntry>,
-    state: std::hash::RandomState,
+    /// foldhash, not SipHash: SipHash was 4% of a healthy connection's
+    /// instructions (callgrind, BENCHMARKS.md).
+    state: foldhash::fast::RandomState,
 }
 
 /// The table wants 64 bits: its top 7 select the control byte, the low

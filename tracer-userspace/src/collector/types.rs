@@ -82,7 +82,7 @@ impl Endpoint {
 
 impl fmt::Display for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.socket_addr().fmt(f)
+        f.pad(super::addr_text::AddrText::new(&self.socket_addr()).as_str())
     }
 }
 

@@ -5,6 +5,7 @@ use std::{io, net::SocketAddr};
 
 use serde::Serialize;
 
+use crate::collector::addr_text;
 use crate::collector::{
     Attempt, Dir, Established, FlowReport, Hop, IcmpError, PacketEvidence, Phase, Proto, Summary,
     Verdict,
@@ -15,9 +16,13 @@ struct JsonFlow<'a> {
     kind: &'static str,
     verdict: Verdict,
     proto: Proto,
+    #[serde(serialize_with = "addr_text::serialize")]
     client: SocketAddr,
+    #[serde(serialize_with = "addr_text::serialize")]
     service: SocketAddr,
+    #[serde(serialize_with = "addr_text::serialize_opt")]
     backend: Option<SocketAddr>,
+    #[serde(serialize_with = "addr_text::serialize_opt")]
     snat: Option<SocketAddr>,
     hairpin: bool,
     /// kube-proxy's name of the Service port (`namespace/name:port`).
@@ -81,7 +86,21 @@ struct PacketProof<'a> {
     ack: u32,
     ip_id: u16,
     dns_id: Option<u16>,
-    hops: Vec<&'a Hop>,
+    hops: ProofHops<'a>,
+}
+
+/// The hops that prove an `ok` verdict, filtered while serializing: a
+/// `Vec` per packet was an allocation per packet on every healthy flow.
+struct ProofHops<'a>(&'a [Hop]);
+
+impl Serialize for ProofHops<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(
+            self.0
+                .iter()
+                .filter(|h| h.client_side || h.nat_stage == Some("after-nat")),
+        )
+    }
 }
 
 impl<'a> PacketProof<'a> {
@@ -94,11 +113,7 @@ impl<'a> PacketProof<'a> {
             ack: p.ack,
             ip_id: p.ip_id,
             dns_id: p.dns_id,
-            hops: p
-                .hops
-                .iter()
-                .filter(|h| h.client_side || h.nat_stage == Some("after-nat"))
-                .collect(),
+            hops: ProofHops(&p.hops),
         }
     }
 }
@@ -115,12 +130,20 @@ struct JsonSummary<'a> {
 pub struct JsonOutput<W: io::Write> {
     out: W,
     verbose: bool,
+    /// One flow's line, serialized here and written whole: serde_json's
+    /// dozens of small writes per line cost more through `W` than into a
+    /// `Vec` (perf: QueueWriter::write was the process's top symbol).
+    line: Vec<u8>,
 }
 
 impl<W: io::Write> JsonOutput<W> {
     /// `verbose`: every hop of every flow (-v); otherwise `ok` flows are abridged.
     pub fn new(out: W, verbose: bool) -> Self {
-        Self { out, verbose }
+        Self {
+            out,
+            verbose,
+            line: Vec::with_capacity(4096),
+        }
     }
 
     pub fn flow(&mut self, r: &FlowReport) -> io::Result<()> {
@@ -160,8 +183,10 @@ impl<W: io::Write> JsonOutput<W> {
             established: r.established,
             icmp_errors: &r.icmp_errors,
         };
-        serde_json::to_writer(&mut self.out, &line)?;
-        self.out.write_all(b"\n")
+        self.line.clear();
+        serde_json::to_writer(&mut self.line, &line)?;
+        self.line.push(b'\n');
+        self.out.write_all(&self.line)
     }
 
     pub fn flush(&mut self) -> io::Result<()> {

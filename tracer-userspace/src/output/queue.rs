@@ -198,8 +198,10 @@ impl Drop for WriteQueue {
     }
 }
 
+/// memchr's vectorized search: the writer thread counts every chunk's lines
+/// (bytewise it was a tenth of the process's time per connection).
 fn lines(chunk: &[u8]) -> u64 {
-    chunk.iter().filter(|&&b| b == b'\n').count() as u64
+    memchr::memchr_iter(b'\n', chunk).count() as u64
 }
 
 fn writer(shared: &Shared, mut target: Box<dyn Write + Send>) {

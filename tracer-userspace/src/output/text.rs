@@ -7,6 +7,7 @@
 use std::io::{self, Write as _};
 
 use super::clean::Clean;
+use crate::collector::addr_text::AddrText;
 use crate::collector::{FlowReport, Hop, PacketEvidence, Summary, Verdict};
 
 const GREEN: &str = "\x1b[32m";
@@ -35,6 +36,10 @@ pub struct TextStyle {
 /// Services, chains) come from the node or a recording, not from us.
 pub struct TextOutput<W: io::Write> {
     out: Clean<W>,
+    /// One flow's lines, written (and sanitized) whole: through `Clean`
+    /// piece by piece every fragment paid a UTF-8 check, a scan and a
+    /// write of its own (callgrind: most of an `ok` flow's text cost).
+    buf: Vec<u8>,
     color: bool,
     wide: bool,
     verbose: bool,
@@ -44,6 +49,7 @@ impl<W: io::Write> TextOutput<W> {
     pub fn new(out: W, style: TextStyle, verbose: bool) -> Self {
         Self {
             out: Clean::new(out, if style.color { OURS } else { &[] }),
+            buf: Vec::with_capacity(1024),
             color: style.color,
             wide: style.wide,
             verbose,
@@ -65,6 +71,12 @@ impl<W: io::Write> TextOutput<W> {
     }
 
     pub fn flow(&mut self, r: &FlowReport) -> io::Result<()> {
+        self.buf.clear();
+        self.flow_lines(r)?;
+        self.out.write_all(&self.buf)
+    }
+
+    fn flow_lines(&mut self, r: &FlowReport) -> io::Result<()> {
         let (mark, colour) = match (r.verdict, r.incomplete) {
             (_, true) | (Verdict::Unseen | Verdict::Undecided, _) => ("?", YELLOW),
             (Verdict::Ok, _) => ("✓", GREEN),
@@ -75,11 +87,12 @@ impl<W: io::Write> TextOutput<W> {
             "{c}{mark} {b}{}{reset} {} {} → {}",
             r.verdict.as_str(),
             r.proto.as_str(),
-            r.client,
-            r.service
+            AddrText::new(&r.client).as_str(),
+            AddrText::new(&r.service).as_str()
         );
         if let Some(backend) = r.backend {
-            head.push_str(&format!(" DNAT→ {backend}"));
+            head.push_str(" DNAT→ ");
+            head.push_str(AddrText::new(&backend).as_str());
         }
         let chains = r.kube.as_ref().map(|k| match &k.sep_chain {
             Some(sep) => format!("[{} {} → {sep}]", k.service, k.svc_chain),
@@ -127,15 +140,15 @@ impl<W: io::Write> TextOutput<W> {
             for n in notes {
                 line.push_str(&format!(" ({n})"));
             }
-            writeln!(self.out, "{line}")?;
+            writeln!(self.buf, "{line}")?;
         } else {
-            writeln!(self.out, "{head}")?;
+            writeln!(self.buf, "{head}")?;
             // Addresses and chain names on lines of their own: never cut.
             if let Some(snat) = r.snat {
-                writeln!(self.out, "    SNAT→ {snat}")?;
+                writeln!(self.buf, "    SNAT→ {snat}")?;
             }
             if let Some(chains) = &chains {
-                writeln!(self.out, "    kube-proxy: {chains}")?;
+                writeln!(self.buf, "    kube-proxy: {chains}")?;
             }
             if let Some(pods) = &pods {
                 self.wrapped("pods: ", pods)?;
@@ -145,17 +158,17 @@ impl<W: io::Write> TextOutput<W> {
                 self.wrapped("attempts: ", &a)?;
             }
             if let Some(cause) = &r.cause {
-                writeln!(self.out, "    {b}cause: {}{reset}", cause.id.as_str())?;
+                writeln!(self.buf, "    {b}cause: {}{reset}", cause.id.as_str())?;
                 self.wrapped("fix: ", &cause.hint)?;
             }
             for n in notes {
-                writeln!(self.out, "    ({n})")?;
+                writeln!(self.buf, "    ({n})")?;
             }
         }
         if self.verbose {
             if let Some(cause) = &r.cause {
                 if self.wide {
-                    writeln!(self.out, "    why: {}", cause.text)?;
+                    writeln!(self.buf, "    why: {}", cause.text)?;
                 } else {
                     self.wrapped("why: ", &cause.text)?;
                 }
@@ -168,7 +181,7 @@ impl<W: io::Write> TextOutput<W> {
             }
             if r.truncated {
                 writeln!(
-                    self.out,
+                    self.buf,
                     "    (more packets not recorded: per-flow evidence limit)"
                 )?;
             }
@@ -180,6 +193,11 @@ impl<W: io::Write> TextOutput<W> {
     /// columns (continuations under the text); a word longer than a line
     /// (a chain name, a command) stays whole.
     fn wrapped(&mut self, label: &str, text: &str) -> io::Result<()> {
+        // Most lines fit (an `ok` flow's always do): textwrap's Unicode
+        // line breaking was half of such a flow's text cost.
+        if 4 + label.len() + text.len() <= WRAP && !text.contains('\n') {
+            return writeln!(self.buf, "    {label}{text}");
+        }
         let first = format!("    {label}");
         let rest = " ".repeat(first.chars().count());
         let options = textwrap::Options::new(WRAP)
@@ -192,7 +210,7 @@ impl<W: io::Write> TextOutput<W> {
             // line breaking allows a break after '/').
             .word_separator(textwrap::WordSeparator::AsciiSpace);
         for line in textwrap::wrap(text, options) {
-            writeln!(self.out, "{line}")?;
+            writeln!(self.buf, "{line}")?;
         }
         Ok(())
     }
@@ -205,10 +223,10 @@ impl<W: io::Write> TextOutput<W> {
         if let Some(id) = p.dns_id {
             head.push_str(&format!(" dns_id=0x{id:04x}"));
         }
-        writeln!(self.out, "{head}")?;
+        writeln!(self.buf, "{head}")?;
         for h in &p.hops {
             let line = self.hop(r, h);
-            writeln!(self.out, "{line}")?;
+            writeln!(self.buf, "{line}")?;
         }
         Ok(())
     }
@@ -231,7 +249,7 @@ impl<W: io::Write> TextOutput<W> {
             (None, false, _) => "never reached the sender".to_string(),
         };
         writeln!(
-            self.out,
+            self.buf,
             "    {} about the {about} of {} bytes, quoting {} → {}: {fate}",
             e.describe(),
             e.quoted_len,
@@ -240,7 +258,7 @@ impl<W: io::Write> TextOutput<W> {
         )?;
         for h in &e.hops {
             let line = self.hop(r, h);
-            writeln!(self.out, "{line}")?;
+            writeln!(self.buf, "{line}")?;
         }
         Ok(())
     }

@@ -19,7 +19,8 @@ const MAX_ADDRESSES: usize = 1 << 18;
 #[derive(Default)]
 pub struct SkbIds {
     /// address → (number, last seen).
-    ids: HashMap<u64, (u64, u64)>,
+    /// foldhash: looked up for every recorded event.
+    ids: HashMap<u64, (u64, u64), foldhash::fast::RandomState>,
     next: u64,
     /// The latest event time seen.
     horizon: u64,

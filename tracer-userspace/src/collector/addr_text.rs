@@ -1,0 +1,108 @@
+//! `a.b.c.d:port` written without `core::fmt`. Every reported flow names
+//! about nine addresses (its ends and each proving hop's); through
+//! `Display` each cost ~950 instructions, 8.6k of a healthy connection's
+//! ~116k (callgrind, BENCHMARKS.md). IPv6 keeps std's formatting (its
+//! zero-run compression is not worth redoing).
+use std::net::SocketAddr;
+
+use serde::Serializer;
+
+/// An address as text, on the stack.
+pub struct AddrText {
+    buf: [u8; 64],
+    len: usize,
+}
+
+impl AddrText {
+    pub fn new(addr: &SocketAddr) -> Self {
+        let mut t = AddrText {
+            buf: [0; 64],
+            len: 0,
+        };
+        match addr {
+            SocketAddr::V4(a) => {
+                for (i, octet) in a.ip().octets().into_iter().enumerate() {
+                    if i > 0 {
+                        t.push(b'.');
+                    }
+                    t.number(u32::from(octet));
+                }
+                t.push(b':');
+                t.number(u32::from(a.port()));
+            }
+            SocketAddr::V6(a) => {
+                use std::io::Write as _;
+                let mut cursor = std::io::Cursor::new(&mut t.buf[..]);
+                // "[ffff:…:ffff%4294967295]:65535" is 54 bytes: it fits.
+                let _ = write!(cursor, "{a}");
+                t.len = cursor.position() as usize;
+            }
+        }
+        t
+    }
+
+    fn push(&mut self, b: u8) {
+        self.buf[self.len] = b;
+        self.len += 1;
+    }
+
+    fn number(&mut self, mut n: u32) {
+        let mut digits = [0u8; 5];
+        let mut i = digits.len();
+        loop {
+            i -= 1;
+            digits[i] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        for &d in &digits[i..] {
+            self.push(d);
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        // Only ASCII digits, dots, colons, brackets and hex were written.
+        std::str::from_utf8(&self.buf[..self.len]).unwrap_or_default()
+    }
+}
+
+/// `#[serde(serialize_with)]` for a `SocketAddr`: the same string as serde's.
+pub fn serialize<S: Serializer>(addr: &SocketAddr, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(AddrText::new(addr).as_str())
+}
+
+/// The same for an `Option<SocketAddr>` (`null` when absent).
+pub fn serialize_opt<S: Serializer>(addr: &Option<SocketAddr>, s: S) -> Result<S::Ok, S::Error> {
+    match addr {
+        Some(a) => serialize(a, s),
+        None => s.serialize_none(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_text_as_std() {
+        for a in [
+            "0.0.0.0:0",
+            "100.67.30.133:80",
+            "255.255.255.255:65535",
+            "10.0.0.1:53",
+            "[fd00:10:96::a]:53",
+            "[::ffff:10.0.0.1]:8080",
+            "[fe80::1%4294967295]:65535",
+            "[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535",
+        ] {
+            let addr: SocketAddr = a.parse().unwrap();
+            assert_eq!(AddrText::new(&addr).as_str(), addr.to_string(), "{a}");
+            let json = serde_json::to_string(&addr).unwrap();
+            let mut ours = serde_json::Serializer::new(Vec::new());
+            serialize(&addr, &mut ours).unwrap();
+            assert_eq!(String::from_utf8(ours.into_inner()).unwrap(), json);
+        }
+    }
+}
