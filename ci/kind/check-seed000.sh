@@ -2,7 +2,8 @@
 # Seed 000 on a real node: nattrace must call a healthy same-node Service
 # connection `ok` (exit 0), and with net.bridge.bridge-nf-call-iptables=0 on
 # the node every connection `reply_not_reverse_nated` with cause
-# `bridge_nf_call_iptables_off` (exit 1).
+# `bridge_nf_call_iptables_off` (exit 1); with NODEPORT, the same Service
+# entered from outside the node by its NodePort is `ok` with both NATs.
 #
 # One script, two callers: the kind workflow (.github/workflows/kind.yml,
 # node reached with `docker exec`) and `.ci/run` (tests/tests/kind_check.rs,
@@ -25,6 +26,13 @@
 #   TRACE_SECS   nattrace --duration (default 10)
 #   CURL_MAX_TIME  curl --max-time in seconds (default 3)
 #   WORKDIR      where outputs are kept (default: a new temporary directory)
+#   NODEPORT     optional, NODE_IP:NODE_PORT of the same Service (type
+#                NodePort, externalTrafficPolicy Cluster): a last step curls
+#                it from outside the node and must see every flow `ok` with
+#                the backend BACKEND_IP (issue 24: north-south traffic)
+#   OUTSIDE_EXEC command prefix for that outside client (default: none, this
+#                machine: the kind runner is outside its node container)
+#   OUTSIDE_IP   the outside client's address, checked in the flows when set
 #
 # Exit: 0 every assertion held; 1 one failed (each failure is one line on
 # stderr starting with FAIL, after nattrace's output); 2 bad environment.
@@ -62,6 +70,11 @@ client() {
     $CLIENT_EXEC "$@"
 }
 
+outside() {
+    # shellcheck disable=SC2086
+    ${OUTSIDE_EXEC:-} "$@"
+}
+
 FAILURES=0
 fail() {
     say "FAIL: $*"
@@ -87,14 +100,16 @@ set_sysctl() {
 
 # --- one traced step ---------------------------------------------------------
 
-# Starts nattrace on the node, waits until it has attached (its first JSON
-# line is {"kind":"start"}), makes CONNECTIONS parallel requests from the
-# client pod, and waits for nattrace to stop by itself (--duration).
+# traced_step DIR [SVC [REQUESTER]]: starts nattrace on the node for SVC
+# (default $SVC), waits until it has attached (its first JSON line is
+# {"kind":"start"}), makes CONNECTIONS parallel requests to SVC through
+# REQUESTER (default: the client pod), and waits for nattrace to stop by
+# itself (--duration).
 # Leaves $dir/nattrace.{out,err,rc} and $dir/curl.N.{out,rc}.
 traced_step() {
-    local dir=$1 pid i rc
+    local dir=$1 svc=${2:-$SVC} from=${3:-client} pid i rc
     mkdir -p "$dir"
-    node "$NATTRACE" --svc "$SVC" --duration "$TRACE_SECS" --output json \
+    node "$NATTRACE" --svc "$svc" --duration "$TRACE_SECS" --output json \
         >"$dir/nattrace.out" 2>"$dir/nattrace.err" &
     pid=$!
     for ((i = 0; i < ATTACH_TIMEOUT * 10; i++)); do
@@ -115,8 +130,8 @@ traced_step() {
     for ((i = 1; i <= CONNECTIONS; i++)); do
         {
             rc=0
-            client curl -sS -o /dev/null -w '%{http_code}' --max-time "$CURL_MAX_TIME" \
-                "http://$SVC/" >"$dir/curl.$i.out" 2>&1 || rc=$?
+            "$from" curl -sS -o /dev/null -w '%{http_code}' --max-time "$CURL_MAX_TIME" \
+                "http://$svc/" >"$dir/curl.$i.out" 2>&1 || rc=$?
             echo "$rc" >"$dir/curl.$i.rc"
         } &
         pids+=("$!")
@@ -152,9 +167,10 @@ expect_curls() {
     done
 }
 
-# expect_trace DIR EXIT VERDICT CAUSE (CAUSE "-" = none)
+# expect_trace DIR EXIT VERDICT CAUSE [SVC [CLIENT_IP]] (CAUSE "-" = none;
+# CLIENT_IP "-" = not checked)
 expect_trace() {
-    local dir=$1 want_rc=$2 verdict=$3 cause=$4 rc out
+    local dir=$1 want_rc=$2 verdict=$3 cause=$4 svc=${5:-$SVC} client_ip=${6:-$CLIENT_IP} rc out
     out=$dir/nattrace.out
     rc=$(cat "$dir/nattrace.rc")
     [ "$rc" = "$want_rc" ] || fail "nattrace exited $rc, wanted $want_rc"
@@ -175,18 +191,18 @@ expect_trace() {
     # Each flow: the verdict, the cause with its explanation and fix, and
     # the pods' addresses (the backend on the client's node, as in seed 000).
     local bad
-    bad=$(jq -c --arg v "$verdict" --arg c "$cause" --arg svc "$SVC" \
-        --arg client "$CLIENT_IP" --arg backend "$BACKEND_IP" '
+    bad=$(jq -c --arg v "$verdict" --arg c "$cause" --arg svc "$svc" \
+        --arg client "$client_ip" --arg backend "$BACKEND_IP" '
         .[] | select(
             .verdict != $v
             or .service != $svc
-            or (.client | split(":")[0]) != $client
+            or ($client != "-" and (.client | split(":")[0]) != $client)
             or ((.backend // "") | split(":")[0]) != $backend
             or .incomplete
             or (if $c == "-" then .cause != null
                 else .cause != $c or (.cause_text // "") == "" or (.hint // "") == "" end))
         | {verdict, cause, client, service, backend, incomplete, detail}' <<<"$flows")
-    [ -z "$bad" ] || fail "flows that are not $verdict (cause $cause) from $CLIENT_IP to $BACKEND_IP: $bad"
+    [ -z "$bad" ] || fail "flows that are not $verdict (cause $cause) from $client_ip to $BACKEND_IP: $bad"
 }
 
 # --- the steps -----------------------------------------------------------------
@@ -226,6 +242,19 @@ else
     fi
     restore_sysctl
     ORIGINAL=
+fi
+
+if [ -n "${NODEPORT:-}" ]; then
+    # Entering from outside: DNAT to the backend and, with the Cluster
+    # policy, masquerade to the node's address; both undone on the reply.
+    say "step 3: NodePort $NODEPORT from outside the node — every flow ok, exit 0"
+    traced_step "$WORKDIR/nodeport" "$NODEPORT" outside
+    expect_curls "$WORKDIR/nodeport" ok
+    expect_trace "$WORKDIR/nodeport" 0 ok - "$NODEPORT" "${OUTSIDE_IP:--}"
+    # Both translations shown: the masquerade as well as the DNAT.
+    unsnated=$(jq -c 'select(.kind == "flow" and .snat == null) | {client, service, backend}' \
+        "$WORKDIR/nodeport/nattrace.out")
+    [ -z "$unsnated" ] || fail "NodePort flows without the Cluster policy's masquerade: $unsnated"
 fi
 
 if [ "$FAILURES" -gt 0 ]; then

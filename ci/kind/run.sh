@@ -88,6 +88,7 @@ kubectl wait --for=condition=Ready pod/backend pod/client --timeout=300s
 SVC_IP=$(kubectl get service web -o jsonpath='{.spec.clusterIP}')
 CLIENT_IP=$(kubectl get pod client -o jsonpath='{.status.podIP}')
 BACKEND_IP=$(kubectl get pod backend -o jsonpath='{.status.podIP}')
+NODE_IP=$(kubectl get node "$NODE" -o jsonpath='{.status.addresses[?(@.type=="InternalIP")].address}')
 
 # kube-proxy programs the Service a moment after the endpoint is ready.
 for i in $(seq 60); do
@@ -112,6 +113,7 @@ NODE_EXEC="docker exec $NODE" \
     BACKEND_IP="$BACKEND_IP" \
     NATTRACE=/usr/local/bin/nattrace \
     DATAPATH="$DATAPATH" \
+    NODEPORT="$NODE_IP:30090" \
     WORKDIR="${WORKDIR:-$(mktemp -d)}" \
     "$HERE/check-seed000.sh" || rc=$?
 if [ "$rc" != 0 ]; then

@@ -12,7 +12,7 @@ use std::process::{Command, Output};
 
 use lab::presets::{self, BACKEND_IP, CLIENT_IP, CLIENT_POD, NODE_A, web_svc};
 use lab::tracer::{nattrace, tracing_lock};
-use lab::{Datapath, Lab, LabSpec, ProxyMode, build_lab};
+use lab::{Datapath, Lab, LabSpec, OutsideSpec, ProxyMode, build_lab, node_underlay_ip};
 
 #[path = "kind_check/configs.rs"]
 mod configs;
@@ -42,20 +42,39 @@ fn script() -> PathBuf {
     repo().join("ci/kind/check-seed000.sh")
 }
 
+/// The kind workload's NodePort (ci/kind/workload.yaml).
+const NODE_PORT: u16 = 30090;
+
+/// Seed 000's lab, whose `web` Service is also a NodePort (Cluster policy)
+/// reached by the outside client behind the router, as the kind runner
+/// reaches its node container.
 fn seed000_lab(mode: ProxyMode, datapath: Datapath) -> Lab {
     let mut spec: LabSpec = presets::seed000(presets::Seed000::default()).with_datapath(datapath);
     spec.kube_proxy.mode = mode;
+    spec.services[0].node_port = Some(NODE_PORT);
+    spec.outside = Some(OutsideSpec {
+        client: presets::OUTSIDE_CLIENT,
+        service_cidr: presets::SERVICE_CIDR,
+        service_route_via: NODE_A.to_string(),
+    });
     build_lab(spec)
 }
 
 /// Runs the script against `lab`'s node-a, expecting the data path
 /// `datapath` ("bridge" or "routed"); bounded by coreutils `timeout`, since
 /// a hung script must fail the test, not hang the suite.
-fn run_script(lab: &Lab, datapath: &str) -> Output {
+/// `outside_ip`: the outside client's address the NodePort step expects
+/// (None: the lab's real one).
+fn run_script(lab: &Lab, datapath: &str, outside_ip: Option<&str>) -> Output {
     let node = lab.node_netns(NODE_A).expect("node-a").name().to_string();
     let client = lab
         .netns(CLIENT_POD)
         .expect("client pod")
+        .name()
+        .to_string();
+    let outside = lab
+        .netns(lab::OUTSIDE)
+        .expect("outside client")
         .name()
         .to_string();
     let workdir = std::env::temp_dir().join(format!("nattrace-kind-check-{}-{datapath}", lab.id()));
@@ -74,6 +93,13 @@ fn run_script(lab: &Lab, datapath: &str) -> Output {
         .env("TRACE_SECS", "4")
         .env("CURL_MAX_TIME", "2")
         .env("WORKDIR", &workdir)
+        // Step 3: node-a's NodePort from the outside client.
+        .env("NODEPORT", format!("{}:{NODE_PORT}", node_underlay_ip(0)))
+        .env("OUTSIDE_EXEC", format!("ip netns exec {outside}"))
+        .env(
+            "OUTSIDE_IP",
+            outside_ip.map_or_else(|| presets::OUTSIDE_CLIENT.addr().to_string(), String::from),
+        )
         .output()
         .expect("running ci/kind/check-seed000.sh");
     let _ = std::fs::remove_dir_all(&workdir);
@@ -105,7 +131,7 @@ fn bridge_case(mode: ProxyMode, negative: bool) {
     let _serial = tracing_lock();
     let lab = seed000_lab(mode, Datapath::Bridge);
 
-    let out = run_script(&lab, "bridge");
+    let out = run_script(&lab, "bridge", None);
     assert!(
         out.status.success(),
         "the check failed on a seed 000 lab node"
@@ -116,7 +142,8 @@ fn bridge_case(mode: ProxyMode, negative: bool) {
         return;
     }
 
-    let out = run_script(&lab, "routed");
+    // And a NodePort client the flows do not show must fail step 3 too.
+    let out = run_script(&lab, "routed", Some("192.0.2.1"));
     assert_eq!(
         out.status.code(),
         Some(1),
@@ -128,6 +155,10 @@ fn bridge_case(mode: ProxyMode, negative: bool) {
         "the failure must be the broken step's: {err}"
     );
     assert!(err.contains("FAIL: flows that are not ok"), "{err}");
+    assert!(
+        err.contains("FAIL: flows that are not ok (cause -) from 192.0.2.1"),
+        "the NodePort step checks the client's address: {err}"
+    );
     assert_sysctl_restored(&lab);
 }
 
@@ -151,14 +182,14 @@ fn root_kind_check_script_routed() {
     let _serial = tracing_lock();
     let lab = seed000_lab(ProxyMode::Iptables, Datapath::Routed);
 
-    let out = run_script(&lab, "routed");
+    let out = run_script(&lab, "routed", None);
     assert!(
         out.status.success(),
         "the check failed on a routed lab node"
     );
     assert_sysctl_restored(&lab);
 
-    let out = run_script(&lab, "bridge");
+    let out = run_script(&lab, "bridge", None);
     assert_eq!(
         out.status.code(),
         Some(1),
