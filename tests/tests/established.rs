@@ -7,7 +7,7 @@
 //! recording is analysed again and must say the same. Needs root.
 use std::{
     io::{BufRead as _, BufReader},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::mpsc::{Receiver, RecvTimeoutError, channel},
@@ -50,11 +50,15 @@ struct Stream {
 }
 
 impl Stream {
-    fn open(lab: &Lab, ip: Ipv4Addr, local_port: u16) -> Stream {
+    fn open(lab: &Lab, ip: impl Into<IpAddr>, local_port: u16) -> Stream {
         let ns = lab.netns(presets::CLIENT_POD).expect("client pod");
-        let url = format!("http://{ip}:{WEB_PORT}/stream");
+        let url = format!(
+            "http://{}/stream",
+            std::net::SocketAddr::new(ip.into(), WEB_PORT)
+        );
         let mut cmd: Command = ns.command("curl").expect("curl in the client pod");
-        cmd.args(["-sN", "--max-time", "120", "--local-port"])
+        // -g: an IPv6 literal's brackets are not a glob.
+        cmd.args(["-gsN", "--max-time", "120", "--local-port"])
             .arg(local_port.to_string())
             .arg(&url)
             .stdin(Stdio::null())
@@ -109,6 +113,10 @@ impl Drop for Stream {
 }
 
 fn lab(mode: ProxyMode) -> Lab {
+    build_lab(spec(mode))
+}
+
+fn spec(mode: ProxyMode) -> lab::LabSpec {
     let mut spec = presets::seed000(Seed000 {
         bridge_nf_call_iptables: true,
         backend: Backend::SameNode,
@@ -125,16 +133,22 @@ fn lab(mode: ProxyMode) -> Lab {
         .endpoint(presets::REMOTE_BACKEND_POD, WEB_PORT),
     );
     spec.kube_proxy.mode = mode;
-    build_lab(spec)
+    spec
 }
 
 fn start(lab: &Lab, record: &Path) -> Nattrace {
+    start_for(lab, record, [WEB_SERVICE_IP, REMOTE_SERVICE_IP])
+}
+
+/// nattrace on node-a for the two Services at `ips` (port 80).
+fn start_for<A: Into<IpAddr>>(lab: &Lab, record: &Path, ips: [A; 2]) -> Nattrace {
     let node = lab.node_netns(NODE_A).expect("node-a").path();
+    let [a, b] = ips.map(|ip| std::net::SocketAddr::new(ip.into(), WEB_PORT).to_string());
     let args: Vec<String> = [
         "--svc",
-        &format!("{WEB_SERVICE_IP}:{WEB_PORT}"),
+        &a,
         "--svc",
-        &format!("{REMOTE_SERVICE_IP}:{WEB_PORT}"),
+        &b,
         "--netns",
         &node.display().to_string(),
         "--output",
@@ -369,6 +383,67 @@ fn bridge_nf_off_mid_stream(mode: ProxyMode) {
 both_modes!(
     bridge_nf_off_mid_stream: root_bridge_nf_off_mid_stream_iptables,
     root_bridge_nf_off_mid_stream_nftables
+);
+
+/// The same over IPv6 on a dual-stack node: `bridge-nf-call-ip6tables`
+/// switched off mid-stream (the IPv4 sysctl left on), the same-node
+/// backend's IPv6 replies bridged past ip6tables; the routed twin stays `ok`.
+fn bridge_nf6_off_mid_stream(mode: ProxyMode) {
+    let _lock = tracing_lock();
+    let lab = build_lab(spec(mode).dual_stack());
+    let [web6, remote6] = [WEB_SERVICE_IP, REMOTE_SERVICE_IP].map(lab::dual_stack::service_ip6);
+    let record = record_path("bnf6-flip");
+    let mut t = start_for(&lab, &record, [web6, remote6]);
+    let mut broken = Stream::open(&lab, web6, BROKEN_PORT);
+    let mut healthy = Stream::open(&lab, remote6, HEALTHY_PORT);
+    assert!(
+        broken.wait_lines(4, EVENT_TIMEOUT),
+        "IPv6 stream to the same-node backend"
+    );
+    assert!(
+        healthy.wait_lines(4, EVENT_TIMEOUT),
+        "IPv6 stream to the other node's backend"
+    );
+    lab.run(
+        NODE_A,
+        &["sysctl", "-w", "net.bridge.bridge-nf-call-ip6tables=0"],
+    )
+    .expect("switching bridge-nf-call-ip6tables off in node-a");
+    let before = broken.lines_read();
+    let healthy_now = healthy.lines_read();
+    assert!(
+        healthy.wait_lines(healthy_now + 8, EVENT_TIMEOUT),
+        "the routed IPv6 stream goes on"
+    );
+    assert!(
+        broken.lines_read() <= before + 1,
+        "the bridged IPv6 stream stalls: {} lines after the switch",
+        broken.lines_read() - before
+    );
+    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
+    assert!(line.is_some(), "nattrace reports the broken IPv6 stream");
+    let healthy_now = healthy.lines_read();
+    assert!(healthy.wait_lines(healthy_now + 3, EVENT_TIMEOUT));
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    let cause = "bridge_nf_call_ip6tables_off";
+    let broken_flow = assert_broken_and_healthy(&done, &record, cause, false);
+    assert_eq!(
+        broken_flow["verdict"], "reply_not_reverse_nated",
+        "{broken_flow}"
+    );
+    assert!(
+        broken_flow["client"]
+            .as_str()
+            .is_some_and(|c| c.starts_with('[')),
+        "an IPv6 flow: {broken_flow}"
+    );
+    remove_record(&record);
+}
+
+both_modes!(
+    bridge_nf6_off_mid_stream: root_ipv6_bridge_nf_off_mid_stream_iptables,
+    root_ipv6_bridge_nf_off_mid_stream_nftables
 );
 
 /// The broken stream's conntrack entry deleted on node-a with

@@ -16,7 +16,8 @@
 //! buffer on (`vm-guest/held.rs`). Then seed 000 over IPv6 on a
 //! dual-stack node (`vm-guest/ipv6.rs`), and long-lived connections broken
 //! after an `ok` opening, each beside a healthy twin
-//! (`vm-guest/established.rs`); and a full conntrack table, the guest's
+//! (`vm-guest/established.rs`); a path-MTU black hole across the NAT and
+//! its healthy twin (`vm-guest/icmp.rs`); and a full conntrack table, the guest's
 //! `nf_conntrack_max` lowered and put back (`vm-guest/table_full.rs`).
 //! One `vm-guest: PASS|FAIL` line per check; exit 0 only if all pass.
 //!
@@ -32,6 +33,8 @@ mod established;
 mod facts;
 #[path = "vm-guest/held.rs"]
 mod held;
+#[path = "vm-guest/icmp.rs"]
+mod icmp;
 #[path = "vm-guest/ipv6.rs"]
 mod ipv6;
 #[path = "vm-guest/record.rs"]
@@ -242,6 +245,7 @@ fn run() -> anyhow::Result<bool> {
     if !record_fixtures {
         ipv6::run(&mut checks, &nattrace, &backends)?;
         established::run(&mut checks, &nattrace, &backends);
+        icmp::run(&mut checks, &nattrace, &backends);
     }
     // Recorded too: the table-full case can only be made in a guest.
     table_full::run(
