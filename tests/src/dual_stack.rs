@@ -10,7 +10,9 @@
 //! - Service CIDR `fd00:10:96::/112`: a ClusterIP keeps its low 16 bits,
 //!   `100.67.30.133` → `fd00:10:96::1e85`, `100.64.0.10` → `fd00:10:96::a`;
 //! - underlay `fd00:172:20::/64`, the router at `::1`, node `i` at `::10+i`
-//!   (hex), like the IPv4 underlay.
+//!   (hex), like the IPv4 underlay;
+//! - the outside client (with [`LabSpec::outside`]) `fd00:10:8::a/64`
+//!   behind the router's `::1`, as `10.8.0.10/24` behind `.1`.
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
@@ -26,6 +28,9 @@ pub const SERVICE_CIDR6: Ipv6Cidr =
 /// The nodes' IPv6 underlay.
 pub const UNDERLAY6: Ipv6Cidr =
     Ipv6Cidr::new(Ipv6Addr::new(0xfd00, 0x172, 0x20, 0, 0, 0, 0, 0), 64);
+/// The outside client's IPv6 address on its LAN; the router is `::1` there.
+pub const OUTSIDE_CLIENT6: Ipv6Cidr =
+    Ipv6Cidr::new(Ipv6Addr::new(0xfd00, 0x10, 0x8, 0, 0, 0, 0, 0xa), 64);
 /// flannel's IPv6 vxlan device (`flannel-v6.<VNI>`).
 pub const VXLAN6_DEV: &str = "flannel-v6.1";
 /// The link-local address of every routed host veth (EUI-64 of

@@ -344,8 +344,14 @@ impl Lab {
     }
 
     /// The IPv6 halves of the dual-stack Services, with their pods' IPv6
-    /// addresses (what kube-proxy's IPv6 proxier sees).
-    fn resolved_services6(&self) -> Vec<ResolvedService> {
+    /// addresses (what kube-proxy's IPv6 proxier sees), for node `node`'s
+    /// rules: its NodePorts' traffic policy and which endpoints run there.
+    /// The LoadBalancer and external IPs are IPv4 ones: not in these rules.
+    fn resolved_services6(&self, node: Option<&str>) -> Vec<ResolvedService> {
+        let on_node = |pod: &str| {
+            node.and_then(|n| self.spec.nodes.iter().find(|s| s.name == n))
+                .is_some_and(|n| n.pods.iter().any(|p| p.name == pod))
+        };
         self.spec
             .services
             .iter()
@@ -362,8 +368,18 @@ impl Lab {
                         .collect(),
                     pinned: svc.pinned,
                     node_port: svc.node_port,
-                    external: Default::default(),
-                    local: Vec::new(),
+                    external: crate::spec::ExternalSpec {
+                        local_policy: svc.external.local_policy,
+                        health_check_node_port: svc.external.health_check_node_port,
+                        external_ips: Vec::new(),
+                        lb_ips: Vec::new(),
+                    },
+                    local: svc
+                        .endpoints
+                        .iter()
+                        .filter(|ep| self.pod_ip6(&ep.pod).is_some())
+                        .map(|ep| on_node(&ep.pod))
+                        .collect(),
                 })
             })
             .collect()
@@ -373,7 +389,7 @@ impl Lab {
     pub fn kube_proxy_nft_rules6(&self, index: usize) -> String {
         kube_proxy_nft::render6(
             &self.spec.kube_proxy,
-            &self.resolved_services6(),
+            &self.resolved_services6(self.spec.nodes.get(index).map(|n| n.name.as_str())),
             crate::dual_stack::node_underlay_ip6(index),
             self.spec
                 .kube_proxy
@@ -400,7 +416,7 @@ impl Lab {
         Ok(spec.pod_cidr6.map(|pod_cidr| {
             kube_proxy::render_node6(
                 &self.spec.kube_proxy,
-                &self.resolved_services6(),
+                &self.resolved_services6(Some(node)),
                 NodeNet6 {
                     pod_cidr,
                     cluster_network: POD_NETWORK6,

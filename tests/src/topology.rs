@@ -420,11 +420,14 @@ pub(crate) fn create(lab: &mut Lab) -> Result<()> {
             outside.client.host(1),
             outside.client.prefix(),
         );
-        let client_cmds = format!(
+        let mut client_cmds = format!(
             "link set lo up\naddr add {} dev eth0\nlink set eth0 up\nroute add default via {}\n",
             outside.client,
             outside.client.host(1)
         );
+        if spec.is_dual_stack() {
+            topology6::outside(&mut cmds, &mut client_cmds);
+        }
         batch("ip", lab.netns(ROUTER)?, &cmds)?;
         batch("ip", lab.netns(OUTSIDE)?, &client_cmds)?;
     } else {

@@ -10,7 +10,8 @@
 use std::fmt::Write as _;
 
 use crate::dual_stack::{
-    ROUTED_GATEWAY6, UNDERLAY6, VXLAN6_DEV, node_underlay_ip6, router_underlay_ip6, vxlan6_mac,
+    OUTSIDE_CLIENT6, ROUTED_GATEWAY6, UNDERLAY6, VXLAN6_DEV, node_underlay_ip6,
+    router_underlay_ip6, vxlan6_mac,
 };
 use crate::error::Result;
 use crate::lab::Lab;
@@ -37,6 +38,22 @@ pub(crate) fn router(cmds: &mut String) {
         "addr add {}/{} dev underlay0 nodad",
         router_underlay_ip6(),
         UNDERLAY6.prefix()
+    );
+}
+
+/// The outside client's IPv6 LAN: the router's side (`lan0`) and the
+/// client's address and default route. Reaches the nodes' IPv6 addresses
+/// (NodePorts); nodes answer through their default route, the router.
+pub(crate) fn outside(router: &mut String, client: &mut String) {
+    let gw = OUTSIDE_CLIENT6.host(1);
+    let _ = writeln!(
+        router,
+        "addr add {gw}/{} dev lan0 nodad",
+        OUTSIDE_CLIENT6.prefix()
+    );
+    let _ = writeln!(
+        client,
+        "addr add {OUTSIDE_CLIENT6} dev eth0 nodad\nroute add ::/0 via {gw}"
     );
 }
 

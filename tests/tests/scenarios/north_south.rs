@@ -315,3 +315,86 @@ fn root_all_services_sees_the_nodeport_flow() {
     assert_common(&f, "dropped", Some("no_local_endpoints"), &done);
     assert_eq!(f["service"], format!("{}:{NODE_PORT}", node_b()), "{f}");
 }
+
+/// The IPv6 half (issue 24: both families): the lab made dual-stack, the
+/// outside client at `fd00:10:8::a` behind the router, node-b's NodePort
+/// on its IPv6 underlay address (kube-proxy's ip6tables `KUBE-NODEPORTS`
+/// behind `addrtype LOCAL`, nftables' `table ip6 kube-proxy` `nodeport-ips`).
+fn lab6(mode: ProxyMode, endpoints: Endpoints) -> Lab {
+    let mut spec = presets::seed003(presets::Seed003::default());
+    let web = &mut spec.services[0];
+    let keep = match endpoints {
+        Endpoints::Remote => presets::BACKEND_POD,
+        Endpoints::Local => presets::REMOTE_BACKEND_POD,
+    };
+    web.endpoints.retain(|e| e.pod == keep);
+    web.pinned = None;
+    web.node_port = Some(NODE_PORT);
+    web.external = ExternalSpec {
+        local_policy: true,
+        external_ips: Vec::new(),
+        lb_ips: Vec::new(),
+        health_check_node_port: Some(HEALTH_CHECK_NODE_PORT),
+    };
+    build_in(mode, spec.dual_stack())
+}
+
+/// `--svc default/web` on node-b while the outside client curls node-b's
+/// IPv6 NodePort; the flow of that address.
+fn nodeport6(lab: &Lab, expect_code: i32) -> (Finished, Value) {
+    let node6 = lab::dual_stack::node_underlay_ip6(1);
+    let done = trace(lab, presets::NODE_B, "default/web", &[], || {
+        let code = lab
+            .http_get(lab::OUTSIDE, node6, NODE_PORT, CLIENT_TIMEOUT)
+            .expect("running curl")
+            .status
+            .code();
+        assert_eq!(code, Some(expect_code), "curl [{node6}]:{NODE_PORT}");
+    });
+    let service = format!("[{node6}]:{NODE_PORT}");
+    let line = done
+        .stderr
+        .lines()
+        .find(|l| l.contains("--svc default/web resolves to"))
+        .unwrap_or_else(|| panic!("no resolution line: {}", done.describe()));
+    assert!(
+        line.contains(&format!("{service} (default/web:http NodePort/tcp)")),
+        "the IPv6 NodePort is resolved by name: {line}"
+    );
+    let f = done
+        .flows()
+        .expect("JSON flows")
+        .into_iter()
+        .find(|f| f["service"] == service.as_str())
+        .unwrap_or_else(|| panic!("no flow to {service}: {}", done.describe()));
+    let client = format!("[{}]:", lab::dual_stack::OUTSIDE_CLIENT6.addr());
+    assert!(
+        f["client"].as_str().is_some_and(|c| c.starts_with(&client)),
+        "the outside client's address: {f}"
+    );
+    (done, f)
+}
+
+both_modes!(nodeport6_local_no_local: root_ipv6_nodeport_local_policy_without_local_endpoint_is_no_local_endpoints, root_ipv6_nodeport_local_policy_without_local_endpoint_is_no_local_endpoints_nft);
+fn nodeport6_local_no_local(mode: ProxyMode) {
+    let _lock = tracing_lock();
+    let lab = lab6(mode, Endpoints::Remote);
+    // kube-proxy's DROP: curl times out (28).
+    let (done, f) = nodeport6(&lab, 28);
+    assert_common(&f, "dropped", Some("no_local_endpoints"), &done);
+    assert!(f["backend"].is_null(), "never DNATed: {f}");
+    assert!(f.to_string().contains("has no local endpoints"), "{f}");
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+}
+
+both_modes!(nodeport6_local_with_local: root_ipv6_nodeport_local_policy_with_local_endpoint_is_ok, root_ipv6_nodeport_local_policy_with_local_endpoint_is_ok_nft);
+fn nodeport6_local_with_local(mode: ProxyMode) {
+    let _lock = tracing_lock();
+    let lab = lab6(mode, Endpoints::Local);
+    let (done, f) = nodeport6(&lab, 0);
+    assert_common(&f, "ok", None, &done);
+    let backend = lab::dual_stack::pod_ip6(presets::NODE_B_POD_CIDR, presets::REMOTE_BACKEND_IP);
+    assert_eq!(f["backend"], format!("[{backend}]:80"), "{f}");
+    assert!(f["snat"].is_null(), "Local policy is not masqueraded: {f}");
+    assert_eq!(done.status.code(), Some(0), "{}", done.describe());
+}
