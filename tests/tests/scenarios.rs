@@ -431,6 +431,53 @@ fn hairpin_off(mode: ProxyMode) {
     assert_hairpin_flow(&f);
 }
 
+/// Hairpin through the node's own NodePort (issue 24): the backend pod
+/// curls node-a's address on the NodePort; kube-proxy's `KUBE-EXT-` sends
+/// pod traffic to the Service chain, DNAT picks the pod itself and the
+/// endpoint chain's hairpin mark masquerades it. With the bridge port's
+/// hairpin mode on it is `ok`; off, the bridge never sends the frame back
+/// out of the port it came in by: `hairpin_mode_off`.
+fn nodeport_hairpin(mode: ProxyMode, hairpin_mode: bool) {
+    const NODE_PORT: u16 = 30090;
+    let _lock = tracing_lock();
+    let mut spec = presets::hairpin(presets::Hairpin {
+        hairpin_mode,
+        masquerade: true,
+    });
+    spec.services[0].node_port = Some(NODE_PORT);
+    let lab = build_in(mode, spec);
+    let node_ip = lab::node_underlay_ip(0);
+    let svc = format!("{node_ip}:{NODE_PORT}");
+    let mut worked = false;
+    let done = trace(&lab, presets::NODE_A, &svc, &[], || {
+        worked = lab
+            .http_get(presets::BACKEND_POD, node_ip, NODE_PORT, CLIENT_TIMEOUT)
+            .expect("running curl")
+            .status
+            .success();
+    });
+    assert_eq!(worked, hairpin_mode, "{}", done.describe());
+    let f = done.only_flow();
+    assert_eq!(f["service"], svc.as_str(), "{f}");
+    assert_hairpin_flow(&f);
+    if hairpin_mode {
+        assert_common(&f, "ok", None, &done);
+        assert!(f["snat"].is_string(), "the hairpin is masqueraded: {f}");
+    } else {
+        assert_eq!(f["cause"], "hairpin_mode_off", "{}", done.describe());
+    }
+}
+
+both_modes!(nodeport_hairpin_ok: root_nodeport_hairpin_with_hairpin_mode_is_ok, root_nodeport_hairpin_with_hairpin_mode_is_ok_nft);
+fn nodeport_hairpin_ok(mode: ProxyMode) {
+    nodeport_hairpin(mode, true);
+}
+
+both_modes!(nodeport_hairpin_off: root_nodeport_hairpin_mode_off_is_named, root_nodeport_hairpin_mode_off_is_named_nft);
+fn nodeport_hairpin_off(mode: ProxyMode) {
+    nodeport_hairpin(mode, false);
+}
+
 both_modes!(hairpin_unmasqueraded: root_hairpin_without_masquerade_is_dropped_as_local_source, root_hairpin_without_masquerade_is_dropped_as_local_source_nft);
 /// Without masquerade the pod receives its own SYN with its own address as
 /// source: Linux drops it (IP_LOCAL_SOURCE) unless accept_local is set.
