@@ -329,14 +329,24 @@ fn assert_broken_and_healthy(
 /// bridge-nf-call-iptables switched off on node-a mid-stream: the
 /// same-node backend's replies are bridged past netfilter, reach the
 /// client un-reverse-NATed, and the stream stalls; the other stream's
-/// replies are routed and stay reverse-NATed.
-fn bridge_nf_off_mid_stream(mode: ProxyMode) {
+/// replies are routed and stay reverse-NATed. With `ipv6`, the same on a
+/// dual-stack node over IPv6: `bridge-nf-call-ip6tables` switched off (the
+/// IPv4 sysctl left on), the IPv6 replies bridged past ip6tables.
+fn bridge_nf_flip(mode: ProxyMode, ipv6: bool) {
     let _lock = tracing_lock();
-    let lab = lab(mode);
-    let record = record_path("bnf-flip");
-    let mut t = start(&lab, &record);
-    let mut broken = Stream::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
-    let mut healthy = Stream::open(&lab, REMOTE_SERVICE_IP, HEALTHY_PORT);
+    let (lab, ips, family, cause) = if ipv6 {
+        let lab = build_lab(spec(mode).dual_stack());
+        let ips =
+            [WEB_SERVICE_IP, REMOTE_SERVICE_IP].map(|ip| lab::dual_stack::service_ip6(ip).into());
+        (lab, ips, "ip6tables", "bridge_nf_call_ip6tables_off")
+    } else {
+        let ips = [WEB_SERVICE_IP, REMOTE_SERVICE_IP].map(IpAddr::from);
+        (lab(mode), ips, "iptables", "bridge_nf_call_iptables_off")
+    };
+    let record = record_path(if ipv6 { "bnf6-flip" } else { "bnf-flip" });
+    let mut t = start_for(&lab, &record, ips);
+    let mut broken = Stream::open(&lab, ips[0], BROKEN_PORT);
+    let mut healthy = Stream::open(&lab, ips[1], HEALTHY_PORT);
     assert!(
         broken.wait_lines(4, EVENT_TIMEOUT),
         "stream to the same-node backend"
@@ -346,11 +356,9 @@ fn bridge_nf_off_mid_stream(mode: ProxyMode) {
         "stream to the other node's backend"
     );
 
-    lab.run(
-        NODE_A,
-        &["sysctl", "-w", "net.bridge.bridge-nf-call-iptables=0"],
-    )
-    .expect("switching bridge-nf-call-iptables off in node-a");
+    let sysctl = format!("net.bridge.bridge-nf-call-{family}=0");
+    lab.run(NODE_A, &["sysctl", "-w", &sysctl])
+        .expect("switching the bridge sysctl off in node-a");
     // The client's symptom first: the healthy stream reads 8 more lines
     // while the broken one stalls (one line may have been on its way).
     let before = broken.lines_read();
@@ -371,13 +379,23 @@ fn bridge_nf_off_mid_stream(mode: ProxyMode) {
     assert!(healthy.wait_lines(healthy_now + 3, EVENT_TIMEOUT));
     t.terminate();
     let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
-    let broken_flow =
-        assert_broken_and_healthy(&done, &record, "bridge_nf_call_iptables_off", false);
+    let broken_flow = assert_broken_and_healthy(&done, &record, cause, false);
     assert_eq!(
         broken_flow["verdict"], "reply_not_reverse_nated",
         "{broken_flow}"
     );
+    assert_eq!(
+        broken_flow["client"]
+            .as_str()
+            .is_some_and(|c| c.starts_with('[')),
+        ipv6,
+        "the flow's family: {broken_flow}"
+    );
     remove_record(&record);
+}
+
+fn bridge_nf_off_mid_stream(mode: ProxyMode) {
+    bridge_nf_flip(mode, false);
 }
 
 both_modes!(
@@ -385,60 +403,8 @@ both_modes!(
     root_bridge_nf_off_mid_stream_nftables
 );
 
-/// The same over IPv6 on a dual-stack node: `bridge-nf-call-ip6tables`
-/// switched off mid-stream (the IPv4 sysctl left on), the same-node
-/// backend's IPv6 replies bridged past ip6tables; the routed twin stays `ok`.
 fn bridge_nf6_off_mid_stream(mode: ProxyMode) {
-    let _lock = tracing_lock();
-    let lab = build_lab(spec(mode).dual_stack());
-    let [web6, remote6] = [WEB_SERVICE_IP, REMOTE_SERVICE_IP].map(lab::dual_stack::service_ip6);
-    let record = record_path("bnf6-flip");
-    let mut t = start_for(&lab, &record, [web6, remote6]);
-    let mut broken = Stream::open(&lab, web6, BROKEN_PORT);
-    let mut healthy = Stream::open(&lab, remote6, HEALTHY_PORT);
-    assert!(
-        broken.wait_lines(4, EVENT_TIMEOUT),
-        "IPv6 stream to the same-node backend"
-    );
-    assert!(
-        healthy.wait_lines(4, EVENT_TIMEOUT),
-        "IPv6 stream to the other node's backend"
-    );
-    lab.run(
-        NODE_A,
-        &["sysctl", "-w", "net.bridge.bridge-nf-call-ip6tables=0"],
-    )
-    .expect("switching bridge-nf-call-ip6tables off in node-a");
-    let before = broken.lines_read();
-    let healthy_now = healthy.lines_read();
-    assert!(
-        healthy.wait_lines(healthy_now + 8, EVENT_TIMEOUT),
-        "the routed IPv6 stream goes on"
-    );
-    assert!(
-        broken.lines_read() <= before + 1,
-        "the bridged IPv6 stream stalls: {} lines after the switch",
-        broken.lines_read() - before
-    );
-    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
-    assert!(line.is_some(), "nattrace reports the broken IPv6 stream");
-    let healthy_now = healthy.lines_read();
-    assert!(healthy.wait_lines(healthy_now + 3, EVENT_TIMEOUT));
-    t.terminate();
-    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
-    let cause = "bridge_nf_call_ip6tables_off";
-    let broken_flow = assert_broken_and_healthy(&done, &record, cause, false);
-    assert_eq!(
-        broken_flow["verdict"], "reply_not_reverse_nated",
-        "{broken_flow}"
-    );
-    assert!(
-        broken_flow["client"]
-            .as_str()
-            .is_some_and(|c| c.starts_with('[')),
-        "an IPv6 flow: {broken_flow}"
-    );
-    remove_record(&record);
+    bridge_nf_flip(mode, true);
 }
 
 both_modes!(

@@ -514,6 +514,29 @@ fn connect_all(client_ns: &Path) -> Vec<Result<String, String>> {
     })
 }
 
+/// nattrace's arguments for a recorded JSON trace of `svcs` in the node
+/// namespace `node` with `backend` (the established and ICMP checks).
+fn recorded_trace_args(backend: &str, svcs: &[String], node: &Path, record: &Path) -> Vec<String> {
+    let mut args = vec!["--backend".to_string(), backend.to_string()];
+    for svc in svcs {
+        args.extend(["--svc".to_string(), svc.clone()]);
+    }
+    args.extend(
+        [
+            "--netns",
+            &node.display().to_string(),
+            "--output",
+            "json",
+            "--reply-timeout",
+            "1000",
+            "--write",
+            &record.display().to_string(),
+        ]
+        .map(String::from),
+    );
+    args
+}
+
 /// GET from inside the client pod. setns moves only the calling thread, and
 /// this thread ends with the request, so the rest of the runner stays put;
 /// it also spares the guest curl and its libraries.

@@ -25,6 +25,12 @@ enum Endpoints {
 }
 
 fn lab(mode: ProxyMode, local_policy: bool, endpoints: Endpoints) -> Lab {
+    build_in(mode, spec(local_policy, endpoints, true))
+}
+
+/// Seed 003 with `default/web` as a NodePort (and, with `outside_ips`, a
+/// LoadBalancer IP and an external IP) whose only endpoint is `endpoints`.
+fn spec(local_policy: bool, endpoints: Endpoints, outside_ips: bool) -> lab::LabSpec {
     let mut spec = presets::seed003(presets::Seed003::default());
     let web = &mut spec.services[0];
     let keep = match endpoints {
@@ -36,11 +42,15 @@ fn lab(mode: ProxyMode, local_policy: bool, endpoints: Endpoints) -> Lab {
     web.node_port = Some(NODE_PORT);
     web.external = ExternalSpec {
         local_policy,
-        external_ips: vec![EXTERNAL_IP],
-        lb_ips: vec![LB_IP],
+        external_ips: if outside_ips {
+            vec![EXTERNAL_IP]
+        } else {
+            Vec::new()
+        },
+        lb_ips: if outside_ips { vec![LB_IP] } else { Vec::new() },
         health_check_node_port: local_policy.then_some(HEALTH_CHECK_NODE_PORT),
     };
-    build_in(mode, spec)
+    spec
 }
 
 fn node_b() -> Ipv4Addr {
@@ -321,22 +331,7 @@ fn root_all_services_sees_the_nodeport_flow() {
 /// on its IPv6 underlay address (kube-proxy's ip6tables `KUBE-NODEPORTS`
 /// behind `addrtype LOCAL`, nftables' `table ip6 kube-proxy` `nodeport-ips`).
 fn lab6(mode: ProxyMode, endpoints: Endpoints) -> Lab {
-    let mut spec = presets::seed003(presets::Seed003::default());
-    let web = &mut spec.services[0];
-    let keep = match endpoints {
-        Endpoints::Remote => presets::BACKEND_POD,
-        Endpoints::Local => presets::REMOTE_BACKEND_POD,
-    };
-    web.endpoints.retain(|e| e.pod == keep);
-    web.pinned = None;
-    web.node_port = Some(NODE_PORT);
-    web.external = ExternalSpec {
-        local_policy: true,
-        external_ips: Vec::new(),
-        lb_ips: Vec::new(),
-        health_check_node_port: Some(HEALTH_CHECK_NODE_PORT),
-    };
-    build_in(mode, spec.dual_stack())
+    build_in(mode, spec(true, endpoints, false).dual_stack())
 }
 
 /// `--svc default/web` on node-b while the outside client curls node-b's

@@ -111,25 +111,8 @@ fn one(nattrace: &Path, backend: &str, case: &Case, invalid: bool) -> anyhow::Re
     let node = lab.node_netns(NODE_A)?.path();
     let client = lab.netns(presets::CLIENT_POD)?.path();
     let record = PathBuf::from(format!("/tmp/vm-established-{backend}-{invalid}.rec"));
-    let args: Vec<String> = [
-        "--backend",
-        backend,
-        "--svc",
-        &format!("{WEB_SERVICE_IP}:{WEB_PORT}"),
-        "--svc",
-        &format!("{REMOTE_SERVICE_IP}:{WEB_PORT}"),
-        "--netns",
-        &node.display().to_string(),
-        "--output",
-        "json",
-        "--reply-timeout",
-        "1000",
-        "--write",
-        &record.display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let svcs = [WEB_SERVICE_IP, REMOTE_SERVICE_IP].map(|ip| format!("{ip}:{WEB_PORT}"));
+    let args = super::recorded_trace_args(backend, &svcs, &node, &record);
     let mut t = Nattrace::spawn_echoing(nattrace, &args, super::TRACER_ENV, Echo::Stderr)?;
     let first = t.wait_started(ATTACH_TIMEOUT)?;
     if !first.contains("\"kind\":\"start\"") {
