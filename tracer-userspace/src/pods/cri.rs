@@ -23,7 +23,7 @@ use k8s_cri::v1::{
 };
 use tonic::transport::{Endpoint, Uri};
 
-use super::{PodEntry, PodSource, scan::Roots};
+use super::{PodEntry, PodSource, Roots};
 
 /// Where containerd and CRI-O listen, relative to the host root.
 pub const SOCKETS: [&str; 2] = ["run/containerd/containerd.sock", "var/run/crio/crio.sock"];
@@ -183,7 +183,7 @@ pub fn netns_inode(roots: &Roots, info: &SandboxInfo) -> Option<u32> {
     });
     from_path.or_else(|| {
         info.pid
-            .and_then(|pid| super::scan::netns_of(&roots.proc.join(pid.to_string())))
+            .and_then(|pid| super::netns_of(&roots.proc.join(pid.to_string())))
     })
 }
 
@@ -223,7 +223,7 @@ impl Listing {
 /// [`super::scan::Rescan`].
 pub fn list(socket: &Path) -> Result<Vec<PodEntry>, CriError> {
     let roots = Roots::node(Some(Path::new("/")));
-    let own = super::scan::netns_of(Path::new("/proc/self")).unwrap_or(0);
+    let own = super::netns_of(Path::new("/proc/self")).unwrap_or(0);
     Ok(query(socket, TIMEOUT)?.entries(&roots, own))
 }
 

@@ -23,9 +23,56 @@
 pub mod cri;
 pub mod scan;
 
+use std::fs;
 use std::net::IpAddr;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+
+/// Where kubelet keeps a directory per pod, relative to the host root.
+pub const KUBELET_PODS_DIR: &str = "var/log/pods";
+
+/// Where the node's files are read from.
+#[derive(Clone, Debug)]
+pub struct Roots {
+    /// `/proc` of the node's PID namespace.
+    pub proc: PathBuf,
+    /// The node's root filesystem: `/`, or `/host` in `kubectl debug node`.
+    pub host: PathBuf,
+    /// `ip netns`'s directory of named namespaces.
+    pub run_netns: PathBuf,
+}
+
+impl Roots {
+    /// `--host-root`, else `/` when it has kubelet's pod directories, else
+    /// [`crate::host::HOST_ROOT`] when that has them.
+    pub fn node(host_root: Option<&Path>) -> Self {
+        let host = host_root.map(Path::to_path_buf).unwrap_or_else(|| {
+            let own = PathBuf::from("/");
+            let container = PathBuf::from(crate::host::HOST_ROOT);
+            if !own.join(KUBELET_PODS_DIR).is_dir() && container.join(KUBELET_PODS_DIR).is_dir() {
+                container
+            } else {
+                own
+            }
+        });
+        Self {
+            proc: PathBuf::from("/proc"),
+            host,
+            run_netns: PathBuf::from("/run/netns"),
+        }
+    }
+}
+
+/// The netns inode of `/proc/PID`, from its `ns/net` link (`net:[N]`).
+pub(crate) fn netns_of(pid_dir: &Path) -> Option<u32> {
+    let link = fs::read_link(pid_dir.join("ns/net")).ok()?;
+    link.to_str()?
+        .strip_prefix("net:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
+}
 
 /// One pod network namespace of this node.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -13,40 +13,10 @@ use super::{
     PodEntry, PodIndex, PodSource, cri, local_v4, local_v6, pod_of_log_dir, pod_uid_of_cgroup,
 };
 
-/// Where kubelet keeps a directory per pod, relative to the host root.
-pub const KUBELET_PODS_DIR: &str = "var/log/pods";
-
-/// Where the node's files are read from.
-#[derive(Clone, Debug)]
-pub struct Roots {
-    /// `/proc` of the node's PID namespace.
-    pub proc: PathBuf,
-    /// The node's root filesystem: `/`, or `/host` in `kubectl debug node`.
-    pub host: PathBuf,
-    /// `ip netns`'s directory of named namespaces.
-    pub run_netns: PathBuf,
-}
-
-impl Roots {
-    /// `--host-root`, else `/` when it has kubelet's pod directories, else
-    /// [`crate::host::HOST_ROOT`] when that has them.
-    pub fn node(host_root: Option<&Path>) -> Self {
-        let host = host_root.map(Path::to_path_buf).unwrap_or_else(|| {
-            let own = PathBuf::from("/");
-            let container = PathBuf::from(crate::host::HOST_ROOT);
-            if !own.join(KUBELET_PODS_DIR).is_dir() && container.join(KUBELET_PODS_DIR).is_dir() {
-                container
-            } else {
-                own
-            }
-        });
-        Self {
-            proc: PathBuf::from("/proc"),
-            host,
-            run_netns: PathBuf::from("/run/netns"),
-        }
-    }
-}
+// Roots and netns_of live in the parent module: cri.rs needs them too, and
+// taking them from here made scan.rs and cri.rs import each other.
+use super::netns_of;
+pub use super::{KUBELET_PODS_DIR, Roots};
 
 /// Reads the node's pods again when asked, and every [`REFRESH_EVERY`]
 /// (a namespace inode freed by a deleted pod can be another's later).
@@ -220,16 +190,6 @@ fn netns_names(run_netns: &Path) -> HashMap<u32, String> {
             ))
         })
         .collect()
-}
-
-/// The netns inode of `/proc/PID`, from its `ns/net` link (`net:[N]`).
-pub(super) fn netns_of(pid_dir: &Path) -> Option<u32> {
-    let link = fs::read_link(pid_dir.join("ns/net")).ok()?;
-    link.to_str()?
-        .strip_prefix("net:[")?
-        .strip_suffix(']')?
-        .parse()
-        .ok()
 }
 
 /// Every pod network namespace but the node's own (`node_netns`), from
