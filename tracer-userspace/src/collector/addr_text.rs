@@ -46,18 +46,8 @@ impl AddrText {
         self.len += 1;
     }
 
-    fn number(&mut self, mut n: u32) {
-        let mut digits = [0u8; 5];
-        let mut i = digits.len();
-        loop {
-            i -= 1;
-            digits[i] = b'0' + (n % 10) as u8;
-            n /= 10;
-            if n == 0 {
-                break;
-            }
-        }
-        for &d in &digits[i..] {
+    fn number(&mut self, n: u32) {
+        for &d in itoa::Buffer::new().format(n).as_bytes() {
             self.push(d);
         }
     }

@@ -126,23 +126,8 @@ fn one(nattrace: &Path, backend: &str, fixture: Option<&str>) -> anyhow::Result<
     ));
 
     let record = PathBuf::from(format!("/tmp/vm-table-full-{backend}.rec"));
-    let args: Vec<String> = [
-        "--backend",
-        backend,
-        "--svc",
-        &format!("{WEB_SERVICE_IP}:{WEB_PORT}"),
-        "--netns",
-        &node.display().to_string(),
-        "--output",
-        "json",
-        "--reply-timeout",
-        "1000",
-        "--write",
-        &record.display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let svc = format!("{WEB_SERVICE_IP}:{WEB_PORT}");
+    let args = super::recorded_trace_args(backend, &[svc], &node, &record);
     let mut t = Nattrace::spawn_echoing(nattrace, &args, super::TRACER_ENV, Echo::Stderr)?;
     let first = t.wait_started(ATTACH_TIMEOUT)?;
     if !first.contains("\"kind\":\"start\"") {
