@@ -467,10 +467,146 @@ fn conntrack_entry_deleted_mid_stream(mode: ProxyMode) {
         verdict == "dropped" || verdict == "reply_not_reverse_nated",
         "{broken_flow}"
     );
+    // Named from conntrack itself, looked up when the flow failed: no entry.
+    assert!(
+        broken_flow["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("entry for the connection was gone")),
+        "{broken_flow}"
+    );
     remove_record(&record);
 }
 
 both_modes!(
     conntrack_entry_deleted_mid_stream: root_conntrack_entry_deleted_mid_stream_iptables,
     root_conntrack_entry_deleted_mid_stream_nftables
+);
+
+/// Run in the backend pod: waits for one segment the backend sends on the
+/// stream to the client's PORT (its addresses as the backend sees them,
+/// its sequence and acknowledgement numbers), then
+/// sends one more segment of that connection with a sequence number 2^30
+/// past it — over the window the client advertised, so conntrack marks it
+/// INVALID although the connection's entry is in place (tcp_in_window,
+/// net/netfilter/nf_conntrack_proto_tcp.c: "SEQ is over the upper bound";
+/// one under the window would only be ignored since 6.1).
+const OUT_OF_WINDOW: &str = r#"
+import socket, struct, sys
+cport = int(sys.argv[1])
+# ETH_P_ALL: a packet socket of one protocol sees no outgoing packets
+# (dev_queue_xmit_nit delivers to ptype_all only).
+sniff = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(3))
+sniff.settimeout(30)
+while True:
+    pkt, addr = sniff.recvfrom(65535)
+    ihl = (pkt[0] & 15) * 4
+    if addr[1] != 0x0800 or addr[2] != socket.PACKET_OUTGOING or pkt[9] != 6:
+        continue
+    sport, dport, seq, ack = struct.unpack("!HHII", pkt[ihl:ihl + 12])
+    if dport == cport:
+        break
+src, client = pkt[12:16], pkt[16:20]
+def csum(b):
+    b += b"\0" * (len(b) % 2)
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    s = (s >> 16) + (s & 0xffff)
+    s += s >> 16
+    return ~s & 0xffff
+seq = (seq + (1 << 30)) & 0xffffffff
+tcp = struct.pack("!HHIIBBHHH", sport, dport, seq, ack, 5 << 4, 0x18, 502, 0, 0) + b"out-of-window\n"
+c = csum(src + client + struct.pack("!BBH", 0, 6, len(tcp)) + tcp)
+tcp = tcp[:16] + struct.pack("!H", c) + tcp[18:]
+ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp), 0, 0x4000, 64, 6, 0, src, client)
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+raw.sendto(ip + tcp, (socket.inet_ntoa(client), 0))
+print("sent seq", seq, "to", socket.inet_ntoa(client), cport)
+"#;
+
+/// A segment of the broken stream out of the TCP window (sent from the
+/// backend's namespace with the stream's own addresses, as a confused
+/// middlebox or a spoofed segment would): conntrack marks it INVALID with
+/// the connection's entry in place.
+/// - iptables mode: kube-proxy's `KUBE-FORWARD … --ctstate INVALID -j DROP`
+///   drops it, the client never sees it and the stream goes on: one
+///   dropped packet followed by healthy replies is no failure, and the
+///   stream stays `ok` (the watch reopens the flow and closes it again).
+/// - nftables mode, where the lab renders no INVALID rule (kube-proxy's own
+///   nftables mode has one; this stands for a node without it, as before
+///   kubernetes#74840 or with a CNI's own forwarding rules): NAT skips it,
+///   it reaches the client from the backend's address, the client answers
+///   with a RST that resets the backend's socket (kubernetes#74839), and
+///   the stream stops. nattrace names it `conntrack_invalid`, out of the
+///   TCP window — the twin of the deleted entry above, told apart by
+///   looking the entry up over ctnetlink when the flow failed.
+fn conntrack_out_of_window_mid_stream(mode: ProxyMode) {
+    let _lock = tracing_lock();
+    let lab = lab(mode);
+    let record = record_path("ct-window");
+    let mut t = start(&lab, &record);
+    let mut broken = Stream::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
+    let mut healthy = Stream::open(&lab, WEB_SERVICE_IP, HEALTHY_PORT);
+    assert!(broken.wait_lines(4, EVENT_TIMEOUT), "first stream");
+    assert!(healthy.wait_lines(4, EVENT_TIMEOUT), "second stream");
+    let port = BROKEN_PORT.to_string();
+    let sent = lab
+        .run(
+            presets::BACKEND_POD,
+            &["python3", "-c", OUT_OF_WINDOW, &port],
+        )
+        .expect("sending the out-of-window segment");
+    println!("{}", sent.trim());
+    if mode == ProxyMode::Iptables {
+        // Lines read after the segment span more than the watch's wait
+        // (1 s at 0.3 s a line): the reopened flow was decided by then.
+        let now = broken.lines_read();
+        assert!(
+            broken.wait_lines(now + 8, EVENT_TIMEOUT),
+            "the rule kept the segment from the client: the stream goes on"
+        );
+        t.terminate();
+        let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+        // 4, not 0: the other traced Service (REMOTE_SERVICE_IP) saw no
+        // connection in this case; 1 would be a failed flow.
+        assert_eq!(done.status.code(), Some(4), "{}", done.describe());
+        let live = flows(&done);
+        assert!(
+            live.iter().all(|f| f["verdict"] == "ok"),
+            "a dropped stray segment leaves the streams ok: {}",
+            done.describe()
+        );
+        remove_record(&record);
+        return;
+    }
+    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
+    assert!(line.is_some(), "nattrace reports the out-of-window segment");
+    let before = broken.lines_read();
+    let healthy_now = healthy.lines_read();
+    assert!(
+        healthy.wait_lines(healthy_now + 8, EVENT_TIMEOUT),
+        "the other stream goes on"
+    );
+    assert!(
+        broken.lines_read() <= before + 1,
+        "the reset stream stops: {} lines after the segment",
+        broken.lines_read() - before
+    );
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    let broken_flow = assert_broken_and_healthy(&done, &record, "conntrack_invalid", true);
+    assert_eq!(
+        broken_flow["verdict"], "reply_not_reverse_nated",
+        "{broken_flow}"
+    );
+    assert!(
+        broken_flow["detail"].as_str().is_some_and(
+            |d| d.contains("with the connection's entry in place (out of the TCP window)")
+        ),
+        "{broken_flow}"
+    );
+    remove_record(&record);
+}
+
+both_modes!(
+    conntrack_out_of_window_mid_stream: root_conntrack_out_of_window_mid_stream_iptables,
+    root_conntrack_out_of_window_mid_stream_nftables
 );

@@ -50,9 +50,34 @@ pub struct NodeFacts {
     /// never written in a header: flows decided after it are judged with it.
     #[serde(skip)]
     pub conntrack_now: Option<ConntrackTable>,
+    /// conntrack's entries of flows that failed the watch, looked up when
+    /// they failed (a recording's `ct_entry` lines; checks/midstream.rs),
+    /// newest last; never written in a header.
+    #[serde(skip)]
+    pub ct_entries: Vec<crate::ctnetlink::CtLookup>,
 }
 
 impl NodeFacts {
+    /// The newest lookup of a flow's tuple (client → the address it sent to).
+    pub fn ct_entry(
+        &self,
+        tuple: &crate::ctnetlink::CtTuple,
+    ) -> Option<&crate::ctnetlink::CtLookup> {
+        self.ct_entries.iter().rev().find(|l| l.tuple == *tuple)
+    }
+
+    /// Kept for the flows decided next; bounded, as flows fail for as long
+    /// as nattrace runs (a flow is decided [`WATCH_WAIT_NS`] after its
+    /// lookup, long before 1024 others fail).
+    ///
+    /// [`WATCH_WAIT_NS`]: crate::collector::established::WATCH_WAIT_NS
+    pub fn add_ct_entry(&mut self, l: crate::ctnetlink::CtLookup) {
+        if self.ct_entries.len() >= 1024 {
+            self.ct_entries.drain(..512);
+        }
+        self.ct_entries.push(l);
+    }
+
     pub fn interface(&self, ifindex: u32) -> Option<&Interface> {
         self.interfaces.iter().find(|i| i.ifindex == ifindex)
     }

@@ -5,6 +5,7 @@ pub mod analyze;
 pub mod btf;
 pub mod collector;
 pub mod continuous;
+pub mod ctnetlink;
 pub mod doctor;
 pub mod facts;
 pub mod host;

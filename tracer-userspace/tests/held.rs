@@ -253,6 +253,7 @@ fn decide_held(rec: &std::path::Path) -> (Vec<FlowReport>, u64, u64) {
             Record::Sysctls(s) => c.update_sysctls(s),
             Record::Conntrack(t) => c.update_conntrack(t),
             Record::Pods(p) => c.update_pods(p),
+            Record::CtEntry(l) => c.update_ct_entry(*l),
             Record::Stats(s) => {
                 let due: Vec<Key> = c
                     .take_due_held(s.now_ns)

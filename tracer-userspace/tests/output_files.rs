@@ -329,6 +329,7 @@ fn recordings_carry_no_kernel_address_and_decide_the_same() {
                 Record::Sysctls(s) => w.sysctls(s),
                 Record::Conntrack(t) => w.conntrack(t),
                 Record::Pods(p) => w.pods(&p),
+                Record::CtEntry(l) => w.ct_entry(&l),
                 Record::End(s) => w.end(s),
                 Record::Capped { .. } | Record::Rotated { .. } => {}
             }
@@ -527,6 +528,7 @@ fn rerecord(path: &Path, out: &Path, limit: Option<u64>, keep: usize) {
             Record::Sysctls(s) => w.sysctls(s),
             Record::Conntrack(t) => w.conntrack(t),
             Record::Pods(p) => w.pods(&p),
+            Record::CtEntry(l) => w.ct_entry(&l),
             Record::End(s) => w.end(s),
             Record::Capped { .. } | Record::Rotated { .. } => {}
         }

@@ -153,6 +153,7 @@ pub const ESTABLISHED: &[&str] = &[
     "root_bridge_nf_off_mid_stream_nftables",
     "root_conntrack_entry_deleted_mid_stream_iptables",
     "root_conntrack_entry_deleted_mid_stream_nftables",
+    "root_conntrack_out_of_window_mid_stream_nftables",
 ];
 
 /// established_more.rs's tests recorded beside [`ESTABLISHED`]'s (issue 22).

@@ -147,6 +147,24 @@ pub(crate) struct Flow {
 }
 
 impl Flow {
+    /// A DNATed flow's conntrack tuple as its client sent it, and the
+    /// client → backend one that an entry made mid-stream without NAT holds
+    /// as its reply direction (crate::ctnetlink).
+    pub fn ct_tuples(
+        &self,
+    ) -> Option<(crate::ctnetlink::CtTuple, Option<crate::ctnetlink::CtTuple>)> {
+        use crate::ctnetlink::CtTuple;
+        use std::net::SocketAddr;
+        let backend = self.backend?;
+        let client = SocketAddr::new(self.client.addr, self.client.port);
+        let tuple = |to: Endpoint| CtTuple {
+            proto: self.proto,
+            src: client,
+            dst: SocketAddr::new(to.addr, to.port),
+        };
+        Some((tuple(self.service), Some(tuple(backend))))
+    }
+
     pub fn new(ev: &PacketEvent) -> Self {
         let client = Endpoint::src(ev);
         let service = Endpoint::dst(ev);

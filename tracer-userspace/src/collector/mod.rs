@@ -201,6 +201,10 @@ pub struct Collector {
     /// timeout), so a full table is judged as it is then
     /// (checks/table_full.rs).
     conntrack_wanted: bool,
+    /// DNATed flows that failed the watch since the session last looked:
+    /// their conntrack entries are looked up before they are decided
+    /// (checks/midstream.rs `conntrack_invalid`). Bounded.
+    ct_wanted: Vec<(crate::ctnetlink::CtTuple, Option<crate::ctnetlink::CtTuple>)>,
     /// The node's pod namespaces, to name clients, backends and hops.
     pods: crate::pods::PodIndex,
     /// Namespaces other than the node's that events came from, known to
@@ -256,6 +260,7 @@ impl Collector {
             rules_wanted: false,
             rules_scanned_upto: 0,
             conntrack_wanted: false,
+            ct_wanted: Vec::new(),
             pods: crate::pods::PodIndex::default(),
             pods_seen: std::collections::HashSet::default(),
             pods_wanted: false,
@@ -501,6 +506,23 @@ impl Collector {
     /// line): flows decided from now on are judged with it.
     pub fn update_conntrack(&mut self, t: crate::facts::ConntrackTable) {
         self.cfg.facts.conntrack_now = Some(t);
+    }
+
+    /// DNATed flows that failed the watch since the last call, each as the
+    /// tuple its client sent and the client ↔ backend tuple: the session
+    /// looks them up in conntrack ([`crate::ctnetlink::lookup`]), hands the
+    /// results to [`Collector::update_ct_entry`] and records them, before
+    /// the tick (they are decided [`WATCH_WAIT_NS`] after they failed).
+    pub fn take_ct_lookups(
+        &mut self,
+    ) -> Vec<(crate::ctnetlink::CtTuple, Option<crate::ctnetlink::CtTuple>)> {
+        std::mem::take(&mut self.ct_wanted)
+    }
+
+    /// A flow's conntrack entry as looked up (live, or a recording's
+    /// `ct_entry` line): its flow is decided with it.
+    pub fn update_ct_entry(&mut self, l: crate::ctnetlink::CtLookup) {
+        self.cfg.facts.add_ct_entry(l);
     }
 
     /// Whether an event came from a namespace no pod had since the last
@@ -758,6 +780,11 @@ impl Collector {
                 established::reopen(flow, ev);
                 self.watch_q.push_back((ev.ts_ns + WATCH_WAIT_NS, r));
                 self.sysctls_wanted = true;
+                if self.ct_wanted.len() < 256
+                    && let Some(q) = flow.ct_tuples()
+                {
+                    self.ct_wanted.push(q);
+                }
                 // A stale conntrack entry is judged against the rules as
                 // they are when the flow is decided; so is a DROP rule
                 // added mid-stream (the filter table is part of the read).

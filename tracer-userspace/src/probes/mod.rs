@@ -360,6 +360,18 @@ impl Tracer {
         self.netns.run(crate::facts::ConntrackTable::read).ok()
     }
 
+    /// A flow's conntrack entry in the traced namespace, looked up now
+    /// (crate::ctnetlink). None when the namespace cannot be entered.
+    pub fn ct_lookup(
+        &self,
+        tuple: crate::ctnetlink::CtTuple,
+        unnated: Option<crate::ctnetlink::CtTuple>,
+    ) -> Option<crate::ctnetlink::CtLookup> {
+        self.netns
+            .run(move || crate::ctnetlink::lookup(tuple, unnated))
+            .ok()
+    }
+
     /// kube-proxy's rules in the traced namespace, read now (blocking:
     /// `iptables-save`/`nft` take milliseconds to a second on a big node).
     pub fn reread_rules(&self) -> crate::ruleset::KubeProxyRules {

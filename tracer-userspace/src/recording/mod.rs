@@ -46,7 +46,7 @@ pub const FORMAT: &str = "nattrace-recording";
 /// 4: ICMP error events (`icmp_type` set, addresses those of the packet the
 /// error quotes): an older reader would take them for that packet. Also
 /// (additive) north-south Services in the header's `kube_proxy`.
-pub const VERSION: u32 = 5;
+pub const VERSION: u32 = 6;
 /// A SIGKILL loses at most this much of the recording.
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
 
@@ -280,6 +280,10 @@ pub enum Line {
     /// named an address no pod had: flows decided after this line name
     /// their pods from it (src/pods).
     Pods(crate::pods::PodIndex),
+    /// Version 6: conntrack's entry of a flow that failed the watch of
+    /// established flows, looked up when it failed: flows decided after
+    /// this line name the cause from it (checks/midstream.rs).
+    CtEntry(Box<crate::ctnetlink::CtLookup>),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -476,6 +480,11 @@ impl RecordingWriter {
     /// conntrack's table read again (a request dropped before any DNAT).
     pub fn conntrack(&mut self, t: crate::facts::ConntrackTable) {
         self.line(&Line::Conntrack(t));
+    }
+
+    /// conntrack's entry of a flow that failed the watch.
+    pub fn ct_entry(&mut self, l: &crate::ctnetlink::CtLookup) {
+        self.line(&Line::CtEntry(Box::new(l.clone())));
     }
 
     pub fn interface(&mut self, netns: u32, ifindex: u32, name: &str) {

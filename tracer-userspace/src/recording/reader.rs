@@ -41,6 +41,8 @@ pub enum Record {
     Conntrack(crate::facts::ConntrackTable),
     /// The node's pod namespaces.
     Pods(crate::pods::PodIndex),
+    /// conntrack's entry of a flow that failed the watch.
+    CtEntry(Box<crate::ctnetlink::CtLookup>),
 }
 
 /// Why the recording was read only in part (one line for the user).
@@ -305,6 +307,7 @@ impl<R: BufRead> Reader<R> {
                 Line::Sysctls(s) => Some(Record::Sysctls(s)),
                 Line::Conntrack(t) => Some(Record::Conntrack(t)),
                 Line::Pods(p) => Some(Record::Pods(p)),
+                Line::CtEntry(l) => Some(Record::CtEntry(l)),
                 Line::End(s) if s.now_ns >= MAX_TS_NS => {
                     self.skip("end time out of range");
                     continue;

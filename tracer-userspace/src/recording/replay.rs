@@ -116,6 +116,7 @@ pub fn replay<E>(
             Record::Sysctls(s) => c.update_sysctls(s),
             Record::Conntrack(t) => c.update_conntrack(t),
             Record::Pods(p) => c.update_pods(p),
+            Record::CtEntry(l) => c.update_ct_entry(*l),
             Record::End(s) => {
                 lost = lost.max(s.lost_events);
                 held = s;

@@ -46,6 +46,18 @@ impl Live {
                 rec.sysctls(now);
             }
         }
+        // A DNATed flow failed the watch: whether conntrack still holds its
+        // entry tells a deleted entry from an out-of-window packet
+        // (checks/midstream.rs), asked now, before the flow is decided;
+        // recorded before the stats line for `analyze`.
+        for (tuple, unnated) in collector.take_ct_lookups() {
+            if let Some(l) = tracer.ct_lookup(tuple, unnated) {
+                if let Some(rec) = recorder.as_deref_mut() {
+                    rec.ct_entry(&l);
+                }
+                collector.update_ct_entry(l);
+            }
+        }
         // A failing DNATed flow waits for this tick: whether its backend is
         // still an endpoint is asked of the rules as they are now (a stale
         // conntrack entry), recorded before the stats line for `analyze`.

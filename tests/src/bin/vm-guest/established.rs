@@ -46,6 +46,9 @@ struct Case {
     twin: Ipv4Addr,
     verdicts: &'static [&'static str],
     cause: &'static str,
+    /// What the report's detail must say (the INVALID kind, named from
+    /// conntrack's entry looked up over ctnetlink when the flow failed).
+    detail: &'static str,
 }
 
 const CASES: [Case; 2] = [
@@ -54,6 +57,7 @@ const CASES: [Case; 2] = [
         twin: REMOTE_SERVICE_IP,
         verdicts: &["reply_not_reverse_nated"],
         cause: "bridge_nf_call_iptables_off",
+        detail: "",
     },
     Case {
         name: "established conntrack entry deleted mid-stream",
@@ -62,6 +66,7 @@ const CASES: [Case; 2] = [
         // seen in time, the un-reverse-NATed reply decides.
         verdicts: &["dropped", "reply_not_reverse_nated"],
         cause: "conntrack_invalid",
+        detail: "entry for the connection was gone",
     },
 ];
 
@@ -204,6 +209,12 @@ fn judge(
             case.verdicts,
             case.cause
         );
+    }
+    if !b["detail"]
+        .as_str()
+        .is_some_and(|d| d.contains(case.detail))
+    {
+        bail!("the report's detail does not say {:?}: {b}", case.detail);
     }
     let good = b["established"]["good_replies"].as_u64().unwrap_or(0);
     if good < 3 {

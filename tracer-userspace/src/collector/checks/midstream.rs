@@ -2,9 +2,11 @@
 //! gone at the backend while the client still uses it.
 use tracer_common::{hook, tcp_flags};
 
+use crate::ctnetlink::CtLookup;
+
 use super::{Found, RuleCtx};
 use crate::collector::{
-    types::{Proto, in_node},
+    types::{Endpoint, Proto, in_node},
     verdict::{Verdict, drop_place, reply_backend},
 };
 
@@ -107,6 +109,10 @@ pub(crate) fn conntrack_invalid(ctx: &RuleCtx<'_>) -> Option<Found> {
         flow.packet_obs(p)
             .any(|o| o.hook == tracer_common::hook::NETFILTER && in_node(o.netns, ctx.node_netns))
     };
+    let entry = flow
+        .ct_tuples()
+        .and_then(|(t, _)| ctx.facts.ct_entry(&t))
+        .map(|l| ct_entry_found(l, flow.backend));
     match ctx.verdict {
         Verdict::Dropped => {
             // The watched drop itself comes alone (its hops were muted); the
@@ -124,27 +130,205 @@ pub(crate) fn conntrack_invalid(ctx: &RuleCtx<'_>) -> Option<Found> {
                 Some(r) => format!("the node's `{}` (chain {})", r.rule, r.chain),
                 None => "kube-proxy's `-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP` (or its nftables mode's `ct state invalid drop`)".to_string(),
             };
-            Some((
-                "conntrack no longer tracked the connection and netfilter dropped it as INVALID"
-                    .to_string(),
-                format!(
-                    "mid-stream, after the opening was DNATed, a netfilter rule dropped the {} {place} ({} → {}): a packet of an established connection dropped in FORWARD is what {rule} does once the connection's conntrack entry is gone (deleted, flushed, timed out with nf_conntrack_tcp_loose=0) or its packet is out of the TCP window; no other DROP rule of the filter table matches it",
-                    ctx.kind(drop.packet),
-                    drop.src,
-                    drop.dst
+            let packet = format!(
+                "{} {place} ({} → {})",
+                ctx.kind(drop.packet),
+                drop.src,
+                drop.dst
+            );
+            Some(match entry {
+                Some(e) => (
+                    format!("{} and netfilter dropped it as INVALID", e.summary),
+                    format!(
+                        "mid-stream, after the opening was DNATed, {rule} dropped the {packet}: conntrack marked it INVALID. {}",
+                        e.detail
+                    ),
                 ),
-            ))
+                None => (
+                    "conntrack no longer tracked the connection and netfilter dropped it as INVALID"
+                        .to_string(),
+                    format!(
+                        "mid-stream, after the opening was DNATed, a netfilter rule dropped the {packet}: a packet of an established connection dropped in FORWARD is what {rule} does once the connection's conntrack entry is gone (deleted, flushed, timed out with nf_conntrack_tcp_loose=0) or its packet is out of the TCP window; no other DROP rule of the filter table matches it"
+                    ),
+                ),
+            })
         }
         Verdict::ReplyNotReverseNated => {
             let passed = (0..flow.packets.len() as u8).find(|&p| in_nf(p))?;
-            Some((
-                "conntrack no longer NATs the connection (entry gone or INVALID)".to_string(),
-                format!(
-                    "mid-stream the reply reached the client with the backend's source although the flow's packets still pass netfilter (the {} did): conntrack no longer holds the connection's NAT — its entry was deleted or flushed (with nf_conntrack_tcp_loose=0 no new one is made mid-stream) or the packets are INVALID (out of the TCP window), and NAT skips packets without an entry",
-                    ctx.kind(passed)
+            let passed = ctx.kind(passed);
+            Some(match entry {
+                Some(e) => (
+                    format!("{}: NAT skipped its reply", e.summary),
+                    format!(
+                        "mid-stream the reply reached the client with the backend's source although the flow's packets still pass netfilter (the {passed} did): NAT skips a packet conntrack marked INVALID. {}",
+                        e.detail
+                    ),
                 ),
-            ))
+                None => (
+                    "conntrack no longer NATs the connection (entry gone or INVALID)".to_string(),
+                    format!(
+                        "mid-stream the reply reached the client with the backend's source although the flow's packets still pass netfilter (the {passed} did): conntrack no longer holds the connection's NAT — its entry was deleted or flushed (with nf_conntrack_tcp_loose=0 no new one is made mid-stream) or the packets are INVALID (out of the TCP window), and NAT skips packets without an entry"
+                    ),
+                ),
+            })
         }
         _ => None,
+    }
+}
+
+/// Why conntrack marked a flow's packets INVALID, from its entry as looked
+/// up over ctnetlink when the flow failed the watch.
+struct CtFound {
+    summary: String,
+    detail: String,
+}
+
+fn ct_entry_found(l: &CtLookup, backend: Option<Endpoint>) -> CtFound {
+    let sysctl = |v: Option<bool>| match v {
+        Some(true) => "1",
+        Some(false) => "0",
+        None => "unknown",
+    };
+    let loose = sysctl(l.tcp_loose);
+    let liberal = sysctl(l.tcp_be_liberal);
+    let backend = backend.map(|b| std::net::SocketAddr::new(b.addr, b.port));
+    if let Some(err) = &l.error {
+        return CtFound {
+            summary: "conntrack no longer NATs the connection (its entry could not be looked up)"
+                .to_string(),
+            detail: format!(
+                "Whether its entry was gone or the packet out of the TCP window is unknown: looking the entry up over ctnetlink failed ({err})."
+            ),
+        };
+    }
+    match (&l.entry, &l.unnated) {
+        (Some(e), _) if e.dnat() && Some(e.reply.src) == backend => CtFound {
+            summary: "conntrack marked a packet INVALID with the connection's entry in place (out of the TCP window)".to_string(),
+            detail: format!(
+                "When the flow failed, conntrack still held its entry ({}, DNAT to {}{}), so the packet was INVALID for its own sake: outside the TCP window conntrack tracks (tcp_in_window in net/netfilter/nf_conntrack_proto_tcp.c: a SEQ over the receiver's window or an ACK of data never seen; since 6.1 a SEQ under the window — an old retransmission — is ignored, not INVALID). Fix: find what sent the out-of-window segment (a middlebox rewriting sequence numbers, asymmetric routing past this node's conntrack, a TCP stack sending beyond the advertised window); nf_conntrack_tcp_be_liberal=1 (now {liberal}) makes conntrack let such packets through, and kube-proxy 1.29+ then leaves its INVALID DROP rule out (`conntrack.tcpBeLiberal`).",
+                e.tcp_state.as_deref().unwrap_or("no TCP state"),
+                e.reply.src,
+                e.timeout_s.map(|s| format!(", expires in {s} s")).unwrap_or_default()
+            ),
+        },
+        (Some(e), _) => CtFound {
+            summary: "conntrack's entry for the connection was replaced".to_string(),
+            detail: format!(
+                "When the flow failed, conntrack held a different entry for it: {} (orig {} → {}, reply {} → {}), not the one its opening DNATed to {}: the first entry was deleted and a new one made mid-stream (nf_conntrack_tcp_loose={loose}: with 1 conntrack picks a connection up from any packet, and the nat table's rules then ran again for it). Fix: find what deleted the entry (`conntrack -D`/`-F`, kube-proxy's cleanup of stale UDP/endpoint entries, a conntrack timeout shorter than the connection's idle time).",
+                if e.dnat() { format!("DNAT to {}", e.reply.src) } else { "no DNAT".to_string() },
+                e.orig.src,
+                e.orig.dst,
+                e.reply.src,
+                e.reply.dst,
+                backend.map(|b| b.to_string()).unwrap_or_else(|| "its backend".to_string())
+            ),
+        },
+        (None, Some(e)) => CtFound {
+            summary: "conntrack's entry for the connection was deleted and replaced by one without NAT".to_string(),
+            detail: format!(
+                "When the flow failed, conntrack had no entry for the client's tuple ({} → {}) but one made mid-stream for the backend's direction without NAT (orig {} → {}, {}): the DNAT entry was deleted and nf_conntrack_tcp_loose={loose} picked the connection up again from the backend's packet, so its replies are no longer reverse-NATed. Fix: find what deleted the entry (`conntrack -D`/`-F`, a conntrack timeout shorter than the connection's idle time); the client has to reconnect.",
+                l.tuple.src,
+                l.tuple.dst,
+                e.orig.src,
+                e.orig.dst,
+                e.tcp_state.as_deref().unwrap_or("no TCP state")
+            ),
+        },
+        (None, None) => CtFound {
+            summary: "conntrack's entry for the connection was gone (deleted, flushed or expired)".to_string(),
+            detail: format!(
+                "When the flow failed, conntrack had no entry for it ({} → {}): the entry was deleted (`conntrack -D`/`-F`, kube-proxy's cleanup after an endpoint change) or expired, {}",
+                l.tuple.src,
+                l.tuple.dst,
+                if l.tcp_loose == Some(false) {
+                    "and with nf_conntrack_tcp_loose=0 conntrack makes no new one from a packet that is not a SYN (tcp_new in net/netfilter/nf_conntrack_proto_tcp.c), so every later packet is INVALID. Fix: find what deleted the entry; nf_conntrack_tcp_loose=1 (the kernel's default) lets conntrack pick the connection up again; the client has to reconnect."
+                        .to_string()
+                } else {
+                    format!("and no new one was made since (nf_conntrack_tcp_loose={loose}). Fix: find what deleted the entry; the client has to reconnect.")
+                }
+            ),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ctnetlink::{CtEntry, CtTuple, IPS_DST_NAT};
+
+    fn t(src: &str, dst: &str) -> CtTuple {
+        CtTuple {
+            proto: 6,
+            src: src.parse().unwrap(),
+            dst: dst.parse().unwrap(),
+        }
+    }
+
+    /// Each answer conntrack can give names its own cause.
+    #[test]
+    fn ct_entry_names_which_invalid() {
+        let backend = Endpoint {
+            addr: "10.244.1.9".parse().unwrap(),
+            port: 8080,
+        };
+        let sent = t("10.244.1.5:41001", "100.67.30.133:80");
+        let entry = |reply_src: &str, status| CtEntry {
+            orig: sent,
+            reply: t(reply_src, "10.244.1.5:41001"),
+            status,
+            tcp_state: Some("ESTABLISHED".into()),
+            timeout_s: Some(431_999),
+        };
+        let lookup = |entry, unnated| CtLookup {
+            tuple: sent,
+            entry,
+            unnated,
+            tcp_loose: Some(false),
+            tcp_be_liberal: Some(false),
+            error: None,
+        };
+        let found = |l: CtLookup| ct_entry_found(&l, Some(backend));
+        let window = found(lookup(Some(entry("10.244.1.9:8080", IPS_DST_NAT)), None));
+        assert!(
+            window.summary.contains("out of the TCP window"),
+            "{}",
+            window.summary
+        );
+        assert!(
+            window
+                .detail
+                .contains("ESTABLISHED, DNAT to 10.244.1.9:8080")
+        );
+        let replaced = found(lookup(Some(entry("10.244.2.7:8080", IPS_DST_NAT)), None));
+        assert!(
+            replaced.summary.contains("replaced"),
+            "{}",
+            replaced.summary
+        );
+        assert!(replaced.detail.contains("DNAT to 10.244.2.7:8080"));
+        let unnated = CtEntry {
+            orig: t("10.244.1.9:8080", "10.244.1.5:41001"),
+            reply: t("10.244.1.5:41001", "10.244.1.9:8080"),
+            status: 0,
+            tcp_state: Some("ESTABLISHED".into()),
+            timeout_s: None,
+        };
+        let picked = found(lookup(None, Some(unnated)));
+        assert!(
+            picked.summary.contains("replaced by one without NAT"),
+            "{}",
+            picked.summary
+        );
+        let gone = found(lookup(None, None));
+        assert!(gone.summary.contains("was gone"), "{}", gone.summary);
+        assert!(
+            gone.detail
+                .contains("nf_conntrack_tcp_loose=0 conntrack makes no new one")
+        );
+        let unknown = found(CtLookup {
+            error: Some("Operation not permitted".into()),
+            ..lookup(None, None)
+        });
+        assert!(unknown.detail.contains("Operation not permitted"));
     }
 }

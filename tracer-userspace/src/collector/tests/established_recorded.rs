@@ -28,7 +28,7 @@ fn ports(name: &str) -> (u16, u16) {
 
 /// (fixture, the established verdict, its cause, whether the twin's
 /// backend is on the client's node).
-const CASES: [(&str, &str, &str, bool); 6] = [
+const CASES: [(&str, &str, &str, bool); 7] = [
     (
         "root_bridge_nf_off_mid_stream_iptables",
         "reply_not_reverse_nated",
@@ -54,6 +54,15 @@ const CASES: [(&str, &str, &str, bool); 6] = [
     // data, not reverse-NATed, reaches the client, which resets.
     (
         "root_conntrack_entry_deleted_mid_stream_nftables",
+        "reply_not_reverse_nated",
+        "conntrack_invalid",
+        true,
+    ),
+    // A segment out of the TCP window with the entry in place (looked up
+    // over ctnetlink when the flow failed: the recording's `ct_entry` line):
+    // NAT skips it, the client resets.
+    (
+        "root_conntrack_out_of_window_mid_stream_nftables",
         "reply_not_reverse_nated",
         "conntrack_invalid",
         true,
@@ -96,6 +105,9 @@ fn recording(name: &str) -> &'static str {
         "root_conntrack_entry_deleted_mid_stream_nftables" => include_str!(crate::fixture!(
             "established/root_conntrack_entry_deleted_mid_stream_nftables.rec"
         )),
+        "root_conntrack_out_of_window_mid_stream_nftables" => include_str!(crate::fixture!(
+            "established/root_conntrack_out_of_window_mid_stream_nftables.rec"
+        )),
         _ => unreachable!("{name}"),
     }
 }
@@ -119,6 +131,9 @@ fn golden(name: &str) -> &'static str {
         )),
         "root_conntrack_entry_deleted_mid_stream_nftables" => include_str!(crate::fixture!(
             "established/root_conntrack_entry_deleted_mid_stream_nftables.json"
+        )),
+        "root_conntrack_out_of_window_mid_stream_nftables" => include_str!(crate::fixture!(
+            "established/root_conntrack_out_of_window_mid_stream_nftables.json"
         )),
         _ => unreachable!("{name}"),
     }
@@ -288,6 +303,66 @@ fn the_bridge_cause_comes_from_the_sysctls_read_again() {
             e[0].cause.as_ref().map(|c| c.id.as_str()),
             Some(*cause),
             "{name}"
+        );
+    }
+}
+
+/// conntrack_invalid's two kinds come from the entry looked up over
+/// ctnetlink when the flow failed (the `ct_entry` line, after the watch
+/// event): gone for the deleted entry, in place for the out-of-window
+/// segment. Without the line (a version-5 recording) the cause is the same
+/// and its text says it could be either.
+#[test]
+fn the_conntrack_cause_comes_from_the_entry_looked_up() {
+    for (name, _, cause, _) in CASES.iter().filter(|c| c.2 == "conntrack_invalid") {
+        let text = recording(name);
+        let all = lines(text);
+        let watch = all
+            .iter()
+            .position(|v| {
+                v["kind"] == "event"
+                    && v["flags"].as_u64().unwrap_or(0) & u64::from(event_flags::WATCH) != 0
+            })
+            .expect("a watch event");
+        let ct = all
+            .iter()
+            .position(|v| v["kind"] == "ct_entry")
+            .expect("a ct_entry line");
+        assert!(ct > watch, "{name}: looked up after the watch event");
+        let in_place = !all[ct]["entry"].is_null();
+        assert_eq!(
+            in_place,
+            name.contains("out_of_window"),
+            "{name}: {}",
+            all[ct]
+        );
+        let detail = |text: &str| {
+            let (reports, _) = decide(text);
+            let e = established(&reports);
+            assert_eq!(e.len(), 1, "{name}");
+            assert_eq!(
+                e[0].cause.as_ref().map(|c| c.id.as_str()),
+                Some(*cause),
+                "{name}"
+            );
+            e[0].detail.clone()
+        };
+        let want = if in_place {
+            "with the connection's entry in place (out of the TCP window)"
+        } else {
+            "entry for the connection was gone"
+        };
+        assert!(detail(text).contains(want), "{name}");
+        let without: String = text
+            .lines()
+            .filter(|l| !l.contains("\"kind\":\"ct_entry\""))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let generic = detail(&without);
+        assert!(
+            generic.contains("entry gone or INVALID")
+                || generic.contains("conntrack no longer tracked the connection"),
+            "{name}: {generic}"
         );
     }
 }
