@@ -1,7 +1,8 @@
 //! `cargo xtask bench`: what nattrace costs a node (issue 7). Builds nattrace
 //! and the lab's bench binaries in release mode, runs the collector replay
 //! (`cargo bench`), then the lab benchmarks (tests/src/bin/nattrace-bench.rs),
-//! which print the table and write BENCHMARKS.md. Takes a few minutes; not
+//! which print the table and write BENCHMARKS.md (and the BPF pass, per
+//! program, as target/bench/results.json). Takes a few minutes; not
 //! part of `cargo xtask test`.
 use std::path::PathBuf;
 use std::process::Command;
@@ -117,6 +118,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         )
         .arg("--out")
         .arg(&md)
+        .arg("--json")
+        .arg(out_dir.join("results.json"))
         .args(["--runs", &runs.to_string(), "--secs", &secs.to_string()])
         .args([
             "--conn-secs",

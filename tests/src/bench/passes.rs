@@ -2,9 +2,9 @@
 //! they cannot disturb them: BPF run time (BPF_ENABLE_STATS held only here)
 //! and the CPU profile of each condition.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddrV4;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 
 use crate::profile::{self, Profile};
@@ -100,10 +100,11 @@ pub fn bpf_pass(ctx: &Ctx, r: &mut Results, bulk: bool, conn: bool) -> anyhow::R
         let mut s = BpfSample {
             label: label.into(),
             unit: if is_conn { "1000 conns" } else { "GB" },
+            cond: Some(cond),
             ..BpfSample::default()
         };
         for _ in 0..runs {
-            let ((work, ns, calls), _) = under(ctx, cond, svc, |pid| {
+            let ((work, delta), _) = under(ctx, cond, svc, |pid| {
                 let before = prog_runtime(pid);
                 let work = if is_conn {
                     client(ctx)?.attempted as f64 / 1000.0
@@ -111,11 +112,16 @@ pub fn bpf_pass(ctx: &Ctx, r: &mut Results, bulk: bool, conn: bool) -> anyhow::R
                     iperf(ctx)? * ctx.opts.secs as f64 / 8.0
                 };
                 let after = prog_runtime(pid);
-                Ok((work, after.0 - before.0, after.1 - before.1))
+                Ok((work, runtime_delta(&before, &after)))
             })?;
             s.work += work;
-            s.ns += ns;
-            s.calls += calls;
+            for (name, (ns, calls)) in delta {
+                s.ns += ns;
+                s.calls += calls;
+                let p = s.progs.entry(name).or_default();
+                p.0 += ns;
+                p.1 += calls;
+            }
         }
         say(&format!(
             "bpf stats {label}: {:.0} ns/call, {:.0} calls per {}",
@@ -123,6 +129,14 @@ pub fn bpf_pass(ctx: &Ctx, r: &mut Results, bulk: bool, conn: bool) -> anyhow::R
             s.calls as f64 / s.work.max(1e-9),
             s.unit
         ));
+        for (name, (ns, calls)) in &s.progs {
+            say(&format!(
+                "  {name}: {:.0} ns/call, {:.0} calls per {}",
+                *ns as f64 / (*calls).max(1) as f64,
+                *calls as f64 / s.work.max(1e-9),
+                s.unit
+            ));
+        }
         r.bpf.push(s);
     }
     Ok(())
@@ -222,40 +236,51 @@ fn enable_bpf_stats() -> Option<OwnedFd> {
     Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-/// Sum of run_time_ns and run_cnt over the programs a process holds,
-/// directly or through its links: the netfilter programs' fds are closed
-/// once their links hold them, so those are reached by the link's prog_id.
-fn prog_runtime(pid: u32) -> (u64, u64) {
-    let mut seen = HashSet::new();
-    let mut linked = Vec::new();
-    let (mut ns, mut cnt) = (0, 0);
+/// Run time and calls of each program a process holds, directly or
+/// through its links, by program id: the netfilter programs' fds are closed
+/// once their links hold them, so every program is reached by its id (a
+/// program fd's and a link's fdinfo both name it).
+fn prog_runtime(pid: u32) -> BTreeMap<u64, ProgRuntime> {
+    let mut progs = BTreeMap::new();
     let Ok(dir) = std::fs::read_dir(Path::new(&format!("/proc/{pid}/fdinfo"))) else {
-        return (0, 0);
+        return progs;
     };
     for entry in dir.flatten() {
         let Ok(info) = std::fs::read_to_string(entry.path()) else {
             continue;
         };
-        match prog_fdinfo(&info) {
-            (Some(id), Some((t, c))) if seen.insert(id) => {
-                ns += t;
-                cnt += c;
-            }
-            (Some(_), Some(_)) => {}
-            // Only program fds carry run_time_ns; a link names its prog_id.
-            (Some(id), None) => linked.push(id),
-            _ => {}
-        }
-    }
-    for id in linked {
-        if seen.insert(id)
-            && let Some((t, c)) = prog_runtime_by_id(id)
+        if let (Some(id), _) = prog_fdinfo(&info)
+            && !progs.contains_key(&id)
+            && let Some(p) = prog_runtime_by_id(id)
         {
-            ns += t;
-            cnt += c;
+            progs.insert(id, p);
         }
     }
-    (ns, cnt)
+    progs
+}
+
+/// One program's name (the kernel's, at most 15 bytes) and its counters.
+#[derive(Clone, Debug)]
+struct ProgRuntime {
+    name: String,
+    ns: u64,
+    calls: u64,
+}
+
+/// What each program ran between two readings, summed by name (a program
+/// loaded twice, e.g. per address family, is one row).
+fn runtime_delta(
+    before: &BTreeMap<u64, ProgRuntime>,
+    after: &BTreeMap<u64, ProgRuntime>,
+) -> BTreeMap<String, (u64, u64)> {
+    let mut by_name: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for (id, a) in after {
+        let (ns0, calls0) = before.get(id).map_or((0, 0), |b| (b.ns, b.calls));
+        let e = by_name.entry(a.name.clone()).or_default();
+        e.0 += a.ns.saturating_sub(ns0);
+        e.1 += a.calls.saturating_sub(calls0);
+    }
+    by_name
 }
 
 /// (prog_id, (run_time_ns, run_cnt)) from one fdinfo text.
@@ -269,8 +294,9 @@ fn prog_fdinfo(info: &str) -> (Option<u64>, Option<(u64, u64)>) {
     (field("prog_id:"), stats)
 }
 
-/// A program's run time by id: BPF_PROG_GET_FD_BY_ID, then its fdinfo.
-fn prog_runtime_by_id(id: u64) -> Option<(u64, u64)> {
+/// A program's name and run time by id: BPF_PROG_GET_FD_BY_ID, then its
+/// fdinfo (run time) and BPF_OBJ_GET_INFO_BY_FD (name; fdinfo has none).
+fn prog_runtime_by_id(id: u64) -> Option<ProgRuntime> {
     const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
     // union bpf_attr for this command: prog_id (u32), next_id, open_flags.
     let mut attr = [0u32; 4];
@@ -289,7 +315,40 @@ fn prog_runtime_by_id(id: u64) -> Option<(u64, u64)> {
     }
     // SAFETY: the kernel just gave us this fd.
     let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    use std::os::fd::AsRawFd;
     let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).ok()?;
-    prog_fdinfo(&info).1
+    let (ns, calls) = prog_fdinfo(&info).1?;
+    Some(ProgRuntime {
+        name: prog_name(&fd).unwrap_or_else(|| format!("prog {id}")),
+        ns,
+        calls,
+    })
+}
+
+/// struct bpf_prog_info's `name` (include/uapi/linux/bpf.h): the kernel
+/// copies only as much of the struct as asked for, so the 80 bytes up to
+/// and with the name are enough.
+fn prog_name(fd: &OwnedFd) -> Option<String> {
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    const NAME_AT: usize = 64;
+    let mut info = [0u8; NAME_AT + 16];
+    // union bpf_attr for this command: bpf_fd (u32), info_len (u32), info (u64).
+    let mut attr = [0u64; 2];
+    attr[0] = u64::from(fd.as_raw_fd() as u32) | ((info.len() as u64) << 32);
+    attr[1] = info.as_mut_ptr() as u64;
+    // SAFETY: attr and info outlive the call; the kernel writes at most
+    // info_len bytes into info.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(&attr),
+        )
+    };
+    if r < 0 {
+        return None;
+    }
+    let name = &info[NAME_AT..];
+    let len = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    Some(String::from_utf8_lossy(&name[..len]).into_owned()).filter(|n| !n.is_empty())
 }

@@ -52,6 +52,36 @@ pub struct BpfSample {
     /// GB moved or thousands of connections.
     pub work: f64,
     pub unit: &'static str,
+    /// Which build ran on which flow (the bulk ones), to pair this build
+    /// with the baseline.
+    pub cond: Option<Cond>,
+    /// (run_time_ns, calls) per program name, summed like `ns` and `calls`.
+    pub progs: std::collections::BTreeMap<String, (u64, u64)>,
+}
+
+impl BpfSample {
+    /// The pass as JSON, for the results file.
+    pub fn json(&self) -> serde_json::Value {
+        let per = |ns: u64, calls: u64| {
+            serde_json::json!({
+                "run_time_ns": ns,
+                "calls": calls,
+                "ns_per_call": ns as f64 / calls.max(1) as f64,
+                "calls_per_unit": calls as f64 / self.work.max(1e-9),
+            })
+        };
+        serde_json::json!({
+            "label": self.label,
+            "unit": self.unit,
+            "work": self.work,
+            "total": per(self.ns, self.calls),
+            "programs": self
+                .progs
+                .iter()
+                .map(|(name, &(ns, calls))| (name.clone(), per(ns, calls)))
+                .collect::<serde_json::Map<_, _>>(),
+        })
+    }
 }
 
 #[derive(Debug, Default)]
@@ -654,6 +684,75 @@ fn bpf_section(w: &mut String, r: &Results) {
             b.unit,
             b.ns as f64 / 1e6 / b.work.max(1e-9),
         );
+    }
+    let _ = writeln!(w);
+    bpf_programs(w, r);
+}
+
+/// The same pass per program (the kernel's name, cut at 15 bytes), so a
+/// change in the sum is pinned to a hook: ns per call and calls per unit,
+/// and this build against the baseline where both ran the same flow.
+fn bpf_programs(w: &mut String, r: &Results) {
+    let mut names: Vec<&String> = r.bpf.iter().flat_map(|b| b.progs.keys()).collect();
+    names.sort();
+    names.dedup();
+    if names.is_empty() {
+        return;
+    }
+    let pairs: Vec<(&BpfSample, &BpfSample)> = [
+        (Cond::OtherBaseline, Cond::Other),
+        (Cond::ThisBaseline, Cond::This),
+    ]
+    .into_iter()
+    .filter_map(|(base, this)| {
+        let find = |c| r.bpf.iter().find(|b| b.cond == Some(c) && b.unit == "GB");
+        find(base).zip(find(this))
+    })
+    .collect();
+    let _ = write!(
+        w,
+        "Per program: ns per call · calls per unit of work (GB or 1000 connections).\n\n| program |"
+    );
+    for b in &r.bpf {
+        let _ = write!(w, " {} |", b.label);
+    }
+    for (_, this) in &pairs {
+        let _ = write!(w, " Δ ns/call, {} vs baseline |", this.label);
+    }
+    let _ = write!(w, "\n|---|");
+    for _ in 0..r.bpf.len() + pairs.len() {
+        let _ = write!(w, "---|");
+    }
+    let _ = writeln!(w);
+    let per_call = |b: &BpfSample, name: &str| {
+        b.progs
+            .get(name)
+            .filter(|p| p.1 > 0)
+            .map(|&(ns, calls)| (ns as f64 / calls as f64, calls as f64 / b.work.max(1e-9)))
+    };
+    for name in names {
+        let _ = write!(w, "| `{name}` |");
+        for b in &r.bpf {
+            match per_call(b, name) {
+                Some((ns, calls)) => {
+                    let _ = write!(w, " {ns:.0} · {calls:.0} |");
+                }
+                None => {
+                    let _ = write!(w, " – |");
+                }
+            }
+        }
+        for (base, this) in &pairs {
+            match per_call(base, name).zip(per_call(this, name)) {
+                Some(((b, _), (t, _))) => {
+                    let _ = write!(w, " {:+.0} |", t - b);
+                }
+                None => {
+                    let _ = write!(w, " – |");
+                }
+            }
+        }
+        let _ = writeln!(w);
     }
     let _ = writeln!(w);
 }

@@ -170,10 +170,24 @@ pub fn start_nattrace(
     args.push(lab.node_netns(NODE)?.path().display().to_string());
     args.extend(["--output".into(), "json".into()]);
     args.extend(extra.iter().map(|s| s.to_string()));
-    let t0 = Instant::now();
-    let mut tracer = Nattrace::spawn(nattrace, &args, &[], false)?;
-    let first = tracer.wait_started(Duration::from_secs(60))?;
-    let took = t0.elapsed();
+    // The verifier gives up with EAGAIN when a signal is pending on the
+    // loading thread (kernel/bpf/verifier.c do_check: `signal_pending`);
+    // libbpf retries such a load, aya 0.14 does not, and this bench's starts
+    // met it now and then (tc_ingress, tc_egress): a start so refused is
+    // tried again, the rest is an error.
+    let mut attempts = 0;
+    let (tracer, first, took) = loop {
+        attempts += 1;
+        let t0 = Instant::now();
+        let mut tracer = Nattrace::spawn(nattrace, &args, &[], false)?;
+        match tracer.wait_started(Duration::from_secs(60)) {
+            Ok(first) => break (tracer, first, t0.elapsed()),
+            Err(e) if attempts < 3 && format!("{e:#}").contains("(os error 11)") => {
+                lab::tracer::say("nattrace's start: a program load refused with EAGAIN, again");
+            }
+            Err(e) => return Err(e),
+        }
+    };
     let v: Value = serde_json::from_str(&first).with_context(|| format!("first line: {first}"))?;
     if v["kind"] != "start" {
         bail!("nattrace's first line is not the start object: {first}");

@@ -2,7 +2,7 @@
 //! side by side with no tracer and with tcpdump, on one lab node built here.
 //!
 //! ```text
-//! nattrace-bench --nattrace PATH [--collector-json PATH] [--out BENCHMARKS.md]
+//! nattrace-bench --nattrace PATH [--collector-json PATH] [--out BENCHMARKS.md] [--json PATH]
 //!                [--baseline PATH [--baseline-label TEXT]]
 //!                [--runs 7] [--secs 3] [--conn-secs 3] [--pods 200] [--only bulk,conn,startup]
 //! ```
@@ -37,6 +37,8 @@ pub(crate) struct Opts {
     pub(crate) baseline: Option<(PathBuf, String)>,
     collector_json: Option<PathBuf>,
     out: Option<PathBuf>,
+    /// The BPF pass (totals and per program) as JSON.
+    json: Option<PathBuf>,
     runs: usize,
     secs: u64,
     conn_secs: f64,
@@ -66,6 +68,7 @@ fn parse_opts() -> anyhow::Result<Opts> {
             (PathBuf::from(p), label)
         }),
         out: get("--out").map(PathBuf::from),
+        json: get("--json").map(PathBuf::from),
         runs: num("--runs", 7.0)?.max(1.0) as usize,
         secs: num("--secs", 3.0)?.max(1.0) as u64,
         conn_secs: num("--conn-secs", 3.0)?.max(0.5),
@@ -168,6 +171,17 @@ fn run() -> anyhow::Result<()> {
     if let Some(out) = &opts.out {
         std::fs::write(out, &md).with_context(|| format!("writing {}", out.display()))?;
         say(&format!("wrote {}", out.display()));
+    }
+    if let Some(path) = &opts.json {
+        let v = serde_json::json!({
+            "baseline": results.baseline_label,
+            "machine": results.machine.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
+            "load_after": results.load_after,
+            "bpf": results.bpf.iter().map(report::BpfSample::json).collect::<Vec<_>>(),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        say(&format!("wrote {}", path.display()));
     }
     Ok(())
 }
