@@ -142,6 +142,16 @@ pub enum Dir {
     Reply,
 }
 
+impl Dir {
+    /// As serialized.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dir::Request => "request",
+            Dir::Reply => "reply",
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Proto {

@@ -148,6 +148,19 @@ impl<W: io::Write> JsonOutput<W> {
 
     pub fn flow(&mut self, r: &FlowReport) -> io::Result<()> {
         let abridged = !self.verbose && r.verdict == Verdict::Ok;
+        self.line.clear();
+        if abridged && super::ok_line::fits(r) {
+            super::ok_line::write(&mut self.line, r);
+        } else {
+            self.serde_line(r, abridged)?;
+        }
+        self.line.push(b'\n');
+        self.out.write_all(&self.line)
+    }
+
+    /// The flow's line through serde (every line but the common `ok` one,
+    /// which [`super::ok_line`] writes byte for byte the same).
+    fn serde_line(&mut self, r: &FlowReport, abridged: bool) -> io::Result<()> {
         let packets = if abridged {
             Packets::Proof(r.packets.iter().map(PacketProof::of).collect())
         } else {
@@ -183,10 +196,8 @@ impl<W: io::Write> JsonOutput<W> {
             established: r.established,
             icmp_errors: &r.icmp_errors,
         };
-        self.line.clear();
         serde_json::to_writer(&mut self.line, &line)?;
-        self.line.push(b'\n');
-        self.out.write_all(&self.line)
+        Ok(())
     }
 
     pub fn flush(&mut self) -> io::Result<()> {
@@ -220,4 +231,94 @@ impl<W: io::Write> JsonOutput<W> {
 
 fn is_true(b: &bool) -> bool {
     *b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::recording::{Reader, replay::decide_all};
+
+    fn recordings(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                recordings(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rec") {
+                out.push(p);
+            }
+        }
+    }
+
+    /// The hand-written `ok` line is serde's, byte for byte, on every flow
+    /// of every recorded fixture that it writes (and it writes most).
+    #[test]
+    fn ok_line_is_serdes_on_every_fixture() {
+        let mut files = Vec::new();
+        recordings(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures"),
+            &mut files,
+        );
+        assert!(files.len() > 20, "{files:?}");
+        let mut compared = 0;
+        for f in &files {
+            let Ok((mut reader, header)) = Reader::open(f) else {
+                continue;
+            };
+            let (reports, _) = decide_all(&mut reader, &header, None);
+            let mut out = JsonOutput::new(Vec::new(), false);
+            for r in reports.iter().filter(|r| r.verdict == Verdict::Ok) {
+                if !crate::output::ok_line::fits(r) {
+                    continue;
+                }
+                out.line.clear();
+                out.serde_line(r, true).unwrap();
+                let serde = std::mem::take(&mut out.line);
+                let mut fast = Vec::new();
+                crate::output::ok_line::write(&mut fast, r);
+                assert_eq!(
+                    String::from_utf8_lossy(&fast),
+                    String::from_utf8_lossy(&serde),
+                    "{}",
+                    f.display()
+                );
+                compared += 1;
+            }
+        }
+        assert!(compared > 30, "{compared} ok lines compared");
+        println!("{compared} ok lines compared in {} recordings", files.len());
+    }
+
+    /// Strings that need escapes, and the optional fields a fixture may
+    /// not have (pods, node names, a cause on an `ok` flow): still serde's.
+    #[test]
+    fn ok_line_escapes_and_optionals_are_serdes() {
+        let text = include_str!(crate::fixture!(
+            "recorded/root_hairpin_with_masquerade_is_ok.rec"
+        ));
+        let (mut reader, header) =
+            Reader::new(std::io::Cursor::new(text.as_bytes())).expect("a recording");
+        let (reports, _) = decide_all(&mut reader, &header, None);
+        let mut r = reports
+            .into_iter()
+            .find(|r| r.verdict == Verdict::Ok)
+            .expect("an ok flow");
+        r.detail = "quote \" back\\slash \n tab\t bell\u{7} unicode → ✓".into();
+        r.client_pod = Some("default/client \"x\"".into());
+        r.backend_pod = Some("default/web-0".into());
+        r.opening_seen = false;
+        for p in &mut r.packets {
+            for h in &mut p.hops {
+                h.node = Some(crate::collector::Name("node-\"a\"".into()));
+                h.pod = Some("ns/pod\u{1}".into());
+            }
+        }
+        let mut out = JsonOutput::new(Vec::new(), false);
+        out.serde_line(&r, true).unwrap();
+        let mut fast = Vec::new();
+        crate::output::ok_line::write(&mut fast, &r);
+        assert_eq!(
+            String::from_utf8_lossy(&fast),
+            String::from_utf8_lossy(&out.line)
+        );
+    }
 }

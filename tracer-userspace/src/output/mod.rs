@@ -4,6 +4,7 @@
 pub mod clean;
 pub mod files;
 pub mod json;
+mod ok_line;
 pub mod pcapng;
 pub mod queue;
 pub mod sink;

@@ -1,0 +1,215 @@
+//! The abridged `ok` flow line, written without serde (issue 25): most of
+//! what a busy node prints, and through serde_json it cost ~28k
+//! instructions per line (callgrind: a call chain per key, per value and
+//! per escaped byte). Here keys are constants, numbers go through itoa and
+//! a string is copied whole unless it has a byte JSON must escape (then
+//! serde_json escapes it, so escapes stay its own). The bytes are serde's:
+//! `json::tests` compares both writers on every flow of every recorded
+//! fixture, so a field added to one and not the other fails there.
+use std::net::SocketAddr;
+
+use crate::collector::{Attempt, FlowReport, Hop, PacketEvidence, addr_text::AddrText};
+
+/// Whether [`write`] can write `r`'s abridged line: the fields it leaves
+/// to serde (a broken connection's, ICMP errors) are absent.
+pub(super) fn fits(r: &FlowReport) -> bool {
+    r.phase.is_opening() && r.established.is_none() && r.icmp_errors.is_empty()
+}
+
+/// `r`'s abridged line (as `json::JsonFlow` with `Packets::Proof`), without
+/// its newline.
+pub(super) fn write(out: &mut Vec<u8>, r: &FlowReport) {
+    let mut o = Obj::open(out);
+    o.raw("kind", b"\"flow\"");
+    o.str("verdict", r.verdict.as_str());
+    o.str("proto", r.proto.as_str());
+    o.addr("client", &r.client);
+    o.addr("service", &r.service);
+    o.opt_addr("backend", r.backend.as_ref());
+    o.opt_addr("snat", r.snat.as_ref());
+    o.bool("hairpin", r.hairpin);
+    o.opt_str("k8s_service", r.k8s_service.as_deref());
+    if let Some(p) = &r.client_pod {
+        o.str("client_pod", p);
+    }
+    if let Some(p) = &r.backend_pod {
+        o.str("backend_pod", p);
+    }
+    o.opt_str("svc_chain", r.kube.as_ref().map(|k| k.svc_chain.as_str()));
+    o.opt_str(
+        "sep_chain",
+        r.kube.as_ref().and_then(|k| k.sep_chain.as_deref()),
+    );
+    o.opt_str("cause", r.cause.as_ref().map(|c| c.id.as_str()));
+    o.opt_str("cause_text", r.cause.as_ref().map(|c| c.text.as_str()));
+    o.opt_str("hint", r.cause.as_ref().map(|c| c.hint.as_ref()));
+    o.str("detail", &r.detail);
+    o.bool("incomplete", r.incomplete);
+    if !r.opening_seen {
+        o.bool("opening_seen", false);
+    }
+    o.bool("truncated", r.truncated);
+    o.u64("first_ts_ns", r.first_ts_ns);
+    o.u64("decided_ts_ns", r.decided_ts_ns);
+    o.key("attempts");
+    list(o.out, &r.attempts, attempt);
+    o.bool("packets_abridged", true);
+    o.key("packets");
+    list(o.out, &r.packets, packet);
+    o.close();
+}
+
+fn attempt(out: &mut Vec<u8>, a: &Attempt) {
+    let mut o = Obj::open(out);
+    o.u64("at_ns", a.at_ns);
+    o.opt_addr("backend", a.backend.as_ref());
+    o.opt_str("sep_chain", a.sep_chain.as_deref());
+    o.bool("answered", a.answered);
+    o.opt_str("dropped", a.dropped.as_ref().map(|n| n.as_str()));
+    o.close();
+}
+
+/// `json::PacketProof`: the hops that prove the verdict only.
+fn packet(out: &mut Vec<u8>, p: &PacketEvidence) {
+    let mut o = Obj::open(out);
+    o.str("kind", p.kind);
+    o.str("dir", p.dir.as_str());
+    o.u64("tcp_flags", p.tcp_flags.into());
+    o.u64("seq", p.seq.into());
+    o.u64("ack", p.ack.into());
+    o.u64("ip_id", p.ip_id.into());
+    match p.dns_id {
+        Some(id) => o.u64("dns_id", id.into()),
+        None => o.raw("dns_id", b"null"),
+    }
+    o.key("hops");
+    let out = &mut *o.out;
+    out.push(b'[');
+    let proof = p
+        .hops
+        .iter()
+        .filter(|h| h.client_side || h.nat_stage == Some("after-nat"));
+    for (i, h) in proof.enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        hop(out, h);
+    }
+    out.push(b']');
+    o.close();
+}
+
+fn hop(out: &mut Vec<u8>, h: &Hop) {
+    let mut o = Obj::open(out);
+    o.u64("ts_ns", h.ts_ns);
+    o.str("hook", h.hook);
+    o.opt_str("nf_hook", h.nf_hook);
+    o.opt_str("nat_stage", h.nat_stage);
+    o.u64("ifindex", h.ifindex.into());
+    o.opt_str("ifname", h.ifname.as_ref().map(|n| n.as_str()));
+    o.u64("netns", h.netns.into());
+    o.bool("node_ns", h.node_ns);
+    o.addr("src", &h.src);
+    o.addr("dst", &h.dst);
+    o.opt_str("drop_reason", h.drop_reason.as_ref().map(|n| n.as_str()));
+    o.bool("client_side", h.client_side);
+    if let Some(n) = &h.node {
+        o.str("node", n.as_str());
+    }
+    if let Some(p) = &h.pod {
+        o.str("pod", p);
+    }
+    o.close();
+}
+
+fn list<T>(out: &mut Vec<u8>, items: &[T], each: impl Fn(&mut Vec<u8>, &T)) {
+    out.push(b'[');
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        each(out, item);
+    }
+    out.push(b']');
+}
+
+/// One JSON object being written: keys are plain identifiers (no escapes).
+struct Obj<'a> {
+    out: &'a mut Vec<u8>,
+    first: bool,
+}
+
+impl<'a> Obj<'a> {
+    fn open(out: &'a mut Vec<u8>) -> Self {
+        out.push(b'{');
+        Obj { out, first: true }
+    }
+
+    fn close(self) {
+        self.out.push(b'}');
+    }
+
+    fn key(&mut self, k: &str) {
+        if !std::mem::take(&mut self.first) {
+            self.out.push(b',');
+        }
+        self.out.push(b'"');
+        self.out.extend_from_slice(k.as_bytes());
+        self.out.extend_from_slice(b"\":");
+    }
+
+    fn raw(&mut self, k: &str, v: &[u8]) {
+        self.key(k);
+        self.out.extend_from_slice(v);
+    }
+
+    fn str(&mut self, k: &str, v: &str) {
+        self.key(k);
+        string(self.out, v);
+    }
+
+    fn opt_str(&mut self, k: &str, v: Option<&str>) {
+        match v {
+            Some(v) => self.str(k, v),
+            None => self.raw(k, b"null"),
+        }
+    }
+
+    fn u64(&mut self, k: &str, v: u64) {
+        self.key(k);
+        self.out
+            .extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
+    }
+
+    fn bool(&mut self, k: &str, v: bool) {
+        self.raw(k, if v { b"true" } else { b"false" });
+    }
+
+    fn addr(&mut self, k: &str, a: &SocketAddr) {
+        self.key(k);
+        self.out.push(b'"');
+        self.out
+            .extend_from_slice(AddrText::new(a).as_str().as_bytes());
+        self.out.push(b'"');
+    }
+
+    fn opt_addr(&mut self, k: &str, a: Option<&SocketAddr>) {
+        match a {
+            Some(a) => self.addr(k, a),
+            None => self.raw(k, b"null"),
+        }
+    }
+}
+
+/// A JSON string: copied whole when no byte needs an escape (names,
+/// addresses, the detail sentence), else escaped by serde_json itself.
+fn string(out: &mut Vec<u8>, s: &str) {
+    if s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\') {
+        // Writing into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, s);
+    } else {
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+    }
+}
