@@ -232,6 +232,29 @@ pub fn observe(
     at: &mut Point,
     details: impl FnOnce(&mut Packet, &mut Point) -> bool,
 ) {
+    observe_via::<true>(pkt, at, details)
+}
+
+/// [`observe`] handing `judge` the caller's own Packet and Point: for the
+/// kprobe programs, whose frames sit at 6.1's 512-byte limit with `judge`
+/// on top and grow 32 bytes past it when the arguments go through
+/// `JUDGE_ARGS` (tests/stack_depth.rs). They pay the stores a miss does
+/// not need, as they did since `judge` became a global function.
+#[inline(always)]
+pub fn observe_in_place(
+    pkt: &mut Packet,
+    at: &mut Point,
+    details: impl FnOnce(&mut Packet, &mut Point) -> bool,
+) {
+    observe_via::<false>(pkt, at, details)
+}
+
+#[inline(always)]
+fn observe_via<const SLOT: bool>(
+    pkt: &mut Packet,
+    at: &mut Point,
+    details: impl FnOnce(&mut Packet, &mut Point) -> bool,
+) {
     let Some(m) = classify(pkt, at) else {
         return;
     };
@@ -254,8 +277,53 @@ pub fn observe(
     if !details(pkt, at) {
         return;
     }
-    judge(pkt, at, u32::from(m.dir), u32::from(m.svc));
+    if !SLOT {
+        judge(pkt, at, u32::from(m.dir), u32::from(m.svc));
+        return;
+    }
+    // judge's arguments are copied into a per-CPU slot here, on the match
+    // path only. Handed the caller's own Packet and Point, their addresses
+    // escaped into a call LLVM cannot see through, so every program kept
+    // both in stack memory from the parse on and stored and reloaded each
+    // field before classify() could miss: +8-12 ns per netfilter call on
+    // untraced packets (BENCHMARKS.md, "The miss path against main before
+    // issue 23"). Copies on the stack would do the same but take 6.1's
+    // 512 bytes past their limit (tests/stack_depth.rs); a map value is
+    // plain memory to the global function as the stack is
+    // (kernel/bpf/btf.c `btf_check_func_arg_match` → check_mem_reg).
+    let Some(args) = JUDGE_ARGS.get_ptr_mut(u32::from(at.hook) % JUDGE_SLOTS) else {
+        return;
+    };
+    // SAFETY: this CPU's slot for this hook (see JUDGE_ARGS).
+    unsafe {
+        (*args).pkt = *pkt;
+        (*args).at = *at;
+        judge(
+            &raw mut (*args).pkt,
+            &raw mut (*args).at,
+            u32::from(m.dir),
+            u32::from(m.svc),
+        );
+    }
 }
+
+/// [`judge`]'s arguments, written on the match path only (see `observe`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct JudgeArgs {
+    pkt: Packet,
+    at: Point,
+}
+
+/// Slots per CPU, one per hook value: a program can only be interrupted on
+/// its CPU by one of another hook (a drop's tracepoint in an interrupt),
+/// never re-entered (the kernel skips a program already running on that
+/// CPU: the `skipped_runs` count), so nested runs never share a slot.
+const JUDGE_SLOTS: u32 = 8;
+
+#[aya_ebpf::macros::map]
+static JUDGE_ARGS: aya_ebpf::maps::PerCpuArray<JudgeArgs> =
+    aya_ebpf::maps::PerCpuArray::with_max_entries(JUDGE_SLOTS, 0);
 
 /// Everything after the match: the watch, the per-flow buffer and the event.
 /// A global BPF function (exported, never inlined: its BTF linkage is
@@ -266,15 +334,16 @@ pub fn observe(
 /// classify()'s matches and each way a packet is parsed (IPv4, IPv6, the
 /// quote of an ICMP error) walked this code again with its own constants:
 /// about 80k instructions per program on 6.18, minutes per kprobe program
-/// on 6.1 under TCG. The state is looked up again by the client side:
+/// on 6.1 under TCG. Its arguments are a per-CPU slot (`JUDGE_ARGS`),
+/// filled only for a packet that matched. The state is looked up again by the client side:
 /// a global function's arguments can only be scalars or plain memory, not a
 /// map value (kernel/bpf/btf.c `btf_prepare_func_args`). The return value
 /// is unused: 6.1 refuses a global function that does not return a scalar.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) -> u32 {
-    // SAFETY: the callers pass their own stack's Packet and Point; the
-    // verifier only knows them as memory that may be null.
+    // SAFETY: `observe` passes this CPU's JUDGE_ARGS slot; the verifier
+    // only knows it as memory that may be null.
     let (Some(pkt), Some(at)) = (unsafe { pkt.as_mut() }, unsafe { at.as_mut() }) else {
         return 0;
     };

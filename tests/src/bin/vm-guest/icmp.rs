@@ -184,9 +184,17 @@ fn judge(done: &Finished, record: &str) -> anyhow::Result<String> {
         bail!("cause text without the link's MTU: {cause}");
     }
     let ok: Vec<&Value> = flows.iter().filter(|f| f["verdict"] == "ok").collect();
+    // The orphaned socket may instead be judged on its last retransmission
+    // alone, seen entering the node and no further: without its opening a
+    // missing reply is no evidence, so it is `unseen` (README's verdicts).
+    let unseen_orphans = flows
+        .iter()
+        .filter(|f| f["opening_seen"] == false && f["verdict"] == "unseen")
+        .count();
     let others: Vec<&Value> = flows
         .iter()
         .filter(|f| f["verdict"] != "ok" && f["cause"] != "pmtu_blackhole")
+        .filter(|f| !(f["opening_seen"] == false && f["verdict"] == "unseen"))
         .collect();
     if ok.is_empty() || !others.is_empty() {
         bail!(
@@ -208,6 +216,6 @@ fn judge(done: &Finished, record: &str) -> anyhow::Result<String> {
         "black hole named ({}; and {} orphaned socket(s) of the untraced upload), \
          the twin ok with its error translated back to {svc}",
         hole["verdict"].as_str().unwrap_or("?"),
-        orphans.len()
+        orphans.len() + unseen_orphans
     ))
 }
