@@ -112,6 +112,22 @@ impl Drop for Stream {
     }
 }
 
+/// The client's symptom: the healthy stream reads 8 more lines while the
+/// broken one stops (one line may have been on its way).
+fn assert_stalls_beside(broken: &mut Stream, healthy: &mut Stream, what: &str) {
+    let before = broken.lines_read();
+    let healthy_now = healthy.lines_read();
+    assert!(
+        healthy.wait_lines(healthy_now + 8, EVENT_TIMEOUT),
+        "the healthy stream goes on"
+    );
+    assert!(
+        broken.lines_read() <= before + 1,
+        "{what}: {} lines after it broke",
+        broken.lines_read() - before
+    );
+}
+
 fn lab(mode: ProxyMode) -> Lab {
     build_lab(spec(mode))
 }
@@ -359,19 +375,8 @@ fn bridge_nf_flip(mode: ProxyMode, ipv6: bool) {
     let sysctl = format!("net.bridge.bridge-nf-call-{family}=0");
     lab.run(NODE_A, &["sysctl", "-w", &sysctl])
         .expect("switching the bridge sysctl off in node-a");
-    // The client's symptom first: the healthy stream reads 8 more lines
-    // while the broken one stalls (one line may have been on its way).
-    let before = broken.lines_read();
-    let healthy_now = healthy.lines_read();
-    assert!(
-        healthy.wait_lines(healthy_now + 8, EVENT_TIMEOUT),
-        "the routed stream goes on"
-    );
-    assert!(
-        broken.lines_read() <= before + 1,
-        "the bridged stream stalls: {} lines after the switch",
-        broken.lines_read() - before
-    );
+    // The client's symptom first.
+    assert_stalls_beside(&mut broken, &mut healthy, "the bridged stream stalls");
     let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
     assert!(line.is_some(), "nattrace reports the broken stream");
     // More lines of the healthy stream after the report: it is watched on.
@@ -446,16 +451,10 @@ fn conntrack_entry_deleted_mid_stream(mode: ProxyMode) {
         deleted.contains(&format!("sport={BROKEN_PORT} ")),
         "conntrack -D printed the deleted entry: {deleted}"
     );
-    let before = broken.lines_read();
-    let healthy_now = healthy.lines_read();
-    assert!(
-        healthy.wait_lines(healthy_now + 8, EVENT_TIMEOUT),
-        "the stream with its entry goes on"
-    );
-    assert!(
-        broken.lines_read() <= before + 1,
-        "the stream without its entry stalls: {} lines after the delete",
-        broken.lines_read() - before
+    assert_stalls_beside(
+        &mut broken,
+        &mut healthy,
+        "the stream without its entry stalls",
     );
     let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
     assert!(line.is_some(), "nattrace reports the broken stream");
@@ -579,17 +578,7 @@ fn conntrack_out_of_window_mid_stream(mode: ProxyMode) {
     }
     let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
     assert!(line.is_some(), "nattrace reports the out-of-window segment");
-    let before = broken.lines_read();
-    let healthy_now = healthy.lines_read();
-    assert!(
-        healthy.wait_lines(healthy_now + 8, EVENT_TIMEOUT),
-        "the other stream goes on"
-    );
-    assert!(
-        broken.lines_read() <= before + 1,
-        "the reset stream stops: {} lines after the segment",
-        broken.lines_read() - before
-    );
+    assert_stalls_beside(&mut broken, &mut healthy, "the reset stream stops");
     t.terminate();
     let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
     let broken_flow = assert_broken_and_healthy(&done, &record, "conntrack_invalid", true);

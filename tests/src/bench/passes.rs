@@ -301,15 +301,7 @@ fn prog_runtime_by_id(id: u64) -> Option<ProgRuntime> {
     // union bpf_attr for this command: prog_id (u32), next_id, open_flags.
     let mut attr = [0u32; 4];
     attr[0] = u32::try_from(id).ok()?;
-    // SAFETY: attr outlives the call and is as large as the kernel reads.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_GET_FD_BY_ID,
-            attr.as_mut_ptr(),
-            std::mem::size_of_val(&attr),
-        )
-    };
+    let fd = sys_bpf(BPF_PROG_GET_FD_BY_ID, &mut attr);
     if fd < 0 {
         return None;
     }
@@ -324,6 +316,20 @@ fn prog_runtime_by_id(id: u64) -> Option<ProgRuntime> {
     })
 }
 
+/// bpf(2) with `attr` as the command's union bpf_attr.
+fn sys_bpf<T>(cmd: libc::c_long, attr: &mut [T]) -> libc::c_long {
+    // SAFETY: attr outlives the call and is as large as the kernel reads
+    // for the commands used here.
+    unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(attr),
+        )
+    }
+}
+
 /// struct bpf_prog_info's `name` (include/uapi/linux/bpf.h): the kernel
 /// copies only as much of the struct as asked for, so the 80 bytes up to
 /// and with the name are enough.
@@ -335,16 +341,9 @@ fn prog_name(fd: &OwnedFd) -> Option<String> {
     let mut attr = [0u64; 2];
     attr[0] = u64::from(fd.as_raw_fd() as u32) | ((info.len() as u64) << 32);
     attr[1] = info.as_mut_ptr() as u64;
-    // SAFETY: attr and info outlive the call; the kernel writes at most
-    // info_len bytes into info.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET_INFO_BY_FD,
-            attr.as_mut_ptr(),
-            std::mem::size_of_val(&attr),
-        )
-    };
+    // The kernel writes at most info_len bytes into info, which outlives
+    // the call.
+    let r = sys_bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr);
     if r < 0 {
         return None;
     }

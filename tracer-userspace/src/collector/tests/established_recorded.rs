@@ -278,24 +278,14 @@ fn the_bridge_cause_comes_from_the_sysctls_read_again() {
     {
         let text = recording(name);
         let all = lines(text);
-        let watch = all
-            .iter()
-            .position(|v| {
-                v["kind"] == "event"
-                    && v["flags"].as_u64().unwrap_or(0) & u64::from(event_flags::WATCH) != 0
-            })
-            .expect("a watch event");
+        let watch = first_watch_event(&all);
         let sysctls = all
             .iter()
             .position(|v| v["kind"] == "sysctls")
             .expect("a sysctls line");
         assert!(sysctls > watch, "{name}: re-read after the watch event");
         assert_eq!(all[sysctls]["bridge_nf_call_iptables"], false, "{name}");
-        let without: String = text
-            .lines()
-            .filter(|l| !l.contains("\"kind\":\"sysctls\""))
-            .map(|l| format!("{l}\n"))
-            .collect();
+        let without = without_kind(text, "sysctls");
         let (reports, _) = decide(&without);
         let e = established(&reports);
         assert_eq!(e.len(), 1, "{name}");
@@ -305,6 +295,26 @@ fn the_bridge_cause_comes_from_the_sysctls_read_again() {
             "{name}"
         );
     }
+}
+
+/// The line of the first event the kernel's watch sent.
+fn first_watch_event(all: &[Value]) -> usize {
+    all.iter()
+        .position(|v| {
+            v["kind"] == "event"
+                && v["flags"].as_u64().unwrap_or(0) & u64::from(event_flags::WATCH) != 0
+        })
+        .expect("a watch event")
+}
+
+/// The recording without its lines of one kind (as a reader of an older
+/// version, which skips them, sees it).
+fn without_kind(text: &str, kind: &str) -> String {
+    let tag = format!("\"kind\":\"{kind}\"");
+    text.lines()
+        .filter(|l| !l.contains(&tag))
+        .map(|l| format!("{l}\n"))
+        .collect()
 }
 
 /// conntrack_invalid's two kinds come from the entry looked up over
@@ -317,13 +327,7 @@ fn the_conntrack_cause_comes_from_the_entry_looked_up() {
     for (name, _, cause, _) in CASES.iter().filter(|c| c.2 == "conntrack_invalid") {
         let text = recording(name);
         let all = lines(text);
-        let watch = all
-            .iter()
-            .position(|v| {
-                v["kind"] == "event"
-                    && v["flags"].as_u64().unwrap_or(0) & u64::from(event_flags::WATCH) != 0
-            })
-            .expect("a watch event");
+        let watch = first_watch_event(&all);
         let ct = all
             .iter()
             .position(|v| v["kind"] == "ct_entry")
@@ -353,11 +357,7 @@ fn the_conntrack_cause_comes_from_the_entry_looked_up() {
             "entry for the connection was gone"
         };
         assert!(detail(text).contains(want), "{name}");
-        let without: String = text
-            .lines()
-            .filter(|l| !l.contains("\"kind\":\"ct_entry\""))
-            .map(|l| format!("{l}\n"))
-            .collect();
+        let without = without_kind(text, "ct_entry");
         let generic = detail(&without);
         assert!(
             generic.contains("entry gone or INVALID")
