@@ -425,18 +425,29 @@ both_modes!(
 /// unless nf_conntrack_tcp_be_liberal is set), or — where no rule drops
 /// them — they reach the client un-reverse-NATed. The other stream to the
 /// same backend keeps its entry and stays `ok`.
-fn conntrack_entry_deleted_mid_stream(mode: ProxyMode) {
+/// With `ipv6`, the same over IPv6 on a dual-stack node (the sysctl is
+/// the namespace's for both families): the entry is looked up over
+/// ctnetlink with an AF_INET6 tuple.
+fn conntrack_entry_deleted_mid_stream(mode: ProxyMode, ipv6: bool) {
     let _lock = tracing_lock();
-    let lab = lab(mode);
+    let (lab, ips, family) = if ipv6 {
+        let lab = build_lab(spec(mode).dual_stack());
+        let ips =
+            [WEB_SERVICE_IP, REMOTE_SERVICE_IP].map(|ip| lab::dual_stack::service_ip6(ip).into());
+        (lab, ips, "ipv6")
+    } else {
+        let ips = [WEB_SERVICE_IP, REMOTE_SERVICE_IP].map(IpAddr::from);
+        (lab(mode), ips, "ipv4")
+    };
     lab.run(
         NODE_A,
         &["sysctl", "-w", "net.netfilter.nf_conntrack_tcp_loose=0"],
     )
     .expect("nf_conntrack_tcp_loose=0 in node-a");
-    let record = record_path("ct-invalid");
-    let mut t = start(&lab, &record);
-    let mut broken = Stream::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
-    let mut healthy = Stream::open(&lab, WEB_SERVICE_IP, HEALTHY_PORT);
+    let record = record_path(if ipv6 { "ct6-invalid" } else { "ct-invalid" });
+    let mut t = start_for(&lab, &record, ips);
+    let mut broken = Stream::open(&lab, ips[0], BROKEN_PORT);
+    let mut healthy = Stream::open(&lab, ips[0], HEALTHY_PORT);
     assert!(broken.wait_lines(4, EVENT_TIMEOUT), "first stream");
     assert!(healthy.wait_lines(4, EVENT_TIMEOUT), "second stream");
 
@@ -444,7 +455,16 @@ fn conntrack_entry_deleted_mid_stream(mode: ProxyMode) {
     let deleted = lab
         .run(
             NODE_A,
-            &["conntrack", "-D", "-p", "tcp", "--orig-port-src", &port],
+            &[
+                "conntrack",
+                "-D",
+                "-f",
+                family,
+                "-p",
+                "tcp",
+                "--orig-port-src",
+                &port,
+            ],
         )
         .expect("deleting the first stream's conntrack entry");
     assert!(
@@ -476,9 +496,22 @@ fn conntrack_entry_deleted_mid_stream(mode: ProxyMode) {
     remove_record(&record);
 }
 
+fn conntrack_entry4_deleted_mid_stream(mode: ProxyMode) {
+    conntrack_entry_deleted_mid_stream(mode, false);
+}
+
+fn conntrack_entry6_deleted_mid_stream(mode: ProxyMode) {
+    conntrack_entry_deleted_mid_stream(mode, true);
+}
+
 both_modes!(
-    conntrack_entry_deleted_mid_stream: root_conntrack_entry_deleted_mid_stream_iptables,
+    conntrack_entry4_deleted_mid_stream: root_conntrack_entry_deleted_mid_stream_iptables,
     root_conntrack_entry_deleted_mid_stream_nftables
+);
+
+both_modes!(
+    conntrack_entry6_deleted_mid_stream: root_ipv6_conntrack_entry_deleted_mid_stream_iptables,
+    root_ipv6_conntrack_entry_deleted_mid_stream_nftables
 );
 
 /// Run in the backend pod: waits for one segment the backend sends on the
