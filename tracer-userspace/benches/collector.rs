@@ -23,6 +23,11 @@ const FLOWS: u32 = 100_000;
 const FLOW_SPACING_NS: u64 = 10_000;
 const TICK_EVERY: usize = 4096;
 const RSS_CHILD_ENV: &str = "NATTRACE_COLLECTOR_RSS_CHILD";
+/// How many flows the memory child streams in (default [`FLOWS`]).
+const RSS_FLOWS_ENV: &str = "NATTRACE_COLLECTOR_FLOWS";
+/// Live flows of the scale table (issue 25): what a node with that many
+/// open connections pays per event, and in memory.
+const SCALE: [u32; 3] = [1_000, 10_000, 100_000];
 
 const HEALTHY: &str = include_str!(nattrace::fixture!("seed000_healthy.jsonl"));
 const MIXED: &[&str] = &[
@@ -124,11 +129,15 @@ fn status_kib(key: &str) -> u64 {
 /// The child: streams 100k healthy flows in flow by flow (the collector
 /// reorders them), holding one flow's events at a time, and prints its memory.
 fn rss_child(one_tick: bool) {
+    let flows = std::env::var(RSS_FLOWS_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(FLOWS);
     let template = from_jsonl(HEALTHY);
     let baseline = status_kib("VmHWM:");
     let mut c = Collector::new(config());
     let mut buf = Vec::with_capacity(template.len());
-    for i in 0..FLOWS {
+    for i in 0..flows {
         buf.clear();
         instance(&template, i, &mut buf);
         for ev in &buf {
@@ -169,10 +178,11 @@ fn rss_child(one_tick: bool) {
     );
 }
 
-fn memory_child(mode: &str) -> serde_json::Value {
+fn memory_child(mode: &str, flows: u32) -> serde_json::Value {
     let exe = std::env::current_exe().expect("own path");
     let out = Command::new(exe)
         .env(RSS_CHILD_ENV, mode)
+        .env(RSS_FLOWS_ENV, flows.to_string())
         .output()
         .expect("running the memory child");
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
@@ -223,8 +233,8 @@ fn main() {
             }),
         );
     }
-    let mut mem = memory_child("stepped");
-    let one_tick = memory_child("one_tick");
+    let mut mem = memory_child("stepped", FLOWS);
+    let one_tick = memory_child("one_tick", FLOWS);
     let mib = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(0.0) / 1024.0;
     println!(
         "collector memory: {} live flows, peak RSS (VmHWM) {:.1} MiB (process baseline {:.1} MiB), tables ≈ {:.1} MiB; \
@@ -237,8 +247,41 @@ fn main() {
     );
     mem["one_tick_vm_hwm_kib"] = one_tick["vm_hwm_kib"].clone();
     results.insert("memory".into(), mem);
+    results.insert("scale".into(), scale(quick, reps));
     if let Some(path) = std::env::var_os("NATTRACE_BENCH_OUT") {
         let text = serde_json::to_string_pretty(&results).expect("json");
         std::fs::write(&path, text).expect("writing NATTRACE_BENCH_OUT");
     }
+}
+
+/// Per-event cost and memory by live flows: the healthy stream of 1k, 10k
+/// and 100k flows (all of them live at the end: spaced 10 µs apart, far
+/// inside the idle timeout), replayed enough times that each size pushes
+/// about as many events.
+fn scale(quick: bool, reps: usize) -> serde_json::Value {
+    let template = vec![from_jsonl(HEALTHY)];
+    let sizes = if quick { &SCALE[..2] } else { &SCALE[..] };
+    let mut rows = Vec::new();
+    for &n in sizes {
+        let events = stream(&template, n);
+        let runs = (reps * (FLOWS / n) as usize).clamp(reps, 200);
+        let (med, min, max) = median((0..runs).map(|_| replay(&events).events_per_sec).collect());
+        let mem = memory_child("stepped", n);
+        println!(
+            "collector scale: {n} live flows: {:.2} M events/s median (min {:.2}, max {:.2}, {runs} runs); \
+             peak RSS {:.1} MiB, tables ≈ {:.1} MiB",
+            med / 1e6,
+            min / 1e6,
+            max / 1e6,
+            mem["vm_hwm_kib"].as_f64().unwrap_or(0.0) / 1024.0,
+            mem["approx_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
+        );
+        rows.push(serde_json::json!({
+            "flows": n, "runs": runs,
+            "events_per_sec": {"median": med, "min": min, "max": max},
+            "live_flows": mem["live_flows"], "vm_hwm_kib": mem["vm_hwm_kib"],
+            "baseline_hwm_kib": mem["baseline_hwm_kib"], "approx_bytes": mem["approx_bytes"],
+        }));
+    }
+    serde_json::Value::Array(rows)
 }

@@ -600,6 +600,30 @@ fn collector_section(w: &mut String, r: &Results, targets: &mut Vec<String>) {
         mem["approx_bytes"].as_f64().unwrap_or(f64::NAN) / 1048576.0,
         mib("one_tick_vm_hwm_kib"),
     );
+    if let Some(rows) = c["scale"].as_array() {
+        let _ = writeln!(
+            w,
+            "By live flows (issue 25's scale figure): the healthy stream with 1k, 10k and 100k flows \
+             live at the end, each replayed until it pushed about as many events, and the memory \
+             child at that many flows.\n\n\
+             | live flows | M events/s median | min–max | peak RSS (MiB) | collector's tables (MiB) |\n|---|---|---|---|---|"
+        );
+        for row in rows {
+            let eps = &row["events_per_sec"];
+            let m = |k: &str| eps[k].as_f64().unwrap_or(f64::NAN) / 1e6;
+            let _ = writeln!(
+                w,
+                "| {} | {:.2} | {:.2}–{:.2} | {:.1} | {:.1} |",
+                row["live_flows"],
+                m("median"),
+                m("min"),
+                m("max"),
+                row["vm_hwm_kib"].as_f64().unwrap_or(f64::NAN) / 1024.0,
+                row["approx_bytes"].as_f64().unwrap_or(f64::NAN) / 1048576.0,
+            );
+        }
+        let _ = writeln!(w);
+    }
     for (name, eps) in [("healthy", healthy), ("mixed", mixed)] {
         targets.push(format!(
             "collector ≥ 2,000,000 events/s on one core, {name} stream: {eps:.2} M/s — {}{}",
