@@ -107,6 +107,15 @@ pub struct StartupResults {
     pub baseline_start_ms: Vec<f64>,
 }
 
+/// Start-up and memory with `--all-services` on a node with this many
+/// Service ports (issue 25's scale figure).
+#[derive(Debug, Default)]
+pub struct ServiceScale {
+    pub services: usize,
+    pub start_ms: Vec<f64>,
+    pub hwm_mib: Vec<f64>,
+}
+
 #[derive(Debug, Default)]
 pub struct Results {
     pub machine: Vec<(String, String)>,
@@ -131,6 +140,7 @@ pub struct Results {
     pub startup_small: Vec<f64>,
     pub startup: Option<StartupResults>,
     pub collector: Option<serde_json::Value>,
+    pub services: Vec<ServiceScale>,
 }
 
 fn sh(cmd: &str, args: &[&str]) -> String {
@@ -232,6 +242,7 @@ pub fn markdown(r: &Results) -> String {
     profile_section(w, r);
     collector_section(w, r, &mut targets);
     startup_section(w, r, &mut targets);
+    services_section(w, r);
     let _ = writeln!(w, "## Targets\n");
     for t in &targets {
         let _ = writeln!(w, "- {t}");
@@ -813,4 +824,29 @@ fn profile_section(w: &mut String, r: &Results) {
     if let Some(c) = &r.counted {
         crate::callgrind::markdown(w, c);
     }
+}
+
+fn services_section(w: &mut String, r: &Results) {
+    if r.services.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        w,
+        "## Start-up and memory by Services (`--all-services`)\n\n\
+         A lab node whose kube-proxy (iptables mode) has this many Service ports, each with one \
+         endpoint; `nattrace --all-services` reads every rule at start, keeps a kernel map entry \
+         per Service port and re-reads the rules when they change. Start: spawn → first line; \
+         peak RSS (VmHWM) half a second after it.\n\n\
+         | Services | start median (ms) | min–max | peak RSS median (MiB) |\n|---|---|---|---|"
+    );
+    for s in &r.services {
+        let (start, smin, smax) = stats(&s.start_ms);
+        let (hwm, _, _) = stats(&s.hwm_mib);
+        let _ = writeln!(
+            w,
+            "| {} | {start:.0} | {smin:.0}–{smax:.0} | {hwm:.1} |",
+            s.services
+        );
+    }
+    let _ = writeln!(w);
 }

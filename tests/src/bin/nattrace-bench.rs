@@ -4,7 +4,7 @@
 //! ```text
 //! nattrace-bench --nattrace PATH [--collector-json PATH] [--out BENCHMARKS.md] [--json PATH]
 //!                [--baseline PATH [--baseline-label TEXT]]
-//!                [--runs 7] [--secs 3] [--conn-secs 3] [--pods 200] [--only bulk,conn,startup]
+//!                [--runs 7] [--secs 3] [--conn-secs 3] [--pods 200] [--only bulk,conn,startup,services]
 //! ```
 //!
 //! Conditions alternate run by run, so slow drifts of a shared machine hit
@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use lab::Lab;
-use report::{BulkSample, Cond, ConnResults, Results, StartupResults};
+use report::{BulkSample, Cond, ConnResults, Results, ServiceScale, StartupResults};
 use shared::{Addrs, BULK_PORT, CONN_PORT, ClientLoad, NODE, OTHER_PORT};
 
 pub(crate) struct Opts {
@@ -160,6 +160,9 @@ fn run() -> anyhow::Result<()> {
             pods: opts.pods,
             ..startup_runs(&ctx, ctx.opts.runs.max(5))?
         });
+    }
+    if opts.only.iter().any(|s| s == "services") {
+        results.services = services_scale(&opts, &conn_bench)?;
     }
     if let Some(path) = &opts.collector_json {
         let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
@@ -564,4 +567,78 @@ fn status_kib(pid: u32, key: &str) -> u64 {
         })
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// Services of the scale figure (issue 25): a node whose kube-proxy has
+/// this many Service ports, traced with `--all-services`.
+const SERVICE_SCALE: [usize; 3] = [1, 100, 10_000];
+
+/// Start-up and memory by the number of Services kube-proxy has on the
+/// node, traced with `--all-services` (the DaemonSet's mode): nattrace
+/// reads every rule at start and keeps a kernel map entry per Service port.
+/// Each size is a lab node of its own with the bench's pods and that many
+/// extra Services to the backend (the bench's three included).
+fn services_scale(opts: &Opts, conn_bench: &Path) -> anyhow::Result<Vec<ServiceScale>> {
+    let quick = opts.runs <= 1;
+    let sizes = if quick {
+        &SERVICE_SCALE[..2]
+    } else {
+        &SERVICE_SCALE[..]
+    };
+    let mut out = Vec::new();
+    for &n in sizes {
+        let addrs = Addrs::for_this_process(11);
+        let mut spec = shared::spec(&addrs, true, 0);
+        // 100.64.0.0/14: apart from the bench's own Services (100.68-71).
+        for i in 0..n.saturating_sub(3) {
+            let ip = std::net::Ipv4Addr::new(
+                100,
+                64 + (i / 62_500) as u8,
+                (i / 250 % 250) as u8,
+                (i % 250 + 1) as u8,
+            );
+            spec = spec.service(
+                lab::ServiceSpec::new("scale", &format!("s{i}"), "tcp", ip, 80, lab::Protocol::Tcp)
+                    .endpoint(shared::BACKEND, 80),
+            );
+        }
+        let t0 = Instant::now();
+        let lab = Lab::build(spec)?;
+        say(&format!(
+            "services scale: lab node with {} Services built in {:.1} s",
+            n.max(3),
+            t0.elapsed().as_secs_f64()
+        ));
+        let ctx = Ctx {
+            lab: &lab,
+            addrs,
+            opts,
+            conn_bench,
+        };
+        let (mut start, mut hwm) = (Vec::new(), Vec::new());
+        for _ in 0..opts.runs.clamp(1, 3) {
+            let (tracer, took) =
+                shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[], &["--all-services"])?;
+            // The map is filled before the first line; give the reader a
+            // moment to settle (its first rules read is what it holds).
+            std::thread::sleep(Duration::from_millis(500));
+            hwm.push(status_kib(tracer.pid(), "VmHWM:") as f64 / 1024.0);
+            start.push(took.as_secs_f64() * 1e3);
+            shared::stop_nattrace(tracer)?;
+        }
+        say(&format!(
+            "services scale: {} Services: start {:?} ms, peak RSS {:?} MiB",
+            n.max(3),
+            start.iter().map(|v| v.round()).collect::<Vec<_>>(),
+            hwm.iter()
+                .map(|v| (v * 10.0).round() / 10.0)
+                .collect::<Vec<_>>()
+        ));
+        out.push(ServiceScale {
+            services: n.max(3),
+            start_ms: start,
+            hwm_mib: hwm,
+        });
+    }
+    Ok(out)
 }
