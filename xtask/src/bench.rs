@@ -25,9 +25,12 @@ pub struct BenchArgs {
     /// Pods on the start-up benchmark's node (each one a veth on cni0).
     #[arg(long, default_value_t = 200)]
     pub pods: u32,
-    /// Only these sections: bulk, conn, startup, services (lab) and
-    /// collector (the replay), comma-separated.
-    #[arg(long, default_value = "bulk,conn,startup,services,collector")]
+    /// Only these sections: bulk, conn, startup, interfaces, services (lab)
+    /// and collector (the replay), comma-separated.
+    #[arg(
+        long,
+        default_value = "bulk,conn,startup,interfaces,services,collector"
+    )]
     pub only: String,
     /// Another nattrace build to run in the same interleaved rounds (miss
     /// path, traced bulk, connection rate, BPF calls), for a before/after in

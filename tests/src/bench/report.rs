@@ -107,6 +107,17 @@ pub struct StartupResults {
     pub baseline_start_ms: Vec<f64>,
 }
 
+/// Start-up and memory on a node with this many pods (issue 25's scale
+/// figure).
+#[derive(Debug, Default)]
+pub struct InterfaceScale {
+    pub pods: usize,
+    pub interfaces: usize,
+    pub start_ms: Vec<f64>,
+    pub full_ms: Vec<f64>,
+    pub hwm_mib: f64,
+}
+
 /// Start-up and memory with `--all-services` on a node with this many
 /// Service ports (issue 25's scale figure).
 #[derive(Debug, Default)]
@@ -141,6 +152,7 @@ pub struct Results {
     pub startup: Option<StartupResults>,
     pub collector: Option<serde_json::Value>,
     pub services: Vec<ServiceScale>,
+    pub interfaces: Vec<InterfaceScale>,
 }
 
 fn sh(cmd: &str, args: &[&str]) -> String {
@@ -242,6 +254,7 @@ pub fn markdown(r: &Results) -> String {
     profile_section(w, r);
     collector_section(w, r, &mut targets);
     startup_section(w, r, &mut targets);
+    interfaces_section(w, r);
     services_section(w, r);
     let _ = writeln!(w, "## Targets\n");
     for t in &targets {
@@ -846,6 +859,31 @@ fn services_section(w: &mut String, r: &Results) {
             w,
             "| {} | {start:.0} | {smin:.0}–{smax:.0} | {hwm:.1} |",
             s.services
+        );
+    }
+    let _ = writeln!(w);
+}
+
+fn interfaces_section(w: &mut String, r: &Results) {
+    if r.interfaces.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        w,
+        "## Start-up and memory by pods\n\n\
+         A lab node with this many pods (each a veth on `cni0`), `nattrace --svc` of one Service. \
+         Start: spawn → first line; coverage: spawn → the last tc link (past 64 interfaces only \
+         the node's own get tc, the pods' veths are left to the device tracepoints); peak RSS \
+         (VmHWM) half a second after the start.\n\n\
+         | pods | interfaces | start median (ms) | min–max | coverage median (ms) | peak RSS (MiB) |\n|---|---|---|---|---|---|"
+    );
+    for s in &r.interfaces {
+        let (start, smin, smax) = stats(&s.start_ms);
+        let (full, _, _) = stats(&s.full_ms);
+        let _ = writeln!(
+            w,
+            "| {} | {} | {start:.0} | {smin:.0}–{smax:.0} | {full:.0} | {:.1} |",
+            s.pods, s.interfaces, s.hwm_mib
         );
     }
     let _ = writeln!(w);

@@ -51,18 +51,43 @@ impl Addrs {
         }
     }
 
+    /// With `for_many_pods`' /21, idle pods run on past the first /24.
     pub fn extra_pod_ip(&self, i: usize) -> Ipv4Addr {
         let [a, b, c] = self.pod_net;
-        Ipv4Addr::new(a, b, c, 30 + i as u8)
+        Ipv4Addr::from(u32::from(Ipv4Addr::new(a, b, c, 0)) + 30 + i as u32)
+    }
+
+    /// As [`Addrs::for_this_process`], its pod network the start of a /21
+    /// ([`BIG_POD_PREFIX`]): room for [`MAX_PODS`] idle pods.
+    pub fn for_many_pods(salt: u32) -> Addrs {
+        let mut a = Addrs::for_this_process(salt);
+        a.pod_net[2] &= !7;
+        let [p, q, r] = a.pod_net;
+        a.client = Ipv4Addr::new(p, q, r, 10);
+        a.backend = Ipv4Addr::new(p, q, r, 20);
+        a
     }
 }
+
+/// The pod network's prefix on a node with more idle pods than one /24
+/// holds, and how many it holds (a /21 less the first 30 addresses).
+pub const BIG_POD_PREFIX: u8 = 21;
+pub const MAX_PODS: usize = 2048 - 30 - 1;
 
 /// One node, a client and a backend pod, three Services to the backend, and
 /// `extra_pods` idle pods (each one more veth on cni0).
 pub fn spec(addrs: &Addrs, bridge_nf: bool, extra_pods: usize) -> LabSpec {
-    assert!(extra_pods <= 220, "one /24 of pods");
     let [a, b, c] = addrs.pod_net;
-    let mut node = NodeSpec::new(NODE, cidr(&format!("{a}.{b}.{c}.0/24")))
+    let prefix = if extra_pods <= 220 {
+        24
+    } else {
+        assert!(
+            extra_pods <= MAX_PODS && c % 8 == 0,
+            "{extra_pods} idle pods need Addrs::for_many_pods"
+        );
+        BIG_POD_PREFIX
+    };
+    let mut node = NodeSpec::new(NODE, cidr(&format!("{a}.{b}.{c}.0/{prefix}")))
         .bridge_nf_call_iptables(bridge_nf)
         .pod(PodSpec::new(CLIENT, addrs.client))
         .pod(PodSpec::new(BACKEND, addrs.backend));

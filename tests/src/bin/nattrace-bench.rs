@@ -4,7 +4,7 @@
 //! ```text
 //! nattrace-bench --nattrace PATH [--collector-json PATH] [--out BENCHMARKS.md] [--json PATH]
 //!                [--baseline PATH [--baseline-label TEXT]]
-//!                [--runs 7] [--secs 3] [--conn-secs 3] [--pods 200] [--only bulk,conn,startup,services]
+//!                [--runs 7] [--secs 3] [--conn-secs 3] [--pods 200] [--only bulk,conn,startup,interfaces,services]
 //! ```
 //!
 //! Conditions alternate run by run, so slow drifts of a shared machine hit
@@ -28,7 +28,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use lab::Lab;
-use report::{BulkSample, Cond, ConnResults, Results, ServiceScale, StartupResults};
+use report::{
+    BulkSample, Cond, ConnResults, InterfaceScale, Results, ServiceScale, StartupResults,
+};
 use shared::{Addrs, BULK_PORT, CONN_PORT, ClientLoad, NODE, OTHER_PORT};
 
 pub(crate) struct Opts {
@@ -160,6 +162,9 @@ fn run() -> anyhow::Result<()> {
             pods: opts.pods,
             ..startup_runs(&ctx, ctx.opts.runs.max(5))?
         });
+    }
+    if opts.only.iter().any(|s| s == "interfaces") {
+        results.interfaces = interfaces_scale(&opts, &conn_bench)?;
     }
     if opts.only.iter().any(|s| s == "services") {
         results.services = services_scale(&opts, &conn_bench)?;
@@ -637,6 +642,49 @@ fn services_scale(opts: &Opts, conn_bench: &Path) -> anyhow::Result<Vec<ServiceS
         out.push(ServiceScale {
             services: n.max(3),
             start_ms: start,
+            hwm_mib: hwm,
+        });
+    }
+    Ok(out)
+}
+
+/// Pods of the scale figure (issue 25): each one more veth on the node.
+const POD_SCALE: [usize; 3] = [10, 200, 1000];
+
+/// Start-up, full coverage and memory by the number of pods on the node
+/// (`--svc` of one Service): what a bigger node pays to start.
+fn interfaces_scale(opts: &Opts, conn_bench: &Path) -> anyhow::Result<Vec<InterfaceScale>> {
+    let sizes = if opts.runs <= 1 {
+        &POD_SCALE[..2]
+    } else {
+        &POD_SCALE[..]
+    };
+    let mut out = Vec::new();
+    for &pods in sizes {
+        let addrs = shared::Addrs::for_many_pods(13);
+        let t0 = Instant::now();
+        let lab = Lab::build(shared::spec(&addrs, true, pods - 2))?;
+        say(&format!(
+            "interfaces scale: lab node with {pods} pods built in {:.1} s",
+            t0.elapsed().as_secs_f64()
+        ));
+        let ctx = Ctx {
+            lab: &lab,
+            addrs,
+            opts,
+            conn_bench,
+        };
+        let runs = startup_runs(&ctx, opts.runs.clamp(1, 3))?;
+        let (tracer, _) =
+            shared::start_nattrace(&opts.nattrace, &lab, &[ctx.svc(Cond::Other)], &[])?;
+        std::thread::sleep(Duration::from_millis(500));
+        let hwm = status_kib(tracer.pid(), "VmHWM:") as f64 / 1024.0;
+        shared::stop_nattrace(tracer)?;
+        out.push(InterfaceScale {
+            pods,
+            interfaces: runs.interfaces,
+            start_ms: runs.start_ms,
+            full_ms: runs.full_ms,
             hwm_mib: hwm,
         });
     }
