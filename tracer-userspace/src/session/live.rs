@@ -85,6 +85,11 @@ impl Live {
             let _t = timing::step("header (waits for doctor's facts)");
             header(options, &tracer, gathering)
         };
+        // Before the start line: with --all-services the kernel's Service
+        // filter is filled here, and a client that connects as soon as it
+        // reads that line must be traced (a NodePort's lone SYN, sent right
+        // after it, was missed under load while the pods were scanned).
+        let continuous_said = continuous.start(options.netns.as_deref(), &mut tracer, &header);
         let (mut recorder, outputs) =
             open_outputs(options, &header, record_file, pcap_file, status.bar())?;
         timing::mark("start line queued");
@@ -107,7 +112,7 @@ impl Live {
             }
             collector.update_pods(now);
         }
-        for line in continuous.start(options.netns.as_deref(), &mut tracer, &header) {
+        for line in continuous_said {
             notices.say(line);
         }
         if !options.quiet {
