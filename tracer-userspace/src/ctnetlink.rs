@@ -117,8 +117,8 @@ pub struct CtLookup {
 }
 
 /// Looks `tuple` up in the calling thread's network namespace, and, when
-/// it has no entry, `unnated` (the client ↔ backend direction) too.
-pub fn lookup(tuple: CtTuple, unnated: Option<CtTuple>) -> CtLookup {
+/// it has no entry, `unnated` (the client → backend direction) too.
+pub fn lookup(tuple: CtTuple, unnated: CtTuple) -> CtLookup {
     let sysctl = |name: &str| {
         std::fs::read_to_string(format!("/proc/sys/net/netfilter/{name}"))
             .ok()
@@ -132,9 +132,9 @@ pub fn lookup(tuple: CtTuple, unnated: Option<CtTuple>) -> CtLookup {
         tcp_be_liberal: sysctl("nf_conntrack_tcp_be_liberal"),
         error: None,
     };
-    let found = get(&tuple).and_then(|entry| match (entry, unnated) {
-        (None, Some(other)) => Ok((None, get(&other)?)),
-        (entry, _) => Ok((entry, None)),
+    let found = socket().and_then(|socket| match get(&socket, &tuple)? {
+        None => Ok((None, get(&socket, &unnated)?)),
+        entry => Ok((entry, None)),
     });
     match found {
         Ok((entry, other)) => {
@@ -146,11 +146,17 @@ pub fn lookup(tuple: CtTuple, unnated: Option<CtTuple>) -> CtLookup {
     out
 }
 
-/// IPCTNL_MSG_CT_GET for one tuple: the entry, or None on ENOENT.
-fn get(tuple: &CtTuple) -> std::io::Result<Option<CtEntry>> {
+/// A ctnetlink socket of the calling thread's network namespace.
+fn socket() -> std::io::Result<Socket> {
     let mut socket = Socket::new(NETLINK_NETFILTER)?;
     socket.bind_auto()?;
     socket.connect(&NlAddr::new(0, 0))?;
+    Ok(socket)
+}
+
+/// IPCTNL_MSG_CT_GET for one tuple: the entry, or None on ENOENT. Each
+/// request ends with its ACK or error, so the socket serves the next one.
+fn get(socket: &Socket, tuple: &CtTuple) -> std::io::Result<Option<CtEntry>> {
     socket.send(&request(tuple), 0)?;
     let mut entry = None;
     let mut rx = Vec::with_capacity(16 * 1024);

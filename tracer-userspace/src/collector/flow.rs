@@ -150,9 +150,7 @@ impl Flow {
     /// A DNATed flow's conntrack tuple as its client sent it, and the
     /// client → backend one that an entry made mid-stream without NAT holds
     /// as its reply direction (crate::ctnetlink).
-    pub fn ct_tuples(
-        &self,
-    ) -> Option<(crate::ctnetlink::CtTuple, Option<crate::ctnetlink::CtTuple>)> {
+    pub fn ct_tuples(&self) -> Option<(crate::ctnetlink::CtTuple, crate::ctnetlink::CtTuple)> {
         use crate::ctnetlink::CtTuple;
         use std::net::SocketAddr;
         let backend = self.backend?;
@@ -162,7 +160,7 @@ impl Flow {
             src: client,
             dst: SocketAddr::new(to.addr, to.port),
         };
-        Some((tuple(self.service), Some(tuple(backend))))
+        Some((tuple(self.service), tuple(backend)))
     }
 
     pub fn new(ev: &PacketEvent) -> Self {

@@ -204,7 +204,7 @@ pub struct Collector {
     /// DNATed flows that failed the watch since the session last looked:
     /// their conntrack entries are looked up before they are decided
     /// (checks/midstream.rs `conntrack_invalid`). Bounded.
-    ct_wanted: Vec<(crate::ctnetlink::CtTuple, Option<crate::ctnetlink::CtTuple>)>,
+    ct_wanted: Vec<(crate::ctnetlink::CtTuple, crate::ctnetlink::CtTuple)>,
     /// The node's pod namespaces, to name clients, backends and hops.
     pods: crate::pods::PodIndex,
     /// Namespaces other than the node's that events came from, known to
@@ -515,7 +515,7 @@ impl Collector {
     /// the tick (they are decided [`WATCH_WAIT_NS`] after they failed).
     pub fn take_ct_lookups(
         &mut self,
-    ) -> Vec<(crate::ctnetlink::CtTuple, Option<crate::ctnetlink::CtTuple>)> {
+    ) -> Vec<(crate::ctnetlink::CtTuple, crate::ctnetlink::CtTuple)> {
         std::mem::take(&mut self.ct_wanted)
     }
 

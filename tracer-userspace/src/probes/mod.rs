@@ -365,7 +365,7 @@ impl Tracer {
     pub fn ct_lookup(
         &self,
         tuple: crate::ctnetlink::CtTuple,
-        unnated: Option<crate::ctnetlink::CtTuple>,
+        unnated: crate::ctnetlink::CtTuple,
     ) -> Option<crate::ctnetlink::CtLookup> {
         self.netns
             .run(move || crate::ctnetlink::lookup(tuple, unnated))
