@@ -103,19 +103,10 @@ pub struct StartupResults {
     /// Start → a tcx link on every interface (attached in the background).
     pub full_ms: Vec<f64>,
     pub detach_ms: Vec<f64>,
+    /// Peak RSS (VmHWM) of each start at full coverage.
+    pub hwm_mib: Vec<f64>,
     /// `--baseline`'s start → first line, in the same rounds.
     pub baseline_start_ms: Vec<f64>,
-}
-
-/// Start-up and memory on a node with this many pods (issue 25's scale
-/// figure).
-#[derive(Debug, Default)]
-pub struct InterfaceScale {
-    pub pods: usize,
-    pub interfaces: usize,
-    pub start_ms: Vec<f64>,
-    pub full_ms: Vec<f64>,
-    pub hwm_mib: f64,
 }
 
 /// Start-up and memory with `--all-services` on a node with this many
@@ -152,7 +143,8 @@ pub struct Results {
     pub startup: Option<StartupResults>,
     pub collector: Option<serde_json::Value>,
     pub services: Vec<ServiceScale>,
-    pub interfaces: Vec<InterfaceScale>,
+    /// The scale figure by pods: one start-up condition per size.
+    pub interfaces: Vec<StartupResults>,
 }
 
 fn sh(cmd: &str, args: &[&str]) -> String {
@@ -874,16 +866,17 @@ fn interfaces_section(w: &mut String, r: &Results) {
          A lab node with this many pods (each a veth on `cni0`), `nattrace --svc` of one Service. \
          Start: spawn → first line; coverage: spawn → the last tc link (past 64 interfaces only \
          the node's own get tc, the pods' veths are left to the device tracepoints); peak RSS \
-         (VmHWM) half a second after the start.\n\n\
+         (VmHWM) at full coverage, before the stop.\n\n\
          | pods | interfaces | start median (ms) | min–max | coverage median (ms) | peak RSS (MiB) |\n|---|---|---|---|---|---|"
     );
     for s in &r.interfaces {
         let (start, smin, smax) = stats(&s.start_ms);
         let (full, _, _) = stats(&s.full_ms);
+        let (hwm, _, _) = stats(&s.hwm_mib);
         let _ = writeln!(
             w,
-            "| {} | {} | {start:.0} | {smin:.0}–{smax:.0} | {full:.0} | {:.1} |",
-            s.pods, s.interfaces, s.hwm_mib
+            "| {} | {} | {start:.0} | {smin:.0}–{smax:.0} | {full:.0} | {hwm:.1} |",
+            s.pods, s.interfaces
         );
     }
     let _ = writeln!(w);

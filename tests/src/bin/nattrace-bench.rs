@@ -28,9 +28,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use lab::Lab;
-use report::{
-    BulkSample, Cond, ConnResults, InterfaceScale, Results, ServiceScale, StartupResults,
-};
+use report::{BulkSample, Cond, ConnResults, Results, ServiceScale, StartupResults};
 use shared::{Addrs, BULK_PORT, CONN_PORT, ClientLoad, NODE, OTHER_PORT};
 
 pub(crate) struct Opts {
@@ -147,11 +145,11 @@ fn run() -> anyhow::Result<()> {
         results.startup_small = startup_runs(&ctx, 3)?.start_ms;
     }
     if opts.only.iter().any(|s| s == "startup") {
-        say(&format!("building a lab node with {} pods", opts.pods));
         let big_addrs = Addrs::for_this_process(7);
-        let t0 = Instant::now();
-        let lab = Lab::build(shared::spec(&big_addrs, true, opts.pods - 2))?;
-        say(&format!("  built in {:.1} s", t0.elapsed().as_secs_f64()));
+        let lab = build_lab(
+            shared::spec(&big_addrs, true, opts.pods - 2),
+            &format!("{} pods", opts.pods),
+        )?;
         let ctx = Ctx {
             lab: &lab,
             addrs: big_addrs,
@@ -167,7 +165,7 @@ fn run() -> anyhow::Result<()> {
         results.interfaces = interfaces_scale(&opts, &conn_bench)?;
     }
     if opts.only.iter().any(|s| s == "services") {
-        results.services = services_scale(&opts, &conn_bench)?;
+        results.services = services_scale(&opts)?;
     }
     if let Some(path) = &opts.collector_json {
         let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
@@ -476,7 +474,8 @@ fn conn(ctx: &Ctx, loads: &mut Vec<f64>) -> anyhow::Result<ConnResults> {
 /// everything attached) times in ms, and how many interfaces there are.
 /// With `--baseline`, that build starts too, alternating run by run.
 fn startup_runs(ctx: &Ctx, n: usize) -> anyhow::Result<StartupResults> {
-    let (mut start, mut full, mut detach) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut start, mut full, mut detach, mut hwm) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut baseline_start = Vec::new();
     let links = ctx
         .lab
@@ -485,12 +484,13 @@ fn startup_runs(ctx: &Ctx, n: usize) -> anyhow::Result<StartupResults> {
         .count();
     for _ in 0..n {
         if let Some((bin, _)) = &ctx.opts.baseline {
-            baseline_start.push(startup_once(ctx, bin)?.0);
+            baseline_start.push(startup_once(ctx, bin)?.start_ms);
         }
-        let (s, f, d) = startup_once(ctx, &ctx.opts.nattrace)?;
-        start.push(s);
-        full.push(f);
-        detach.push(d);
+        let once = startup_once(ctx, &ctx.opts.nattrace)?;
+        start.push(once.start_ms);
+        full.push(once.full_ms);
+        detach.push(once.detach_ms);
+        hwm.push(once.hwm_mib);
     }
     let ms = |v: &[f64]| v.iter().map(|v| v.round()).collect::<Vec<_>>();
     say(&format!(
@@ -510,12 +510,24 @@ fn startup_runs(ctx: &Ctx, n: usize) -> anyhow::Result<StartupResults> {
         start_ms: start,
         full_ms: full,
         detach_ms: detach,
+        hwm_mib: hwm,
         baseline_start_ms: baseline_start,
     })
 }
 
-/// One start of `bin`: (spawn → first line, spawn → last tc link, SIGTERM → exit) in ms.
-fn startup_once(ctx: &Ctx, bin: &Path) -> anyhow::Result<(f64, f64, f64)> {
+/// One start of a nattrace build.
+struct Start {
+    /// Spawn → first line.
+    start_ms: f64,
+    /// Spawn → its last tc link.
+    full_ms: f64,
+    /// SIGTERM → exit.
+    detach_ms: f64,
+    /// Its peak RSS (VmHWM) at full coverage, before the stop.
+    hwm_mib: f64,
+}
+
+fn startup_once(ctx: &Ctx, bin: &Path) -> anyhow::Result<Start> {
     let t_spawn = Instant::now();
     let (tracer, took) = shared::start_nattrace(bin, ctx.lab, &[ctx.svc(Cond::Other)], &[])?;
     let pid = tracer.pid();
@@ -534,6 +546,7 @@ fn startup_once(ctx: &Ctx, bin: &Path) -> anyhow::Result<(f64, f64, f64)> {
     }
     let full = last.1.duration_since(t_spawn).as_secs_f64() * 1e3;
     std::thread::sleep(Duration::from_millis(200));
+    let hwm_mib = status_kib(pid, "VmHWM:") as f64 / 1024.0;
     tracer.terminate();
     let t0 = Instant::now();
     // Exited = a zombie (or reaped); polled finely, Nattrace::wait polls at 20 ms.
@@ -546,7 +559,12 @@ fn startup_once(ctx: &Ctx, bin: &Path) -> anyhow::Result<(f64, f64, f64)> {
     }
     let detach = t0.elapsed().as_secs_f64() * 1e3;
     shared::stop_nattrace(tracer)?;
-    Ok((took.as_secs_f64() * 1e3, full, detach))
+    Ok(Start {
+        start_ms: took.as_secs_f64() * 1e3,
+        full_ms: full,
+        detach_ms: detach,
+        hwm_mib,
+    })
 }
 
 /// BPF link fds a process holds (tcx, netfilter, raw tracepoint links).
@@ -576,26 +594,44 @@ fn status_kib(pid: u32, key: &str) -> u64 {
 
 /// Services of the scale figure (issue 25): a node whose kube-proxy has
 /// this many Service ports, traced with `--all-services`.
-const SERVICE_SCALE: [usize; 3] = [1, 100, 10_000];
+const SERVICE_SCALE: [usize; 3] = [3, 100, 10_000];
+
+/// Pods of the scale figure (issue 25): each one more veth on the node.
+const POD_SCALE: [usize; 3] = [10, 200, 1000];
+
+/// The sizes a scale section measures: a `--quick` run (one run) leaves
+/// out the largest.
+fn scale_sizes<'a>(all: &'a [usize], opts: &Opts) -> &'a [usize] {
+    if opts.runs <= 1 {
+        &all[..all.len() - 1]
+    } else {
+        all
+    }
+}
+
+/// Builds a lab node, saying what and how long it took.
+fn build_lab(spec: lab::LabSpec, what: &str) -> anyhow::Result<Lab> {
+    let t0 = Instant::now();
+    let lab = Lab::build(spec)?;
+    say(&format!(
+        "lab node with {what} built in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    ));
+    Ok(lab)
+}
 
 /// Start-up and memory by the number of Services kube-proxy has on the
 /// node, traced with `--all-services` (the DaemonSet's mode): nattrace
 /// reads every rule at start and keeps a kernel map entry per Service port.
 /// Each size is a lab node of its own with the bench's pods and that many
-/// extra Services to the backend (the bench's three included).
-fn services_scale(opts: &Opts, conn_bench: &Path) -> anyhow::Result<Vec<ServiceScale>> {
-    let quick = opts.runs <= 1;
-    let sizes = if quick {
-        &SERVICE_SCALE[..2]
-    } else {
-        &SERVICE_SCALE[..]
-    };
+/// Services to the backend (the bench's three included).
+fn services_scale(opts: &Opts) -> anyhow::Result<Vec<ServiceScale>> {
     let mut out = Vec::new();
-    for &n in sizes {
+    for &n in scale_sizes(&SERVICE_SCALE, opts) {
         let addrs = Addrs::for_this_process(11);
         let mut spec = shared::spec(&addrs, true, 0);
         // 100.64.0.0/14: apart from the bench's own Services (100.68-71).
-        for i in 0..n.saturating_sub(3) {
+        for i in 0..n - 3 {
             let ip = std::net::Ipv4Addr::new(
                 100,
                 64 + (i / 62_500) as u8,
@@ -607,40 +643,27 @@ fn services_scale(opts: &Opts, conn_bench: &Path) -> anyhow::Result<Vec<ServiceS
                     .endpoint(shared::BACKEND, 80),
             );
         }
-        let t0 = Instant::now();
-        let lab = Lab::build(spec)?;
-        say(&format!(
-            "services scale: lab node with {} Services built in {:.1} s",
-            n.max(3),
-            t0.elapsed().as_secs_f64()
-        ));
-        let ctx = Ctx {
-            lab: &lab,
-            addrs,
-            opts,
-            conn_bench,
-        };
+        let lab = build_lab(spec, &format!("{n} Services"))?;
         let (mut start, mut hwm) = (Vec::new(), Vec::new());
         for _ in 0..opts.runs.clamp(1, 3) {
             let (tracer, took) =
-                shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[], &["--all-services"])?;
-            // The map is filled before the first line; give the reader a
-            // moment to settle (its first rules read is what it holds).
+                shared::start_nattrace(&opts.nattrace, &lab, &[], &["--all-services"])?;
+            // The filter is filled before the first line; the rules read
+            // for it is what the process holds, and it holds it a while.
             std::thread::sleep(Duration::from_millis(500));
             hwm.push(status_kib(tracer.pid(), "VmHWM:") as f64 / 1024.0);
             start.push(took.as_secs_f64() * 1e3);
             shared::stop_nattrace(tracer)?;
         }
         say(&format!(
-            "services scale: {} Services: start {:?} ms, peak RSS {:?} MiB",
-            n.max(3),
+            "services scale: {n} Services: start {:?} ms, peak RSS {:?} MiB",
             start.iter().map(|v| v.round()).collect::<Vec<_>>(),
             hwm.iter()
                 .map(|v| (v * 10.0).round() / 10.0)
                 .collect::<Vec<_>>()
         ));
         out.push(ServiceScale {
-            services: n.max(3),
+            services: n,
             start_ms: start,
             hwm_mib: hwm,
         });
@@ -648,44 +671,25 @@ fn services_scale(opts: &Opts, conn_bench: &Path) -> anyhow::Result<Vec<ServiceS
     Ok(out)
 }
 
-/// Pods of the scale figure (issue 25): each one more veth on the node.
-const POD_SCALE: [usize; 3] = [10, 200, 1000];
-
 /// Start-up, full coverage and memory by the number of pods on the node
 /// (`--svc` of one Service): what a bigger node pays to start.
-fn interfaces_scale(opts: &Opts, conn_bench: &Path) -> anyhow::Result<Vec<InterfaceScale>> {
-    let sizes = if opts.runs <= 1 {
-        &POD_SCALE[..2]
-    } else {
-        &POD_SCALE[..]
-    };
+fn interfaces_scale(opts: &Opts, conn_bench: &Path) -> anyhow::Result<Vec<StartupResults>> {
     let mut out = Vec::new();
-    for &pods in sizes {
+    for &pods in scale_sizes(&POD_SCALE, opts) {
         let addrs = shared::Addrs::for_many_pods(13);
-        let t0 = Instant::now();
-        let lab = Lab::build(shared::spec(&addrs, true, pods - 2))?;
-        say(&format!(
-            "interfaces scale: lab node with {pods} pods built in {:.1} s",
-            t0.elapsed().as_secs_f64()
-        ));
+        let lab = build_lab(
+            shared::spec(&addrs, true, pods - 2),
+            &format!("{pods} pods"),
+        )?;
         let ctx = Ctx {
             lab: &lab,
             addrs,
             opts,
             conn_bench,
         };
-        let runs = startup_runs(&ctx, opts.runs.clamp(1, 3))?;
-        let (tracer, _) =
-            shared::start_nattrace(&opts.nattrace, &lab, &[ctx.svc(Cond::Other)], &[])?;
-        std::thread::sleep(Duration::from_millis(500));
-        let hwm = status_kib(tracer.pid(), "VmHWM:") as f64 / 1024.0;
-        shared::stop_nattrace(tracer)?;
-        out.push(InterfaceScale {
+        out.push(StartupResults {
             pods,
-            interfaces: runs.interfaces,
-            start_ms: runs.start_ms,
-            full_ms: runs.full_ms,
-            hwm_mib: hwm,
+            ..startup_runs(&ctx, opts.runs.clamp(1, 3))?
         });
     }
     Ok(out)
