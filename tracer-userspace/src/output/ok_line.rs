@@ -85,10 +85,7 @@ fn packet(out: &mut Vec<u8>, p: &PacketEvidence) {
     o.key("hops");
     let out = &mut *o.out;
     out.push(b'[');
-    let proof = p
-        .hops
-        .iter()
-        .filter(|h| h.client_side || h.nat_stage == Some("after-nat"));
+    let proof = p.hops.iter().filter(|h| super::json::proves_ok(h));
     for (i, h) in proof.enumerate() {
         if i > 0 {
             out.push(b',');
