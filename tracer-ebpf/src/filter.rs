@@ -291,11 +291,20 @@ fn observe_via<const SLOT: bool>(
     // 512 bytes past their limit (tests/stack_depth.rs); a map value is
     // plain memory to the global function as the stack is
     // (kernel/bpf/btf.c `btf_check_func_arg_match` → check_mem_reg).
-    let Some(args) = JUDGE_ARGS.get_ptr_mut(u32::from(at.hook) % JUDGE_SLOTS) else {
+    let Some(depth) = JUDGE_DEPTH.get_ptr_mut(0) else {
         return;
     };
-    // SAFETY: this CPU's slot for this hook (see JUDGE_ARGS).
+    // SAFETY: this CPU's counter; a run that interrupts this one on the
+    // CPU takes the next slot and gives it back before this one goes on.
+    let d = unsafe { core::ptr::read_volatile(depth) };
+    let Some(args) = JUDGE_ARGS.get_ptr_mut(d) else {
+        // Nested deeper than JUDGE_SLOTS: the event is lost, and counted so.
+        stat_inc(stat::RINGBUF_FULL);
+        return;
+    };
+    // SAFETY: slot `d` is this run's until the counter is given back.
     unsafe {
+        core::ptr::write_volatile(depth, d + 1);
         (*args).pkt = *pkt;
         (*args).at = *at;
         judge(
@@ -304,6 +313,7 @@ fn observe_via<const SLOT: bool>(
             u32::from(m.dir),
             u32::from(m.svc),
         );
+        core::ptr::write_volatile(depth, d);
     }
 }
 
@@ -315,15 +325,23 @@ pub struct JudgeArgs {
     at: Point,
 }
 
-/// Slots per CPU, one per hook value: a program can only be interrupted on
-/// its CPU by one of another hook (a drop's tracepoint in an interrupt),
-/// never re-entered (the kernel skips a program already running on that
-/// CPU: the `skipped_runs` count), so nested runs never share a slot.
-const JUDGE_SLOTS: u32 = 8;
+/// Slots per CPU, one per nesting level (`JUDGE_DEPTH`). Runs nest on a
+/// CPU: a netfilter program at LOCAL_OUT runs in process context with
+/// softirqs enabled, and the softirq that interrupts it runs the same
+/// programs on forwarded packets (netfilter programs have no recursion
+/// guard; tracing programs are skipped only when the same one is running);
+/// a drop's tracepoint can fire in a hard interrupt. So a slot is taken
+/// by depth, not by program or hook: process, softirq, hard interrupt, NMI.
+const JUDGE_SLOTS: u32 = 4;
 
 #[aya_ebpf::macros::map]
 static JUDGE_ARGS: aya_ebpf::maps::PerCpuArray<JudgeArgs> =
     aya_ebpf::maps::PerCpuArray::with_max_entries(JUDGE_SLOTS, 0);
+
+/// How many runs on this CPU hold a `JUDGE_ARGS` slot now.
+#[aya_ebpf::macros::map]
+static JUDGE_DEPTH: aya_ebpf::maps::PerCpuArray<u32> =
+    aya_ebpf::maps::PerCpuArray::with_max_entries(1, 0);
 
 /// Everything after the match: the watch, the per-flow buffer and the event.
 /// A global BPF function (exported, never inlined: its BTF linkage is
@@ -335,14 +353,15 @@ static JUDGE_ARGS: aya_ebpf::maps::PerCpuArray<JudgeArgs> =
 /// quote of an ICMP error) walked this code again with its own constants:
 /// about 80k instructions per program on 6.18, minutes per kprobe program
 /// on 6.1 under TCG. Its arguments are a per-CPU slot (`JUDGE_ARGS`),
-/// filled only for a packet that matched. The state is looked up again by the client side:
-/// a global function's arguments can only be scalars or plain memory, not a
-/// map value (kernel/bpf/btf.c `btf_prepare_func_args`). The return value
+/// filled only for a packet that matched. The state is looked up again by
+/// the client side: a global function receives its pointer arguments as
+/// plain memory, never as a map value it could look into
+/// (kernel/bpf/btf.c `btf_prepare_func_args`). The return value
 /// is unused: 6.1 refuses a global function that does not return a scalar.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) -> u32 {
-    // SAFETY: `observe` passes this CPU's JUDGE_ARGS slot; the verifier
+    // SAFETY: `observe` passes a JUDGE_ARGS slot of this CPU's; the verifier
     // only knows it as memory that may be null.
     let (Some(pkt), Some(at)) = (unsafe { pkt.as_mut() }, unsafe { at.as_mut() }) else {
         return 0;
