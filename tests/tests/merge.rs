@@ -165,7 +165,7 @@ fn root_merge_seed003_recordings_of_both_nodes() {
         ]
     );
     assert!(
-        node_hops(&flows[1], "SYN").contains(&("node-a".into(), "tc-egress veth0".into())),
+        node_hops(&flows[1], "SYN").contains(&("node-a".into(), "dev-tx veth0".into())),
         "{}",
         flows[1]
     );
@@ -327,7 +327,7 @@ fn assert_incident(f: &Value, node_a: &str) {
         ("node-b", "netfilter FORWARD"),
         ("node-b", "tc-egress flannel.1"),
         (node_a, "tc-ingress flannel.1"),
-        (node_a, "tc-egress veth0"),
+        (node_a, "dev-tx veth0"),
     ] {
         assert!(
             syn.contains(&(node.to_string(), place.to_string())),

@@ -197,12 +197,13 @@ fn assert_same_node_ok(lab: &Lab, done: &Finished) {
         }
     }
     for (kind, place) in [
-        ("SYN", format!("tc-ingress {client_veth}")),
+        // Pod veths are seen by the device tracepoints, not tc (probes/tc.rs).
+        ("SYN", format!("dev-rx {client_veth}")),
         ("SYN", "netfilter FORWARD".to_string()),
-        ("SYN", format!("tc-egress {backend_veth}")),
-        ("SYN-ACK", format!("tc-ingress {backend_veth}")),
+        ("SYN", format!("dev-tx {backend_veth}")),
+        ("SYN-ACK", format!("dev-rx {backend_veth}")),
         ("SYN-ACK", "netfilter FORWARD".to_string()),
-        ("SYN-ACK", format!("tc-egress {client_veth}")),
+        ("SYN-ACK", format!("dev-tx {client_veth}")),
     ] {
         assert!(has_hop(&f, kind, &place), "{kind} at {place}: {f}");
     }
@@ -390,8 +391,8 @@ fn root_routed_hairpin_with_masquerade_is_ok() {
     assert_hairpin(&f);
     assert_eq!(ip_of(&f["snat"]), lab::node_underlay_ip(0), "{f}");
     let veth = veth_of(&lab, presets::BACKEND_POD);
-    assert!(has_hop(&f, "SYN", &format!("tc-ingress {veth}")), "{f}");
-    assert!(has_hop(&f, "SYN", &format!("tc-egress {veth}")), "{f}");
+    assert!(has_hop(&f, "SYN", &format!("dev-rx {veth}")), "{f}");
+    assert!(has_hop(&f, "SYN", &format!("dev-tx {veth}")), "{f}");
 }
 
 /// Without KUBE-SEP's masquerade the routed node delivers the SYN back with
@@ -539,8 +540,8 @@ fn root_routed_text_output_names_every_interface() {
     let client_veth = veth_of(&lab, presets::CLIENT_POD);
     let backend_veth = veth_of(&lab, presets::BACKEND_POD);
     for want in [
-        format!("tc-ingress {client_veth}"),
-        format!("tc-egress {backend_veth}"),
+        format!("dev-rx {client_veth}"),
+        format!("dev-tx {backend_veth}"),
     ] {
         assert!(hops.iter().any(|l| l.contains(&want)), "{want}:\n{live}");
     }

@@ -542,11 +542,13 @@ fn chains_and_path(mode: ProxyMode) {
             .into_iter()
             .map(|h| h.place)
             .collect();
+        // Into the node by one pod's veth, out by the other's (device
+        // tracepoints there, not tc: probes/tc.rs).
         for want in [
-            "tc-ingress",
+            "dev-rx veth",
             "netfilter PREROUTING",
             "netfilter POSTROUTING",
-            "tc-egress",
+            "dev-tx veth",
         ] {
             assert!(
                 places.iter().any(|pl| pl.starts_with(want)),

@@ -12,18 +12,21 @@
 //! already runs: until an interface is in the kernel's TC_IFACES map, the
 //! device tracepoints report its packets instead (tracer-ebpf/src/tracepoints.rs).
 //!
-//! Detaching costs the same grace period per link (see
-//! [`TcAttachments::detach_all`]), which made Ctrl-C on a node with 300 pods
-//! take 6-11 s. So past [`TRACEPOINTS_OVER`] interfaces the pods' veths get
-//! no tc at all and stay with the device tracepoints for good: on a veth
-//! they see exactly what tc would (a veth has no qdisc: drivers/net/veth.c
+//! Pods' veths get no tc: the device tracepoints, which fire on every
+//! device in every namespace anyway, report their packets. On a veth they
+//! see exactly what tc would (a veth has no qdisc: drivers/net/veth.c
 //! `veth_setup` sets IFF_NO_QUEUE, so nothing runs between tc egress and
 //! `net_dev_start_xmit`, or between `netif_receive_skb` and tc ingress; a
 //! shaping qdisc someone adds, e.g. the bandwidth CNI plugin's, only delays
 //! the transmit event, and its drops are `kfree_skb` events), and the
 //! collector takes either (collector/types.rs `node_ingress`/`node_egress`).
-//! tc stays on the node's own interfaces (uplinks, bridges, overlay
-//! devices), where a qdisc may queue between tc and the transmit tracepoint.
+//! So tc there would only add two program calls to every packet that
+//! crosses the node (issue 25: 11 calls per bridged packet with it, 9
+//! without) and one RCU grace period per link to attach and to detach
+//! ([`TcAttachments::detach_all`]: Ctrl-C on a node with 300 pods took
+//! 6-11 s with tc on every veth). tc stays on the node's own interfaces
+//! (uplinks, bridges, overlay devices), where a qdisc may queue between tc
+//! and the transmit tracepoint.
 //! Lab tests give the same verdicts and causes both ways (DESIGN.md).
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -68,11 +71,6 @@ struct IfaceLinks {
 /// Interfaces attached on the calling thread; more go to a background thread.
 const INLINE_MAX: usize = 16;
 
-/// Past this many interfaces in the namespace, pod veths are left to the
-/// device tracepoints (module comment). Below it tc covers everything, as it
-/// always did: attaching and detaching a few dozen links is quick.
-const TRACEPOINTS_OVER: usize = 64;
-
 type TcxResults = Vec<(Interface, Result<Vec<OwnedFd>, String>)>;
 
 /// tcx links being created in the background.
@@ -93,12 +91,9 @@ pub struct TcAttachments {
     claims: Vec<std::os::unix::net::UnixListener>,
     /// Pod veths left to the device tracepoints at the last sync.
     by_tracepoints: usize,
-    /// Interfaces in the namespace past which pod veths get no tc.
-    /// NATTRACE_TC_EVERYWHERE=1: never (tests: leftovers on every
-    /// interface, the old slow detach); NATTRACE_TC_NODE_ONLY=1: always
-    /// (run any lab test with it to compare verdicts with and without tc
-    /// on the pods' veths).
-    pods_over: usize,
+    /// Pod veths get tc too: only with NATTRACE_TC_EVERYWHERE=1, for the
+    /// tests of tc itself (leftovers on every interface, the slow detach).
+    tc_on_pods: bool,
 }
 
 /// What a [`TcAttachments::sync`] or [`TcAttachments::collect`] changed.
@@ -119,13 +114,7 @@ impl TcAttachments {
             pending: None,
             claims: Vec::new(),
             by_tracepoints: 0,
-            pods_over: if std::env::var_os("NATTRACE_TC_EVERYWHERE").is_some() {
-                usize::MAX
-            } else if std::env::var_os("NATTRACE_TC_NODE_ONLY").is_some() {
-                0
-            } else {
-                TRACEPOINTS_OVER
-            },
+            tc_on_pods: std::env::var_os("NATTRACE_TC_EVERYWHERE").is_some(),
         }
     }
 
@@ -292,9 +281,8 @@ impl TcAttachments {
 
     /// Attaches to every interface in `ifaces` not attached yet and forgets
     /// those that disappeared; many new ones are attached in the background
-    /// (see [`collect`](Self::collect)). Past [`TRACEPOINTS_OVER`]
-    /// interfaces, `pod_veths` get none (module comment); links they already
-    /// have stay. Must run in the traced namespace.
+    /// (see [`collect`](Self::collect)). `pod_veths` get none (module
+    /// comment). Must run in the traced namespace.
     pub fn sync(
         &mut self,
         ebpf: &mut Ebpf,
@@ -357,8 +345,7 @@ impl TcAttachments {
             // Picked up by a later sync, once the background attach is done.
             return None;
         }
-        let skip_pods = ifaces.len() > self.pods_over;
-        let left_to_tracepoints = |i: &Interface| skip_pods && pod_veths.contains(&i.ifindex);
+        let left_to_tracepoints = |i: &Interface| !self.tc_on_pods && pod_veths.contains(&i.ifindex);
         self.by_tracepoints = ifaces
             .iter()
             .filter(|i| left_to_tracepoints(i) && !self.ifaces.contains_key(&i.ifindex))
@@ -465,8 +452,8 @@ impl TcAttachments {
     /// from one thread and 8.4 s from eight on this 2-core VM (~14 ms each).
     /// Exiting without closing them would leave the same work to the kernel
     /// at exit, so nattrace waits; the session writes its output meanwhile.
-    /// That is why big nodes keep tc off the pod veths ([`TRACEPOINTS_OVER`]):
-    /// with 306 interfaces Ctrl-C → exit went from 7.7 s to 0.15 s
+    /// That is one reason the pod veths get no tc (module comment): with 306
+    /// interfaces Ctrl-C → exit went from 7.7 s to 0.15 s
     /// (tests/tests/tracer/many.rs).
     pub fn detach_all(&mut self) {
         if let Some(p) = &self.pending {

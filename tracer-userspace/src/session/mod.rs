@@ -159,7 +159,7 @@ fn resolve_names(options: &mut SessionOptions) -> Result<(), SessionError> {
 const EXIT_BUDGET: Duration = Duration::from_millis(700);
 /// Past this many interfaces with tc detaching takes long enough to say so
 /// (two tcx links each, one RCU grace period per link: probes/tc.rs). Pod
-/// veths have no tc on big nodes, so this is rare (NATTRACE_TC_EVERYWHERE).
+/// veths have no tc, so this is rare (NATTRACE_TC_EVERYWHERE).
 const SLOW_DETACH_INTERFACES: usize = 64;
 /// Otherwise, the output is written as long as the reader keeps reading.
 const OUTPUT_STALL: Duration = Duration::from_secs(1);

@@ -171,9 +171,9 @@ pub fn check_fields(flows: &[Value], lab: &LabFacts, backend: &str) -> Result<St
                 "dev-rx" if netns == lab.client_ns && ifindex == lab.client_eth0 && reply => {
                     Some("dev-rx client eth0 (reply)")
                 }
-                // tc covers the node's interfaces: their device tracepoints are not reported.
-                "tc-ingress" if node && ifindex == lab.client_port && !reply => {
-                    Some("tc-ingress node client-port (request)")
+                // A pod veth is left to the device tracepoints (probes/tc.rs).
+                "dev-rx" if node && ifindex == lab.client_port && !reply => {
+                    Some("dev-rx node client-port (request)")
                 }
                 "netfilter" if node && hop["nat_stage"] == "after-nat" && dst == backend_ep => {
                     Some("netfilter DNAT to the backend (after-nat)")
@@ -192,7 +192,7 @@ pub fn check_fields(flows: &[Value], lab: &LabFacts, backend: &str) -> Result<St
     let mut required = vec![
         "dev-tx client eth0 (request)",
         "dev-rx client eth0 (reply)",
-        "tc-ingress node client-port (request)",
+        "dev-rx node client-port (request)",
         "netfilter DNAT to the backend (after-nat)",
     ];
     if backend == "kprobe" {
@@ -317,7 +317,7 @@ mod tests {
         );
         let request = vec![
             hop("dev-tx", netns_of_client_hops, 2, c, s),
-            hop("tc-ingress", 100, 4, c, s),
+            hop("dev-rx", 100, 4, c, s),
             hop("netfilter", 100, 3, c, b),
         ];
         let reply = vec![hop("dev-rx", netns_of_client_hops, 2, b, c)];
