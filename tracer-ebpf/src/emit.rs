@@ -103,7 +103,7 @@ pub fn fill(ev: *mut PacketEvent, pkt: &Packet, at: &Point, dir: u8, svc: u8, fl
         (*ev).good = 0;
         (*ev)._reserved = 0;
     }
-    crate::icmp::fill(ev, pkt.icmp_type, pkt.icmp_code);
+    crate::icmp::fill(ev, pkt);
 }
 
 const BPF_RB_NO_WAKEUP: u64 = 1;

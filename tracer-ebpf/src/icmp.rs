@@ -43,12 +43,18 @@ const QUOTE_LEN: usize = 8 + Ipv6Hdr::LEN + 8;
 /// little of the verifier's 512-byte combined limit (a tc program's 288
 /// bytes plus a first, stack-reading version's 280 were refused). Written
 /// by the parser and read by `fill` in the same program run (per-CPU, and
-/// a program is not migrated while it runs).
+/// a program is not migrated while it runs). A run can still be
+/// interrupted on its CPU between the two by another that parses an ICMP
+/// error too (a netfilter program at LOCAL_OUT runs with softirqs on; a
+/// drop's tracepoint may fire in a hard interrupt): `quote` names the
+/// quoted packet whose parse the value holds ([`quote_key`]), so `fill`
+/// never gives one packet another's sender and MTU.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct IcmpScratch {
     pub from: Addr,
     pub mtu: u32,
+    pub quote: u64,
     pub buf: [u8; QUOTE_LEN],
 }
 
@@ -93,6 +99,22 @@ impl Quote for Tc<'_> {
         };
         if r == 0 { Ok(()) } else { Err(()) }
     }
+}
+
+/// What names a parse's quoted packet in the scratch: the error's type and
+/// code, the quote's TCP sequence number, IP ID, length and protocol. Not
+/// its addresses or ports: the kprobe backend rewrites them in place between
+/// a NAT pair's two events (kprobes.rs `emit_pair`). Not the skb: carrying
+/// it into the parsers grew the `kfree_skb` program's frame past 6.1's
+/// combined stack limit.
+#[inline(always)]
+fn quote_key(pkt: &Packet) -> u64 {
+    (u64::from(pkt.seq) << 32)
+        ^ (u64::from(pkt.ip_id) << 16)
+        ^ u64::from(pkt.ip_len)
+        ^ (u64::from(pkt.icmp_type) << 56)
+        ^ (u64::from(pkt.icmp_code) << 48)
+        ^ (u64::from(pkt.proto) << 40)
 }
 
 /// A small read onto the stack.
@@ -182,6 +204,7 @@ pub fn v4<Q: Quote>(q: &Q, pkt: &mut Packet) -> Result<(), ()> {
     unsafe {
         copy_addr(&raw mut (*s).from, &v4_mapped(src));
         (*s).mtu = mtu;
+        (*s).quote = quote_key(pkt);
     }
     Ok(())
 }
@@ -231,6 +254,7 @@ pub fn v6<Q: Quote>(q: &Q, l3_len: usize, pkt: &mut Packet) -> Result<(), ()> {
     unsafe {
         q.read(8, (&raw mut (*s).from).cast(), 16)?;
         (*s).mtu = mtu;
+        (*s).quote = quote_key(pkt);
     }
     Ok(())
 }
@@ -263,11 +287,14 @@ fn quoted_l4<Q: Quote>(
 
 /// The ICMP fields of an event (`fill`): the type and code come with the
 /// packet, the MTU and sender from this run's parse, copied from the map
-/// straight into the event. Inlined: every event path fills within
+/// straight into the event. When a run that interrupted this one parsed
+/// another packet's error in between, the sender and MTU are left 0 and
+/// counted as a read error: the quoted tuple, in the packet, is still right. Inlined: every event path fills within
 /// filter.rs's `judge` or held.rs, and a frame of its own, rounded to 32
 /// bytes by 6.1, passed the combined stack limit under `judge`.
 #[inline(always)]
-pub fn fill(ev: *mut PacketEvent, icmp_type: u8, icmp_code: u8) {
+pub fn fill(ev: *mut PacketEvent, pkt: &Packet) {
+    let (icmp_type, icmp_code) = (pkt.icmp_type, pkt.icmp_code);
     // SAFETY: `ev` points at a PacketEvent the caller owns.
     unsafe {
         (*ev).icmp_type = icmp_type;
@@ -275,7 +302,14 @@ pub fn fill(ev: *mut PacketEvent, icmp_type: u8, icmp_code: u8) {
         (*ev)._icmp_pad = 0;
     }
     let scratch = if icmp_type != 0 {
-        ICMP_SCRATCH.get_ptr(0)
+        // SAFETY: this CPU's scratch value.
+        ICMP_SCRATCH.get_ptr(0).filter(|e| {
+            let ours = unsafe { (**e).quote } == quote_key(pkt);
+            if !ours {
+                crate::emit::stat_inc(tracer_common::stat::READ_ERRORS);
+            }
+            ours
+        })
     } else {
         None
     };

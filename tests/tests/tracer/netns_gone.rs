@@ -65,7 +65,8 @@ fn root_deleted_node_namespace_is_released_and_exits_2() {
     );
     assert_eq!(done.status.code(), Some(2), "{}", done.describe());
     // One line about the deletion, after the start's lines: "waiting for
-    // connections" and where pod names come from (issue 28).
+    // connections", where pod names come from (issue 28) and which
+    // interfaces tc covers.
     let stderr: Vec<&str> = done
         .stderr
         .lines()
@@ -73,6 +74,7 @@ fn root_deleted_node_namespace_is_released_and_exits_2() {
         .filter(|l| {
             !l.starts_with("nattrace: pods are not named")
                 && !l.starts_with("nattrace: pod names from")
+                && !l.contains("watched by device tracepoints")
         })
         .collect();
     assert_eq!(stderr.len(), 1, "one line:\n{}", done.describe());
