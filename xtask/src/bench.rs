@@ -59,7 +59,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let root = workspace_root();
     let out_dir = root.join("target/bench");
     std::fs::create_dir_all(&out_dir)?;
-    // Before this tree's build: both share target/release.
     let baseline = match &args.baseline {
         Some(b) => Some(baseline_binary(b, &args.baseline_label)?),
         None => None,
@@ -196,9 +195,18 @@ fn baseline_binary(given: &str, label: &str) -> anyhow::Result<(PathBuf, String)
         bail!("git archive {commit} failed ({status})");
     }
     eprintln!("xtask: building the baseline {label} in {}", src.display());
+    // A target directory of its own. Sharing this tree's, the baseline's
+    // build left its fingerprints under the same names (a workspace
+    // member's metadata hash does not include its path), so cargo then
+    // found this tree's nattrace fresh and kept the baseline's binary in
+    // target/release: a run with a new --baseline compared the baseline
+    // with itself (found 2026-12-04: the "this build" binary lacked the
+    // tree's changes). Kept across runs, so only the first baseline
+    // builds the dependencies.
+    let target = root.join("target/bench/baseline-target");
     let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .current_dir(&src)
-        .env("CARGO_TARGET_DIR", root.join("target"))
+        .env("CARGO_TARGET_DIR", &target)
         .args([
             "build",
             "--release",
@@ -212,7 +220,7 @@ fn baseline_binary(given: &str, label: &str) -> anyhow::Result<(PathBuf, String)
     if !status.success() {
         bail!("building the baseline {label} failed ({status})");
     }
-    std::fs::copy(root.join("target/release/nattrace"), &bin)
+    std::fs::copy(target.join("release/nattrace"), &bin)
         .with_context(|| format!("copying the baseline to {}", bin.display()))?;
     Ok((bin, label))
 }
