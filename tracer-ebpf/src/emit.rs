@@ -103,7 +103,9 @@ pub fn fill(ev: *mut PacketEvent, pkt: &Packet, at: &Point, dir: u8, svc: u8, fl
         (*ev).good = 0;
         (*ev)._reserved = 0;
     }
-    crate::icmp::fill(ev, pkt);
+    if !crate::icmp::fill(ev, pkt) {
+        stat_inc(stat::READ_ERRORS);
+    }
 }
 
 const BPF_RB_NO_WAKEUP: u64 = 1;

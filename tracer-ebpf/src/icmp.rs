@@ -288,12 +288,13 @@ fn quoted_l4<Q: Quote>(
 /// The ICMP fields of an event (`fill`): the type and code come with the
 /// packet, the MTU and sender from this run's parse, copied from the map
 /// straight into the event. When a run that interrupted this one parsed
-/// another packet's error in between, the sender and MTU are left 0 and
-/// counted as a read error: the quoted tuple, in the packet, is still right. Inlined: every event path fills within
+/// another packet's error in between, the sender and MTU are left 0 and it
+/// returns false (the caller counts a read error): the quoted tuple, in the
+/// packet, is still right. Inlined: every event path fills within
 /// filter.rs's `judge` or held.rs, and a frame of its own, rounded to 32
 /// bytes by 6.1, passed the combined stack limit under `judge`.
 #[inline(always)]
-pub fn fill(ev: *mut PacketEvent, pkt: &Packet) {
+pub fn fill(ev: *mut PacketEvent, pkt: &Packet) -> bool {
     let (icmp_type, icmp_code) = (pkt.icmp_type, pkt.icmp_code);
     // SAFETY: `ev` points at a PacketEvent the caller owns.
     unsafe {
@@ -303,16 +304,13 @@ pub fn fill(ev: *mut PacketEvent, pkt: &Packet) {
     }
     let scratch = if icmp_type != 0 {
         // SAFETY: this CPU's scratch value.
-        ICMP_SCRATCH.get_ptr(0).filter(|e| {
-            let ours = unsafe { (**e).quote } == quote_key(pkt);
-            if !ours {
-                crate::emit::stat_inc(tracer_common::stat::READ_ERRORS);
-            }
-            ours
-        })
+        ICMP_SCRATCH
+            .get_ptr(0)
+            .filter(|e| unsafe { (**e).quote } == quote_key(pkt))
     } else {
         None
     };
+    let ours = icmp_type == 0 || scratch.is_some();
     // SAFETY: as above; the scratch value is this run's.
     unsafe {
         match scratch {
@@ -326,4 +324,5 @@ pub fn fill(ev: *mut PacketEvent, pkt: &Packet) {
             }
         }
     }
+    ours
 }

@@ -95,14 +95,8 @@ struct ProofHops<'a>(&'a [Hop]);
 
 impl Serialize for ProofHops<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(self.0.iter().filter(|h| proves_ok(h)))
+        s.collect_seq(self.0.iter().filter(|h| super::ok_line::proves_ok(h)))
     }
-}
-
-/// A hop an abridged `ok` line keeps: where NAT rewrote the packet or
-/// where the reply was judged.
-pub(super) fn proves_ok(h: &Hop) -> bool {
-    h.client_side || h.nat_stage == Some("after-nat")
 }
 
 impl<'a> PacketProof<'a> {

@@ -69,6 +69,13 @@ fn attempt(out: &mut Vec<u8>, a: &Attempt) {
     o.close();
 }
 
+/// A hop an abridged `ok` line keeps: where NAT rewrote the packet or
+/// where the reply was judged (also the filter of serde's abridged line,
+/// `json::ProofHops`).
+pub(super) fn proves_ok(h: &Hop) -> bool {
+    h.client_side || h.nat_stage == Some("after-nat")
+}
+
 /// `json::PacketProof`: the hops that prove the verdict only.
 fn packet(out: &mut Vec<u8>, p: &PacketEvidence) {
     let mut o = Obj::open(out);
@@ -85,7 +92,7 @@ fn packet(out: &mut Vec<u8>, p: &PacketEvidence) {
     o.key("hops");
     let out = &mut *o.out;
     out.push(b'[');
-    let proof = p.hops.iter().filter(|h| super::json::proves_ok(h));
+    let proof = p.hops.iter().filter(|h| proves_ok(h));
     for (i, h) in proof.enumerate() {
         if i > 0 {
             out.push(b',');
