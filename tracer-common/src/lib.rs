@@ -482,6 +482,11 @@ pub struct KernelOffsets {
     pub nf_conn_status: u32,
     /// `struct net_bridge_port.dev` (module bridge); 0 = unknown, report `skb->dev`.
     pub net_bridge_port_dev: u32,
+    /// `struct sk_buff._nfct` (the conntrack entry and ctinfo): the
+    /// netfilter backend's one program per SNAT hook reads the source
+    /// conntrack saw there. 0 = unknown, read with the conntrack offsets.
+    pub sk_buff_nfct: u32,
+    pub _pad: u32,
 }
 
 /// Global configuration of the kernel programs (one entry of the `CONFIG` array).
@@ -583,8 +588,8 @@ mod tests {
         assert_eq!(core::mem::size_of::<ServiceKey>(), 20);
         assert_eq!(core::mem::size_of::<EndpointKey>(), 20);
         assert_eq!(core::mem::size_of::<EndpointState>(), 20);
-        assert_eq!(core::mem::size_of::<KernelOffsets>(), 72);
-        assert_eq!(core::mem::size_of::<Config>(), 120);
+        assert_eq!(core::mem::size_of::<KernelOffsets>(), 80);
+        assert_eq!(core::mem::size_of::<Config>(), 128);
         assert_eq!(
             core::mem::size_of::<HeldFlow>(),
             48 + HELD_SLOTS * core::mem::size_of::<PacketEvent>()

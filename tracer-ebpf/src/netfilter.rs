@@ -1,4 +1,5 @@
-//! BPF_PROG_TYPE_NETFILTER programs (kernel >= 6.4), one per NAT bracket.
+//! BPF_PROG_TYPE_NETFILTER programs (kernel >= 6.4): one on each side of
+//! DNAT, one at FORWARD, one after SNAT that reports both sides of it.
 //!
 //! aya 0.14 cannot load this program type; userspace loads these functions'
 //! instructions itself (tracer-userspace/src/probes/nf_link.rs). Their ELF
@@ -16,13 +17,13 @@
 //! an event or map key needs allow_ptr_leaks, i.e. a privileged loader.
 use core::ffi::c_void;
 
-use tracer_common::{hook, nat_stage, nf_hook};
+use tracer_common::{Addr, KernelOffsets, as_v4, hook, nat_stage, nf_hook, v4_mapped};
 
 use crate::{
     config,
-    emit::Point,
+    emit::{Packet, Point},
     filter::observe,
-    skb::{self, L3},
+    skb::{self, L3, read},
 };
 
 const NF_ACCEPT: i32 = 1;
@@ -45,6 +46,80 @@ fn try_netfilter(ctx: *mut c_void, nf_hook: u8, stage: u8) -> Result<(), ()> {
         true
     });
     Ok(())
+}
+
+/// The SNAT hooks (POSTROUTING, INPUT) in one program after the rewrite:
+/// the BEFORE event is the packet with the source conntrack saw, the AFTER
+/// event the packet as it is. Only NAT (priority 100) runs between the
+/// before (99) and after (101) points a pair of programs takes, so nothing
+/// is lost that a separate BEFORE program would have seen, and every packet
+/// crossing the hook pays one program call instead of two (issue 25). SNAT
+/// rewrites only the source: the packet's source before it is the one
+/// conntrack recorded for the packet's direction (`ct->tuplehash[dir]`,
+/// taken at PREROUTING/OUTPUT before any NAT, net/netfilter/nf_conntrack_core.c
+/// `resolve_normal_ct`), both for a masqueraded request and for a reply
+/// whose source the reverse DNAT rewrites here. Without an entry (INVALID,
+/// untracked) nothing rewrote it. An ICMP error's quote, which NAT
+/// rewrites the other way (`nf_nat_icmp_reply_translation`), is reported
+/// as it is at both stages. The loader uses these only when it knows
+/// `sk_buff._nfct` and nf_conntrack's tuple layout (probes/table.rs).
+#[inline(always)]
+fn try_netfilter_snat(ctx: *mut c_void, nf_hook: u8) -> Result<(), ()> {
+    // SAFETY: ctx is the kernel's bpf_nf_ctx; the verifier allows this load.
+    let skb: u64 = unsafe { core::ptr::read_volatile((ctx as *const u8).add(8) as *const u64) };
+    let off = config::offsets().ok_or(())?;
+    let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
+    let after = (pkt.saddr, pkt.sport);
+    if pkt.icmp_type == 0
+        && let Some((addr, port)) = source_conntrack_saw(skb, off, &pkt)
+    {
+        pkt.saddr = addr;
+        pkt.sport = port;
+    }
+    let mut at = Point::new(hook::NETFILTER);
+    at.nf_hook = nf_hook;
+    at.nat_stage = nat_stage::BEFORE;
+    at.skb = skb;
+    let details = |pkt: &mut Packet, at: &mut Point| {
+        at.ifindex = skb::dev_ifindex(skb::skb_dev(skb, off), off);
+        skb::payload_head(pkt, payload);
+        true
+    };
+    observe(&mut pkt, &mut at, details);
+    (pkt.saddr, pkt.sport) = after;
+    at.nat_stage = nat_stage::AFTER;
+    observe(&mut pkt, &mut at, details);
+    Ok(())
+}
+
+/// `enum ip_conntrack_info`: `_nfct`'s low 3 bits (NFCT_INFOMASK).
+const NFCT_INFOMASK: u64 = 7;
+/// From here on, reply-direction packets (IP_CT_IS_REPLY).
+const IP_CT_IS_REPLY: u64 = 3;
+/// No entry by choice (the raw table's NOTRACK).
+const IP_CT_UNTRACKED: u64 = 7;
+
+/// The source (address, port) of `pkt`'s direction in its conntrack entry.
+#[inline(always)]
+fn source_conntrack_saw(skb: u64, off: &KernelOffsets, pkt: &Packet) -> Option<(Addr, u16)> {
+    if off.sk_buff_nfct == 0 || off.nf_conn_tuplehash == 0 {
+        return None;
+    }
+    let nfct = read::<u64>(skb + off.sk_buff_nfct as u64).ok()?;
+    let (ct, info) = (nfct & !NFCT_INFOMASK, nfct & NFCT_INFOMASK);
+    if ct == 0 || info == IP_CT_UNTRACKED {
+        return None;
+    }
+    let dir = u64::from(info >= IP_CT_IS_REPLY);
+    let tuple = ct + off.nf_conn_tuplehash as u64 + dir * off.nf_conntrack_tuple_hash_size as u64;
+    let at = tuple + off.tuple_src_u3 as u64;
+    let addr = if as_v4(&pkt.saddr).is_some() {
+        v4_mapped(read::<[u8; 4]>(at).ok()?)
+    } else {
+        read::<Addr>(at).ok()?
+    };
+    let port = read::<[u8; 2]>(tuple + off.tuple_src_u as u64).ok()?;
+    Some((addr, u16::from_be_bytes(port)))
 }
 
 macro_rules! nf_program {
@@ -108,3 +183,17 @@ nf_program!(
     nf_hook::LOCAL_IN,
     nat_stage::AFTER
 );
+
+macro_rules! nf_snat_program {
+    ($name:ident, $section:literal, $hook:expr) => {
+        #[unsafe(no_mangle)]
+        #[unsafe(link_section = $section)]
+        pub fn $name(ctx: *mut c_void) -> i32 {
+            let _ = try_netfilter_snat(ctx, $hook);
+            NF_ACCEPT
+        }
+    };
+}
+
+nf_snat_program!(nf_post, "socket/nf_post", nf_hook::POST_ROUTING);
+nf_snat_program!(nf_in, "socket/nf_in", nf_hook::LOCAL_IN);

@@ -151,6 +151,7 @@ impl KernelBtf {
             // Left 0: the kernel programs then skip NAT events, and the
             // loader says why (conntrack_missing).
             o.nf_conn_tuplehash = 0;
+            o.sk_buff_nfct = 0;
             log::debug!("conntrack offsets unavailable (kprobe backend only): {e}");
         }
         match self.offset_in_module("bridge", "net_bridge_port", "dev") {
@@ -177,6 +178,7 @@ impl KernelBtf {
         o.tuple_src_u = self.offset_in_module(M, H, "tuple.src.u")?;
         o.tuple_dst_u3 = self.offset_in_module(M, H, "tuple.dst.u3")?;
         o.tuple_dst_u = self.offset_in_module(M, H, "tuple.dst.u")?;
+        o.sk_buff_nfct = self.offset("sk_buff", "_nfct")?;
         Ok(())
     }
 }

@@ -243,12 +243,13 @@ impl Tracer {
         let t = timing::step("kernel BTF: offsets");
         let mut btf = KernelBtf::load()?;
         let offsets = btf.kernel_offsets()?;
+        let ct_tuples = offsets.sk_buff_nfct != 0 && offsets.nf_conn_tuplehash != 0;
         drop(t);
         log::debug!("kernel {:?}, offsets {offsets:?}", kernel.version);
         let mut ebpf = load::load_object(loader, opts, offsets, netns.inode)?;
 
         let (mut plan, mut skipped) =
-            table::plan(backend, kernel, |name| ebpf.program(name).is_some());
+            table::plan(backend, kernel, ct_tuples, |name| ebpf.program(name).is_some());
         if backend == Backend::Kprobe {
             kprobes::resolve(&mut plan, &mut skipped, &mut btf);
         }

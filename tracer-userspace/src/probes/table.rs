@@ -62,6 +62,24 @@ pub struct ProgramSpec {
     pub need: Need,
     /// Short label for the preamble.
     pub label: &'static str,
+    pub snat: Snat,
+}
+
+/// The netfilter backend's SNAT hooks (POSTROUTING, INPUT) have two forms:
+/// one program after SNAT that also reports the packet before it, reading
+/// the source conntrack saw (tracer-ebpf netfilter.rs `try_netfilter_snat`;
+/// one program call per packet instead of two, issue 25), or a program on
+/// each side of it, for a kernel whose nf_conntrack layout is unknown
+/// (no module BTF, or nf_conntrack not loaded at start). Which one runs is
+/// decided silently: neither form is a missing feature.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Snat {
+    /// Not a SNAT-hook program: always.
+    Any,
+    /// Only with conntrack's tuples known.
+    OneProgram,
+    /// Only without them.
+    Pair,
 }
 
 const BOTH: &[Backend] = &[Backend::Netfilter, Backend::Kprobe];
@@ -121,12 +139,23 @@ const _: () = {
 };
 
 const fn nf(name: &'static str, hook: u8, window: Window, label: &'static str) -> ProgramSpec {
+    nf_snat(name, hook, window, label, Snat::Any)
+}
+
+const fn nf_snat(
+    name: &'static str,
+    hook: u8,
+    window: Window,
+    label: &'static str,
+    snat: Snat,
+) -> ProgramSpec {
     ProgramSpec {
         name,
         attach: Attach::Netfilter { hook, window },
         backends: NF,
         need: Need::NetfilterLink,
         label,
+        snat,
     }
 }
 
@@ -137,6 +166,7 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         backends: BOTH,
         need: Need::Tc,
         label: "tc ingress",
+        snat: Snat::Any,
     },
     ProgramSpec {
         name: "tc_egress",
@@ -144,6 +174,7 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         backends: BOTH,
         need: Need::Tc,
         label: "tc egress",
+        snat: Snat::Any,
     },
     nf(
         "nf_pre_before",
@@ -170,29 +201,47 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         "OUTPUT after DNAT",
     ),
     nf("nf_fwd", nf_hook::FORWARD, FORWARD, "FORWARD"),
-    nf(
+    nf_snat(
+        "nf_post",
+        nf_hook::POST_ROUTING,
+        AFTER_SNAT,
+        "POSTROUTING after SNAT",
+        Snat::OneProgram,
+    ),
+    nf_snat(
+        "nf_in",
+        nf_hook::LOCAL_IN,
+        AFTER_SNAT,
+        "INPUT after SNAT",
+        Snat::OneProgram,
+    ),
+    nf_snat(
         "nf_post_before",
         nf_hook::POST_ROUTING,
         BEFORE_SNAT,
         "POSTROUTING before SNAT",
+        Snat::Pair,
     ),
-    nf(
+    nf_snat(
         "nf_post_after",
         nf_hook::POST_ROUTING,
         AFTER_SNAT,
         "POSTROUTING after SNAT",
+        Snat::Pair,
     ),
-    nf(
+    nf_snat(
         "nf_in_before",
         nf_hook::LOCAL_IN,
         BEFORE_SNAT,
         "INPUT before SNAT",
+        Snat::Pair,
     ),
-    nf(
+    nf_snat(
         "nf_in_after",
         nf_hook::LOCAL_IN,
         AFTER_SNAT,
         "INPUT after SNAT",
+        Snat::Pair,
     ),
     ProgramSpec {
         name: "netif_receive_skb",
@@ -200,6 +249,7 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         backends: BOTH,
         need: Need::RawTracepoint,
         label: "raw_tp netif_receive_skb",
+        snat: Snat::Any,
     },
     ProgramSpec {
         name: "net_dev_start_xmit",
@@ -207,6 +257,7 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         backends: BOTH,
         need: Need::RawTracepoint,
         label: "raw_tp net_dev_start_xmit",
+        snat: Snat::Any,
     },
     ProgramSpec {
         name: "kfree_skb",
@@ -214,6 +265,7 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         backends: BOTH,
         need: Need::RawTracepoint,
         label: "raw_tp kfree_skb",
+        snat: Snat::Any,
     },
     // nf_hook_slow first: the NAT probes read the hook it records.
     kp(
@@ -265,6 +317,7 @@ const fn kp(
         backends: KP,
         need: Need::Kprobes,
         label,
+        snat: Snat::Any,
     }
 }
 
@@ -404,15 +457,26 @@ impl KernelFeatures {
     }
 }
 
-/// Rows of `backend` that this kernel can run, plus one Skipped per row it cannot.
+/// Rows of `backend` that this kernel can run, plus one Skipped per row it
+/// cannot. `ct_tuples`: the programs can read conntrack's tuples (the SNAT
+/// hooks then take one program each, [`Snat`]).
 pub fn plan(
     backend: Backend,
     kernel: &KernelFeatures,
+    ct_tuples: bool,
     in_object: impl Fn(&str) -> bool,
 ) -> (Vec<&'static ProgramSpec>, Vec<Skipped>) {
     let mut run = Vec::new();
     let mut skipped = Vec::new();
-    for spec in PROGRAMS.iter().filter(|p| p.backends.contains(&backend)) {
+    let wanted = |p: &ProgramSpec| match p.snat {
+        Snat::Any => true,
+        Snat::OneProgram => ct_tuples,
+        Snat::Pair => !ct_tuples,
+    };
+    for spec in PROGRAMS
+        .iter()
+        .filter(|p| p.backends.contains(&backend) && wanted(p))
+    {
         let verdict = kernel.check(spec.need).and_then(|()| {
             if in_object(spec.name) {
                 Ok(())
@@ -443,9 +507,9 @@ mod tests {
     #[test]
     fn old_kernel_skips_netfilter_links_with_a_reason() {
         let k = KernelFeatures::from_parts((6, 1, 0), true);
-        let (run, skipped) = plan(Backend::Netfilter, &k, |_| true);
+        let (run, skipped) = plan(Backend::Netfilter, &k, true, |_| true);
         assert!(run.iter().all(|p| p.need != Need::NetfilterLink));
-        assert_eq!(skipped.len(), 9);
+        assert_eq!(skipped.len(), 7);
         assert!(skipped[0].reason.contains("6.4"));
         assert!(!k.tcx);
     }
@@ -453,16 +517,34 @@ mod tests {
     #[test]
     fn new_kernel_runs_everything_of_the_netfilter_backend() {
         let k = KernelFeatures::from_parts((6, 18, 0), false);
-        let (run, skipped) = plan(Backend::Netfilter, &k, |_| true);
-        assert_eq!(run.len(), 14);
+        let (run, skipped) = plan(Backend::Netfilter, &k, true, |_| true);
+        assert_eq!(run.len(), 12);
         assert!(skipped.is_empty());
         assert!(k.tcx);
+        let names: Vec<_> = run.iter().map(|p| p.name).collect();
+        assert!(names.contains(&"nf_post") && names.contains(&"nf_in"));
+        assert!(!names.contains(&"nf_post_before"));
+    }
+
+    /// Without conntrack's layout each SNAT hook takes a program on each
+    /// side of the rewrite, and nothing says so as a skipped feature.
+    #[test]
+    fn without_conntrack_tuples_the_snat_hooks_take_a_pair() {
+        let k = KernelFeatures::from_parts((6, 18, 0), false);
+        let (run, skipped) = plan(Backend::Netfilter, &k, false, |_| true);
+        assert_eq!(run.len(), 14);
+        assert!(skipped.is_empty());
+        let names: Vec<_> = run.iter().map(|p| p.name).collect();
+        for pair in ["nf_post_before", "nf_post_after", "nf_in_before", "nf_in_after"] {
+            assert!(names.contains(&pair), "{pair}");
+        }
+        assert!(!names.contains(&"nf_post") && !names.contains(&"nf_in"));
     }
 
     #[test]
     fn kprobe_backend_without_kprobes_says_why() {
         let k = KernelFeatures::from_parts((6, 18, 0), false);
-        let (_, skipped) = plan(Backend::Kprobe, &k, |_| true);
+        let (_, skipped) = plan(Backend::Kprobe, &k, true, |_| true);
         assert_eq!(skipped.len(), 6);
         assert!(skipped.iter().all(|s| s.reason.contains("CONFIG_KPROBES")));
     }
@@ -495,7 +577,7 @@ mod tests {
     #[test]
     fn kprobe_backend_on_old_kernel_plans_tc_tracepoints_and_kprobes() {
         let k = KernelFeatures::from_parts((6, 1, 0), true);
-        let (run, skipped) = plan(Backend::Kprobe, &k, |_| true);
+        let (run, skipped) = plan(Backend::Kprobe, &k, true, |_| true);
         assert!(skipped.is_empty());
         assert_eq!(run.len(), 11);
         // nf_hook_slow must be attached before the NAT probes that read its slot.
