@@ -396,15 +396,15 @@ struct Run {
     traffic: Vec<Result<String, String>>,
 }
 
-/// Every priority nattrace's INPUT-before-SNAT link may take (1..=99) is
+/// Every priority nattrace's OUTPUT-after-DNAT link may take (-99..=-1) is
 /// held by an nft base chain, so its netfilter links cannot attach
 /// (`nf_hook_entries_grow`: -EBUSY): `--backend auto` must say so and trace
 /// with kprobes. The chains are removed again afterwards.
 fn auto_with_netfilter_window_full(nattrace: &Path, facts: &LabFacts) -> anyhow::Result<Run> {
     let mut rules = String::from("table ip nattrace-vm-fill {\n");
-    for priority in 1..=99 {
+    for (i, priority) in (-99..=-1).enumerate() {
         rules.push_str(&format!(
-            "  chain input{priority} {{ type filter hook input priority {priority}; policy accept; }}\n"
+            "  chain output{i} {{ type filter hook output priority {priority}; policy accept; }}\n"
         ));
     }
     rules.push_str("}\n");
