@@ -248,8 +248,9 @@ impl Tracer {
         log::debug!("kernel {:?}, offsets {offsets:?}", kernel.version);
         let mut ebpf = load::load_object(loader, opts, offsets, netns.inode)?;
 
-        let (mut plan, mut skipped) =
-            table::plan(backend, kernel, ct_tuples, |name| ebpf.program(name).is_some());
+        let (mut plan, mut skipped) = table::plan(backend, kernel, ct_tuples, |name| {
+            ebpf.program(name).is_some()
+        });
         if backend == Backend::Kprobe {
             kprobes::resolve(&mut plan, &mut skipped, &mut btf);
         }

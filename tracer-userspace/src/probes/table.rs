@@ -535,7 +535,12 @@ mod tests {
         assert_eq!(run.len(), 14);
         assert!(skipped.is_empty());
         let names: Vec<_> = run.iter().map(|p| p.name).collect();
-        for pair in ["nf_post_before", "nf_post_after", "nf_in_before", "nf_in_after"] {
+        for pair in [
+            "nf_post_before",
+            "nf_post_after",
+            "nf_in_before",
+            "nf_in_after",
+        ] {
             assert!(names.contains(&pair), "{pair}");
         }
         assert!(!names.contains(&"nf_post") && !names.contains(&"nf_in"));

@@ -345,7 +345,8 @@ impl TcAttachments {
             // Picked up by a later sync, once the background attach is done.
             return None;
         }
-        let left_to_tracepoints = |i: &Interface| !self.tc_on_pods && pod_veths.contains(&i.ifindex);
+        let left_to_tracepoints =
+            |i: &Interface| !self.tc_on_pods && pod_veths.contains(&i.ifindex);
         self.by_tracepoints = ifaces
             .iter()
             .filter(|i| left_to_tracepoints(i) && !self.ifaces.contains_key(&i.ifindex))
