@@ -43,6 +43,9 @@ use crate::{
 
 /// How often the reader looks at the ring buffer when the kernel did not wake
 /// it: well inside the collector's 20 ms reorder window.
+/// Pod veths from which the start says they are watched by the device
+/// tracepoints (every pod veth is: probes/tc.rs).
+const SAY_TRACEPOINTS_FROM: usize = 64;
 const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The kernel object built by build.rs (aya-build).
@@ -603,7 +606,9 @@ impl Tracer {
     /// on every interface.
     pub fn tc_split_note(&self) -> Option<String> {
         match self.tc.tracepoint_count() {
-            0 => None,
+            // Said where it explains a fast exit on a big node; on a small
+            // one it would be one more start line for nothing.
+            m if m < SAY_TRACEPOINTS_FROM => None,
             m => Some(format!(
                 "tc on {} node interfaces; {m} pod veths watched by device tracepoints",
                 self.tc_interface_count()
