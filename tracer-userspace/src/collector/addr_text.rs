@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use serde::Serializer;
 
 /// An address as text, on the stack.
+#[derive(Clone, Copy, Debug)]
 pub struct AddrText {
     buf: [u8; 64],
     len: usize,
@@ -21,14 +22,41 @@ impl AddrText {
         };
         match addr {
             SocketAddr::V4(a) => {
-                for (i, octet) in a.ip().octets().into_iter().enumerate() {
+                // The length stays in a local: pushed through `self` it was
+                // stored back after every byte.
+                let (buf, mut n) = (&mut t.buf, 0);
+                for (i, o) in a.ip().octets().into_iter().enumerate() {
                     if i > 0 {
-                        t.push(b'.');
+                        buf[n] = b'.';
+                        n += 1;
                     }
-                    t.number(u32::from(octet));
+                    if o >= 100 {
+                        buf[n] = b'0' + o / 100;
+                        n += 1;
+                    }
+                    if o >= 10 {
+                        buf[n] = b'0' + o / 10 % 10;
+                        n += 1;
+                    }
+                    buf[n] = b'0' + o % 10;
+                    n += 1;
                 }
-                t.push(b':');
-                t.number(u32::from(a.port()));
+                buf[n] = b':';
+                n += 1;
+                let port = a.port();
+                let digits = match port {
+                    0..10 => 1,
+                    10..100 => 2,
+                    100..1000 => 3,
+                    1000..10000 => 4,
+                    _ => 5,
+                };
+                let mut p = port;
+                for k in (0..digits).rev() {
+                    buf[n + k] = b'0' + (p % 10) as u8;
+                    p /= 10;
+                }
+                t.len = n + digits;
             }
             SocketAddr::V6(a) => {
                 use std::io::Write as _;
@@ -41,15 +69,8 @@ impl AddrText {
         t
     }
 
-    fn push(&mut self, b: u8) {
-        self.buf[self.len] = b;
-        self.len += 1;
-    }
-
-    fn number(&mut self, n: u32) {
-        for &d in itoa::Buffer::new().format(n).as_bytes() {
-            self.push(d);
-        }
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
     }
 
     pub fn as_str(&self) -> &str {
@@ -82,6 +103,8 @@ mod tests {
             "100.67.30.133:80",
             "255.255.255.255:65535",
             "10.0.0.1:53",
+            "1.9.99.109:1",
+            "200.10.5.250:443",
             "[fd00:10:96::a]:53",
             "[::ffff:10.0.0.1]:8080",
             "[fe80::1%4294967295]:65535",

@@ -6,12 +6,13 @@ use std::net::SocketAddr;
 use serde::Serialize;
 use tracer_common::{hook, nat_stage, nf_hook};
 
+use super::pod_names::PodNames;
 use super::{
     drop_reason::{DropReasons, KnownReasons},
     ifnames::IfNames,
     types::{Name, Obs, in_node},
 };
-use crate::{facts::NodeFacts, pods::PodIndex, ruleset::KubeProxyRules};
+use crate::facts::NodeFacts;
 
 /// One event of a packet, as reported.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -44,7 +45,7 @@ pub struct Hop {
     /// NAME` when only its `ip netns` name is known; absent in the node's
     /// namespace and when unknown (src/pods).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod: Option<String>,
+    pub pod: Option<Name>,
 }
 
 pub(crate) struct ReportCtx<'a> {
@@ -53,8 +54,8 @@ pub(crate) struct ReportCtx<'a> {
     pub reasons: &'a DropReasons,
     pub known: &'a KnownReasons,
     pub reply_timeout_ns: u64,
-    pub kube: &'a KubeProxyRules,
-    pub pods: &'a PodIndex,
+    pub kube: crate::ruleset::IndexedRules<'a>,
+    pub pods: &'a PodNames,
 }
 
 impl ReportCtx<'_> {
@@ -93,7 +94,7 @@ pub(crate) fn hop(o: &Obs, ctx: &ReportCtx<'_>, client_side: bool) -> Hop {
         pod: if ctx.is_node(o.netns) {
             None
         } else {
-            ctx.pods.netns_label(o.netns)
+            ctx.pods.label(o.netns).cloned()
         },
     }
 }

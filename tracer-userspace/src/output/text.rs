@@ -284,7 +284,7 @@ impl<W: io::Write> TextOutput<W> {
             }
         }
         let here = match &h.pod {
-            Some(pod) => pod.clone(),
+            Some(pod) => pod.to_string(),
             None => format!("ns {}", h.netns),
         };
         let ns = match (&h.node, h.node_ns) {

@@ -580,7 +580,7 @@ fn a_pods_line_names_clients_and_hops() {
     assert!(
         client_hops
             .iter()
-            .all(|h| h.pod.as_deref() == Some("default/client-7d9f"))
+            .all(|h| h.pod.as_ref().map(|p| p.as_str()) == Some("default/client-7d9f"))
     );
     assert!(
         r.packets

@@ -65,6 +65,107 @@ pub struct SvcRule {
 
 /// A Service port without endpoints, which kube-proxy rejects (ICMP port
 /// unreachable: the client's connect fails at once).
+impl SvcRule {
+    /// A NodePort, LB or external IP's Service port: the one of the same
+    /// name, protocol and family.
+    fn same_port_name(&self, ext: &external::ExternalRule, proto: &str) -> bool {
+        self.name == ext.name && self.proto == proto && self.cluster_ip.is_ipv6() == ext.ipv6
+    }
+
+    fn matched(&self, backend: Option<SocketAddr>) -> KubeMatch {
+        let sep = backend.and_then(|b| self.endpoints.iter().find(|e| e.endpoint == b));
+        KubeMatch {
+            service: self.name.clone(),
+            svc_chain: self.chain.clone(),
+            sep_chain: sep.map(|e| e.chain.clone()),
+            hairpin_masq: sep.map(|e| e.hairpin_masq),
+        }
+    }
+}
+
+/// The Service ports of a [`KubeProxyRules`] by address and by name, for
+/// the collector, which looks one up per decided flow: the scan of
+/// [`KubeProxyRules::lookup`] cost ~100k instructions per connection with
+/// 10,000 Services (callgrind, BENCHMARKS.md), against ~800 with three.
+/// Built once per read of the rules.
+#[derive(Debug, Default)]
+pub struct ServiceIndex {
+    /// (cluster IP, port) → positions in `services`, in order.
+    by_port: HashMap<(IpAddr, u16), Vec<u32>, foldhash::fast::RandomState>,
+    /// Service port name → positions, in order.
+    by_name: HashMap<String, Vec<u32>, foldhash::fast::RandomState>,
+}
+
+impl ServiceIndex {
+    pub fn new(rules: &KubeProxyRules) -> Self {
+        let mut index = ServiceIndex::default();
+        for (i, s) in rules.services.iter().enumerate() {
+            let i = i as u32;
+            index
+                .by_port
+                .entry((s.cluster_ip, s.port))
+                .or_default()
+                .push(i);
+            index.by_name.entry(s.name.clone()).or_default().push(i);
+        }
+        index
+    }
+}
+
+/// kube-proxy's rules with their [`ServiceIndex`]: everything of the rules
+/// (by `Deref`), and a `lookup` that answers as theirs without the scan.
+#[derive(Clone, Copy, Debug)]
+pub struct IndexedRules<'a> {
+    pub rules: &'a KubeProxyRules,
+    pub index: &'a ServiceIndex,
+}
+
+impl std::ops::Deref for IndexedRules<'_> {
+    type Target = KubeProxyRules;
+    fn deref(&self) -> &KubeProxyRules {
+        self.rules
+    }
+}
+
+impl<'a> IndexedRules<'a> {
+    /// The first Service port at this cluster IP, port and protocol.
+    pub fn service_port(&self, ip: IpAddr, port: u16, proto: &str) -> Option<&'a SvcRule> {
+        let services = &self.rules.services;
+        self.index
+            .by_port
+            .get(&(ip, port))?
+            .iter()
+            .map(|i| &services[*i as usize])
+            .find(|s| s.proto == proto)
+    }
+
+    /// [`KubeProxyRules::lookup`], through the index (the same first match).
+    pub fn lookup<A: Into<SocketAddr>>(
+        &self,
+        service: A,
+        proto: &str,
+        backend: Option<A>,
+    ) -> Option<KubeMatch> {
+        let service = service.into();
+        let at = |i: &u32| &self.rules.services[*i as usize];
+        let svc = self
+            .service_port(service.ip(), service.port(), proto)
+            .or_else(|| {
+                let ext = self
+                    .rules
+                    .north_south
+                    .find(service.ip(), service.port(), proto)?;
+                self.index
+                    .by_name
+                    .get(&ext.name)?
+                    .iter()
+                    .map(at)
+                    .find(|s| s.same_port_name(ext, proto))
+            })?;
+        Some(svc.matched(backend.map(Into::into)))
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct RejectRule {
     pub ip: IpAddr,
@@ -168,20 +269,10 @@ impl KubeProxyRules {
             .iter()
             .find(|s| s.cluster_ip == service.ip() && s.port == service.port() && s.proto == proto)
             .or_else(|| {
-                // A NodePort, LB or external IP: the Service port of the same name.
                 let ext = self.north_south.find(service.ip(), service.port(), proto)?;
-                self.services.iter().find(|s| {
-                    s.name == ext.name && s.proto == proto && s.cluster_ip.is_ipv6() == ext.ipv6
-                })
+                self.services.iter().find(|s| s.same_port_name(ext, proto))
             })?;
-        let backend = backend.map(Into::into);
-        let sep = backend.and_then(|b| svc.endpoints.iter().find(|e| e.endpoint == b));
-        Some(KubeMatch {
-            service: svc.name.clone(),
-            svc_chain: svc.chain.clone(),
-            sep_chain: sep.map(|e| e.chain.clone()),
-            hairpin_masq: sep.map(|e| e.hairpin_masq),
-        })
+        Some(svc.matched(backend.map(Into::into)))
     }
 
     /// kube-proxy's no-endpoints REJECT for this Service IP:port, if any.

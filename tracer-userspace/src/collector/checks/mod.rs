@@ -22,7 +22,7 @@ use super::{
     types::{Dir, Obs, Proto, in_node, node_egress, node_ingress},
     verdict::{Verdict, drop_place},
 };
-use crate::{facts::NodeFacts, ruleset::KubeProxyRules};
+use crate::facts::NodeFacts;
 
 pub(crate) struct RuleCtx<'a> {
     pub flow: &'a Flow,
@@ -33,7 +33,7 @@ pub(crate) struct RuleCtx<'a> {
     pub reply_timeout_ns: u64,
     /// The first real drop of the flow (dropped verdict).
     pub drop: Option<&'a Obs>,
-    pub kube: &'a KubeProxyRules,
+    pub kube: crate::ruleset::IndexedRules<'a>,
     pub ifnames: &'a IfNames,
     /// Drop reason names, for the cause texts.
     pub reasons: &'a DropReasons,

@@ -12,6 +12,7 @@ pub(crate) fn entry<'a>(ctx: &RuleCtx<'a>) -> Option<&'a ExternalRule> {
     let proto = Proto::from_raw(ctx.flow.proto)?;
     let svc = ctx.flow.service;
     ctx.kube
+        .rules
         .north_south
         .find(svc.addr, svc.port, proto.as_str())
 }

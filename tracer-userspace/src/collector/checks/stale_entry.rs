@@ -32,10 +32,7 @@ use crate::{
 /// The Service port of the flow in the rules, if kube-proxy programs it.
 fn service_rule<'a>(ctx: &RuleCtx<'a>, proto: Proto) -> Option<&'a SvcRule> {
     let svc = ctx.flow.service;
-    ctx.kube
-        .services
-        .iter()
-        .find(|s| s.cluster_ip == svc.addr && s.port == svc.port && s.proto == proto.as_str())
+    ctx.kube.service_port(svc.addr, svc.port, proto.as_str())
 }
 
 /// The backend the kernel DNATed the flow to, when the rules no longer

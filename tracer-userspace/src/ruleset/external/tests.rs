@@ -190,3 +190,49 @@ fn nftables_nodeports_external_chains_and_drops() {
             .is_none()
     );
 }
+
+/// The collector's indexed lookup answers every query as the rules' own
+/// scan: cluster IPs, NodePorts on each node address, the LB and external
+/// IPs, other protocols, unknown addresses, with and without backends.
+#[test]
+fn indexed_lookup_answers_as_the_scan() {
+    let mut rules = with_node(parse_save(SAVE));
+    // The same IP:port again under another protocol and, later, again:
+    // the first match of the protocol must win in both.
+    let mut udp = rules.services[0].clone();
+    udp.proto = "udp".into();
+    udp.name = "ns/np:dns".into();
+    let mut dup = rules.services[0].clone();
+    dup.chain = "KUBE-SVC-SECOND".into();
+    rules.services.insert(0, udp);
+    rules.services.push(dup);
+    let index = crate::ruleset::ServiceIndex::new(&rules);
+    let indexed = crate::ruleset::IndexedRules {
+        rules: &rules,
+        index: &index,
+    };
+    let mut matched = 0;
+    for addr in [
+        "10.96.0.20",
+        "10.96.0.21",
+        "198.51.100.7",
+        "203.0.113.10",
+        NODE,
+        "10.244.0.1",
+        "1.2.3.4",
+    ] {
+        for port in [80, 30090, 30091, 8080, 53] {
+            for proto in ["tcp", "udp", "sctp"] {
+                for backend in [None, Some("10.244.1.5:8080"), Some("10.244.2.5:8080")] {
+                    let svc = std::net::SocketAddr::new(ip(addr), port);
+                    let b = backend.map(|b| b.parse::<std::net::SocketAddr>().unwrap());
+                    let scan = rules.lookup(svc, proto, b);
+                    assert_eq!(indexed.lookup(svc, proto, b), scan, "{svc} {proto} {b:?}");
+                    matched += usize::from(scan.is_some());
+                }
+            }
+        }
+    }
+    // Not vacuous: cluster IPs, NodePorts and LB/external IPs matched.
+    assert!(matched >= 20, "{matched}");
+}
