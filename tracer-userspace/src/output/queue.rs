@@ -151,6 +151,14 @@ impl WriteQueue {
     }
 
     /// Lines dropped because the queue was full.
+    /// Bytes the queued chunks hold allocated, against `queued` bytes of
+    /// lines: what a stalled reader really costs.
+    #[cfg(test)]
+    pub fn queued_capacity(&self) -> (usize, usize) {
+        let st = self.shared.lock();
+        (st.chunks.iter().map(Vec::capacity).sum(), st.queued)
+    }
+
     pub fn dropped_lines(&self) -> u64 {
         self.shared.lock().dropped_lines
     }
@@ -264,18 +272,39 @@ impl QueueWriter {
 
 impl Write for QueueWriter {
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        // Straight to a whole chunk: grown by doubling, every chunk was
+        // copied ~6 times on its way to 256 KiB (callgrind: 1.6k
+        // instructions per `ok` line).
+        let want = self.buf.len() + data.len();
+        if want > self.buf.capacity() {
+            self.buf
+                .reserve_exact(want.max(CHUNK + CHUNK / 4) - self.buf.len());
+        }
         self.buf.extend_from_slice(data);
         if self.buf.len() >= CHUNK
             && let Some(last) = self.buf.iter().rposition(|&b| b == b'\n')
         {
-            let rest = self.buf.split_off(last + 1);
-            self.queue.push(std::mem::replace(&mut self.buf, rest))?;
+            let mut next = Vec::with_capacity(CHUNK + CHUNK / 4);
+            next.extend_from_slice(&self.buf[last + 1..]);
+            self.buf.truncate(last + 1);
+            self.queue.push(std::mem::replace(&mut self.buf, next))?;
         }
         Ok(data.len())
     }
 
     fn flush(&mut self) -> io::Result<()> {
-        self.queue.push(std::mem::take(&mut self.buf))
+        // A tick's few lines leave in a vector of their size and the
+        // chunk-sized buffer stays for the next ones: the queue's limit
+        // counts bytes, not capacity, so a stalled reader must not collect
+        // a mostly empty chunk per tick.
+        let chunk = if self.buf.len() >= CHUNK / 2 {
+            std::mem::take(&mut self.buf)
+        } else {
+            let few = self.buf.to_vec();
+            self.buf.clear();
+            few
+        };
+        self.queue.push(chunk)
     }
 }
 

@@ -278,6 +278,25 @@ mod queue {
         (QueueWriter::new(q), go, written)
     }
 
+    /// A tick's few lines are queued in a vector of their size, not in the
+    /// chunk-sized buffer lines are gathered in: the queue's limit counts
+    /// bytes, so a stalled reader would otherwise hold a mostly empty
+    /// 320 KiB buffer per tick.
+    #[test]
+    fn flushed_lines_queue_what_they_take() {
+        let (mut out, _go, _written) = stalled(1 << 20, Overflow::Drop);
+        for i in 0..200 {
+            writeln!(out, "flow line {i:04} with some text to take room").unwrap();
+            out.flush().unwrap();
+        }
+        let (capacity, queued) = out.queue().queued_capacity();
+        assert!(queued > 150 * 40, "{queued}");
+        assert!(
+            capacity <= 2 * queued,
+            "{capacity} allocated for {queued} bytes"
+        );
+    }
+
     #[test]
     fn a_stalled_reader_never_blocks_the_writer_and_drops_are_counted() {
         let (mut out, go, written) = stalled(1000, Overflow::Drop);
