@@ -556,15 +556,23 @@ fn evidence(flow: &Flow, ctx: &ReportCtx<'_>) -> Vec<PacketEvidence> {
     let client_obs = flow.client_reply.map(|r| r.obs as usize);
     // Exact sizes: a tick can hold thousands of reports at once, and
     // pushing hops one by one leaves a third of them unused.
-    let mut hop_counts = vec![0usize; flow.packets.len()];
+    // On the stack for the usual few packets (an allocation per report).
+    let (mut few, mut many) = ([0usize; 16], Vec::new());
+    let hop_counts: &mut [usize] = match flow.packets.len() {
+        n @ 0..=16 => &mut few[..n],
+        n => {
+            many.resize(n, 0);
+            &mut many
+        }
+    };
     for o in &flow.obs {
         hop_counts[o.packet as usize] += 1;
     }
     let mut packets: Vec<PacketEvidence> = flow
         .packets
         .iter()
-        .zip(hop_counts)
-        .map(|(p, hops)| PacketEvidence {
+        .zip(hop_counts.iter())
+        .map(|(p, &hops)| PacketEvidence {
             kind: packet_kind(p.key.proto, p.key.tcp_flags, p.dir),
             dir: p.dir,
             tcp_flags: p.key.tcp_flags,
