@@ -36,6 +36,10 @@ pub const STAGES: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "opening the recording (analyze only: its header, the node's rules)",
+        &["nattrace::analyze::open_runs"],
+    ),
+    (
         "collector: events in, decisions and reports (Collector::push)",
         &["nattrace::collector::Collector::push"],
     ),
@@ -67,7 +71,17 @@ pub struct Counted {
     pub stages: Vec<(&'static str, u64)>,
     /// The most expensive functions by their own (exclusive) Ir.
     pub top_self: Vec<(String, u64)>,
+    /// [`STAGES`] again, on the same recording with the node grown to
+    /// [`SCALE_SERVICES`] Service ports and [`SCALE_PODS`] pods.
+    pub at_scale: Vec<(&'static str, u64)>,
+    pub at_scale_total: u64,
 }
+
+/// The big node of the scaled pass: what reports look up per decided flow
+/// (the Service port and its endpoint chain in kube-proxy's rules, the pods
+/// of the flow's ends and hops) grows with these.
+pub const SCALE_SERVICES: usize = 10_000;
+pub const SCALE_PODS: usize = 1_000;
 
 fn have(cmd: &str) -> bool {
     Command::new(cmd)
@@ -89,7 +103,9 @@ pub fn pass(ctx: &Ctx) -> anyhow::Result<Option<Counted>> {
     }
     let rec = temp("conn.rec");
     let data = temp("conn.callgrind");
-    let r = counted(ctx, &rec, &data);
+    let scaled = temp("conn-scaled.rec");
+    let r = counted(ctx, &rec, &data, &scaled);
+    let _ = std::fs::remove_file(&scaled);
     // NATTRACE_BENCH_KEEP=1 keeps both for callgrind_annotate by hand.
     if std::env::var_os("NATTRACE_BENCH_KEEP").is_some() {
         say(&format!("kept {} and {}", rec.display(), data.display()));
@@ -100,7 +116,7 @@ pub fn pass(ctx: &Ctx) -> anyhow::Result<Option<Counted>> {
     r.map(Some)
 }
 
-fn counted(ctx: &Ctx, rec: &Path, data: &Path) -> anyhow::Result<Counted> {
+fn counted(ctx: &Ctx, rec: &Path, data: &Path, scaled: &Path) -> anyhow::Result<Counted> {
     let rec_s = rec.display().to_string();
     let nattrace = ctx.binary(Cond::This);
     let (tracer, _) =
@@ -109,11 +125,45 @@ fn counted(ctx: &Ctx, rec: &Path, data: &Path) -> anyhow::Result<Counted> {
     let done = shared::stop_nattrace_after(tracer, run.attempted)?;
     let summary = done.summary()?;
     let num = |k: &str| summary[k].as_u64().unwrap_or(0);
+    let (total_ir, stages, top_self) = count(nattrace, rec, data)?;
+    scale(rec, scaled)?;
+    let (at_scale_total, at_scale, _) = count(nattrace, scaled, data)?;
+    let c = Counted {
+        connections: run.attempted,
+        flows: num("flows"),
+        events: num("events"),
+        total_ir,
+        stages,
+        top_self,
+        at_scale,
+        at_scale_total,
+    };
+    say(&format!(
+        "callgrind: {:.0} instructions per connection ({} flows, {} events); {:.0} with {SCALE_SERVICES} Services and {SCALE_PODS} pods",
+        c.total_ir as f64 / c.flows.max(1) as f64,
+        c.flows,
+        c.events,
+        c.at_scale_total as f64 / c.flows.max(1) as f64,
+    ));
+    Ok(c)
+}
+
+type Stages = Vec<(&'static str, u64)>;
+
+/// `nattrace analyze REC --output json` under callgrind: total Ir, the
+/// stages and the top functions by their own Ir.
+fn count(
+    nattrace: &Path,
+    rec: &Path,
+    data: &Path,
+) -> anyhow::Result<(u64, Stages, Vec<(String, u64)>)> {
     let out = Command::new("valgrind")
         .args(["--tool=callgrind", "--quiet"])
         .arg(format!("--callgrind-out-file={}", data.display()))
         .arg(nattrace)
-        .args(["analyze", &rec_s, "--output", "json"])
+        .arg("analyze")
+        .arg(rec)
+        .args(["--output", "json"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .output()
@@ -136,21 +186,72 @@ fn counted(ctx: &Ctx, rec: &Path, data: &Path) -> anyhow::Result<Counted> {
     let mut top_self = exclusive;
     top_self.sort_by_key(|r| std::cmp::Reverse(r.1));
     top_self.truncate(12);
-    let c = Counted {
-        connections: run.attempted,
-        flows: num("flows"),
-        events: num("events"),
-        total_ir,
-        stages,
-        top_self,
+    Ok((total_ir, stages, top_self))
+}
+
+/// The recording with the node grown: [`SCALE_SERVICES`] more Service
+/// ports in kube-proxy's rules (header) and [`SCALE_PODS`] more pods (each
+/// `pods` line), all listed before the node's own, so a lookup that scans
+/// passes them all. The events are the same, so what changes per
+/// connection is what grows with the node.
+fn scale(rec: &Path, out: &Path) -> anyhow::Result<()> {
+    use serde_json::{Value, json};
+    use std::io::{BufRead as _, BufReader, BufWriter, Write as _};
+    let services: Vec<Value> = (0..SCALE_SERVICES)
+        .map(|i| {
+            let (hi, lo) = (i / 250, i % 250 + 1);
+            json!({
+                "name": format!("scale/svc-{i}:tcp"),
+                "cluster_ip": format!("100.69.{hi}.{lo}"),
+                "port": 80,
+                "proto": "tcp",
+                "chain": format!("KUBE-SVC-SCALE{i:011}"),
+                "masquerade_all": false,
+                "endpoints": [{
+                    "chain": format!("KUBE-SEP-SCALE{i:011}"),
+                    "endpoint": format!("100.101.{hi}.{lo}:8080"),
+                    "hairpin_masq": true,
+                }],
+            })
+        })
+        .collect();
+    let pods: Vec<Value> = (0..SCALE_PODS)
+        .map(|i| {
+            json!({
+                "netns": 4_026_600_000u32 + i as u32,
+                "addrs": [format!("100.102.{}.{}", i / 250, i % 250 + 1)],
+                "pod": format!("scale/pod-{i}"),
+            })
+        })
+        .collect();
+    let grow = |list: Option<&mut Value>, more: &[Value]| -> anyhow::Result<()> {
+        let Some(Value::Array(list)) = list else {
+            bail!("recording line without the list to grow");
+        };
+        list.splice(0..0, more.iter().cloned());
+        Ok(())
     };
-    say(&format!(
-        "callgrind: {:.0} instructions per connection ({} flows, {} events)",
-        c.total_ir as f64 / c.flows.max(1) as f64,
-        c.flows,
-        c.events
-    ));
-    Ok(c)
+    let input = BufReader::new(std::fs::File::open(rec).context("opening the recording")?);
+    let mut w =
+        BufWriter::new(std::fs::File::create(out).context("creating the scaled recording")?);
+    for (i, line) in input.lines().enumerate() {
+        let line = line?;
+        let kind_is = |k: &str| line.starts_with(&format!("{{\"kind\":\"{k}\""));
+        if i == 0 || kind_is("pods") {
+            let mut v: Value = serde_json::from_str(&line).context("a recording line")?;
+            if i == 0 {
+                grow(v.pointer_mut("/kube_proxy/services"), &services)?;
+            } else {
+                grow(v.get_mut("pods"), &pods)?;
+            }
+            serde_json::to_writer(&mut w, &v)?;
+            writeln!(w)?;
+        } else {
+            writeln!(w, "{line}")?;
+        }
+    }
+    w.flush()?;
+    Ok(())
 }
 
 /// A stage's instructions: the outermost matching function's inclusive
@@ -244,26 +345,39 @@ pub fn markdown(w: &mut String, c: &Counted) {
          `valgrind --tool=callgrind nattrace analyze REC --output json`: the same decode → \
          collector → JSON path as live, counted in instructions, which the machine's load does \
          not move. Stages are inclusive counts of the function that enters each (the allocator \
-         is its own row and also inside the others).\n\n\
-         | stage | instructions per connection | share |\n|---|---|---|",
+         is its own row and also inside the others). The last column is the same recording \
+         with the node grown to {SCALE_SERVICES} Service ports in kube-proxy's rules and \
+         {SCALE_PODS} more pods, listed before the node's own (its reading row also parses \
+         those once).\n\n\
+         | stage | instructions per connection | share | at {SCALE_SERVICES} Services, {SCALE_PODS} pods |\n|---|---|---|---|",
         c.connections, c.flows, c.events
     );
-    for (name, ir) in &c.stages {
+    let scaled = |i: usize| c.at_scale.get(i).map_or(0.0, |s| per(s.1));
+    for (i, (name, ir)) in c.stages.iter().enumerate() {
         let share = 100.0 * *ir as f64 / c.total_ir.max(1) as f64;
-        let _ = writeln!(w, "| {name} | {:.0} | {share:.1}% |", per(*ir));
+        let _ = writeln!(
+            w,
+            "| {name} | {:.0} | {share:.1}% | {:.0} |",
+            per(*ir),
+            scaled(i)
+        );
     }
     let _ = writeln!(
         w,
-        "| **whole process (analyze, start-up included)** | **{:.0}** | 100% |",
-        per(c.total_ir)
+        "| **whole process (analyze, start-up included)** | **{:.0}** | 100% | {:.0} |",
+        per(c.total_ir),
+        per(c.at_scale_total)
     );
-    let reading = c.stages.first().map_or(0, |s| s.1);
-    let live = c.total_ir.saturating_sub(reading);
+    // The first two stages are analyze's own (reading the recording).
+    let reading = |stages: &[(&str, u64)]| stages.iter().take(2).map(|s| s.1).sum::<u64>();
+    let live = c.total_ir.saturating_sub(reading(&c.stages));
+    let live_scaled = c.at_scale_total.saturating_sub(reading(&c.at_scale));
     let _ = writeln!(
         w,
-        "| **the same without reading the recording** (a live session's share) | **{:.0}** | {:.1}% |",
+        "| **the same without reading the recording** (a live session's share) | **{:.0}** | {:.1}% | {:.0} |",
         per(live),
-        100.0 * live as f64 / c.total_ir.max(1) as f64
+        100.0 * live as f64 / c.total_ir.max(1) as f64,
+        per(live_scaled)
     );
     let list: Vec<String> = c
         .top_self
