@@ -149,14 +149,12 @@ fn counted(ctx: &Ctx, rec: &Path, data: &Path, scaled: &Path) -> anyhow::Result<
 }
 
 type Stages = Vec<(&'static str, u64)>;
+/// Functions by their own instructions.
+type Top = Vec<(String, u64)>;
 
 /// `nattrace analyze REC --output json` under callgrind: total Ir, the
 /// stages and the top functions by their own Ir.
-fn count(
-    nattrace: &Path,
-    rec: &Path,
-    data: &Path,
-) -> anyhow::Result<(u64, Stages, Vec<(String, u64)>)> {
+fn count(nattrace: &Path, rec: &Path, data: &Path) -> anyhow::Result<(u64, Stages, Top)> {
     let out = Command::new("valgrind")
         .args(["--tool=callgrind", "--quiet"])
         .arg(format!("--callgrind-out-file={}", data.display()))
