@@ -55,7 +55,21 @@ pub fn sanitize_keeping<'a>(text: &'a str, keep: &[&str]) -> Cow<'a, str> {
 /// live: a live session's warnings go through `session::watch::Notices`,
 /// which sanitizes the same way).
 pub fn warn(line: impl std::fmt::Display) {
-    eprintln!("nattrace: warning: {}", sanitize(&line.to_string()));
+    to_stderr(format!(
+        "nattrace: warning: {}\n",
+        sanitize(&line.to_string())
+    ));
+}
+
+/// One whole line in one write(2). `eprintln!` with arguments writes each
+/// piece on its own (stderr is unbuffered), and the session's notices go
+/// to stderr from a writer thread of their own: under load one of its
+/// lines landed inside a warning ("nattrace: warning: nattrace: tc on 4
+/// …", a test beside stress-ng). A pipe keeps a write of up to PIPE_BUF
+/// bytes whole (pipe(7)).
+pub fn to_stderr(line: String) {
+    use std::io::Write as _;
+    let _ = io::stderr().lock().write_all(line.as_bytes());
 }
 
 /// A log record as one of our own stderr lines, in the same style as
@@ -77,7 +91,7 @@ pub fn log_line(level: log::Level, target: &str, message: &str) -> String {
 /// `nattrace: <line>` on stderr, sanitized (errors quote paths and
 /// recordings).
 pub fn say(line: impl std::fmt::Display) {
-    eprintln!("nattrace: {}", sanitize(&line.to_string()));
+    to_stderr(format!("nattrace: {}\n", sanitize(&line.to_string())));
 }
 
 /// An `io::Write` that sanitizes what goes through it. Formatters write

@@ -95,7 +95,7 @@ impl Notices {
                 let _ = writeln!(out, "nattrace: {line}");
                 let _ = out.flush();
             }
-            None => eprintln!("nattrace: {line}"),
+            None => crate::output::clean::to_stderr(format!("nattrace: {line}\n")),
         }
     }
 
