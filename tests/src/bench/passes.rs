@@ -8,7 +8,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 
 use crate::profile::{self, Profile};
-use crate::report::{BpfSample, Cond, Results};
+use crate::report::{BpfSample, BpfScale, Cond, Results};
 use crate::shared::{self, CONN_PORT, ClientLoad, ClientRun};
 use crate::{Ctx, iperf, say, start_tcpdump};
 
@@ -140,6 +140,51 @@ pub fn bpf_pass(ctx: &Ctx, r: &mut Results, bulk: bool, conn: bool) -> anyhow::R
         r.bpf.push(s);
     }
     Ok(())
+}
+
+/// The BPF cost of one traced connection-rate run on `ctx`'s node, this
+/// build, with stats on only for it: what a big node pays per connection
+/// in the kernel (issue 25 item 4). `args` start nattrace (`--all-services`
+/// traces every Service; else the bench's connection Service).
+pub fn bpf_per_conn(ctx: &Ctx, args: &[&str]) -> anyhow::Result<Option<BpfScale>> {
+    let Some(_stats) = enable_bpf_stats() else {
+        return Ok(None);
+    };
+    // A scale node is new: without its server every connection would be
+    // a SYN and a RST (two packets, where a served one has eight).
+    shared::start_conn_server(ctx.lab, ctx.conn_bench)?;
+    let svcs = if args.contains(&"--all-services") {
+        Vec::new()
+    } else {
+        vec![conn_svc(ctx)]
+    };
+    let (tracer, _) = shared::start_nattrace(ctx.binary(Cond::This), ctx.lab, &svcs, args)?;
+    let pid = tracer.pid();
+    let before = prog_runtime(pid);
+    let run = client(ctx);
+    let after = prog_runtime(pid);
+    shared::stop_nattrace(tracer)?;
+    let run = run?;
+    anyhow::ensure!(
+        run.ok * 10 >= run.attempted * 9,
+        "{} of {} connections served: not the healthy load this measures",
+        run.ok,
+        run.attempted
+    );
+    let thousands = run.attempted as f64 / 1000.0;
+    let (ns, calls) = runtime_delta(&before, &after)
+        .values()
+        .fold((0u64, 0u64), |(n, c), (dn, dc)| (n + dn, c + dc));
+    let b = BpfScale {
+        ns_per_call: ns as f64 / calls.max(1) as f64,
+        calls_per_1000: calls as f64 / thousands.max(1e-9),
+        bpf_ms_per_1000: ns as f64 / 1e6 / thousands.max(1e-9),
+    };
+    say(&format!(
+        "bpf per connection: {:.0} ns/call, {:.0} calls and {:.2} BPF CPU ms per 1000 conns",
+        b.ns_per_call, b.calls_per_1000, b.bpf_ms_per_1000
+    ));
+    Ok(Some(b))
 }
 
 /// One profiled run per condition, bulk and connection rate.

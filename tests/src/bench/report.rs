@@ -95,6 +95,26 @@ pub struct ConnResults {
     pub baseline: Vec<(ClientRun, CountCheck)>,
 }
 
+/// BPF run time of one traced connection-rate run on a scaled node.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BpfScale {
+    pub ns_per_call: f64,
+    pub calls_per_1000: f64,
+    pub bpf_ms_per_1000: f64,
+}
+
+impl BpfScale {
+    /// "ns per call · calls · ms" for a table cell, or a dash.
+    pub fn cell(b: Option<&BpfScale>) -> String {
+        b.map_or("–".into(), |b| {
+            format!(
+                "{:.0} · {:.0} · {:.2}",
+                b.ns_per_call, b.calls_per_1000, b.bpf_ms_per_1000
+            )
+        })
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct StartupResults {
     pub pods: usize,
@@ -107,6 +127,8 @@ pub struct StartupResults {
     pub hwm_mib: Vec<f64>,
     /// `--baseline`'s start → first line, in the same rounds.
     pub baseline_start_ms: Vec<f64>,
+    /// Connections through the node, traced: its BPF cost.
+    pub bpf: Option<BpfScale>,
 }
 
 /// Start-up and memory with `--all-services` on a node with this many
@@ -116,6 +138,8 @@ pub struct ServiceScale {
     pub services: usize,
     pub start_ms: Vec<f64>,
     pub hwm_mib: Vec<f64>,
+    /// Connections to one of them, traced with `--all-services`.
+    pub bpf: Option<BpfScale>,
 }
 
 #[derive(Debug, Default)]
@@ -841,16 +865,19 @@ fn services_section(w: &mut String, r: &Results) {
          A lab node whose kube-proxy (iptables mode) has this many Service ports, each with one \
          endpoint; `nattrace --all-services` reads every rule at start, keeps a kernel map entry \
          per Service port and re-reads the rules when they change. Start: spawn → first line; \
-         peak RSS (VmHWM) half a second after it.\n\n\
-         | Services | start median (ms) | min–max | peak RSS median (MiB) |\n|---|---|---|---|"
+         peak RSS (VmHWM) half a second after it. BPF: one traced connection-rate run to one of \
+         the Services with BPF_ENABLE_STATS on (ns per program call · calls · BPF CPU ms, per \
+         1000 connections).\n\n\
+         | Services | start median (ms) | min–max | peak RSS median (MiB) | BPF per 1000 conns |\n|---|---|---|---|---|"
     );
     for s in &r.services {
         let (start, smin, smax) = stats(&s.start_ms);
         let (hwm, _, _) = stats(&s.hwm_mib);
         let _ = writeln!(
             w,
-            "| {} | {start:.0} | {smin:.0}–{smax:.0} | {hwm:.1} |",
-            s.services
+            "| {} | {start:.0} | {smin:.0}–{smax:.0} | {hwm:.1} | {} |",
+            s.services,
+            BpfScale::cell(s.bpf.as_ref())
         );
     }
     let _ = writeln!(w);
@@ -866,8 +893,10 @@ fn interfaces_section(w: &mut String, r: &Results) {
          A lab node with this many pods (each a veth on `cni0`), `nattrace --svc` of one Service. \
          Start: spawn → first line; coverage: spawn → the last tc link (past 64 interfaces only \
          the node's own get tc, the pods' veths are left to the device tracepoints); peak RSS \
-         (VmHWM) at full coverage, before the stop.\n\n\
-         | pods | interfaces | start median (ms) | min–max | coverage median (ms) | peak RSS (MiB) |\n|---|---|---|---|---|---|"
+         (VmHWM) at full coverage, before the stop. BPF: one traced connection-rate run through \
+         the node with BPF_ENABLE_STATS on (ns per program call · calls · BPF CPU ms, per 1000 \
+         connections).\n\n\
+         | pods | interfaces | start median (ms) | min–max | coverage median (ms) | peak RSS (MiB) | BPF per 1000 conns |\n|---|---|---|---|---|---|---|"
     );
     for s in &r.interfaces {
         let (start, smin, smax) = stats(&s.start_ms);
@@ -875,8 +904,10 @@ fn interfaces_section(w: &mut String, r: &Results) {
         let (hwm, _, _) = stats(&s.hwm_mib);
         let _ = writeln!(
             w,
-            "| {} | {} | {start:.0} | {smin:.0}–{smax:.0} | {full:.0} | {hwm:.1} |",
-            s.pods, s.interfaces
+            "| {} | {} | {start:.0} | {smin:.0}–{smax:.0} | {full:.0} | {hwm:.1} | {} |",
+            s.pods,
+            s.interfaces,
+            BpfScale::cell(s.bpf.as_ref())
         );
     }
     let _ = writeln!(w);

@@ -165,7 +165,7 @@ fn run() -> anyhow::Result<()> {
         results.interfaces = interfaces_scale(&opts, &conn_bench)?;
     }
     if opts.only.iter().any(|s| s == "services") {
-        results.services = services_scale(&opts)?;
+        results.services = services_scale(&opts, &conn_bench)?;
     }
     if let Some(path) = &opts.collector_json {
         let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
@@ -512,6 +512,7 @@ fn startup_runs(ctx: &Ctx, n: usize) -> anyhow::Result<StartupResults> {
         detach_ms: detach,
         hwm_mib: hwm,
         baseline_start_ms: baseline_start,
+        bpf: None,
     })
 }
 
@@ -625,7 +626,7 @@ fn build_lab(spec: lab::LabSpec, what: &str) -> anyhow::Result<Lab> {
 /// reads every rule at start and keeps a kernel map entry per Service port.
 /// Each size is a lab node of its own with the bench's pods and that many
 /// Services to the backend (the bench's three included).
-fn services_scale(opts: &Opts) -> anyhow::Result<Vec<ServiceScale>> {
+fn services_scale(opts: &Opts, conn_bench: &Path) -> anyhow::Result<Vec<ServiceScale>> {
     let mut out = Vec::new();
     for &n in scale_sizes(&SERVICE_SCALE, opts) {
         let addrs = Addrs::for_this_process(11);
@@ -662,10 +663,17 @@ fn services_scale(opts: &Opts) -> anyhow::Result<Vec<ServiceScale>> {
                 .map(|v| (v * 10.0).round() / 10.0)
                 .collect::<Vec<_>>()
         ));
+        let ctx = Ctx {
+            lab: &lab,
+            addrs,
+            opts,
+            conn_bench,
+        };
         out.push(ServiceScale {
             services: n,
             start_ms: start,
             hwm_mib: hwm,
+            bpf: passes::bpf_per_conn(&ctx, &["--all-services"])?,
         });
     }
     Ok(out)
@@ -689,6 +697,7 @@ fn interfaces_scale(opts: &Opts, conn_bench: &Path) -> anyhow::Result<Vec<Startu
         };
         out.push(StartupResults {
             pods,
+            bpf: passes::bpf_per_conn(&ctx, &[])?,
             ..startup_runs(&ctx, opts.runs.clamp(1, 3))?
         });
     }
