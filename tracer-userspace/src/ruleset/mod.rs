@@ -140,13 +140,12 @@ impl<'a> IndexedRules<'a> {
     }
 
     /// [`KubeProxyRules::lookup`], through the index (the same first match).
-    pub fn lookup<A: Into<SocketAddr>>(
+    pub fn lookup(
         &self,
-        service: A,
+        service: SocketAddr,
         proto: &str,
-        backend: Option<A>,
+        backend: Option<SocketAddr>,
     ) -> Option<KubeMatch> {
-        let service = service.into();
         let at = |i: &u32| &self.rules.services[*i as usize];
         let svc = self
             .service_port(service.ip(), service.port(), proto)
@@ -162,7 +161,7 @@ impl<'a> IndexedRules<'a> {
                     .map(at)
                     .find(|s| s.same_port_name(ext, proto))
             })?;
-        Some(svc.matched(backend.map(Into::into)))
+        Some(svc.matched(backend))
     }
 }
 
