@@ -630,8 +630,8 @@ impl Collector {
     /// counter for that period.
     fn take_ready(&mut self) -> Vec<FlowReport> {
         // The next tick's reports go into a vector of this one's size: grown
-        // from empty each tick, the reports (hundreds of bytes each) were copied
-        // at every doubling (callgrind: 2% of a connection).
+        // from empty each tick, the reports (hundreds of bytes each) would be
+        // copied at every doubling.
         let next = Vec::with_capacity(self.ready.len());
         let mut out = std::mem::replace(&mut self.ready, next);
         for r in &mut out {
@@ -1095,19 +1095,7 @@ impl Collector {
             cut_short: at < flow.first_ts + self.cfg.reply_timeout_ns,
             stopped: self.stopping,
         };
-        let ctx = ReportCtx {
-            facts: &self.cfg.facts,
-            ifnames: &self.ifnames,
-            reasons: &self.cfg.drop_reasons,
-            known: &self.known,
-            reply_timeout_ns: self.cfg.reply_timeout_ns,
-            kube: crate::ruleset::IndexedRules {
-                rules: &self.cfg.kube_proxy,
-                index: &self.kube_index,
-            },
-            pods: &self.pod_names,
-        };
-        let report = report::build(flow, &ctx, decision);
+        let report = report::build(flow, &self.report_ctx(), decision);
         if report.verdict == Verdict::Ok {
             let proto = flow.proto;
             for ep in std::iter::once(flow.client).chain(flow.snat) {

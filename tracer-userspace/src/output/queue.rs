@@ -150,7 +150,6 @@ impl WriteQueue {
         }
     }
 
-    /// Lines dropped because the queue was full.
     /// Bytes the queued chunks hold allocated, against `queued` bytes of
     /// lines: what a stalled reader really costs.
     #[cfg(test)]
@@ -159,6 +158,7 @@ impl WriteQueue {
         (st.chunks.iter().map(Vec::capacity).sum(), st.queued)
     }
 
+    /// Lines dropped because the queue was full.
     pub fn dropped_lines(&self) -> u64 {
         self.shared.lock().dropped_lines
     }
@@ -256,6 +256,8 @@ pub struct QueueWriter {
 
 /// A chunk big enough that a write(2) per chunk costs nothing.
 const CHUNK: usize = 256 * 1024;
+/// A chunk's buffer: room for the line that takes it past [`CHUNK`].
+const CHUNK_CAPACITY: usize = CHUNK + CHUNK / 4;
 
 impl QueueWriter {
     pub fn new(queue: WriteQueue) -> Self {
@@ -278,13 +280,13 @@ impl Write for QueueWriter {
         let want = self.buf.len() + data.len();
         if want > self.buf.capacity() {
             self.buf
-                .reserve_exact(want.max(CHUNK + CHUNK / 4) - self.buf.len());
+                .reserve_exact(want.max(CHUNK_CAPACITY) - self.buf.len());
         }
         self.buf.extend_from_slice(data);
         if self.buf.len() >= CHUNK
             && let Some(last) = self.buf.iter().rposition(|&b| b == b'\n')
         {
-            let mut next = Vec::with_capacity(CHUNK + CHUNK / 4);
+            let mut next = Vec::with_capacity(CHUNK_CAPACITY);
             next.extend_from_slice(&self.buf[last + 1..]);
             self.buf.truncate(last + 1);
             self.queue.push(std::mem::replace(&mut self.buf, next))?;

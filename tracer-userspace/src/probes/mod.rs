@@ -41,11 +41,12 @@ use crate::{
     timing,
 };
 
-/// How often the reader looks at the ring buffer when the kernel did not wake
-/// it: well inside the collector's 20 ms reorder window.
 /// Pod veths from which the start says they are watched by the device
 /// tracepoints (every pod veth is: probes/tc.rs).
 const SAY_TRACEPOINTS_FROM: usize = 64;
+
+/// How often the reader looks at the ring buffer when the kernel did not wake
+/// it: well inside the collector's 20 ms reorder window.
 const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The kernel object built by build.rs (aya-build).

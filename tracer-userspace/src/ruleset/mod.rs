@@ -63,8 +63,6 @@ pub struct SvcRule {
     pub endpoints: Vec<SepRule>,
 }
 
-/// A Service port without endpoints, which kube-proxy rejects (ICMP port
-/// unreachable: the client's connect fails at once).
 impl SvcRule {
     /// A NodePort, LB or external IP's Service port: the one of the same
     /// name, protocol and family.
@@ -165,6 +163,8 @@ impl<'a> IndexedRules<'a> {
     }
 }
 
+/// A Service port without endpoints, which kube-proxy rejects (ICMP port
+/// unreachable: the client's connect fails at once).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct RejectRule {
     pub ip: IpAddr,
