@@ -486,7 +486,17 @@ pub struct KernelOffsets {
     /// netfilter backend's one program per SNAT hook reads the source
     /// conntrack saw there. 0 = unknown, read with the conntrack offsets.
     pub sk_buff_nfct: u32,
-    pub _pad: u32,
+    /// `net_device.flags` (IFF_UP, IFF_LOOPBACK).
+    pub net_device_flags: u32,
+    /// `net_device.rtnl_link_ops` and `rtnl_link_ops.kind`: tell a veth
+    /// ("veth") from other devices.
+    pub net_device_rtnl_link_ops: u32,
+    pub rtnl_link_ops_kind: u32,
+    /// Where `netdev_priv(dev)` starts: the `priv` member where the kernel
+    /// has one (6.12+), else `sizeof(struct net_device)` rounded up to
+    /// NETDEV_ALIGN (32), include/linux/netdevice.h. Plus `veth_priv.peer`.
+    pub net_device_priv: u32,
+    pub veth_priv_peer: u32,
 }
 
 /// Global configuration of the kernel programs (one entry of the `CONFIG` array).

@@ -226,12 +226,14 @@ fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
 /// Applies the filter to one observed packet and emits an event if it belongs
 /// to a traced flow. `details` reads what only a matched packet needs (payload
 /// head, device, namespace) and returns false when this point adds nothing.
+/// Returns whether the packet belongs to a traced flow at all (rules 1-4),
+/// whatever was sent.
 #[inline(always)]
 pub fn observe(
     pkt: &mut Packet,
     at: &mut Point,
     details: impl FnOnce(&mut Packet, &mut Point) -> bool,
-) {
+) -> bool {
     observe_via::<true>(pkt, at, details)
 }
 
@@ -246,7 +248,7 @@ pub fn observe_in_place(
     at: &mut Point,
     details: impl FnOnce(&mut Packet, &mut Point) -> bool,
 ) {
-    observe_via::<false>(pkt, at, details)
+    observe_via::<false>(pkt, at, details);
 }
 
 #[inline(always)]
@@ -254,9 +256,9 @@ fn observe_via<const SLOT: bool>(
     pkt: &mut Packet,
     at: &mut Point,
     details: impl FnOnce(&mut Packet, &mut Point) -> bool,
-) {
+) -> bool {
     let Some(m) = classify(pkt, at) else {
-        return;
+        return false;
     };
     let is_drop = at.hook == hook::DROP;
     // Handshakes, resets and ICMP errors about the flow are always
@@ -271,15 +273,15 @@ fn observe_via<const SLOT: bool>(
             && !(m.dir == direction::REPLY && at.hook == hook::DEV_RX)
         {
             stat_inc(stat::MUTED_PACKETS);
-            return;
+            return true;
         }
     }
     if !details(pkt, at) {
-        return;
+        return true;
     }
     if !SLOT {
         judge(pkt, at, u32::from(m.dir), u32::from(m.svc));
-        return;
+        return true;
     }
     // judge's arguments are copied into a per-CPU slot here, on the match
     // path only. Handed the caller's own Packet and Point, their addresses
@@ -292,7 +294,7 @@ fn observe_via<const SLOT: bool>(
     // plain memory to the global function as the stack is
     // (kernel/bpf/btf.c `btf_check_func_arg_match` → check_mem_reg).
     let Some(depth) = JUDGE_DEPTH.get_ptr_mut(0) else {
-        return;
+        return true;
     };
     // SAFETY: this CPU's counter; a run that interrupts this one on the
     // CPU takes the next slot and gives it back before this one goes on.
@@ -300,7 +302,7 @@ fn observe_via<const SLOT: bool>(
     let Some(args) = JUDGE_ARGS.get_ptr_mut(d) else {
         // Nested deeper than JUDGE_SLOTS: the event is lost, and counted so.
         stat_inc(stat::RINGBUF_FULL);
-        return;
+        return true;
     };
     // SAFETY: slot `d` is this run's until the counter is given back.
     unsafe {
@@ -315,6 +317,7 @@ fn observe_via<const SLOT: bool>(
         );
         core::ptr::write_volatile(depth, d);
     }
+    true
 }
 
 /// [`judge`]'s arguments, written on the match path only (see `observe`).

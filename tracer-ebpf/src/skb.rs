@@ -59,6 +59,70 @@ pub fn dev_ifindex(dev: u64, off: &KernelOffsets) -> u32 {
     read::<u32>(dev + off.net_device_ifindex as u64).unwrap_or(0)
 }
 
+/// include/uapi/linux/if.h.
+const IFF_UP: u32 = 1 << 0;
+const IFF_LOOPBACK: u32 = 1 << 3;
+
+/// The devices whose receive follows from their transmit.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Paired {
+    /// drivers/net/loopback.c `loopback_xmit` → `__netif_rx` on itself.
+    Loopback,
+    /// drivers/net/veth.c `veth_xmit` → `veth_forward_skb` → `__netif_rx`
+    /// on its peer.
+    Veth,
+    Other,
+}
+
+#[inline(always)]
+fn paired(dev: u64, off: &KernelOffsets) -> Paired {
+    let flags = read::<u32>(dev + off.net_device_flags as u64).unwrap_or(0);
+    if flags & IFF_LOOPBACK != 0 {
+        return Paired::Loopback;
+    }
+    let ops = read::<u64>(dev + off.net_device_rtnl_link_ops as u64).unwrap_or(0);
+    if ops == 0 {
+        return Paired::Other;
+    }
+    let kind = read::<u64>(ops + off.rtnl_link_ops_kind as u64).unwrap_or(0);
+    if kind != 0 && read::<[u8; 5]>(kind) == Ok(*b"veth\0") {
+        Paired::Veth
+    } else {
+        Paired::Other
+    }
+}
+
+/// The device that receives what `dev` transmits, when that follows from
+/// the transmit alone ([`Paired`]); 0 for any other device, or a veth peer
+/// that is gone (`veth_dellink` clears it) or down (`__dev_forward_skb`
+/// drops for it, and that drop is reported). Read only for a packet that
+/// matched: up to six reads.
+#[inline(always)]
+pub fn receiver(dev: u64, off: &KernelOffsets) -> u64 {
+    if dev == 0 {
+        return 0;
+    }
+    match paired(dev, off) {
+        Paired::Loopback => dev,
+        Paired::Other => 0,
+        Paired::Veth => {
+            let peer_at = dev + off.net_device_priv as u64 + off.veth_priv_peer as u64;
+            let peer = read::<u64>(peer_at).unwrap_or(0);
+            let up = peer != 0
+                && read::<u32>(peer + off.net_device_flags as u64).is_ok_and(|f| f & IFF_UP != 0);
+            if up { peer } else { 0 }
+        }
+    }
+}
+
+/// Whether a receive on `dev` was reported at its transmit already
+/// ([`receiver`]): the receive tracepoint, where it is attached for other
+/// devices, skips it.
+#[inline(always)]
+pub fn reported_at_transmit(dev: u64, off: &KernelOffsets) -> bool {
+    dev != 0 && paired(dev, off) != Paired::Other
+}
+
 #[inline(always)]
 pub fn skb_dev(skb: u64, off: &KernelOffsets) -> u64 {
     read::<u64>(skb + off.sk_buff_dev as u64).unwrap_or(0)

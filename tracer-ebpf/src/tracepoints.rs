@@ -2,30 +2,34 @@
 //! side of a flow and drops anywhere. Their args are plain scalars, which is
 //! what lets skb.rs do pointer arithmetic with runtime offsets.
 use aya_ebpf::{macros::raw_tracepoint, programs::RawTracePointContext};
-use tracer_common::hook;
+use tracer_common::{Config, hook};
 
 use crate::{
     TC_IFACES, config,
-    emit::Point,
+    emit::{Packet, Point},
     filter::observe,
     skb::{self, L3},
 };
 
 /// `netif_receive_skb(struct sk_buff *skb)`: fires before the network header
-/// is reset, but `skb->data` already points at the IP header.
+/// is reset, but `skb->data` already points at the IP header. Attached only
+/// where a device that is neither a veth nor loopback nor covered by tc
+/// can receive (probes/table.rs `Need::UnpairedReceive`): the receives on
+/// those two are reported by `net_dev_start_xmit` and skipped here.
 #[raw_tracepoint(tracepoint = "netif_receive_skb")]
 pub fn netif_receive_skb(ctx: RawTracePointContext) -> i32 {
     let skb: u64 = ctx.arg(0);
-    let _ = try_device(skb, 0, hook::DEV_RX, L3::Data, 0);
+    let _ = try_receive(skb);
     0
 }
 
-/// `net_dev_start_xmit(struct sk_buff *skb, struct net_device *dev)`.
+/// `net_dev_start_xmit(struct sk_buff *skb, struct net_device *dev)`: the
+/// transmit, and for a veth or loopback the receive it leads to.
 #[raw_tracepoint(tracepoint = "net_dev_start_xmit")]
 pub fn net_dev_start_xmit(ctx: RawTracePointContext) -> i32 {
     let skb: u64 = ctx.arg(0);
     let dev: u64 = ctx.arg(1);
-    let _ = try_device(skb, dev, hook::DEV_TX, L3::NetworkHeader, 0);
+    let _ = try_transmit(skb, dev);
     0
 }
 
@@ -35,41 +39,83 @@ pub fn net_dev_start_xmit(ctx: RawTracePointContext) -> i32 {
 pub fn kfree_skb(ctx: RawTracePointContext) -> i32 {
     let skb: u64 = ctx.arg(0);
     let reason: u64 = ctx.arg(2);
-    let _ = try_device(skb, 0, hook::DROP, L3::NetworkHeader, reason as u32);
+    let _ = try_drop(skb, reason as u32);
     0
 }
 
-/// `dev` 0 = take it from `skb->dev`.
 #[inline(always)]
-fn try_device(skb: u64, dev: u64, hook: u8, l3: L3, drop_reason: u32) -> Result<(), ()> {
+fn try_receive(skb: u64) -> Result<(), ()> {
     let cfg = config::config().ok_or(())?;
     let off = &cfg.offsets;
-    let (mut pkt, payload) = skb::parse(skb, off, l3)?;
-    let mut at = Point::new(hook);
+    let (mut pkt, payload) = skb::parse(skb, off, L3::Data)?;
+    let mut at = Point::new(hook::DEV_RX);
+    at.skb = skb;
+    observe(&mut pkt, &mut at, |pkt, at| {
+        let dev = skb::skb_dev(skb, off);
+        !skb::reported_at_transmit(dev, off) && on_device(cfg, dev, pkt, payload, at)
+    });
+    Ok(())
+}
+
+/// One program call per veth crossing instead of two (issue 25): the
+/// packet a veth transmits is, unchanged, the one its peer receives next
+/// (nothing runs between on the peer but tc ingress, which the node's
+/// own interfaces report themselves, and generic XDP, which no CNI here
+/// uses), so the receive event is sent from here, right after the
+/// transmit's, in the order the two programs sent them. A miss costs the
+/// parse and the filter once for both.
+#[inline(always)]
+fn try_transmit(skb: u64, dev: u64) -> Result<(), ()> {
+    let cfg = config::config().ok_or(())?;
+    let off = &cfg.offsets;
+    let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
+    let mut at = Point::new(hook::DEV_TX);
+    at.skb = skb;
+    if !observe(&mut pkt, &mut at, |pkt, at| {
+        on_device(cfg, dev, pkt, payload, at)
+    }) {
+        return Ok(());
+    }
+    let mut at = Point::new(hook::DEV_RX);
+    at.skb = skb;
+    observe(&mut pkt, &mut at, |pkt, at| {
+        let peer = skb::receiver(dev, off);
+        peer != 0 && on_device(cfg, peer, pkt, payload, at)
+    });
+    Ok(())
+}
+
+#[inline(always)]
+fn try_drop(skb: u64, drop_reason: u32) -> Result<(), ()> {
+    let cfg = config::config().ok_or(())?;
+    let off = &cfg.offsets;
+    let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
+    let mut at = Point::new(hook::DROP);
     at.skb = skb;
     at.drop_reason = drop_reason;
     observe(&mut pkt, &mut at, |pkt, at| {
-        let dev = if dev != 0 {
-            dev
-        } else {
-            skb::skb_dev(skb, off)
-        };
-        let (ifindex, netns) = skb::dev_info(dev, off);
-        // In the traced namespace tc sees the same packet on the same
-        // device (ingress right after netif_receive_skb, egress right
-        // before the transmit), with nothing in between that the collector
-        // uses: one event there is enough, where tc is attached.
-        if hook != hook::DROP
-            && netns != 0
-            && netns == cfg.node_netns
-            && unsafe { TC_IFACES.get(ifindex) }.is_some()
-        {
-            return false;
-        }
-        at.ifindex = ifindex;
-        at.netns = netns;
-        skb::payload_head(pkt, payload);
-        true
+        on_device(cfg, skb::skb_dev(skb, off), pkt, payload, at)
     });
     Ok(())
+}
+
+/// Where a matched packet is (`dev`'s ifindex and namespace); false when
+/// tc reports the same packet on the same device in the traced namespace
+/// (ingress right after the receive, egress right before the transmit),
+/// with nothing in between that the collector uses: one event there is
+/// enough.
+#[inline(always)]
+fn on_device(cfg: &Config, dev: u64, pkt: &mut Packet, payload: u64, at: &mut Point) -> bool {
+    let (ifindex, netns) = skb::dev_info(dev, &cfg.offsets);
+    if at.hook != hook::DROP
+        && netns != 0
+        && netns == cfg.node_netns
+        && unsafe { TC_IFACES.get(ifindex) }.is_some()
+    {
+        return false;
+    }
+    at.ifindex = ifindex;
+    at.netns = netns;
+    skb::payload_head(pkt, payload);
+    true
 }

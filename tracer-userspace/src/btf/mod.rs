@@ -16,6 +16,9 @@ use tracer_common::KernelOffsets;
 
 pub const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
 const MODULE_BTF_DIR: &str = "/sys/kernel/btf";
+/// include/linux/netdevice.h: the private area of a device without a
+/// `priv` member starts at sizeof(struct net_device) rounded up to this.
+const NETDEV_ALIGN: u32 = 32;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BtfError {
@@ -154,6 +157,20 @@ impl KernelBtf {
             o.sk_buff_nfct = 0;
             log::debug!("conntrack offsets unavailable (kprobe backend only): {e}");
         }
+        o.net_device_flags = self.offset("net_device", "flags")?;
+        o.net_device_rtnl_link_ops = self.offset("net_device", "rtnl_link_ops")?;
+        o.rtnl_link_ops_kind = self.offset("rtnl_link_ops", "kind")?;
+        o.net_device_priv = match self.offset("net_device", "priv") {
+            Ok(off) => off,
+            Err(_) => find_struct(self.vmlinux(), "net_device")?
+                .size_or_type
+                .next_multiple_of(NETDEV_ALIGN),
+        };
+        // `peer` has been veth_priv's first member since veth.c began; the
+        // module's BTF, when it is loaded, confirms it.
+        o.veth_priv_peer = self
+            .offset_in_module("veth", "veth_priv", "peer")
+            .unwrap_or(0);
         match self.offset_in_module("bridge", "net_bridge_port", "dev") {
             Ok(off) => o.net_bridge_port_dev = off,
             // br_forward then reports skb->dev (the ingress port) instead.
@@ -270,6 +287,12 @@ mod tests {
             "{o:?}"
         );
         assert!(o.net_device_ifindex > 0 && o.net_device_nd_net > 0);
+        // The private area follows every other member; veth's peer leads it.
+        assert!(o.net_device_priv > o.net_device_nd_net, "{o:?}");
+        assert!(o.net_device_priv > o.net_device_rtnl_link_ops, "{o:?}");
+        assert_eq!(o.veth_priv_peer, 0, "{o:?}");
+        // kind follows the ops list's list_head (and, on newer kernels, srcu).
+        assert!((16..=32).contains(&o.rtnl_link_ops_kind), "{o:?}");
         assert!(o.net_ns_inum > 0 && o.net_ns_inum < 512, "{o:?}");
         assert!(o.nf_hook_state_net > o.nf_hook_state_pf, "{o:?}");
         if o.nf_conn_tuplehash != 0 {

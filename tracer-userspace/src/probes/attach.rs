@@ -122,10 +122,25 @@ pub(super) fn load_global(
                     .map_err(|e| load_error(spec.name, e))?;
                 attached.push(spec.label.to_owned());
             }
-            Attach::Tc(_) | Attach::Netfilter { .. } => {}
+            // Tracer::check_receive, once a device needs it.
+            Attach::UnpairedReceive(_) | Attach::Tc(_) | Attach::Netfilter { .. } => {}
         }
     }
     Ok(attached)
+}
+
+/// Attaches an [`Attach::UnpairedReceive`] program (loaded by
+/// [`load_global`]).
+pub(super) fn attach_unpaired_receive(
+    ebpf: &mut Ebpf,
+    spec: &ProgramSpec,
+) -> Result<(), TraceError> {
+    let Attach::UnpairedReceive(tp) = spec.attach else {
+        return Err(TraceError::Kernel(format!("{} is not a receive tracepoint", spec.name)));
+    };
+    let prog: &mut RawTracePoint = program(ebpf, spec.name)?;
+    prog.attach(tp).map_err(|e| load_error(spec.name, e))?;
+    Ok(())
 }
 
 /// Loads the plan's raw tracepoint and kprobe programs, each on its own
@@ -135,7 +150,12 @@ pub(super) fn load_global(
 fn load_in_parallel(ebpf: &mut Ebpf, plan: &[&'static ProgramSpec]) -> Result<(), TraceError> {
     let global: Vec<&str> = plan
         .iter()
-        .filter(|p| matches!(p.attach, Attach::RawTracepoint(_) | Attach::Kprobe { .. }))
+        .filter(|p| {
+            matches!(
+                p.attach,
+                Attach::RawTracepoint(_) | Attach::UnpairedReceive(_) | Attach::Kprobe { .. }
+            )
+        })
         .map(|p| p.name)
         .collect();
     let programs: Vec<(&str, &mut Program)> = ebpf
@@ -248,7 +268,9 @@ pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
                 continue;
             }
             Attach::Tc(_) => program::<SchedClassifier>(&mut ebpf, spec.name)?.load(),
-            Attach::RawTracepoint(_) => program::<RawTracePoint>(&mut ebpf, spec.name)?.load(),
+            Attach::RawTracepoint(_) | Attach::UnpairedReceive(_) => {
+                program::<RawTracePoint>(&mut ebpf, spec.name)?.load()
+            }
             Attach::Kprobe { .. } => program::<KProbe>(&mut ebpf, spec.name)?.load(),
         };
         loaded_one.map_err(|e| load_error(spec.name, e))?;

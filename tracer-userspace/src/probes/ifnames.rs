@@ -122,7 +122,7 @@ impl IfNameResolver {
 }
 
 /// Every namespace file found, by inode (the first path per inode).
-fn scan_netns_files() -> HashMap<u32, PathBuf> {
+pub(super) fn scan_netns_files() -> HashMap<u32, PathBuf> {
     let mut paths = HashMap::new();
     let mut add = |path: PathBuf| {
         if let Ok(meta) = std::fs::metadata(&path) {

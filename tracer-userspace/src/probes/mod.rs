@@ -11,6 +11,7 @@ mod load;
 pub mod netns;
 pub mod nf_link;
 mod node;
+mod receive;
 pub mod services;
 pub mod table;
 mod tc;
@@ -197,6 +198,8 @@ pub struct Tracer {
     tc_ifaces: HashMap<MapData, u32, u8>,
     /// The Service filter, for `--all-services` updates.
     services: services::ServiceMap,
+    /// When the receive tracepoint is needed (receive.rs).
+    receive: receive::Receive,
     // Last: dropping it detaches the raw tracepoints and unloads programs.
     ebpf: Ebpf,
 }
@@ -290,6 +293,7 @@ impl Tracer {
         let (node, pod_veths) = reading_facts
             .join()
             .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+        let netns_inode = netns.inode;
         let facts = NodeFacts {
             netns_inode: netns.inode,
             netns_name: netns.name.clone(),
@@ -316,6 +320,7 @@ impl Tracer {
             held,
             tc_ifaces,
             services,
+            receive: receive::Receive::new(&plan, netns_inode),
             ebpf,
         };
         tracer.attached = attached?;
@@ -341,6 +346,7 @@ impl Tracer {
         // The netfilter program fds may close now: links keep them alive.
         drop(nf_programs);
         tracer.skipped = skipped;
+        tracer.check_receive();
         log::debug!("attached: {}", tracer.attached().join("; "));
         Ok(tracer)
     }
@@ -591,7 +597,39 @@ impl Tracer {
             facts.interfaces = links.interfaces;
             Ok(tc.sync(ebpf, &facts.interfaces, &links.pod_veths))
         })??;
-        Ok(self.note_tc(&synced))
+        let mut names = self.note_tc(&synced);
+        names.extend(self.check_receive());
+        Ok(names)
+    }
+
+    /// Attaches the receive tracepoint once a device needs it (receive.rs);
+    /// returns its label then. Not while tc is still being attached in the
+    /// background: its interfaces are not uncovered, only not done yet.
+    fn check_receive(&mut self) -> Option<String> {
+        let in_node = if self.tc.pending_count() == 0 {
+            self.facts
+                .interfaces
+                .iter()
+                .find(|i| receive::unpaired(i) && !self.tc.covers(i.ifindex))
+        } else {
+            None
+        };
+        let (spec, why) = self.receive.due(in_node)?;
+        match attach::attach_unpaired_receive(&mut self.ebpf, spec) {
+            Ok(()) => {
+                self.receive.done();
+                let label = format!("{} (for {why})", spec.label);
+                log::debug!("attached {label}");
+                self.attached.push(label.clone());
+                Some(label)
+            }
+            Err(e) => {
+                // Said once: the next poll would fail the same way.
+                self.receive.done();
+                log::warn!("{}: {e}", spec.label);
+                None
+            }
+        }
     }
 
     /// Takes in the tc links a background attach finished (start-up with

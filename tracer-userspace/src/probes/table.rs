@@ -37,6 +37,9 @@ pub enum Attach {
     Netfilter { hook: u8, window: Window },
     /// Global raw tracepoint.
     RawTracepoint(&'static str),
+    /// Global raw tracepoint, loaded always but attached only while some
+    /// device receives what no transmit reports (receive.rs).
+    UnpairedReceive(&'static str),
     /// Kernel function entry, global. With `unless`, only when the kernel
     /// lacks that symbol (a fallback for an older kernel's function).
     Kprobe {
@@ -245,7 +248,7 @@ pub const PROGRAMS: &[ProgramSpec] = &[
     ),
     ProgramSpec {
         name: "netif_receive_skb",
-        attach: Attach::RawTracepoint("netif_receive_skb"),
+        attach: Attach::UnpairedReceive("netif_receive_skb"),
         backends: BOTH,
         need: Need::RawTracepoint,
         label: "raw_tp netif_receive_skb",

@@ -137,6 +137,11 @@ impl TcAttachments {
     }
 
     /// Interfaces still being attached in the background.
+    /// Whether tc is attached to `ifindex` now.
+    pub fn covers(&self, ifindex: u32) -> bool {
+        self.ifaces.contains_key(&ifindex)
+    }
+
     pub fn pending_count(&self) -> usize {
         self.pending.as_ref().map_or(0, |p| p.ifindexes.len())
     }

@@ -1,0 +1,118 @@
+//! Whether the `netif_receive_skb` tracepoint must be attached (issue 25:
+//! one program call per veth crossing, not two). `net_dev_start_xmit`
+//! reports the receive that a veth's or loopback's transmit leads to
+//! (tracer-ebpf skb.rs `receiver`), and tc the node's own interfaces. A
+//! device of any other kind outside the traced namespace (a macvlan or
+//! ipvlan pod, an SR-IOV function, another lab node's VXLAN device), or a
+//! node interface tc could not attach to, receives packets that no
+//! transmit reports: only then is the tracepoint attached, and it stays.
+//! Checked at start for every namespace on the node, and on each
+//! interface poll for the namespaces that appeared since.
+use std::{collections::HashSet, os::unix::fs::MetadataExt};
+
+use super::{
+    ifnames::scan_netns_files,
+    netns,
+    table::{Attach, ProgramSpec},
+};
+use crate::facts::Interface;
+
+/// A device whose receive only the receive tracepoint sees.
+pub fn unpaired(iface: &Interface) -> bool {
+    // Loopback has no link kind; it is "lo" in every namespace.
+    iface.kind != "veth" && iface.name != "lo"
+}
+
+/// The receive tracepoint's program, and what has been looked at.
+pub struct Receive {
+    /// None: the backend has no such program, or it is attached.
+    pending: Option<&'static ProgramSpec>,
+    /// Namespaces looked at.
+    seen: HashSet<u32>,
+}
+
+impl Receive {
+    /// `node`: the traced namespace's inode. The namespace nattrace runs in
+    /// is left out too when it is another (`--netns`): that is the machine
+    /// a lab node runs on, whose uplink is no pod's.
+    pub fn new(plan: &[&'static ProgramSpec], node: u32) -> Self {
+        let mut seen = HashSet::from([node]);
+        if let Ok(own) = std::fs::metadata("/proc/self/ns/net") {
+            seen.insert(own.ino() as u32);
+        }
+        Self {
+            pending: plan
+                .iter()
+                .copied()
+                .find(|p| matches!(p.attach, Attach::UnpairedReceive(_))),
+            seen,
+        }
+    }
+
+    /// The program to attach now, and why: `in_node` (a node interface tc
+    /// does not cover) or else the first unpaired device of a namespace
+    /// not looked at before, "name (kind) in netns N". One link dump per
+    /// new namespace; nothing once attached.
+    pub fn due(&mut self, in_node: Option<&Interface>) -> Option<(&'static ProgramSpec, String)> {
+        let spec = self.pending?;
+        if let Some(i) = in_node {
+            return Some((spec, describe(i, None)));
+        }
+        for (inode, path) in scan_netns_files() {
+            if !self.seen.insert(inode) {
+                continue;
+            }
+            let Ok(ns) = netns::Netns::open(Some(&path.to_string_lossy())) else {
+                continue;
+            };
+            let Ok(Ok(links)) = ns.run(netns::list_interfaces) else {
+                continue;
+            };
+            if let Some(i) = links.iter().find(|i| unpaired(i)) {
+                return Some((spec, describe(i, Some(inode))));
+            }
+        }
+        None
+    }
+
+    /// The program is attached (or failed to): nothing more to look at.
+    pub fn done(&mut self) {
+        self.pending = None;
+        self.seen = HashSet::new();
+    }
+}
+
+fn describe(i: &Interface, netns: Option<u32>) -> String {
+    let kind = if i.kind.is_empty() { "device" } else { &i.kind };
+    match netns {
+        Some(n) => format!("{} ({kind}) in netns {n}", i.name),
+        None => format!("{} ({kind}) without tc", i.name),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iface(name: &str, kind: &str) -> Interface {
+        Interface {
+            name: name.to_owned(),
+            kind: kind.to_owned(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn only_veths_and_loopback_are_paired() {
+        assert!(!unpaired(&iface("eth0", "veth")));
+        assert!(!unpaired(&iface("lo", "")));
+        for (name, kind) in [
+            ("flannel.1", "vxlan"),
+            ("eth0", "macvlan"),
+            ("eth0", "ipvlan"),
+            ("ens5", ""),
+        ] {
+            assert!(unpaired(&iface(name, kind)), "{name} {kind}");
+        }
+    }
+}
