@@ -503,6 +503,27 @@ pub fn bpf_objects(pid: u32) -> Vec<(BpfKind, u32)> {
     found
 }
 
+/// The raw tracepoints a process has attached (its links' `tp_name` in
+/// `/proc/<pid>/fdinfo`, kernel/bpf/syscall.c
+/// `bpf_raw_tp_link_show_fdinfo`).
+pub fn raw_tracepoints(pid: u32) -> Vec<String> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        if let Ok(info) = std::fs::read_to_string(entry.path()) {
+            found.extend(
+                info.lines()
+                    .filter_map(|l| l.strip_prefix("tp_name:"))
+                    .map(|n| n.trim().to_owned()),
+            );
+        }
+    }
+    found.sort();
+    found
+}
+
 /// Whether a BPF object with this id still exists anywhere in the kernel
 /// (`BPF_*_GET_FD_BY_ID`; needs CAP_SYS_ADMIN).
 pub fn bpf_object_exists(kind: BpfKind, id: u32) -> bool {

@@ -44,6 +44,8 @@ mod netns_denied;
 mod netns_gone;
 #[path = "tracer/priorities.rs"]
 mod priorities;
+#[path = "tracer/receive.rs"]
+mod receive;
 #[path = "tracer/stalled.rs"]
 mod stalled;
 #[path = "tracer/status.rs"]

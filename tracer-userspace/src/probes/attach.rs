@@ -136,7 +136,10 @@ pub(super) fn attach_unpaired_receive(
     spec: &ProgramSpec,
 ) -> Result<(), TraceError> {
     let Attach::UnpairedReceive(tp) = spec.attach else {
-        return Err(TraceError::Kernel(format!("{} is not a receive tracepoint", spec.name)));
+        return Err(TraceError::Kernel(format!(
+            "{} is not a receive tracepoint",
+            spec.name
+        )));
     };
     let prog: &mut RawTracePoint = program(ebpf, spec.name)?;
     prog.attach(tp).map_err(|e| load_error(spec.name, e))?;

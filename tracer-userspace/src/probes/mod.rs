@@ -200,6 +200,8 @@ pub struct Tracer {
     services: services::ServiceMap,
     /// When the receive tracepoint is needed (receive.rs).
     receive: receive::Receive,
+    /// The node's pod veths at the last link dump (netns.rs `Links`).
+    pod_veths: BTreeSet<u32>,
     // Last: dropping it detaches the raw tracepoints and unloads programs.
     ebpf: Ebpf,
 }
@@ -321,6 +323,7 @@ impl Tracer {
             tc_ifaces,
             services,
             receive: receive::Receive::new(&plan, netns_inode),
+            pod_veths: BTreeSet::new(),
             ebpf,
         };
         tracer.attached = attached?;
@@ -346,6 +349,7 @@ impl Tracer {
         // The netfilter program fds may close now: links keep them alive.
         drop(nf_programs);
         tracer.skipped = skipped;
+        tracer.pod_veths = pod_veths;
         tracer.check_receive();
         log::debug!("attached: {}", tracer.attached().join("; "));
         Ok(tracer)
@@ -592,11 +596,15 @@ impl Tracer {
             ebpf,
             ..
         } = self;
-        let synced = netns.run(|| -> Result<_, TraceError> {
+        let (synced, pod_veths) = netns.run(|| -> Result<_, TraceError> {
             let links = netns::list_links()?;
             facts.interfaces = links.interfaces;
-            Ok(tc.sync(ebpf, &facts.interfaces, &links.pod_veths))
+            Ok((
+                tc.sync(ebpf, &facts.interfaces, &links.pod_veths),
+                links.pod_veths,
+            ))
         })??;
+        self.pod_veths = pod_veths;
         let mut names = self.note_tc(&synced);
         names.extend(self.check_receive());
         Ok(names)
@@ -614,7 +622,7 @@ impl Tracer {
         } else {
             None
         };
-        let (spec, why) = self.receive.due(in_node)?;
+        let (spec, why) = self.receive.due(&self.netns, &self.pod_veths, in_node)?;
         match attach::attach_unpaired_receive(&mut self.ebpf, spec) {
             Ok(()) => {
                 self.receive.done();

@@ -10,7 +10,10 @@
 use std::{
     collections::BTreeSet,
     fs::File,
-    os::{fd::AsFd, unix::fs::MetadataExt},
+    os::{
+        fd::{AsFd, AsRawFd, BorrowedFd},
+        unix::fs::MetadataExt,
+    },
     path::{Path, PathBuf},
 };
 
@@ -22,6 +25,7 @@ use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
     address::AddressMessage,
     link::{InfoBridgePort, InfoPortData, LinkAttribute, LinkInfo, LinkMessage},
+    nsid::{NsidAttribute, NsidMessage},
     tc::{TcAttribute, TcHandle, TcMessage},
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
@@ -103,6 +107,11 @@ impl Netns {
             name,
             file,
         })
+    }
+
+    /// The open namespace file (valid while `self` lives).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
     }
 
     /// Runs `f` on a thread inside the namespace and returns its result.
@@ -243,15 +252,74 @@ pub fn list_links() -> Result<Links, NetnsError> {
     })
 }
 
+/// The calling thread's namespace's interfaces when it is a pod of the
+/// namespace `node`: one of its links is a veth whose peer there is one of
+/// `pod_veths`, or a macvlan or ipvlan whose parent is there. Such a link
+/// carries IFLA_LINK_NETNSID, the id this namespace gives `node`
+/// (RTM_GETNSID; the dump itself assigns it, net/core/rtnetlink.c
+/// `rtnl_fill_link_netnsid` → `peernet2id_alloc`, so it is asked after),
+/// and IFLA_LINK, the other side's ifindex. None for any other namespace:
+/// one with no link to `node`, or linked by the node's uplink (a lab's
+/// router, which is the network, not a pod).
+pub fn pod_interfaces(
+    node: BorrowedFd<'_>,
+    pod_veths: &BTreeSet<u32>,
+) -> Result<Option<Vec<Interface>>, NetnsError> {
+    let links = link_dump()?;
+    let mut msg = NsidMessage::default();
+    msg.attributes
+        .push(NsidAttribute::Fd(node.as_raw_fd() as u32));
+    let id = netlink_request(RouteNetlinkMessage::GetNsId(msg), NLM_F_REQUEST)?
+        .into_iter()
+        .find_map(|r| match r {
+            RouteNetlinkMessage::NewNsId(m) => m.attributes.into_iter().find_map(|a| match a {
+                NsidAttribute::Id(id) => Some(id),
+                _ => None,
+            }),
+            _ => None,
+        });
+    // -1: not assigned, so no link names it.
+    let Some(id) = id.filter(|id| *id >= 0) else {
+        return Ok(None);
+    };
+    let pod = links.iter().any(|l| {
+        l.link_ns == Some(id)
+            && (l.iface.kind != "veth" || l.other_side.is_some_and(|i| pod_veths.contains(&i)))
+    });
+    Ok(pod.then(|| links.into_iter().map(|l| l.iface).collect()))
+}
+
+/// A link of the dump and what it links to in another namespace.
+struct Link {
+    iface: Interface,
+    /// IFLA_LINK_NETNSID: the other namespace's id, when the other side
+    /// (veth peer, macvlan parent) is elsewhere.
+    link_ns: Option<i32>,
+    /// IFLA_LINK: the other side's ifindex.
+    other_side: Option<u32>,
+}
+
 /// The link dump: interfaces (by ifindex) and the veths whose peer is in
 /// another namespace.
 fn dump_links() -> Result<(Vec<Interface>, BTreeSet<u32>), NetnsError> {
+    let links = link_dump()?;
+    let pod_veths = links
+        .iter()
+        .filter(|l| l.link_ns.is_some() && l.iface.kind == "veth")
+        .map(|l| l.iface.ifindex)
+        .collect();
+    let mut out: Vec<Interface> = links.into_iter().map(|l| l.iface).collect();
+    out.sort_by_key(|i| i.ifindex);
+    Ok((out, pod_veths))
+}
+
+/// Every link of the calling thread's namespace.
+fn link_dump() -> Result<Vec<Link>, NetnsError> {
     let replies = netlink_request(
         RouteNetlinkMessage::GetLink(LinkMessage::default()),
         NLM_F_DUMP | NLM_F_REQUEST,
     )?;
     let mut out = Vec::new();
-    let mut pod_veths = BTreeSet::new();
     for reply in replies {
         let RouteNetlinkMessage::NewLink(link) = reply else {
             continue;
@@ -260,11 +328,13 @@ fn dump_links() -> Result<(Vec<Interface>, BTreeSet<u32>), NetnsError> {
             ifindex: link.header.index,
             ..Default::default()
         };
-        let mut peer_elsewhere = false;
+        let mut link_ns = None;
+        let mut other_side = None;
         for attr in &link.attributes {
             match attr {
                 LinkAttribute::IfName(name) => iface.name = name.clone(),
-                LinkAttribute::LinkNetNsId(_) => peer_elsewhere = true,
+                LinkAttribute::LinkNetNsId(id) => link_ns = Some(*id),
+                LinkAttribute::Link(ifindex) => other_side = Some(*ifindex),
                 LinkAttribute::Controller(master) => iface.master = Some(*master),
                 LinkAttribute::Mtu(mtu) => iface.mtu = *mtu,
                 LinkAttribute::LinkInfo(infos) => {
@@ -286,13 +356,13 @@ fn dump_links() -> Result<(Vec<Interface>, BTreeSet<u32>), NetnsError> {
                 _ => {}
             }
         }
-        if peer_elsewhere && iface.kind == "veth" {
-            pod_veths.insert(iface.ifindex);
-        }
-        out.push(iface);
+        out.push(Link {
+            iface,
+            link_ns,
+            other_side,
+        });
     }
-    out.sort_by_key(|i| i.ifindex);
-    Ok((out, pod_veths))
+    Ok(out)
 }
 
 fn clsact_message(ifindex: u32) -> TcMessage {

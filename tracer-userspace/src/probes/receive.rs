@@ -6,9 +6,14 @@
 //! ipvlan pod, an SR-IOV function, another lab node's VXLAN device), or a
 //! node interface tc could not attach to, receives packets that no
 //! transmit reports: only then is the tracepoint attached, and it stays.
-//! Checked at start for every namespace on the node, and on each
-//! interface poll for the namespaces that appeared since.
-use std::{collections::HashSet, os::unix::fs::MetadataExt};
+//! Checked at start for every pod of the node (a namespace linked to it by
+//! a pod veth or a macvlan's parent; not the network beyond its uplink,
+//! nor another lab node on the same kernel), and on each interface poll
+//! for the namespaces that appeared since.
+use std::{
+    collections::{BTreeSet, HashMap},
+    time::{Duration, Instant},
+};
 
 use super::{
     ifnames::scan_netns_files,
@@ -16,6 +21,11 @@ use super::{
     table::{Attach, ProgramSpec},
 };
 use crate::facts::Interface;
+
+/// How long a new namespace is looked at again on each poll: a pod's
+/// namespace exists before its CNI plugins add its devices (a macvlan by
+/// Multus), and a poll may fall in between.
+const SETTLE: Duration = Duration::from_secs(30);
 
 /// A device whose receive only the receive tracepoint sees.
 pub fn unpaired(iface: &Interface) -> bool {
@@ -27,45 +37,50 @@ pub fn unpaired(iface: &Interface) -> bool {
 pub struct Receive {
     /// None: the backend has no such program, or it is attached.
     pending: Option<&'static ProgramSpec>,
-    /// Namespaces looked at.
-    seen: HashSet<u32>,
+    /// Namespaces looked at, and when first (None: never to look at).
+    seen: HashMap<u32, Option<Instant>>,
 }
 
 impl Receive {
-    /// `node`: the traced namespace's inode. The namespace nattrace runs in
-    /// is left out too when it is another (`--netns`): that is the machine
-    /// a lab node runs on, whose uplink is no pod's.
+    /// `node`: the traced namespace's inode.
     pub fn new(plan: &[&'static ProgramSpec], node: u32) -> Self {
-        let mut seen = HashSet::from([node]);
-        if let Ok(own) = std::fs::metadata("/proc/self/ns/net") {
-            seen.insert(own.ino() as u32);
-        }
         Self {
             pending: plan
                 .iter()
                 .copied()
                 .find(|p| matches!(p.attach, Attach::UnpairedReceive(_))),
-            seen,
+            // The traced namespace's interfaces are tc's.
+            seen: HashMap::from([(node, None)]),
         }
     }
 
     /// The program to attach now, and why: `in_node` (a node interface tc
-    /// does not cover) or else the first unpaired device of a namespace
-    /// not looked at before, "name (kind) in netns N". One link dump per
-    /// new namespace; nothing once attached.
-    pub fn due(&mut self, in_node: Option<&Interface>) -> Option<(&'static ProgramSpec, String)> {
+    /// does not cover) or else the first unpaired device of a pod of
+    /// `node` (netns.rs `pod_interfaces`) not looked at before, "name
+    /// (kind) in netns N". One link dump per namespace younger than
+    /// [`SETTLE`]; nothing once attached.
+    pub fn due(
+        &mut self,
+        node: &netns::Netns,
+        pod_veths: &BTreeSet<u32>,
+        in_node: Option<&Interface>,
+    ) -> Option<(&'static ProgramSpec, String)> {
         let spec = self.pending?;
         if let Some(i) = in_node {
             return Some((spec, describe(i, None)));
         }
+        let now = Instant::now();
         for (inode, path) in scan_netns_files() {
-            if !self.seen.insert(inode) {
+            let Some(first) = *self.seen.entry(inode).or_insert(Some(now)) else {
+                continue;
+            };
+            if now.duration_since(first) > SETTLE {
                 continue;
             }
             let Ok(ns) = netns::Netns::open(Some(&path.to_string_lossy())) else {
                 continue;
             };
-            let Ok(Ok(links)) = ns.run(netns::list_interfaces) else {
+            let Ok(Ok(Some(links))) = ns.run(|| netns::pod_interfaces(node.fd(), pod_veths)) else {
                 continue;
             };
             if let Some(i) = links.iter().find(|i| unpaired(i)) {
@@ -78,7 +93,7 @@ impl Receive {
     /// The program is attached (or failed to): nothing more to look at.
     pub fn done(&mut self) {
         self.pending = None;
-        self.seen = HashSet::new();
+        self.seen = HashMap::new();
     }
 }
 
