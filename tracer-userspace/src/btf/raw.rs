@@ -212,6 +212,37 @@ impl<'a> View<'a> {
         index.get(name.as_bytes()).map(|&i| btf.rec(i))
     }
 
+    /// The enumerators (name offset, value) of the enum `name` (BTF_KIND_ENUM
+    /// or, for 64-bit values, BTF_KIND_ENUM64); None when there is none.
+    pub fn enum_values(&self, name: &str) -> Option<Vec<(u32, i64)>> {
+        let btf = self.top();
+        let t = (0..btf.types.len()).map(|i| btf.rec(i)).find(|t| {
+            (t.kind == KIND_ENUM || t.kind == KIND_ENUM64)
+                && self.name(t.name_off) == name.as_bytes()
+        })?;
+        let b = &btf.bytes;
+        let signed = t.kind_flag;
+        (0..t.vlen as usize)
+            .map(|i| {
+                if t.kind == KIND_ENUM {
+                    let at = t.extra + 8 * i;
+                    let v = u32_at(b, at + 4)?;
+                    let v = if signed {
+                        i64::from(v as i32)
+                    } else {
+                        i64::from(v)
+                    };
+                    Some((u32_at(b, at)?, v))
+                } else {
+                    let at = t.extra + 12 * i;
+                    let lo = u64::from(u32_at(b, at + 4)?);
+                    let hi = u64::from(u32_at(b, at + 8)?);
+                    Some((u32_at(b, at)?, ((hi << 32) | lo) as i64))
+                }
+            })
+            .collect()
+    }
+
     /// Follows typedefs and qualifiers, as C does for member access.
     pub fn strip_modifiers(&self, mut id: u32) -> Option<TypeRec<'a>> {
         // Bounded: a malformed blob could chain modifiers in a cycle.

@@ -395,9 +395,16 @@ fn node_name(options: &SessionOptions) -> String {
         .unwrap_or_else(|| "node".to_owned())
 }
 
-/// The running kernel's drop reason numbering (it differs between kernels);
-/// the built-in 6.18 table when tracefs is not mounted.
+/// The running kernel's drop reason numbering (it differs between kernels,
+/// also between stable releases of one: 6.18.44's is not 6.18's): from
+/// tracefs, else from the kernel's BTF (tracefs is not mounted everywhere,
+/// and nattrace does not mount it), else the built-in 6.18 table. Read once.
 pub(super) fn kernel_drop_reasons() -> DropReasons {
+    static READ: std::sync::OnceLock<DropReasons> = std::sync::OnceLock::new();
+    READ.get_or_init(read_drop_reasons).clone()
+}
+
+fn read_drop_reasons() -> DropReasons {
     // The last: tracefs of the node under `kubectl debug node`'s host root.
     let parsed = [
         "/sys/kernel/tracing",
@@ -411,7 +418,11 @@ pub(super) fn kernel_drop_reasons() -> DropReasons {
         DropReasons::parse_tracefs_format(&text).ok()
     });
     let Some(parsed) = parsed else {
-        return DropReasons::default();
+        return crate::btf::KernelBtf::load()
+            .ok()
+            .and_then(|btf| btf.enum_values("skb_drop_reason"))
+            .map(DropReasons::from_pairs)
+            .unwrap_or_default();
     };
     // tracefs omits the values below NOT_SPECIFIED, but the collector needs
     // them to tell consumed packets from drops: 0 is NOT_DROPPED_YET, and
