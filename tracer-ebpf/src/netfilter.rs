@@ -1,5 +1,6 @@
-//! BPF_PROG_TYPE_NETFILTER programs (kernel >= 6.4): one on each side of
-//! DNAT, one at FORWARD, one after SNAT that reports both sides of it.
+//! BPF_PROG_TYPE_NETFILTER programs (kernel >= 6.4): one after each NAT
+//! hook's rewrite that reports both sides of it (or, without conntrack's
+//! layout, one on each side), one at FORWARD.
 //!
 //! aya 0.14 cannot load this program type; userspace loads these functions'
 //! instructions itself (tracer-userspace/src/probes/nf_link.rs). Their ELF
@@ -48,33 +49,52 @@ fn try_netfilter(ctx: *mut c_void, nf_hook: u8, stage: u8) -> Result<(), ()> {
     Ok(())
 }
 
-/// The SNAT hooks (POSTROUTING, INPUT) in one program after the rewrite:
-/// the BEFORE event is the packet with the source conntrack saw, the AFTER
-/// event the packet as it is. Only NAT (priority 100) runs between the
-/// before (99) and after (101) points a pair of programs takes, so nothing
-/// is lost that a separate BEFORE program would have seen, and every packet
-/// crossing the hook pays one program call instead of two (issue 25). SNAT
-/// rewrites only the source: the packet's source before it is the one
-/// conntrack recorded for the packet's direction (`ct->tuplehash[dir]`,
-/// taken at PREROUTING/OUTPUT before any NAT, net/netfilter/nf_conntrack_core.c
-/// `resolve_normal_ct`), both for a masqueraded request and for a reply
-/// whose source the reverse DNAT rewrites here. Without an entry (INVALID,
-/// untracked) nothing rewrote it. An ICMP error's quote, which NAT
-/// rewrites the other way (`nf_nat_icmp_reply_translation`), is reported
-/// as it is at both stages. The loader uses these only when it knows
-/// `sk_buff._nfct` and nf_conntrack's tuple layout (probes/table.rs).
+/// Which side of the packet a hook's NAT rewrites.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Rewrites {
+    /// DNAT (PREROUTING, OUTPUT) rewrites a request's destination, and the
+    /// destination of a reply to a masqueraded connection.
+    Destination,
+    /// SNAT (POSTROUTING, INPUT) rewrites a request's source, and the source
+    /// of a reply the DNAT is undone on.
+    Source,
+}
+
+/// A NAT hook in one program after the rewrite (issue 25: one program call
+/// per packet crossing the hook instead of two): the BEFORE event is the
+/// packet with the side NAT rewrites as conntrack saw it, the AFTER event
+/// the packet as it is. The entry's tuple for the packet's direction
+/// (`ct->tuplehash[dir]`) is the packet as conntrack took it, at
+/// PREROUTING/OUTPUT before any NAT (net/netfilter/nf_conntrack_core.c
+/// `resolve_normal_ct`; NF_IP_PRI_CONNTRACK -200 < NF_IP_PRI_NAT_DST -100),
+/// and each hook's NAT rewrites one side only (nf_nat_core.c
+/// `nf_nat_manip_pkt`, the manip type per hook, `HOOK2MANIP`). Without an
+/// entry (INVALID, untracked) nothing rewrote it.
+///
+/// At the SNAT hooks only NAT (100) runs between the pair's before (99) and
+/// after (101) points, so nothing is lost. At the DNAT hooks mangle (-150)
+/// and kube-proxy nftables' filter chains (-110) run between them: a packet
+/// those drop now shows no PREROUTING/OUTPUT point at all, and its drop is
+/// placed after the point before (the device it came in by); conntrack
+/// itself (-200) and the raw table (-300) already dropped before any.
+/// An ICMP error's quote, which NAT rewrites the other way
+/// (`nf_nat_icmp_reply_translation`), is reported as it is at both stages.
+/// The loader uses these only when it knows `sk_buff._nfct` and
+/// nf_conntrack's tuple layout (probes/table.rs `NatPoints`).
 #[inline(always)]
-fn try_netfilter_snat(ctx: *mut c_void, nf_hook: u8) -> Result<(), ()> {
+fn try_netfilter_nat(ctx: *mut c_void, nf_hook: u8, rewrites: Rewrites) -> Result<(), ()> {
     // SAFETY: ctx is the kernel's bpf_nf_ctx; the verifier allows this load.
     let skb: u64 = unsafe { core::ptr::read_volatile((ctx as *const u8).add(8) as *const u64) };
     let off = config::offsets().ok_or(())?;
     let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
-    let after = (pkt.saddr, pkt.sport);
+    let after = match rewrites {
+        Rewrites::Source => (pkt.saddr, pkt.sport),
+        Rewrites::Destination => (pkt.daddr, pkt.dport),
+    };
     if pkt.icmp_type == 0
-        && let Some((addr, port)) = source_conntrack_saw(skb, off, &pkt)
+        && let Some(seen) = side_conntrack_saw(skb, off, &pkt, rewrites)
     {
-        pkt.saddr = addr;
-        pkt.sport = port;
+        set_side(&mut pkt, rewrites, seen);
     }
     let mut at = Point::new(hook::NETFILTER);
     at.nf_hook = nf_hook;
@@ -86,10 +106,18 @@ fn try_netfilter_snat(ctx: *mut c_void, nf_hook: u8) -> Result<(), ()> {
         true
     };
     observe(&mut pkt, &mut at, details);
-    (pkt.saddr, pkt.sport) = after;
+    set_side(&mut pkt, rewrites, after);
     at.nat_stage = nat_stage::AFTER;
     observe(&mut pkt, &mut at, details);
     Ok(())
+}
+
+#[inline(always)]
+fn set_side(pkt: &mut Packet, side: Rewrites, (addr, port): (Addr, u16)) {
+    match side {
+        Rewrites::Source => (pkt.saddr, pkt.sport) = (addr, port),
+        Rewrites::Destination => (pkt.daddr, pkt.dport) = (addr, port),
+    }
 }
 
 /// `enum ip_conntrack_info`: `_nfct`'s low 3 bits (NFCT_INFOMASK).
@@ -99,9 +127,14 @@ const IP_CT_IS_REPLY: u64 = 3;
 /// No entry by choice (the raw table's NOTRACK).
 const IP_CT_UNTRACKED: u64 = 7;
 
-/// The source (address, port) of `pkt`'s direction in its conntrack entry.
+/// One side (address, port) of `pkt`'s direction in its conntrack entry.
 #[inline(always)]
-fn source_conntrack_saw(skb: u64, off: &KernelOffsets, pkt: &Packet) -> Option<(Addr, u16)> {
+fn side_conntrack_saw(
+    skb: u64,
+    off: &KernelOffsets,
+    pkt: &Packet,
+    side: Rewrites,
+) -> Option<(Addr, u16)> {
     if off.sk_buff_nfct == 0 || off.nf_conn_tuplehash == 0 {
         return None;
     }
@@ -112,13 +145,17 @@ fn source_conntrack_saw(skb: u64, off: &KernelOffsets, pkt: &Packet) -> Option<(
     }
     let dir = u64::from(info >= IP_CT_IS_REPLY);
     let tuple = ct + off.nf_conn_tuplehash as u64 + dir * off.nf_conntrack_tuple_hash_size as u64;
-    let at = tuple + off.tuple_src_u3 as u64;
+    let (u3, u) = match side {
+        Rewrites::Source => (off.tuple_src_u3, off.tuple_src_u),
+        Rewrites::Destination => (off.tuple_dst_u3, off.tuple_dst_u),
+    };
+    let at = tuple + u3 as u64;
     let addr = if as_v4(&pkt.saddr).is_some() {
         v4_mapped(read::<[u8; 4]>(at).ok()?)
     } else {
         read::<Addr>(at).ok()?
     };
-    let port = read::<[u8; 2]>(tuple + off.tuple_src_u as u64).ok()?;
+    let port = read::<[u8; 2]>(tuple + u as u64).ok()?;
     Some((addr, u16::from_be_bytes(port)))
 }
 
@@ -184,16 +221,33 @@ nf_program!(
     nat_stage::AFTER
 );
 
-macro_rules! nf_snat_program {
-    ($name:ident, $section:literal, $hook:expr) => {
+macro_rules! nf_nat_program {
+    ($name:ident, $section:literal, $hook:expr, $rewrites:expr) => {
         #[unsafe(no_mangle)]
         #[unsafe(link_section = $section)]
         pub fn $name(ctx: *mut c_void) -> i32 {
-            let _ = try_netfilter_snat(ctx, $hook);
+            let _ = try_netfilter_nat(ctx, $hook, $rewrites);
             NF_ACCEPT
         }
     };
 }
 
-nf_snat_program!(nf_post, "socket/nf_post", nf_hook::POST_ROUTING);
-nf_snat_program!(nf_in, "socket/nf_in", nf_hook::LOCAL_IN);
+nf_nat_program!(
+    nf_pre,
+    "socket/nf_pre",
+    nf_hook::PRE_ROUTING,
+    Rewrites::Destination
+);
+nf_nat_program!(
+    nf_out,
+    "socket/nf_out",
+    nf_hook::LOCAL_OUT,
+    Rewrites::Destination
+);
+nf_nat_program!(
+    nf_post,
+    "socket/nf_post",
+    nf_hook::POST_ROUTING,
+    Rewrites::Source
+);
+nf_nat_program!(nf_in, "socket/nf_in", nf_hook::LOCAL_IN, Rewrites::Source);

@@ -65,19 +65,20 @@ pub struct ProgramSpec {
     pub need: Need,
     /// Short label for the preamble.
     pub label: &'static str,
-    pub snat: Snat,
+    pub nat_points: NatPoints,
 }
 
-/// The netfilter backend's SNAT hooks (POSTROUTING, INPUT) have two forms:
-/// one program after SNAT that also reports the packet before it, reading
-/// the source conntrack saw (tracer-ebpf netfilter.rs `try_netfilter_snat`;
-/// one program call per packet instead of two, issue 25), or a program on
-/// each side of it, for a kernel whose nf_conntrack layout is unknown
-/// (no module BTF, or nf_conntrack not loaded at start). Which one runs is
-/// decided silently: neither form is a missing feature.
+/// The netfilter backend's NAT hooks (PREROUTING, OUTPUT, POSTROUTING,
+/// INPUT) have two forms: one program after the rewrite that also reports
+/// the packet before it, reading the side NAT rewrites as conntrack saw it
+/// (tracer-ebpf netfilter.rs `try_netfilter_nat`; one program call per
+/// packet instead of two, issue 25), or a program on each side of it, for
+/// a kernel whose nf_conntrack layout is unknown (no module BTF, or
+/// nf_conntrack not loaded at start). Which one runs is decided silently:
+/// neither form is a missing feature.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Snat {
-    /// Not a SNAT-hook program: always.
+pub enum NatPoints {
+    /// Not a NAT-hook program: always.
     Any,
     /// Only with conntrack's tuples known.
     OneProgram,
@@ -142,15 +143,15 @@ const _: () = {
 };
 
 const fn nf(name: &'static str, hook: u8, window: Window, label: &'static str) -> ProgramSpec {
-    nf_snat(name, hook, window, label, Snat::Any)
+    nf_nat(name, hook, window, label, NatPoints::Any)
 }
 
-const fn nf_snat(
+const fn nf_nat(
     name: &'static str,
     hook: u8,
     window: Window,
     label: &'static str,
-    snat: Snat,
+    nat_points: NatPoints,
 ) -> ProgramSpec {
     ProgramSpec {
         name,
@@ -158,7 +159,7 @@ const fn nf_snat(
         backends: NF,
         need: Need::NetfilterLink,
         label,
-        snat,
+        nat_points,
     }
 }
 
@@ -169,7 +170,7 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         backends: BOTH,
         need: Need::Tc,
         label: "tc ingress",
-        snat: Snat::Any,
+        nat_points: NatPoints::Any,
     },
     ProgramSpec {
         name: "tc_egress",
@@ -177,74 +178,92 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         backends: BOTH,
         need: Need::Tc,
         label: "tc egress",
-        snat: Snat::Any,
+        nat_points: NatPoints::Any,
     },
-    nf(
+    nf_nat(
+        "nf_pre",
+        nf_hook::PRE_ROUTING,
+        AFTER_DNAT,
+        "PREROUTING after DNAT",
+        NatPoints::OneProgram,
+    ),
+    nf_nat(
+        "nf_out",
+        nf_hook::LOCAL_OUT,
+        AFTER_DNAT,
+        "OUTPUT after DNAT",
+        NatPoints::OneProgram,
+    ),
+    nf_nat(
         "nf_pre_before",
         nf_hook::PRE_ROUTING,
         BEFORE_DNAT,
         "PREROUTING before DNAT",
+        NatPoints::Pair,
     ),
-    nf(
+    nf_nat(
         "nf_pre_after",
         nf_hook::PRE_ROUTING,
         AFTER_DNAT,
         "PREROUTING after DNAT",
+        NatPoints::Pair,
     ),
-    nf(
+    nf_nat(
         "nf_out_before",
         nf_hook::LOCAL_OUT,
         BEFORE_DNAT,
         "OUTPUT before DNAT",
+        NatPoints::Pair,
     ),
-    nf(
+    nf_nat(
         "nf_out_after",
         nf_hook::LOCAL_OUT,
         AFTER_DNAT,
         "OUTPUT after DNAT",
+        NatPoints::Pair,
     ),
     nf("nf_fwd", nf_hook::FORWARD, FORWARD, "FORWARD"),
-    nf_snat(
+    nf_nat(
         "nf_post",
         nf_hook::POST_ROUTING,
         AFTER_SNAT,
         "POSTROUTING after SNAT",
-        Snat::OneProgram,
+        NatPoints::OneProgram,
     ),
-    nf_snat(
+    nf_nat(
         "nf_in",
         nf_hook::LOCAL_IN,
         AFTER_SNAT,
         "INPUT after SNAT",
-        Snat::OneProgram,
+        NatPoints::OneProgram,
     ),
-    nf_snat(
+    nf_nat(
         "nf_post_before",
         nf_hook::POST_ROUTING,
         BEFORE_SNAT,
         "POSTROUTING before SNAT",
-        Snat::Pair,
+        NatPoints::Pair,
     ),
-    nf_snat(
+    nf_nat(
         "nf_post_after",
         nf_hook::POST_ROUTING,
         AFTER_SNAT,
         "POSTROUTING after SNAT",
-        Snat::Pair,
+        NatPoints::Pair,
     ),
-    nf_snat(
+    nf_nat(
         "nf_in_before",
         nf_hook::LOCAL_IN,
         BEFORE_SNAT,
         "INPUT before SNAT",
-        Snat::Pair,
+        NatPoints::Pair,
     ),
-    nf_snat(
+    nf_nat(
         "nf_in_after",
         nf_hook::LOCAL_IN,
         AFTER_SNAT,
         "INPUT after SNAT",
-        Snat::Pair,
+        NatPoints::Pair,
     ),
     ProgramSpec {
         name: "netif_receive_skb",
@@ -252,7 +271,7 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         backends: BOTH,
         need: Need::RawTracepoint,
         label: "raw_tp netif_receive_skb",
-        snat: Snat::Any,
+        nat_points: NatPoints::Any,
     },
     ProgramSpec {
         name: "net_dev_start_xmit",
@@ -260,7 +279,7 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         backends: BOTH,
         need: Need::RawTracepoint,
         label: "raw_tp net_dev_start_xmit",
-        snat: Snat::Any,
+        nat_points: NatPoints::Any,
     },
     ProgramSpec {
         name: "kfree_skb",
@@ -268,7 +287,7 @@ pub const PROGRAMS: &[ProgramSpec] = &[
         backends: BOTH,
         need: Need::RawTracepoint,
         label: "raw_tp kfree_skb",
-        snat: Snat::Any,
+        nat_points: NatPoints::Any,
     },
     // nf_hook_slow first: the NAT probes read the hook it records.
     kp(
@@ -320,7 +339,7 @@ const fn kp(
         backends: KP,
         need: Need::Kprobes,
         label,
-        snat: Snat::Any,
+        nat_points: NatPoints::Any,
     }
 }
 
@@ -461,8 +480,8 @@ impl KernelFeatures {
 }
 
 /// Rows of `backend` that this kernel can run, plus one Skipped per row it
-/// cannot. `ct_tuples`: the programs can read conntrack's tuples (the SNAT
-/// hooks then take one program each, [`Snat`]).
+/// cannot. `ct_tuples`: the programs can read conntrack's tuples (the NAT
+/// hooks then take one program each, [`NatPoints`]).
 pub fn plan(
     backend: Backend,
     kernel: &KernelFeatures,
@@ -471,10 +490,10 @@ pub fn plan(
 ) -> (Vec<&'static ProgramSpec>, Vec<Skipped>) {
     let mut run = Vec::new();
     let mut skipped = Vec::new();
-    let wanted = |p: &ProgramSpec| match p.snat {
-        Snat::Any => true,
-        Snat::OneProgram => ct_tuples,
-        Snat::Pair => !ct_tuples,
+    let wanted = |p: &ProgramSpec| match p.nat_points {
+        NatPoints::Any => true,
+        NatPoints::OneProgram => ct_tuples,
+        NatPoints::Pair => !ct_tuples,
     };
     for spec in PROGRAMS
         .iter()
@@ -512,7 +531,7 @@ mod tests {
         let k = KernelFeatures::from_parts((6, 1, 0), true);
         let (run, skipped) = plan(Backend::Netfilter, &k, true, |_| true);
         assert!(run.iter().all(|p| p.need != Need::NetfilterLink));
-        assert_eq!(skipped.len(), 7);
+        assert_eq!(skipped.len(), 5);
         assert!(skipped[0].reason.contains("6.4"));
         assert!(!k.tcx);
     }
@@ -521,32 +540,37 @@ mod tests {
     fn new_kernel_runs_everything_of_the_netfilter_backend() {
         let k = KernelFeatures::from_parts((6, 18, 0), false);
         let (run, skipped) = plan(Backend::Netfilter, &k, true, |_| true);
-        assert_eq!(run.len(), 12);
+        assert_eq!(run.len(), 10);
         assert!(skipped.is_empty());
         assert!(k.tcx);
         let names: Vec<_> = run.iter().map(|p| p.name).collect();
         assert!(names.contains(&"nf_post") && names.contains(&"nf_in"));
-        assert!(!names.contains(&"nf_post_before"));
+        assert!(!names.contains(&"nf_post_before") && !names.contains(&"nf_pre_before"));
     }
 
-    /// Without conntrack's layout each SNAT hook takes a program on each
+    /// Without conntrack's layout each NAT hook takes a program on each
     /// side of the rewrite, and nothing says so as a skipped feature.
     #[test]
-    fn without_conntrack_tuples_the_snat_hooks_take_a_pair() {
+    fn without_conntrack_tuples_the_nat_hooks_take_a_pair() {
         let k = KernelFeatures::from_parts((6, 18, 0), false);
         let (run, skipped) = plan(Backend::Netfilter, &k, false, |_| true);
         assert_eq!(run.len(), 14);
         assert!(skipped.is_empty());
         let names: Vec<_> = run.iter().map(|p| p.name).collect();
-        for pair in [
-            "nf_post_before",
-            "nf_post_after",
-            "nf_in_before",
-            "nf_in_after",
-        ] {
-            assert!(names.contains(&pair), "{pair}");
+        for hook in ["pre", "out", "post", "in"] {
+            for side in ["before", "after"] {
+                let pair = format!("nf_{hook}_{side}");
+                assert!(names.contains(&pair.as_str()), "{pair}");
+            }
+            assert!(!names.contains(&format!("nf_{hook}").as_str()), "{hook}");
         }
-        assert!(!names.contains(&"nf_post") && !names.contains(&"nf_in"));
+        // With them, one program per NAT hook.
+        let (run, _) = plan(Backend::Netfilter, &k, true, |_| true);
+        let names: Vec<_> = run.iter().map(|p| p.name).collect();
+        assert_eq!(run.len(), 10, "{names:?}");
+        for one in ["nf_pre", "nf_out", "nf_post", "nf_in"] {
+            assert!(names.contains(&one), "{one}");
+        }
     }
 
     #[test]
