@@ -598,8 +598,8 @@ mod tests {
         assert_eq!(core::mem::size_of::<ServiceKey>(), 20);
         assert_eq!(core::mem::size_of::<EndpointKey>(), 20);
         assert_eq!(core::mem::size_of::<EndpointState>(), 20);
-        assert_eq!(core::mem::size_of::<KernelOffsets>(), 80);
-        assert_eq!(core::mem::size_of::<Config>(), 128);
+        assert_eq!(core::mem::size_of::<KernelOffsets>(), 96);
+        assert_eq!(core::mem::size_of::<Config>(), 144);
         assert_eq!(
             core::mem::size_of::<HeldFlow>(),
             48 + HELD_SLOTS * core::mem::size_of::<PacketEvent>()
