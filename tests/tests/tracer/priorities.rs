@@ -207,10 +207,10 @@ fn nft_hook(point: &str) -> &'static str {
 }
 
 fn assert_between_landmarks(prios: &[(String, i64, i64)], start: &Value) {
-    // Two around DNAT at PREROUTING and OUTPUT, FORWARD, and one after
-    // SNAT at POSTROUTING and INPUT that reports both sides of it (this
-    // kernel has nf_conntrack's BTF: probes/table.rs `Snat`).
-    assert_eq!(prios.len(), 7, "seven netfilter points: {start}");
+    // One after each NAT hook's rewrite that reports both sides of it
+    // (PREROUTING, OUTPUT, POSTROUTING, INPUT: this kernel has
+    // nf_conntrack's BTF, probes/table.rs `NatPoints`), and FORWARD.
+    assert_eq!(prios.len(), 5, "five netfilter points: {start}");
     for (point, priority, _) in prios {
         let (lo, hi) = landmarks(point);
         assert!(
