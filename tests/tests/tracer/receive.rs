@@ -5,7 +5,8 @@
 //! stands on) is still seen. A pod with a device no transmit reports (a
 //! macvlan on the node's uplink) makes nattrace attach it while running,
 //! and the same connection then shows the same hops: the tracepoint skips
-//! what the transmit reported.
+//! what the transmit reported. A macvlan pod there before the start is
+//! found by the start's look, which runs beside the start, not in it.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -87,6 +88,9 @@ fn root_receive_tracepoint_only_for_pods_no_transmit_shows() {
     }));
     let _lock = tracing_lock();
     let mut t = start(&args(&lab, &[web_svc()], &[]), &[]);
+    let (verdict, before) = one_flow(&lab, &mut t, 0);
+    // After a decided flow: the look at the pods' namespaces, which runs
+    // in the background from the start, has long finished on three pods.
     let attached = raw_tracepoints(t.pid());
     assert!(
         attached.iter().any(|n| n == "net_dev_start_xmit"),
@@ -96,8 +100,6 @@ fn root_receive_tracepoint_only_for_pods_no_transmit_shows() {
         !attached.iter().any(|n| n == RECEIVE),
         "a node of veth pods needs no receive tracepoint: {attached:?}"
     );
-
-    let (verdict, before) = one_flow(&lab, &mut t, 0);
     assert_eq!(verdict, "ok", "{before:#?}");
     // The SYN-ACK's receive in the client's namespace, sent by the
     // transmit program of the client's node-side veth.
@@ -121,14 +123,7 @@ fn root_receive_tracepoint_only_for_pods_no_transmit_shows() {
     ]);
     ip(&["-n", &node, "link", "set", "mvpod", "netns", &pod.0]);
     ip(&["-n", &pod.0, "link", "set", "mvpod", "up"]);
-    let deadline = Instant::now() + ATTACH_TIMEOUT;
-    while !raw_tracepoints(t.pid()).iter().any(|n| n == RECEIVE) {
-        assert!(
-            Instant::now() < deadline,
-            "the receive tracepoint was not attached for a macvlan pod within {ATTACH_TIMEOUT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_receive(&t, "added while tracing");
 
     let (verdict, after) = one_flow(&lab, &mut t, 1);
     assert_eq!(verdict, "ok", "{after:#?}");
@@ -139,4 +134,33 @@ fn root_receive_tracepoint_only_for_pods_no_transmit_shows() {
     t.terminate();
     let done = t.wait(ATTACH_TIMEOUT).expect("nattrace exits on SIGTERM");
     assert_eq!(done.status.code(), Some(0), "{}", done.describe());
+
+    // The macvlan pod there at the start: found by the start's look.
+    let mut t = start(&args(&lab, &[web_svc()], &[]), &[]);
+    wait_receive(&t, "there at the start");
+    let (verdict, again) = one_flow(&lab, &mut t, 0);
+    assert_eq!(verdict, "ok", "{again:#?}");
+    assert_eq!(before, again);
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).expect("nattrace exits on SIGTERM");
+    assert_eq!(done.status.code(), Some(0), "{}", done.describe());
+    assert!(
+        done.stderr
+            .lines()
+            .any(|l| l.contains("now also tracing") && l.contains("mvpod (macvlan)")),
+        "the attach after the start is said, naming the device: {}",
+        done.stderr
+    );
+}
+
+/// Waits for the receive tracepoint to be attached for the macvlan pod.
+fn wait_receive(t: &Nattrace, when: &str) {
+    let deadline = Instant::now() + ATTACH_TIMEOUT;
+    while !raw_tracepoints(t.pid()).iter().any(|n| n == RECEIVE) {
+        assert!(
+            Instant::now() < deadline,
+            "the receive tracepoint was not attached for a macvlan pod {when} within {ATTACH_TIMEOUT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

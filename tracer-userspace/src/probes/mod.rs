@@ -350,7 +350,8 @@ impl Tracer {
         drop(nf_programs);
         tracer.skipped = skipped;
         tracer.pod_veths = pod_veths;
-        tracer.check_receive();
+        // Starts the look at the pods' namespaces; a later tick attaches.
+        tracer.check_receive(true);
         log::debug!("attached: {}", tracer.attached().join("; "));
         Ok(tracer)
     }
@@ -606,14 +607,15 @@ impl Tracer {
         })??;
         self.pod_veths = pod_veths;
         let mut names = self.note_tc(&synced);
-        names.extend(self.check_receive());
+        names.extend(self.check_receive(true));
         Ok(names)
     }
 
     /// Attaches the receive tracepoint once a device needs it (receive.rs);
     /// returns its label then. Not while tc is still being attached in the
     /// background: its interfaces are not uncovered, only not done yet.
-    fn check_receive(&mut self) -> Option<String> {
+    /// `look`: also start the next look at new pods' namespaces.
+    fn check_receive(&mut self, look: bool) -> Option<String> {
         let in_node = if self.tc.pending_count() == 0 {
             self.facts
                 .interfaces
@@ -622,7 +624,9 @@ impl Tracer {
         } else {
             None
         };
-        let (spec, why) = self.receive.due(&self.netns, &self.pod_veths, in_node)?;
+        let (spec, why) = self
+            .receive
+            .due(&self.netns, &self.pod_veths, in_node, look)?;
         match attach::attach_unpaired_receive(&mut self.ebpf, spec) {
             Ok(()) => {
                 self.receive.done();
@@ -646,6 +650,12 @@ impl Tracer {
     pub fn collect_tc(&mut self) -> usize {
         let synced = self.tc.collect(false);
         self.note_tc(&synced).len()
+    }
+
+    /// The receive tracepoint's label if a finished look at the pods'
+    /// namespaces just had it attached; cheap, call it often.
+    pub fn collect_receive(&mut self) -> Option<String> {
+        self.check_receive(false)
     }
 
     /// On a big node, how tc and the device tracepoints share the

@@ -12,8 +12,13 @@
 //! for the namespaces that appeared since.
 use std::{
     collections::{BTreeSet, HashMap},
+    fs::File,
+    os::fd::{AsFd as _, OwnedFd},
+    thread::JoinHandle,
     time::{Duration, Instant},
 };
+
+use nix::sched::CloneFlags;
 
 use super::{
     ifnames::scan_netns_files,
@@ -39,6 +44,18 @@ pub struct Receive {
     pending: Option<&'static ProgramSpec>,
     /// Namespaces looked at, and when first (None: never to look at).
     seen: HashMap<u32, Option<Instant>>,
+    /// The look at the pods' namespaces, off the caller's thread: on a
+    /// node of 1,000 pods it is a /proc walk and 1,000 link dumps, about
+    /// 0.4 s, which start-up (and a tick) would otherwise wait for.
+    scan: Option<JoinHandle<Scan>>,
+}
+
+/// What one background look found.
+struct Scan {
+    /// Namespaces looked at for the first time, and when.
+    first_seen: Vec<(u32, Instant)>,
+    /// The first unpaired device of a pod, described.
+    found: Option<String>,
 }
 
 impl Receive {
@@ -51,41 +68,39 @@ impl Receive {
                 .find(|p| matches!(p.attach, Attach::UnpairedReceive(_))),
             // The traced namespace's interfaces are tc's.
             seen: HashMap::from([(node, None)]),
+            scan: None,
         }
     }
 
     /// The program to attach now, and why: `in_node` (a node interface tc
     /// does not cover) or else the first unpaired device of a pod of
-    /// `node` (netns.rs `pod_interfaces`) not looked at before, "name
-    /// (kind) in netns N". One link dump per namespace younger than
-    /// [`SETTLE`]; nothing once attached.
+    /// `node` (netns.rs `pod_interfaces`), "name (kind) in netns N", that
+    /// a finished background look found. With `look`, starts the next look
+    /// when none runs: one link dump per namespace younger than
+    /// [`SETTLE`]. Nothing once attached.
     pub fn due(
         &mut self,
         node: &netns::Netns,
         pod_veths: &BTreeSet<u32>,
         in_node: Option<&Interface>,
+        look: bool,
     ) -> Option<(&'static ProgramSpec, String)> {
         let spec = self.pending?;
         if let Some(i) = in_node {
             return Some((spec, describe(i, None)));
         }
-        let now = Instant::now();
-        for (inode, path) in scan_netns_files() {
-            let Some(first) = *self.seen.entry(inode).or_insert(Some(now)) else {
-                continue;
-            };
-            if now.duration_since(first) > SETTLE {
-                continue;
+        if let Some(scan) = self.scan.take_if(|h| h.is_finished()) {
+            // A look that panicked found nothing; the next one looks again.
+            if let Ok(Scan { first_seen, found }) = scan.join() {
+                self.seen
+                    .extend(first_seen.into_iter().map(|(n, t)| (n, Some(t))));
+                if let Some(why) = found {
+                    return Some((spec, why));
+                }
             }
-            let Ok(ns) = netns::Netns::open(Some(&path.to_string_lossy())) else {
-                continue;
-            };
-            let Ok(Ok(Some(links))) = ns.run(|| netns::pod_interfaces(node.fd(), pod_veths)) else {
-                continue;
-            };
-            if let Some(i) = links.iter().find(|i| unpaired(i)) {
-                return Some((spec, describe(i, Some(inode))));
-            }
+        }
+        if look && self.scan.is_none() {
+            self.scan = start_look(node, pod_veths, &self.seen);
         }
         None
     }
@@ -94,6 +109,62 @@ impl Receive {
     pub fn done(&mut self) {
         self.pending = None;
         self.seen = HashMap::new();
+        // A running look ends by itself; its result is not wanted.
+        self.scan = None;
+    }
+}
+
+/// Starts a look at the namespaces not seen yet or younger than
+/// [`SETTLE`], on a thread of its own: it enters each in turn (setns), so
+/// the caller's namespace stays as it is.
+fn start_look(
+    node: &netns::Netns,
+    pod_veths: &BTreeSet<u32>,
+    seen: &HashMap<u32, Option<Instant>>,
+) -> Option<JoinHandle<Scan>> {
+    let node: OwnedFd = node.fd().try_clone_to_owned().ok()?;
+    let pod_veths = pod_veths.clone();
+    let seen = seen.clone();
+    std::thread::Builder::new()
+        .name("nattrace-pods".into())
+        .spawn(move || look(&node, &pod_veths, &seen))
+        .ok()
+}
+
+fn look(node: &OwnedFd, pod_veths: &BTreeSet<u32>, seen: &HashMap<u32, Option<Instant>>) -> Scan {
+    let now = Instant::now();
+    let mut first_seen = Vec::new();
+    for (inode, path) in scan_netns_files() {
+        let first = match seen.get(&inode) {
+            Some(None) => continue,
+            Some(Some(t)) => *t,
+            None => {
+                first_seen.push((inode, now));
+                now
+            }
+        };
+        if now.duration_since(first) > SETTLE {
+            continue;
+        }
+        let Ok(file) = File::open(&path) else {
+            continue;
+        };
+        if nix::sched::setns(file.as_fd(), CloneFlags::CLONE_NEWNET).is_err() {
+            continue;
+        }
+        let Ok(Some(links)) = netns::pod_interfaces(node.as_fd(), pod_veths) else {
+            continue;
+        };
+        if let Some(i) = links.iter().find(|i| unpaired(i)) {
+            return Scan {
+                first_seen,
+                found: Some(describe(i, Some(inode))),
+            };
+        }
+    }
+    Scan {
+        first_seen,
+        found: None,
     }
 }
 

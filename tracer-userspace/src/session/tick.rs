@@ -106,6 +106,9 @@ impl Live {
         if attached > 0 {
             notices.say(format_args!("tc now attached on {attached} more interfaces (their device tracepoints stood in until now)"));
         }
+        if let Some(label) = tracer.collect_receive() {
+            notices.say(format_args!("now also tracing {label}"));
+        }
         let stats = tracer.stats();
         if stats.ringbuf_full > last_lost.0 {
             notices.warn(format_args!(
