@@ -129,8 +129,10 @@ pub(super) fn load_global(
     Ok(attached)
 }
 
-/// Attaches an [`Attach::UnpairedReceive`] program (loaded by
-/// [`load_global`]).
+/// Loads and attaches an [`Attach::UnpairedReceive`] program. Loaded only
+/// now, not with the others: most nodes never need it, and its
+/// verification (20-35 ms of a CPU on this VM) would sit on the start's
+/// path of a 2-core node. [`check_load`] still verifies it.
 pub(super) fn attach_unpaired_receive(
     ebpf: &mut Ebpf,
     spec: &ProgramSpec,
@@ -142,6 +144,7 @@ pub(super) fn attach_unpaired_receive(
         )));
     };
     let prog: &mut RawTracePoint = program(ebpf, spec.name)?;
+    prog.load().map_err(|e| load_error(spec.name, e))?;
     prog.attach(tp).map_err(|e| load_error(spec.name, e))?;
     Ok(())
 }
@@ -153,12 +156,7 @@ pub(super) fn attach_unpaired_receive(
 fn load_in_parallel(ebpf: &mut Ebpf, plan: &[&'static ProgramSpec]) -> Result<(), TraceError> {
     let global: Vec<&str> = plan
         .iter()
-        .filter(|p| {
-            matches!(
-                p.attach,
-                Attach::RawTracepoint(_) | Attach::UnpairedReceive(_) | Attach::Kprobe { .. }
-            )
-        })
+        .filter(|p| matches!(p.attach, Attach::RawTracepoint(_) | Attach::Kprobe { .. }))
         .map(|p| p.name)
         .collect();
     let programs: Vec<(&str, &mut Program)> = ebpf
