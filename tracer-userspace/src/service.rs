@@ -282,19 +282,19 @@ pub fn all_targets(rules: &KubeProxyRules) -> Vec<Target> {
     let mut out: Vec<Target> = rules
         .services
         .iter()
-        .map(|s| (s.cluster_ip, s.port, s.proto.as_str(), &s.name))
+        .map(|s| (s.cluster_ip, s.port, s.proto.as_str(), &*s.name))
         .chain(
             rules
                 .no_endpoints
                 .iter()
-                .map(|r| (r.ip, r.port, r.protocol.as_str(), &r.port_name)),
+                .map(|r| (r.ip, r.port, r.protocol.as_str(), r.port_name.as_str())),
         )
         .map(|(addr, port, proto, name)| Target {
             addr,
             port,
             proto: proto.to_string(),
             kind: AddrKind::ClusterIp,
-            port_name: name.clone(),
+            port_name: name.to_owned(),
         })
         .collect();
     let ns = &rules.north_south;

@@ -1,6 +1,6 @@
 //! What the collector hands to outputs: one `FlowReport` per decided flow,
 //! with its evidence resolved to names. Built once per flow, never per event.
-use std::net::SocketAddr;
+use std::{net::SocketAddr, sync::Arc};
 
 use serde::Serialize;
 use tracer_common::{hook, nat_stage, nf_hook, proto, tcp_flags};
@@ -48,7 +48,7 @@ pub struct Attempt {
     #[serde(serialize_with = "super::addr_text::serialize_opt")]
     pub backend: Option<SocketAddr>,
     /// kube-proxy's endpoint chain for that backend.
-    pub sep_chain: Option<String>,
+    pub sep_chain: Option<Arc<str>>,
     /// A reply came back from that backend for it.
     pub answered: bool,
     /// Drop reason, if a drop of this transmission was seen.
@@ -70,7 +70,7 @@ pub struct FlowReport {
     pub kube: Option<KubeMatch>,
     /// kube-proxy's name of the Service port (`namespace/name:port`), also
     /// for a Service without endpoints (named by its REJECT rule).
-    pub k8s_service: Option<String>,
+    pub k8s_service: Option<Arc<str>>,
     /// The client's and the backend's pods (`namespace/name`), when they
     /// are pods of this node (src/pods).
     pub client_pod: Option<String>,
@@ -165,7 +165,7 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
     let k8s_service = kube.as_ref().map(|k| k.service.clone()).or_else(|| {
         ctx.kube
             .no_endpoints_for(flow.service.socket_addr(), proto.as_str())
-            .map(|r| r.port_name.clone())
+            .map(|r| Arc::from(r.port_name.as_str()))
     });
     FlowReport {
         verdict,

@@ -294,7 +294,8 @@ impl Metrics {
         for r in reports {
             let service = r
                 .k8s_service
-                .clone()
+                .as_deref()
+                .map(str::to_owned)
                 .or_else(|| {
                     rules
                         .no_endpoints_for(r.service, r.proto.as_str())

@@ -274,7 +274,7 @@ fn services_without_ipv6_endpoints(i: &Inputs) -> Option<Finding> {
     }
     let has_v4_endpoints = |name: &str| {
         i.kube_proxy.services.iter().any(|s| {
-            s.name == name && matches!(s.cluster_ip, IpAddr::V4(_)) && !s.endpoints.is_empty()
+            &*s.name == name && matches!(s.cluster_ip, IpAddr::V4(_)) && !s.endpoints.is_empty()
         })
     };
     let half: Vec<&str> = v6

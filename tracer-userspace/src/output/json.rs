@@ -174,7 +174,7 @@ impl<W: io::Write> JsonOutput<W> {
             k8s_service: r.k8s_service.as_deref(),
             client_pod: r.client_pod.as_deref(),
             backend_pod: r.backend_pod.as_deref(),
-            svc_chain: r.kube.as_ref().map(|k| k.svc_chain.as_str()),
+            svc_chain: r.kube.as_ref().map(|k| &*k.svc_chain),
             sep_chain: r.kube.as_ref().and_then(|k| k.sep_chain.as_deref()),
             cause: r.cause.as_ref().map(|c| c.id.as_str()),
             cause_text: r.cause.as_ref().map(|c| c.text.as_str()),

@@ -35,7 +35,7 @@ pub(super) fn write(out: &mut Vec<u8>, r: &FlowReport) {
     if let Some(p) = &r.backend_pod {
         o.str("backend_pod", p);
     }
-    o.opt_str("svc_chain", r.kube.as_ref().map(|k| k.svc_chain.as_str()));
+    o.opt_str("svc_chain", r.kube.as_ref().map(|k| &*k.svc_chain));
     o.opt_str(
         "sep_chain",
         r.kube.as_ref().and_then(|k| k.sep_chain.as_deref()),

@@ -90,17 +90,17 @@ pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<KubeProxyRu
             .into_iter()
             .map(|s| SvcRule {
                 // Recordings before the label was fixed carry `ns/name:`.
-                name: crate::ruleset::port_label(&s.name, s.port),
+                name: crate::ruleset::port_label(&s.name, s.port).into(),
                 cluster_ip: s.cluster_ip,
                 port: s.port,
                 proto: s.proto,
-                chain: s.chain,
+                chain: s.chain.into(),
                 masquerade_all: s.masquerade_all,
                 endpoints: s
                     .endpoints
                     .into_iter()
                     .map(|e| SepRule {
-                        chain: e.chain,
+                        chain: e.chain.into(),
                         endpoint: e.endpoint,
                         hairpin_masq: e.hairpin_masq,
                     })

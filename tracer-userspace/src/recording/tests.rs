@@ -470,7 +470,7 @@ fn rules_lines_rename_and_retrace_in_analyze() {
     assert_eq!(problem, None);
     assert_eq!(reports.len(), 1);
     assert_eq!(
-        reports[0].kube.as_ref().map(|k| k.service.as_str()),
+        reports[0].kube.as_ref().map(|k| &*k.service),
         Some("default/web:http")
     );
 }

@@ -324,8 +324,8 @@ pub(super) fn from_nat(lines: &[&str], rules: &mut KubeProxyRules) {
                 let name = rules
                     .services
                     .iter()
-                    .find(|s| s.chain == jump.replacen("KUBE-EXT-", "KUBE-SVC-", 1))
-                    .map_or_else(|| port_label(comment, 0), |s| s.name.clone());
+                    .find(|s| *s.chain == *jump.replacen("KUBE-EXT-", "KUBE-SVC-", 1))
+                    .map_or_else(|| port_label(comment, 0), |s| s.name.to_string());
                 ns.external.push(ExternalRule {
                     name,
                     kind: ExternalKind::NodePort,

@@ -10,6 +10,7 @@ use std::{
     collections::HashMap,
     net::{IpAddr, SocketAddr},
     process::Command,
+    sync::Arc,
 };
 
 use serde::Serialize;
@@ -42,7 +43,7 @@ impl ProxyMode {
 /// One `KUBE-SEP-…` chain: an endpoint of a Service port.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct SepRule {
-    pub chain: String,
+    pub chain: Arc<str>,
     pub endpoint: SocketAddr,
     /// `-s <endpoint ip> -j KUBE-MARK-MASQ`: a pod reaching itself is masqueraded.
     pub hairpin_masq: bool,
@@ -51,13 +52,14 @@ pub struct SepRule {
 /// One Service port: `KUBE-SERVICES -d ip -p proto --dport port -j KUBE-SVC-…`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct SvcRule {
-    /// kube-proxy's comment, `namespace/name:port`.
-    pub name: String,
+    /// kube-proxy's comment, `namespace/name:port`. Shared, not copied,
+    /// into each decided flow's report (`KubeMatch`).
+    pub name: Arc<str>,
     pub cluster_ip: IpAddr,
     pub port: u16,
     /// "tcp" / "udp".
     pub proto: String,
-    pub chain: String,
+    pub chain: Arc<str>,
     /// The KUBE-SVC chain marks every packet for masquerade (`masqueradeAll`).
     pub masquerade_all: bool,
     pub endpoints: Vec<SepRule>,
@@ -67,7 +69,7 @@ impl SvcRule {
     /// A NodePort, LB or external IP's Service port: the one of the same
     /// name, protocol and family.
     fn same_port_name(&self, ext: &external::ExternalRule, proto: &str) -> bool {
-        self.name == ext.name && self.proto == proto && self.cluster_ip.is_ipv6() == ext.ipv6
+        *self.name == *ext.name && self.proto == proto && self.cluster_ip.is_ipv6() == ext.ipv6
     }
 
     fn matched(&self, backend: Option<SocketAddr>) -> KubeMatch {
@@ -104,7 +106,7 @@ impl ServiceIndex {
                 .entry((s.cluster_ip, s.port))
                 .or_default()
                 .push(i);
-            index.by_name.entry(s.name.clone()).or_default().push(i);
+            index.by_name.entry(s.name.to_string()).or_default().push(i);
         }
         index
     }
@@ -245,10 +247,10 @@ pub struct OutsideNetfilter {
 /// What a flow's Service and backend map to in the ruleset.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct KubeMatch {
-    pub service: String,
-    pub svc_chain: String,
+    pub service: Arc<str>,
+    pub svc_chain: Arc<str>,
     /// None when the backend is unknown or no KUBE-SEP chain DNATs to it.
-    pub sep_chain: Option<String>,
+    pub sep_chain: Option<Arc<str>>,
     /// The SEP chain masquerades the endpoint reaching itself (hairpin).
     pub hairpin_masq: Option<bool>,
 }
@@ -443,11 +445,11 @@ pub fn parse_nat(text: &str) -> KubeProxyRules {
             .filter_map(|sep| endpoint(sep, by_chain.get(sep)?))
             .collect();
         out.services.push(SvcRule {
-            name,
+            name: name.into(),
             cluster_ip: ip,
             port,
             proto: proto.clone(),
-            chain: jump.clone(),
+            chain: jump.as_str().into(),
             masquerade_all,
             endpoints,
         });
@@ -476,7 +478,7 @@ fn endpoint(chain: &str, rules: &[&Rule]) -> Option<SepRule> {
             && r.src.as_deref().and_then(host) == Some(endpoint.ip())
     });
     Some(SepRule {
-        chain: chain.to_string(),
+        chain: chain.into(),
         endpoint,
         hairpin_masq,
     })

@@ -167,7 +167,7 @@ fn endpoint(chain: &str, rules: &[&Rule<'_>]) -> Option<SepRule> {
         matches!(masq_rule(r), Some((_, Some(("==", v)))) if v.as_str() == Some(&ip.to_string()))
     });
     Some(SepRule {
-        chain: chain.to_string(),
+        chain: chain.into(),
         endpoint: SocketAddr::new(ip, port),
         hairpin_masq,
     })
@@ -252,18 +252,18 @@ fn parse_table(t: &Table<'_>) -> KubeProxyRules {
         );
         let mut endpoints: Vec<SepRule> = Vec::new();
         for c in chains {
-            if endpoints.iter().any(|e| e.chain == c) {
+            if endpoints.iter().any(|e| *e.chain == *c) {
                 continue;
             }
             let rules = by_chain.get(c).map(Vec::as_slice).unwrap_or(&[]);
             endpoints.extend(endpoint(c, rules));
         }
         out.services.push(SvcRule {
-            name: super::port_label(&name, port),
+            name: super::port_label(&name, port).into(),
             cluster_ip: ip,
             port,
             proto,
-            chain: chain.to_string(),
+            chain: chain.into(),
             masquerade_all,
             endpoints,
         });
@@ -320,7 +320,7 @@ mod tests {
         let m = rules
             .lookup(ep("100.67.30.133:80"), "tcp", Some(ep("100.96.54.247:80")))
             .unwrap();
-        assert_eq!(m.service, "prod/export:80");
+        assert_eq!(&*m.service, "prod/export:80");
     }
 
     #[test]
@@ -332,8 +332,8 @@ mod tests {
         let m = rules
             .lookup(ep("100.67.30.133:80"), "tcp", Some(ep("100.96.54.247:80")))
             .unwrap();
-        assert_eq!(m.service, "default/web:http");
-        assert_eq!(m.svc_chain, "service-SUSTUHLJ-default/web/tcp/http");
+        assert_eq!(&*m.service, "default/web:http");
+        assert_eq!(&*m.svc_chain, "service-SUSTUHLJ-default/web/tcp/http");
         assert_eq!(
             m.sep_chain.as_deref(),
             Some("endpoint-G4WC27HT-default/web/tcp/http__100.96.54.247/80")
@@ -350,9 +350,9 @@ mod tests {
         let dns = rules
             .lookup(ep("100.64.0.10:53"), "udp", Some(ep("100.96.54.247:53")))
             .unwrap();
-        assert_eq!(dns.service, "kube-system/kube-dns:dns");
+        assert_eq!(&*dns.service, "kube-system/kube-dns:dns");
         assert_eq!(
-            dns.svc_chain,
+            &*dns.svc_chain,
             "service-FY5PMXPG-kube-system/kube-dns/udp/dns"
         );
         assert!(rules.lookup(ep("100.64.0.10:53"), "tcp", None).is_none());
@@ -456,8 +456,8 @@ mod tests {
                 Some(ep("[fd00:10:244:36::f7]:80")),
             )
             .unwrap();
-        assert_eq!(m.service, "default/web:http");
-        assert_eq!(m.svc_chain, "service-SUSTUHLJ-default/web/tcp/http");
+        assert_eq!(&*m.service, "default/web:http");
+        assert_eq!(&*m.svc_chain, "service-SUSTUHLJ-default/web/tcp/http");
         assert_eq!(
             m.sep_chain.as_deref(),
             Some("endpoint-MSP7NJV3-default/web/tcp/http__fd00.10.244.36..f7/80")

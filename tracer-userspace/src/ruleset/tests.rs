@@ -16,8 +16,8 @@ fn lab_rules_name_service_and_chains() {
     let m = rules
         .lookup(ep("100.67.30.133:80"), "tcp", Some(ep("100.96.54.247:80")))
         .unwrap();
-    assert_eq!(m.service, "default/web:http");
-    assert_eq!(m.svc_chain, "KUBE-SVC-CDGGSHYLG3RE2FKL");
+    assert_eq!(&*m.service, "default/web:http");
+    assert_eq!(&*m.svc_chain, "KUBE-SVC-CDGGSHYLG3RE2FKL");
     assert_eq!(m.sep_chain.as_deref(), Some("KUBE-SEP-QCNXID34Z55D2JC7"));
     assert_eq!(m.hairpin_masq, Some(true));
     let other = rules
@@ -30,8 +30,8 @@ fn lab_rules_name_service_and_chains() {
     let dns = rules
         .lookup(ep("100.64.0.10:53"), "udp", Some(ep("100.96.54.247:53")))
         .unwrap();
-    assert_eq!(dns.service, "kube-system/kube-dns:dns");
-    assert_eq!(dns.svc_chain, "KUBE-SVC-TCOU7JCQXEZGVUNU");
+    assert_eq!(&*dns.service, "kube-system/kube-dns:dns");
+    assert_eq!(&*dns.svc_chain, "KUBE-SVC-TCOU7JCQXEZGVUNU");
     assert_eq!(rules.masquerade_all(), Some(false));
 }
 
@@ -77,7 +77,7 @@ fn iptables_save_format_unquoted_comments_and_other_tables() {
     let m = rules
         .lookup(ep("10.96.0.1:443"), "tcp", Some(ep("172.18.0.2:6443")))
         .unwrap();
-    assert_eq!(m.service, "default/kubernetes:https");
+    assert_eq!(&*m.service, "default/kubernetes:https");
     assert_eq!(m.sep_chain.as_deref(), Some("KUBE-SEP-ABC"));
     assert_eq!(m.hairpin_masq, Some(false));
 }
@@ -113,7 +113,7 @@ fn whole_dump_gives_services_from_nat_and_rejects_from_filter() {
     let rules = parse_save(LAB_NODE);
     assert_eq!(rules.mode, ProxyMode::Iptables);
     assert_eq!(rules.services.len(), 1, "{rules:?}");
-    assert_eq!(rules.services[0].name, "default/web:http");
+    assert_eq!(&*rules.services[0].name, "default/web:http");
     assert_eq!(rules.no_endpoints.len(), 1, "{rules:?}");
     let r = rules
         .no_endpoints_for(ep("100.67.30.140:80"), "tcp")
@@ -217,12 +217,12 @@ fn ip6tables_save_names_ipv6_services_and_chains() {
             Some(ep("[fd00:10:244:36::f7]:80")),
         )
         .unwrap();
-    assert_eq!(m.service, "default/web:http");
-    assert_eq!(m.svc_chain, "KUBE-SVC-CDGGSHYLG3RE2FKL");
+    assert_eq!(&*m.service, "default/web:http");
+    assert_eq!(&*m.svc_chain, "KUBE-SVC-CDGGSHYLG3RE2FKL");
     assert_eq!(m.sep_chain.as_deref(), Some("KUBE-SEP-5TM52U3QQ5FLZKAS"));
     assert_eq!(m.hairpin_masq, Some(true));
     let dns = rules.lookup(ep("[fd00:10:96::a]:53"), "udp", None).unwrap();
-    assert_eq!(dns.service, "kube-system/kube-dns:dns");
+    assert_eq!(&*dns.service, "kube-system/kube-dns:dns");
     assert_eq!(rules.cluster_cidr, None);
     assert_eq!(rules.masquerade_all(), Some(false));
     // The IPv4 address with the same low bits is another Service.
@@ -282,7 +282,7 @@ fn unnamed_service_port_is_labelled_with_its_number() {
     let m = rules
         .lookup(ep("100.67.30.133:80"), "tcp", Some(ep("100.96.54.247:80")))
         .unwrap();
-    assert_eq!(m.service, "prod/export:80");
+    assert_eq!(&*m.service, "prod/export:80");
     let rejects = filter::parse_filter_rejects(&[
         "-A KUBE-SERVICES -d 100.67.40.7/32 -p tcp -m comment --comment \"prod/empty has no endpoints\" -m tcp --dport 9000 -j REJECT --reject-with icmp-port-unreachable",
     ]);

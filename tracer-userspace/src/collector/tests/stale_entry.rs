@@ -85,7 +85,7 @@ fn service_without_endpoints_now_is_a_stale_entry_too() {
             ip: svc.cluster_ip,
             port: svc.port,
             protocol: svc.proto.clone(),
-            port_name: svc.name.clone(),
+            port_name: svc.name.to_string(),
             rule: "-A KUBE-SERVICES ... -j REJECT".into(),
         });
     });

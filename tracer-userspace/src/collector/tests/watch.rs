@@ -115,7 +115,7 @@ fn all_services_follow_the_rules() {
     assert_eq!(reports.len(), 1);
     assert_eq!(reports[0].verdict, Verdict::Ok);
     assert_eq!(
-        reports[0].kube.as_ref().map(|k| k.service.as_str()),
+        reports[0].kube.as_ref().map(|k| &*k.service),
         Some("default/web:http")
     );
     // Gone again: new connections are not followed.

@@ -46,7 +46,7 @@ fn name_of(chain: &str, rules: &KubeProxyRules) -> String {
             .map(|(_, p)| p)
             == Some(part)
     }) {
-        return s.name.clone();
+        return s.name.to_string();
     }
     let mut p = part.split('/');
     match (p.next(), p.next(), p.nth(1)) {
