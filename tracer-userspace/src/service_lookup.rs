@@ -124,7 +124,12 @@ fn port_matches(rules: &KubeProxyRules, port_name: &str, want: &PortRef) -> bool
                     .services
                     .iter()
                     .map(|s| (&*s.name, s.port))
-                    .chain(rules.no_endpoints.iter().map(|r| (r.port_name.as_str(), r.port)))
+                    .chain(
+                        rules
+                            .no_endpoints
+                            .iter()
+                            .map(|r| (r.port_name.as_str(), r.port)),
+                    )
                     .any(|(name, port)| name == port_name && port == *n)
         }
     }

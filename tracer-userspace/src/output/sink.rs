@@ -41,7 +41,7 @@ pub struct Outcome {
     /// could not be read. Each was warned about once.
     pub output_lost: bool,
     /// The Services (original destinations) of every flow decided.
-    pub services_seen: std::collections::HashSet<std::net::SocketAddr>,
+    pub services_seen: std::collections::HashSet<std::net::SocketAddr, foldhash::fast::RandomState>,
     /// `--svc` targets no flow was seen to (set at the end of a live run
     /// with `--svc`, not `--all-services`).
     pub no_flow: Vec<String>,
