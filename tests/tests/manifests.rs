@@ -70,3 +70,38 @@ fn deploy_manifests_match_the_kubernetes_schemas() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The DaemonSet's container arguments are ones this build accepts: run
+/// with them and a namespace that does not exist, nattrace gets past
+/// argument parsing (clap would say "unexpected argument") to its own
+/// check of the namespace (or, not root, of root), which fails before
+/// anything is attached.
+#[test]
+fn daemonset_args_are_accepted_by_this_build() {
+    let text = std::fs::read_to_string(deploy().join("daemonset.yaml")).unwrap();
+    let mut lines = text.lines().skip_while(|l| l.trim() != "args:").skip(1);
+    let args: Vec<String> = lines
+        .by_ref()
+        .map(str::trim)
+        .filter(|l| !l.starts_with('#'))
+        .take_while(|l| l.starts_with("- "))
+        .map(|l| l.trim_start_matches("- ").trim_matches('"').to_owned())
+        .collect();
+    assert!(
+        args.iter().any(|a| a == "--all-services") && args.iter().any(|a| a == "--hide-ok"),
+        "{args:?}"
+    );
+    let out = Command::new(lab::tracer::nattrace())
+        .args(&args)
+        .args(["--netns", "/nonexistent/nattrace-manifest-check"])
+        .output()
+        .expect("running nattrace");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    // Not root: the root check comes first, also past the parsing.
+    assert!(
+        stderr.contains("no network namespace") || stderr.contains("needs root"),
+        "{args:?}: {stderr}"
+    );
+    assert!(!stderr.contains("argument"), "{args:?}: {stderr}");
+}

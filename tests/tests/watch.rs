@@ -5,7 +5,9 @@
 //! scraped, checked with `promtool check metrics` and against the flows
 //! made (N curls = N ok flows of that Service, a Service without endpoints
 //! = its cause counter); `--write` rotation keeps the right number of
-//! files, each readable by `nattrace analyze`. Needs root.
+//! files, each readable by `nattrace analyze`. The nftables-mode run is
+//! the DaemonSet's (`--hide-ok`): no line for an `ok` flow, the same
+//! counters, the failed flows printed. Needs root.
 use std::{
     collections::BTreeMap,
     io::Write as _,
@@ -134,6 +136,8 @@ fn rotated(path: &Path, i: usize) -> PathBuf {
 }
 
 fn continuous(mode: ProxyMode) {
+    // deploy/daemonset.yaml's flag, in one of the two modes.
+    let hide_ok = mode == ProxyMode::Nftables;
     let _guard = tracing_lock();
     let mut spec = presets::seed000(presets::Seed000::default())
         .service(service("api", API_IP).endpoint(BACKEND_POD, WEB_PORT))
@@ -150,7 +154,7 @@ fn continuous(mode: ProxyMode) {
     let rec = dir.join("trace.rec");
     let port = free_port();
     let keep = 3;
-    let args: Vec<String> = [
+    let mut args: Vec<String> = [
         "--all-services",
         "--rules-interval",
         "0.5",
@@ -175,6 +179,9 @@ fn continuous(mode: ProxyMode) {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    if hide_ok {
+        args.push("--hide-ok".into());
+    }
     let bin = nattrace();
     let mut tracer = Nattrace::spawn(&bin, &args, &[], false).expect("start nattrace");
     tracer
@@ -272,21 +279,51 @@ fn continuous(mode: ProxyMode) {
             .filter(|f| f["k8s_service"] == name)
             .collect::<Vec<_>>()
     };
-    assert_eq!(named("default/web:http").len(), 3, "{}", done.describe());
-    assert_eq!(named("default/api:http").len(), 2, "{}", done.describe());
-    assert_eq!(named("default/late:http").len(), 1, "{}", done.describe());
+    // With --hide-ok the ok flows are counted (metrics above, summary
+    // below) but not printed; the failed one is printed either way.
+    let shown = if hide_ok { 0 } else { 1 };
+    assert_eq!(
+        named("default/web:http").len(),
+        3 * shown,
+        "{}",
+        done.describe()
+    );
+    assert_eq!(
+        named("default/api:http").len(),
+        2 * shown,
+        "{}",
+        done.describe()
+    );
+    assert_eq!(
+        named("default/late:http").len(),
+        shown,
+        "{}",
+        done.describe()
+    );
     for f in named("default/web:http")
         .into_iter()
         .chain(named("default/late:http"))
     {
         assert_eq!(f["verdict"], "ok", "{f}");
     }
-    // The connection made after its removal is not traced.
+    let empty = named("default/empty:http");
+    assert_eq!(empty.len(), 1, "{}", done.describe());
+    assert_ne!(empty[0]["verdict"], "ok", "{}", done.describe());
+    let summary = done
+        .stdout
+        .iter()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["kind"] == "summary")
+        .unwrap_or_else(|| panic!("a summary object: {}", done.describe()));
+    assert_eq!(summary["by_verdict"]["ok"], 6, "{summary}");
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+    // The connection made after its removal is not traced: it would be a
+    // failed flow, printed whatever --hide-ok says.
     let api_flows = flows
         .iter()
         .filter(|f| f["service"] == format!("{API_IP}:{WEB_PORT}"))
         .count();
-    assert_eq!(api_flows, 2, "{}", done.describe());
+    assert_eq!(api_flows, 2 * shown, "{}", done.describe());
     let stderr = &done.stderr;
     assert!(
         stderr.contains("every Service") || stderr.contains("tracing all"),

@@ -26,6 +26,8 @@ pub struct AnalyzeOptions {
     pub format: OutputFormat,
     pub verbose: bool,
     pub text: crate::output::text::TextStyle,
+    /// `--hide-ok`.
+    pub hide_ok: bool,
     pub pcap: Option<PathBuf>,
 }
 
@@ -149,6 +151,7 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
     }
     let (reports, summary) = crate::merge::merge(&nodes);
     let mut out = Outputs::new(opts.format, opts.text, opts.verbose, Overflow::Block)
+        .map(|o| o.hide_ok(opts.hide_ok))
         .map_err(AnalyzeError::Output)?;
     if let Some(pcap) = &opts.pcap {
         out.pcap(pcap, &headers[0]).map_err(AnalyzeError::Output)?;
@@ -260,6 +263,7 @@ fn open<'a>(
 ) -> Result<&'a mut Outputs, AnalyzeError> {
     if outputs.is_none() {
         let mut out = Outputs::new(opts.format, opts.text, opts.verbose, Overflow::Block)
+            .map(|o| o.hide_ok(opts.hide_ok))
             .map_err(AnalyzeError::Output)?;
         if let Some(pcap) = &opts.pcap {
             out.pcap(pcap, header).map_err(AnalyzeError::Output)?;

@@ -71,6 +71,10 @@ struct Cli {
     #[arg(long)]
     wide: bool,
 
+    /// Print no line for an `ok` flow (it is still counted: summary, metrics, exit status).
+    #[arg(long)]
+    hide_ok: bool,
+
     /// Kernel ring-buffer size in KiB (a power of two, at least 4 KiB page).
     #[arg(long, value_name = "KIB", default_value_t = 4096, value_parser = parse_ringbuf_kib)]
     ringbuf_kib: u32,
@@ -147,6 +151,9 @@ enum Command {
         /// Text output: each flow on one line instead of a headline and indented lines.
         #[arg(long)]
         wide: bool,
+        /// Print no line for an `ok` flow (it is still counted: summary, exit status).
+        #[arg(long)]
+        hide_ok: bool,
         /// Also write the flows' packets to OUT as pcapng.
         #[arg(long, value_name = "OUT", value_parser = parse_out_path)]
         pcap: Option<PathBuf>,
@@ -422,6 +429,7 @@ fn main() -> ExitCode {
             verbose,
             color,
             wide,
+            hide_ok,
             pcap,
         }) => {
             let stdin = std::path::Path::new(nattrace::recording::STDIN);
@@ -439,6 +447,7 @@ fn main() -> ExitCode {
                     color: color_on(color),
                     wide,
                 },
+                hide_ok,
                 pcap,
             };
             let result = if files.len() > 1 {
@@ -489,6 +498,7 @@ fn main() -> ExitCode {
         reply_timeout: Duration::from_millis(cli.reply_timeout),
         format: format_of(cli.output),
         verbose: cli.verbose,
+        hide_ok: cli.hide_ok,
         text,
         ringbuf_bytes: cli.ringbuf_kib * 1024,
         backend: match cli.backend {

@@ -41,6 +41,8 @@ pub struct SessionOptions {
     pub reply_timeout: Duration,
     pub format: OutputFormat,
     pub verbose: bool,
+    /// `--hide-ok`: no line for an `ok` flow (the DaemonSet's logs).
+    pub hide_ok: bool,
     pub text: crate::output::text::TextStyle,
     pub ringbuf_bytes: u32,
     pub backend: BackendChoice,

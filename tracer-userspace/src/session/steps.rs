@@ -93,7 +93,8 @@ pub(super) fn open_outputs(
         Overflow::Drop,
         target,
     )
-    .map_err(SessionError::Output)?;
+    .map_err(SessionError::Output)?
+    .hide_ok(options.hide_ok);
     if let (Some(file), Some(path)) = (pcap_file, &options.pcap) {
         outputs
             .pcap_file(file, path, header)
