@@ -75,6 +75,10 @@ pub struct Counted {
     /// [`SCALE_SERVICES`] Service ports and [`SCALE_PODS`] pods.
     pub at_scale: Vec<(&'static str, u64)>,
     pub at_scale_total: u64,
+    /// [`STAGES`] and the total of `analyze … --hide-ok` on the same
+    /// recording: the DaemonSet's output, no line for an `ok` flow.
+    pub hide_ok: Vec<(&'static str, u64)>,
+    pub hide_ok_total: u64,
 }
 
 /// The big node of the scaled pass: what reports look up per decided flow
@@ -125,9 +129,10 @@ fn counted(ctx: &Ctx, rec: &Path, data: &Path, scaled: &Path) -> anyhow::Result<
     let done = shared::stop_nattrace_after(tracer, run.attempted)?;
     let summary = done.summary()?;
     let num = |k: &str| summary[k].as_u64().unwrap_or(0);
-    let (total_ir, stages, top_self) = count(nattrace, rec, data)?;
+    let (total_ir, stages, top_self) = count(nattrace, rec, data, &[])?;
+    let (hide_ok_total, hide_ok, _) = count(nattrace, rec, data, &["--hide-ok"])?;
     scale(rec, scaled)?;
-    let (at_scale_total, at_scale, _) = count(nattrace, scaled, data)?;
+    let (at_scale_total, at_scale, _) = count(nattrace, scaled, data, &[])?;
     let c = Counted {
         connections: run.attempted,
         flows: num("flows"),
@@ -137,6 +142,8 @@ fn counted(ctx: &Ctx, rec: &Path, data: &Path, scaled: &Path) -> anyhow::Result<
         top_self,
         at_scale,
         at_scale_total,
+        hide_ok,
+        hide_ok_total,
     };
     say(&format!(
         "callgrind: {:.0} instructions per connection ({} flows, {} events); {:.0} with {SCALE_SERVICES} Services and {SCALE_PODS} pods",
@@ -152,9 +159,14 @@ type Stages = Vec<(&'static str, u64)>;
 /// Functions by their own instructions.
 type Top = Vec<(String, u64)>;
 
-/// `nattrace analyze REC --output json` under callgrind: total Ir, the
-/// stages and the top functions by their own Ir.
-fn count(nattrace: &Path, rec: &Path, data: &Path) -> anyhow::Result<(u64, Stages, Top)> {
+/// `nattrace analyze REC --output json [extra]` under callgrind: total Ir,
+/// the stages and the top functions by their own Ir.
+fn count(
+    nattrace: &Path,
+    rec: &Path,
+    data: &Path,
+    extra: &[&str],
+) -> anyhow::Result<(u64, Stages, Top)> {
     let out = Command::new("valgrind")
         .args(["--tool=callgrind", "--quiet"])
         .arg(format!("--callgrind-out-file={}", data.display()))
@@ -162,6 +174,7 @@ fn count(nattrace: &Path, rec: &Path, data: &Path) -> anyhow::Result<(u64, Stage
         .arg("analyze")
         .arg(rec)
         .args(["--output", "json"])
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .output()
@@ -376,6 +389,12 @@ pub fn markdown(w: &mut String, c: &Counted) {
         per(live),
         100.0 * live as f64 / c.total_ir.max(1) as f64,
         per(live_scaled)
+    );
+    let hidden = c.hide_ok_total.saturating_sub(reading(&c.hide_ok));
+    let _ = writeln!(
+        w,
+        "| **the live share with `--hide-ok`** (the DaemonSet: no line for an `ok` flow) | **{:.0}** | | |",
+        per(hidden),
     );
     let list: Vec<String> = c
         .top_self
