@@ -235,6 +235,15 @@ pub fn markdown(r: &Results) -> String {
          run and results are ratios to the no-tracer median of the same run, because \
          absolute numbers on these VMs mean little.\n"
     );
+    let this_args = crate::shared::this_args();
+    if !this_args.is_empty() {
+        let _ = writeln!(
+            w,
+            "**The build under test ran with `{}`** in the connection runs and their profile \
+             (`NATTRACE_BENCH_THIS_ARGS`); the baseline build with the defaults.\n",
+            this_args.join(" ")
+        );
+    }
     let _ = writeln!(w, "## Machine\n\n| | |\n|---|---|");
     for (k, v) in &r.machine {
         let _ = writeln!(w, "| {k} | {v} |");

@@ -372,7 +372,9 @@ fn conn(ctx: &Ctx, loads: &mut Vec<f64>) -> anyhow::Result<ConnResults> {
     for r in 0..ctx.opts.runs {
         loads.push(load1());
         let plain = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load)?;
-        let (tracer, _) = shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[svc], &[])?;
+        let this_args = shared::this_args();
+        let this_args: Vec<&str> = this_args.iter().map(String::as_str).collect();
+        let (tracer, _) = shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[svc], &this_args)?;
         let traced = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load)?;
         let done = shared::stop_nattrace_after(tracer, traced.attempted)?;
         let check = shared::count_check(&done, &ctx.addrs, &traced, true);
