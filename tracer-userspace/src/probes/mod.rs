@@ -616,6 +616,10 @@ impl Tracer {
     /// background: its interfaces are not uncovered, only not done yet.
     /// `look`: also start the next look at new pods' namespaces.
     fn check_receive(&mut self, look: bool) -> Option<String> {
+        // Called every tick: once attached, not even the interface scan.
+        if !self.receive.wanted() {
+            return None;
+        }
         let in_node = if self.tc.pending_count() == 0 {
             self.facts
                 .interfaces

@@ -105,6 +105,12 @@ impl Receive {
         None
     }
 
+    /// Whether the program still waits to be attached (else there is
+    /// nothing to check).
+    pub fn wanted(&self) -> bool {
+        self.pending.is_some()
+    }
+
     /// The program is attached (or failed to): nothing more to look at.
     pub fn done(&mut self) {
         self.pending = None;

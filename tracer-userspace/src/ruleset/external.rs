@@ -321,10 +321,11 @@ pub(super) fn from_nat(lines: &[&str], rules: &mut KubeProxyRules) {
                     continue;
                 };
                 // The name is the Service's (port label from its ClusterIP rule).
+                let svc_chain = jump.replacen("KUBE-EXT-", "KUBE-SVC-", 1);
                 let name = rules
                     .services
                     .iter()
-                    .find(|s| *s.chain == *jump.replacen("KUBE-EXT-", "KUBE-SVC-", 1))
+                    .find(|s| *s.chain == *svc_chain)
                     .map_or_else(|| port_label(comment, 0), |s| s.name.to_string());
                 ns.external.push(ExternalRule {
                     name,

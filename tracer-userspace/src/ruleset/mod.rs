@@ -93,7 +93,7 @@ pub struct ServiceIndex {
     /// (cluster IP, port) → positions in `services`, in order.
     by_port: HashMap<(IpAddr, u16), Vec<u32>, foldhash::fast::RandomState>,
     /// Service port name → positions, in order.
-    by_name: HashMap<String, Vec<u32>, foldhash::fast::RandomState>,
+    by_name: HashMap<Arc<str>, Vec<u32>, foldhash::fast::RandomState>,
 }
 
 impl ServiceIndex {
@@ -106,7 +106,7 @@ impl ServiceIndex {
                 .entry((s.cluster_ip, s.port))
                 .or_default()
                 .push(i);
-            index.by_name.entry(s.name.to_string()).or_default().push(i);
+            index.by_name.entry(s.name.clone()).or_default().push(i);
         }
         index
     }
@@ -156,7 +156,7 @@ impl<'a> IndexedRules<'a> {
                     .find(service.ip(), service.port(), proto)?;
                 self.index
                     .by_name
-                    .get(&ext.name)?
+                    .get(ext.name.as_str())?
                     .iter()
                     .map(at)
                     .find(|s| s.same_port_name(ext, proto))
