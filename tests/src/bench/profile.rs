@@ -47,6 +47,9 @@ pub struct Profile {
     /// The tracer's own CPU ms by stage ([`STAGES`]) and by leaf symbol.
     pub tracer_stages: BTreeMap<&'static str, f64>,
     pub tracer_syms: BTreeMap<String, f64>,
+    /// Softirq work sampled on the tracer's threads: not its own (see
+    /// [`summarize`]), shown beside its stages.
+    pub tracer_softirq_ms: f64,
 }
 
 impl Profile {
@@ -55,6 +58,7 @@ impl Profile {
         self.work += o.work;
         self.busy_ms += o.busy_ms;
         self.softirq_ms += o.softirq_ms;
+        self.tracer_softirq_ms += o.tracer_softirq_ms;
         for (k, v) in o.buckets {
             *self.buckets.entry(k).or_default() += v;
         }
@@ -344,7 +348,18 @@ pub fn summarize(
             continue;
         }
         let softirq = !parent.contains("[other]");
-        let b = bucket((tid, comm), sym, user, softirq, tracer);
+        // A softirq runs on whatever task it interrupted or that
+        // re-enabled bottom halves (kernel/softirq.c: irq_exit_rcu ->
+        // invoke_softirq, __local_bh_enable_ip -> do_softirq), and perf
+        // charges it to that task. On the tracer's threads that is the
+        // workload's packets (and their BPF programs, already counted by
+        // BPF_ENABLE_STATS), not the tracer's work.
+        let b = if softirq && tracer.contains(&tid) {
+            p.tracer_softirq_ms += n * ms;
+            bucket((tid, comm), sym, user, softirq, &HashSet::new())
+        } else {
+            bucket((tid, comm), sym, user, softirq, tracer)
+        };
         *p.buckets.entry(b).or_default() += n * ms;
         if b == BUCKETS[5] {
             *p.tracer_stages.entry(stage(sym, user)).or_default() += n * ms;
@@ -464,6 +479,13 @@ fn tracer_stages(w: &mut String, traced: &[Profile], unit: &str) {
     for t in &traced {
         let all: f64 = t.tracer_stages.values().sum();
         let _ = write!(w, " **{:.2}** |", us(t, all));
+    }
+    let _ = write!(
+        w,
+        "\n| not counted above: softirqs sampled on its threads (the workload's packets) |"
+    );
+    for t in &traced {
+        let _ = write!(w, " {:.2} |", us(t, t.tracer_softirq_ms));
     }
     let _ = writeln!(w);
     for t in &traced {
