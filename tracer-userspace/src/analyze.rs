@@ -8,6 +8,7 @@ use std::{
 };
 
 use crate::{
+    collector::CollectorConfig,
     output::{
         files::{Named, check_distinct},
         queue::Overflow,
@@ -182,7 +183,10 @@ pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
 /// One node's run: one file, or a rotation's files in order.
 fn run_one(opts: &AnalyzeOptions, mut run: Run) -> Result<Outcome, AnalyzeError> {
     let header = run.header.clone();
-    let config = header.collector_config()?;
+    let config = CollectorConfig {
+        lean_ok: opts.hide_ok && opts.pcap.is_none(),
+        ..header.collector_config()?
+    };
     if run.paths.len() > 1 {
         crate::output::clean::say(format_args!(
             "reading {} as one rotated recording (run {})",

@@ -56,6 +56,8 @@ pub(crate) struct ReportCtx<'a> {
     pub reply_timeout_ns: u64,
     pub kube: crate::ruleset::IndexedRules<'a>,
     pub pods: &'a PodNames,
+    /// `ok` reports are counted, never printed ([`super::CollectorConfig::lean_ok`]).
+    pub lean_ok: bool,
 }
 
 impl ReportCtx<'_> {

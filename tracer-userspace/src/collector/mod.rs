@@ -57,7 +57,7 @@ use self::{
     ifnames::IfNames,
     report::{Decision, ReportCtx},
     store::{FlowRef, PairIndex, Slots},
-    types::{PacketKey, PairKey},
+    types::{PacketKey, PairKey, in_node},
 };
 use crate::{
     facts::NodeFacts,
@@ -104,6 +104,12 @@ pub struct CollectorConfig {
     /// When every program was attached (event clock): a flow whose first
     /// event is older may have passed hooks not attached yet.
     pub traced_since_ns: u64,
+    /// `ok` reports carry only what the summary, the metrics and the exit
+    /// status read: no hops, attempts, detail sentence or backend pod. For
+    /// a run whose outputs print no `ok` flow (`--hide-ok` without a
+    /// pcapng, whose comments quote the hops); every other verdict, and an
+    /// established flow's later report, is built whole.
+    pub lean_ok: bool,
 }
 
 impl Default for CollectorConfig {
@@ -123,6 +129,7 @@ impl Default for CollectorConfig {
             kube_proxy: KubeProxyRules::default(),
             all_services: false,
             traced_since_ns: 0,
+            lean_ok: false,
         }
     }
 }
@@ -1032,6 +1039,7 @@ impl Collector {
                 index: &self.kube_index,
             },
             pods: &self.pod_names,
+            lean_ok: self.cfg.lean_ok,
         }
     }
 
@@ -1098,7 +1106,9 @@ impl Collector {
         let report = report::build(flow, &self.report_ctx(), decision);
         if report.verdict == Verdict::Ok {
             let proto = flow.proto;
-            for ep in std::iter::once(flow.client).chain(flow.snat) {
+            let client =
+                (!muted_by_kernel(flow, self.cfg.facts.netns_inode)).then_some(flow.client);
+            for ep in client.into_iter().chain(flow.snat) {
                 self.mute.push(EndpointKey {
                     addr: crate::service::kernel_addr(ep.addr),
                     port: ep.port,
@@ -1187,4 +1197,21 @@ impl Collector {
         let horizon = self.horizon;
         self.skbs.retain(|_, e| e.ts + gap >= horizon);
     }
+}
+
+/// The kernel mutes the client's endpoint itself when the reverse-NATed
+/// reply reaches the client's namespace (tracer-ebpf/src/filter.rs,
+/// `Fate::Healthy`), so a mute from userspace would be a map lookup
+/// syscall per healthy connection for nothing. Only clients the kernel
+/// cannot see receive (a process of the node, another node's pod) and
+/// the SNAT address are muted from here.
+fn muted_by_kernel(flow: &Flow, node_netns: u32) -> bool {
+    flow.client_reply.is_some_and(|r| {
+        r.reverse_nated
+            && flow.packet_obs(r.packet).any(|o| {
+                o.hook == tracer_common::hook::DEV_RX
+                    && !in_node(o.netns, node_netns)
+                    && o.src == flow.service
+            })
+    })
 }

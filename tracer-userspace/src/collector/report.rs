@@ -154,14 +154,26 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
     let backend = answered_by
         .or(flow.backend)
         .or(reply_src.filter(|_| verdict == Verdict::ReplyNotReverseNated));
-    let detail = detail(flow, ctx, verdict, cause.as_ref(), drop, d);
+    // An `ok` report no output prints is only counted (summary, metrics):
+    // its sentence, attempts and hops were half of a healthy connection's
+    // cost in the collector (counted with callgrind, BENCHMARKS.md).
+    let lean = ctx.lean_ok && verdict == Verdict::Ok;
+    let detail = if lean {
+        String::new()
+    } else {
+        detail(flow, ctx, verdict, cause.as_ref(), drop, d)
+    };
     let proto = Proto::from_raw(flow.proto).unwrap_or(Proto::Tcp);
     let kube = ctx.kube.lookup(
         flow.service.socket_addr(),
         proto.as_str(),
         backend.map(|b| b.socket_addr()),
     );
-    let attempts = attempts(flow, ctx, proto, (backend, kube.as_ref()));
+    let attempts = if lean {
+        Vec::new()
+    } else {
+        attempts(flow, ctx, proto, (backend, kube.as_ref()))
+    };
     let k8s_service = kube.as_ref().map(|k| k.service.clone()).or_else(|| {
         ctx.kube
             .no_endpoints_for(flow.service.socket_addr(), proto.as_str())
@@ -182,6 +194,7 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
             .pod_of(flow.client.addr)
             .map(|n| n.as_str().to_owned()),
         backend_pod: backend
+            .filter(|_| !lean)
             .and_then(|b| ctx.pods.pod_of(b.addr))
             .map(|n| n.as_str().to_owned()),
         cause,
@@ -192,10 +205,18 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         first_ts_ns: flow.first_ts,
         decided_ts_ns: d.decided_ts,
         attempts,
-        packets: evidence(flow, ctx),
+        packets: if lean {
+            Vec::new()
+        } else {
+            evidence(flow, ctx)
+        },
         phase: Phase::Opening,
         established: None,
-        icmp_errors: super::icmp::errors(flow, ctx),
+        icmp_errors: if lean {
+            Vec::new()
+        } else {
+            super::icmp::errors(flow, ctx)
+        },
     }
 }
 

@@ -16,7 +16,7 @@ use super::{
     watch::{NetnsWatch, Notices},
 };
 use crate::{
-    collector::Collector,
+    collector::{Collector, CollectorConfig},
     continuous::Continuous,
     output::sink::{Outcome, Outputs},
     probes::{TraceOptions, Tracer, ifnames::IfNameResolver},
@@ -93,7 +93,10 @@ impl Live {
         let (mut recorder, outputs) =
             open_outputs(options, &header, record_file, pcap_file, status.bar())?;
         timing::mark("start line queued");
-        let mut collector = Collector::new(header.collector_config()?);
+        let mut collector = Collector::new(CollectorConfig {
+            lean_ok: options.hide_ok && options.pcap.is_none(),
+            ..header.collector_config()?
+        });
         let roots = crate::pods::scan::Roots::node(options.host_root.as_deref());
         let socket = options
             .cri_socket
