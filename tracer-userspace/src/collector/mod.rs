@@ -191,7 +191,7 @@ pub struct Collector {
     held_due_q: VecDeque<(u64, FlowRef)>,
     /// Flows the kernel held, by (proto, client): held events arrive late,
     /// when their skb entry is gone and a DNATed one matches no pair yet.
-    held_by_client: HashMap<(u8, Endpoint), FlowRef>,
+    held_by_client: HashMap<(u8, Endpoint), FlowRef, foldhash::fast::RandomState>,
     /// Established flows that failed the watch, by decision time: decided
     /// at a tick only, after the session re-read the node's sysctls.
     watch_q: VecDeque<(u64, FlowRef)>,
@@ -267,7 +267,7 @@ impl Collector {
             hold_q: BinaryHeap::new(),
             age_q: VecDeque::new(),
             held_due_q: VecDeque::new(),
-            held_by_client: HashMap::new(),
+            held_by_client: HashMap::default(),
             watch_q: VecDeque::new(),
             sysctls_wanted: false,
             rules_wanted: false,
@@ -647,8 +647,7 @@ impl Collector {
                 self.summary.incomplete_flows += 1;
             }
         }
-        out.sort_by_key(|r| r.first_ts_ns);
-        out
+        by_first_ts(out)
     }
 
     fn release(&mut self, upto: u64) {
@@ -1214,4 +1213,25 @@ fn muted_by_kernel(flow: &Flow, node_netns: u32) -> bool {
                     && o.src == flow.service
             })
     })
+}
+
+/// Reports in the order their flows began, as a stable sort would leave
+/// them. A report is several hundred bytes: sorting them in place moved
+/// each one log n times (~950 instructions per healthy connection,
+/// callgrind); here each moves once, after sorting (time, index) pairs.
+fn by_first_ts(reports: Vec<FlowReport>) -> Vec<FlowReport> {
+    if reports.is_sorted_by_key(|r| r.first_ts_ns) {
+        return reports;
+    }
+    let mut order: Vec<(u64, u32)> = reports
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.first_ts_ns, i as u32))
+        .collect();
+    order.sort_unstable();
+    let mut slots: Vec<Option<FlowReport>> = reports.into_iter().map(Some).collect();
+    order
+        .iter()
+        .filter_map(|&(_, i)| slots[i as usize].take())
+        .collect()
 }

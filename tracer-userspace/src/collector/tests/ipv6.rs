@@ -121,10 +121,9 @@ fn seed000_over_ipv6_names_the_un_reverse_nated_reply_in_brackets() {
     // Muting goes back to the kernel in its key form (a client whose
     // receive the kernel did not see: it mutes the others itself).
     let mut c = Collector::new(config_v6(Some(true)));
-    for ev in to_v6(&seed000_same_node(true))
-        .into_iter()
-        .filter(|e| !(e.direction == tracer_common::direction::REPLY && e.hook == tracer_common::hook::DEV_RX))
-    {
+    for ev in to_v6(&seed000_same_node(true)).into_iter().filter(|e| {
+        !(e.direction == tracer_common::direction::REPLY && e.hook == tracer_common::hook::DEV_RX)
+    }) {
         c.push(ev);
     }
     let _ = c.tick(T0 + 10_000 * MS);

@@ -25,8 +25,20 @@ fn decide(path: &std::path::Path, lean_ok: bool) -> Vec<FlowReport> {
 fn counted(r: &FlowReport) -> impl PartialEq + std::fmt::Debug + '_ {
     (
         (r.verdict, r.proto, r.client, r.service, r.backend, r.snat),
-        (&r.k8s_service, &r.client_pod, &r.cause, r.phase, r.incomplete),
-        (r.hairpin, &r.kube, r.opening_seen, r.first_ts_ns, r.decided_ts_ns),
+        (
+            &r.k8s_service,
+            &r.client_pod,
+            &r.cause,
+            r.phase,
+            r.incomplete,
+        ),
+        (
+            r.hairpin,
+            &r.kube,
+            r.opening_seen,
+            r.first_ts_ns,
+            r.decided_ts_ns,
+        ),
     )
 }
 
