@@ -47,8 +47,13 @@ use crate::{
 const SAY_TRACEPOINTS_FROM: usize = 64;
 
 /// How often the reader looks at the ring buffer when the kernel did not wake
-/// it: well inside the collector's 20 ms reorder window.
-const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
+/// it. Each look is a timer, an epoll wait and a context switch: at 10 ms
+/// those were ~0.6 µs of a healthy connection's ~3.8 in the tracer process
+/// (BENCHMARKS.md). The collector's reorder window does not depend on it: the
+/// ring is read in reservation order and an event's time is taken after its
+/// reservation, so a longer batch holds no older event than a shorter one.
+/// A filling buffer still wakes the reader at once (tracer-ebpf emit.rs).
+const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// The kernel object built by build.rs (aya-build).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer"));
