@@ -26,6 +26,7 @@ fn under<R>(
         Cond::Other | Cond::This | Cond::OtherBaseline | Cond::ThisBaseline => {
             let this_args = match cond {
                 Cond::This => shared::this_args(),
+                Cond::ThisBaseline => shared::baseline_args(),
                 _ => Vec::new(),
             };
             let this_args: Vec<&str> = this_args.iter().map(String::as_str).collect();

@@ -236,12 +236,19 @@ pub fn markdown(r: &Results) -> String {
          absolute numbers on these VMs mean little.\n"
     );
     let this_args = crate::shared::this_args();
-    if !this_args.is_empty() {
+    let base_args = crate::shared::baseline_args();
+    if !this_args.is_empty() || !base_args.is_empty() {
+        let shown = |a: &[String]| match a {
+            [] => "the defaults".to_string(),
+            a => format!("`{}`", a.join(" ")),
+        };
         let _ = writeln!(
             w,
-            "**The build under test ran with `{}`** in the connection runs and their profile \
-             (`NATTRACE_BENCH_THIS_ARGS`); the baseline build with the defaults.\n",
-            this_args.join(" ")
+            "**The build under test ran with {}** in the connection runs and their profile \
+             (`NATTRACE_BENCH_THIS_ARGS`); the baseline build with {} \
+             (`NATTRACE_BENCH_BASELINE_ARGS`).\n",
+            shown(&this_args),
+            shown(&base_args)
         );
     }
     let _ = writeln!(w, "## Machine\n\n| | |\n|---|---|");

@@ -186,9 +186,28 @@ pub fn run_client(
 /// DaemonSet's output); the baseline build keeps the defaults, so
 /// `--baseline HEAD` times one flag against the same code.
 pub fn this_args() -> Vec<String> {
-    std::env::var("NATTRACE_BENCH_THIS_ARGS")
+    args_of("NATTRACE_BENCH_THIS_ARGS")
+}
+
+/// `NATTRACE_BENCH_BASELINE_ARGS`: the same for the baseline build, so two
+/// builds are timed in one mode (e.g. both with `--hide-ok`).
+pub fn baseline_args() -> Vec<String> {
+    args_of("NATTRACE_BENCH_BASELINE_ARGS")
+}
+
+fn args_of(var: &str) -> Vec<String> {
+    std::env::var(var)
         .map(|a| a.split_whitespace().map(str::to_owned).collect())
         .unwrap_or_default()
+}
+
+/// Either build prints no `ok` flow line: runs stop on SIGUSR1 and the
+/// count check reads the summary when there are no lines.
+fn hides_ok() -> bool {
+    this_args()
+        .iter()
+        .chain(&baseline_args())
+        .any(|a| a == "--hide-ok")
 }
 
 pub fn start_nattrace(
@@ -235,7 +254,7 @@ pub fn start_nattrace(
 /// then, whatever the machine's load. Fewer are said on stderr; the count
 /// check names what is missing.
 pub fn stop_nattrace_after(mut tracer: Nattrace, flows: u64) -> anyhow::Result<Finished> {
-    if this_args().iter().any(|a| a == "--hide-ok") {
+    if hides_ok() {
         // The build under test prints no flow line to wait for: SIGUSR1
         // stops a tracer once every flow it saw has its verdict (README),
         // which the summary then counts. The baseline is stopped alike.
@@ -300,7 +319,7 @@ pub fn count_check(done: &Finished, addrs: &Addrs, run: &ClientRun, expect_ok: b
         }
     }
     let num = |k: &str| summary[k].as_u64().unwrap_or(0);
-    if c.flows == 0 && this_args().iter().any(|a| a == "--hide-ok") {
+    if c.flows == 0 && hides_ok() {
         // No line for an ok flow: the summary counts them (the lab traces
         // this one Service).
         c.flows = num("flows");

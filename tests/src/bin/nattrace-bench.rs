@@ -379,7 +379,9 @@ fn conn(ctx: &Ctx, loads: &mut Vec<f64>) -> anyhow::Result<ConnResults> {
         let done = shared::stop_nattrace_after(tracer, traced.attempted)?;
         let check = shared::count_check(&done, &ctx.addrs, &traced, true);
         if let Some((bin, _)) = &ctx.opts.baseline {
-            let (tracer, _) = shared::start_nattrace(bin, ctx.lab, &[svc], &[])?;
+            let base_args = shared::baseline_args();
+            let base_args: Vec<&str> = base_args.iter().map(String::as_str).collect();
+            let (tracer, _) = shared::start_nattrace(bin, ctx.lab, &[svc], &base_args)?;
             let run = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load)?;
             let done = shared::stop_nattrace_after(tracer, run.attempted)?;
             let check = shared::count_check(&done, &ctx.addrs, &run, true);
