@@ -32,6 +32,7 @@ pub mod kubelet;
 mod lab;
 mod netns;
 pub mod presets;
+mod scratch;
 mod servers;
 mod spec;
 mod topology;
@@ -49,6 +50,7 @@ pub use cidr::{Ipv4Cidr, Ipv6Cidr, cidr};
 pub use error::{LabError, Result};
 pub use lab::{EXEC_TIMEOUT, Lab};
 pub use netns::{NAME_PREFIX, NETNS_DIR, Netns, cleanup_stale};
+pub use scratch::Scratch;
 pub use servers::{LAB_SERVER_ENV, lab_server_path};
 pub use spec::{
     CniChains, Datapath, EndpointSpec, ExternalSpec, IptablesBackend, KubeProxyConfig, LabSpec,

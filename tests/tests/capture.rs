@@ -3,7 +3,7 @@
 //! cleanup of what a killed nattrace leaves attached. Root tests are
 //! prefixed `root_`; without root they print why they are skipped and pass.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -31,12 +31,6 @@ fn seed000(bridge_nf_call_iptables: bool) -> Lab {
         bridge_nf_call_iptables,
         backend: Backend::SameNode,
     }))
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("nattrace-capture-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir.join(name)
 }
 
 fn node_path(lab: &Lab) -> String {
@@ -143,9 +137,14 @@ fn trace_seed000(lab: &Lab, ports: &[u16], extra: &[&str]) -> Finished {
 
 #[test]
 fn root_live_json_equals_analyze_json_and_pcapng_reads_in_tshark() {
+    let scratch = lab::Scratch::new("capture");
     require_root!();
     let lab = seed000(false);
-    let (rec, live_pcap, offline_pcap) = (tmp("seed.rec"), tmp("live.pcapng"), tmp("off.pcapng"));
+    let (rec, live_pcap, offline_pcap) = (
+        scratch.path("seed.rec"),
+        scratch.path("live.pcapng"),
+        scratch.path("off.pcapng"),
+    );
     let ports: Vec<u16> = (46000..46004).collect();
     let _lock = tracing_lock();
     let done = trace_seed000(
@@ -275,9 +274,10 @@ fn tshark(file: &Path, fields: &[&str]) -> Vec<Vec<String>> {
 
 #[test]
 fn root_sigkill_mid_run_then_analyze_keeps_completed_flows() {
+    let scratch = lab::Scratch::new("capture");
     require_root!();
     let lab = seed000(false);
-    let rec = tmp("killed.rec");
+    let rec = scratch.path("killed.rec");
     let ports: Vec<u16> = (46100..46104).collect();
     let _lock = tracing_lock();
     let mut t = start(&args(&lab, &["--write", rec.to_str().unwrap()]), &[]);
@@ -512,9 +512,10 @@ fn root_cleanup_after_sigkill_removes_only_nattrace_filters() {
 
 #[test]
 fn root_analyze_skips_corrupt_lines_and_refuses_a_file_without_events() {
+    let scratch = lab::Scratch::new("capture");
     require_root!();
     let lab = seed000(false);
-    let rec = tmp("corrupt-source.rec");
+    let rec = scratch.path("corrupt-source.rec");
     let ports: Vec<u16> = (46200..46203).collect();
     {
         let _lock = tracing_lock();
@@ -540,7 +541,7 @@ fn root_analyze_skips_corrupt_lines_and_refuses_a_file_without_events() {
     corrupt.extend(std::iter::repeat_n(0u8, 4096));
     corrupt.extend_from_slice(b"\n{\"kind\":\"event\",\"ts_ns\":\"noon\",\"skb\":[]}\n");
     corrupt.extend_from_slice(&bytes[mid + 1..]);
-    let corrupt_path = tmp("corrupt.rec");
+    let corrupt_path = scratch.path("corrupt.rec");
     std::fs::write(&corrupt_path, &corrupt).unwrap();
     let out = analyze(&corrupt_path, &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -567,7 +568,7 @@ fn root_analyze_skips_corrupt_lines_and_refuses_a_file_without_events() {
     for _ in 0..5 {
         junk.extend_from_slice(b"{\"kind\":\"event\",\"ts_ns\":\"noon\"}\n");
     }
-    let junk_path = tmp("no-events.rec");
+    let junk_path = scratch.path("no-events.rec");
     std::fs::write(&junk_path, &junk).unwrap();
     let out = analyze(&junk_path, &[]);
     assert_one_line_exit_2(&out, "holds no readable event");
@@ -587,6 +588,7 @@ fn assert_one_line_exit_2(out: &Output, mention: &str) {
 
 #[test]
 fn bad_capture_arguments_are_one_line_and_exit_2() {
+    let scratch = lab::Scratch::new("capture");
     let svc = ["--svc", "100.67.30.133:80"];
     let cases: &[(&[&str], &str)] = &[
         (&["--write", "/nonexistent-dir/x.rec"], "/nonexistent-dir"),
@@ -599,7 +601,7 @@ fn bad_capture_arguments_are_one_line_and_exit_2() {
         assert_one_line_exit_2(&run(&[&svc[..], extra].concat()), mention);
     }
     assert_one_line_exit_2(&run(&["analyze", "/nonexistent.rec"]), "/nonexistent.rec");
-    let junk = tmp("junk.rec");
+    let junk = scratch.path("junk.rec");
     std::fs::write(&junk, "hello\n").unwrap();
     assert_one_line_exit_2(
         &run(&["analyze", junk.to_str().unwrap()]),
@@ -607,7 +609,7 @@ fn bad_capture_arguments_are_one_line_and_exit_2() {
     );
     assert_one_line_exit_2(&run(&["analyze", "/tmp"]), "/tmp");
     // Binary data, a gzip of a recording, an empty file.
-    let binary = tmp("binary.rec");
+    let binary = scratch.path("binary.rec");
     let mut bytes: Vec<u8> = (0..=255u8).cycle().take(100_000).collect();
     bytes[0] = 0x7f;
     std::fs::write(&binary, &bytes).unwrap();
@@ -615,7 +617,7 @@ fn bad_capture_arguments_are_one_line_and_exit_2() {
         &run(&["analyze", binary.to_str().unwrap()]),
         "not a nattrace recording",
     );
-    let gz = tmp("rec.gz");
+    let gz = scratch.path("rec.gz");
     std::fs::write(
         &gz,
         [0x1f, 0x8b, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x03],
@@ -625,7 +627,7 @@ fn bad_capture_arguments_are_one_line_and_exit_2() {
         &run(&["analyze", gz.to_str().unwrap()]),
         "not a nattrace recording",
     );
-    let empty = tmp("empty.rec");
+    let empty = scratch.path("empty.rec");
     std::fs::write(&empty, b"").unwrap();
     assert_one_line_exit_2(
         &run(&["analyze", empty.to_str().unwrap()]),

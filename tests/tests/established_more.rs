@@ -11,7 +11,7 @@
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     net::Ipv4Addr,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, ChildStdin, Command, Stdio},
     sync::mpsc::{Receiver, channel},
     time::Duration,
@@ -183,10 +183,6 @@ fn start(lab: &Lab, record: &Path) -> Nattrace {
     t
 }
 
-fn record_path(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("nattrace-{name}-{}.rec", std::process::id()))
-}
-
 fn client_port(f: &Value) -> u16 {
     f["client"]
         .as_str()
@@ -305,7 +301,8 @@ fn node_veth(lab: &Lab, pod: &str) -> String {
 fn backend_gone_mid_flow(mode: ProxyMode) {
     let _lock = tracing_lock();
     let lab = lab(mode);
-    let record = record_path("backend-gone");
+    let scratch = lab::Scratch::new("established");
+    let record = scratch.path("backend-gone.rec");
     let mut t = start(&lab, &record);
     let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
     let mut healthy = Writer::open(&lab, REMOTE_SERVICE_IP, HEALTHY_PORT);
@@ -334,7 +331,6 @@ fn backend_gone_mid_flow(mode: ProxyMode) {
         flow["established"]["good_replies"].as_u64().unwrap_or(0) >= 4,
         "the 4 echoes before were good: {flow}"
     );
-    let _ = std::fs::remove_file(&record);
 }
 
 both_modes!(
@@ -353,7 +349,8 @@ both_modes!(
 fn stale_tcp_entry_mid_flow(mode: ProxyMode) {
     let _lock = tracing_lock();
     let mut lab = lab(mode);
-    let record = record_path("stale-tcp");
+    let scratch = lab::Scratch::new("established");
+    let record = scratch.path("stale-tcp.rec");
     let mut t = start(&lab, &record);
     let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
     let mut healthy = Writer::open(&lab, REMOTE_SERVICE_IP, HEALTHY_PORT);
@@ -415,7 +412,6 @@ fn stale_tcp_entry_mid_flow(mode: ProxyMode) {
         std::fs::copy(&record, std::path::Path::new(&dir).join(name))
             .expect("keeping the recording");
     }
-    let _ = std::fs::remove_file(&record);
 }
 
 both_modes!(
@@ -441,7 +437,8 @@ fn backend_restarted_mid_flow(mode: ProxyMode, crashed: bool) {
 fn backend_restarted_on(mode: ProxyMode, crashed: bool, datapath: Datapath) {
     let _lock = tracing_lock();
     let lab = lab_on(mode, datapath);
-    let record = record_path("backend-restarted");
+    let scratch = lab::Scratch::new("established");
+    let record = scratch.path("backend-restarted.rec");
     let mut t = start(&lab, &record);
     let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
     let mut twins: Vec<Writer> = TWINS
@@ -511,7 +508,6 @@ fn backend_restarted_on(mode: ProxyMode, crashed: bool, datapath: Datapath) {
         flow["established"]["good_replies"].as_u64().unwrap_or(0) >= 3,
         "the 3 echoes before were good: {flow}"
     );
-    let _ = std::fs::remove_file(&record);
 }
 
 fn backend_restarted(mode: ProxyMode) {
@@ -542,7 +538,8 @@ fn policy_drop_mid_flow(mode: ProxyMode) {
 fn policy_drop_on(mode: ProxyMode, datapath: Datapath) {
     let _lock = tracing_lock();
     let lab = lab_on(mode, datapath);
-    let record = record_path("policy-drop");
+    let scratch = lab::Scratch::new("established");
+    let record = scratch.path("policy-drop.rec");
     let mut t = start(&lab, &record);
     let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
     let mut healthy = Writer::open(&lab, WEB_SERVICE_IP, HEALTHY_PORT);
@@ -603,7 +600,6 @@ fn policy_drop_on(mode: ProxyMode, datapath: Datapath) {
         text.contains(&format!("`{rule}`")) && text.contains(chain),
         "the rule named as written ({rule}): {text}"
     );
-    let _ = std::fs::remove_file(&record);
 }
 
 both_modes!(
@@ -662,7 +658,8 @@ fn udp_later_exchange_fails(mode: ProxyMode) {
     );
     spec.kube_proxy.mode = mode;
     let lab = build_lab(spec);
-    let record = record_path("udp-later");
+    let scratch = lab::Scratch::new("established");
+    let record = scratch.path("udp-later.rec");
     let node = lab.node_netns(NODE_A).expect("node-a").path();
     let args: Vec<String> = [
         "--svc",
@@ -781,7 +778,6 @@ fn udp_later_exchange_fails(mode: ProxyMode) {
     a.sort_by_key(|k| format!("{k:?}"));
     b.sort_by_key(|k| format!("{k:?}"));
     assert_eq!(a, b, "live == analyze");
-    let _ = std::fs::remove_file(&record);
 }
 
 both_modes!(
@@ -806,7 +802,8 @@ fn unseen_flows_are_watched(mode: ProxyMode) {
     broken.exchange(2);
     healthy.exchange(2);
     idle.exchange(2);
-    let record = record_path("unseen");
+    let scratch = lab::Scratch::new("established");
+    let record = scratch.path("unseen.rec");
     let mut t = start(&lab, &record);
     broken.exchange(3);
     healthy.exchange(3);
@@ -858,7 +855,6 @@ fn unseen_flows_are_watched(mode: ProxyMode) {
         done.describe()
     );
     assert_eq!(idle.send("still"), "echo still", "the idle one was fine");
-    let _ = std::fs::remove_file(&record);
 }
 
 both_modes!(

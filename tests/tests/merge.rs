@@ -9,7 +9,7 @@
 //! `NATTRACE_WRITE_FIXTURE=1` also copies the vxlan run's three recordings to
 //! `tracer-userspace/fixtures/merge/` (the merge unit tests' input).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -100,14 +100,6 @@ fn analyze(args: &[&str]) -> std::process::Output {
         .expect("running nattrace analyze")
 }
 
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// The three recordings of one run: node-b, node-a by the cluster IP,
 /// node-a by the backend's address.
 struct Recordings {
@@ -128,10 +120,9 @@ fn root_merge_seed003_recordings_of_both_nodes() {
     }
     let started = Instant::now();
     let _lock = tracing_lock();
-    let dir = TempDir(std::env::temp_dir().join(format!("nattrace-merge-{}", std::process::id())));
-    std::fs::create_dir_all(&dir.0).expect("temp dir");
-    let rec = record_seed003(&dir.0, presets::seed003(Seed003::default()), true);
-    let pcap = dir.0.join("merged.pcapng").display().to_string();
+    let dir = lab::Scratch::new("merge");
+    let rec = record_seed003(dir.dir(), presets::seed003(Seed003::default()), true);
+    let pcap = dir.path("merged.pcapng").display().to_string();
     let out = analyze(&["--output", "json", "-v", "--pcap", &pcap, &rec.b, &rec.a]);
     let flows = flows_of(&out);
     assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
@@ -178,7 +169,7 @@ fn root_merge_seed003_recordings_of_both_nodes() {
 
     // The same on routed nodes with flannel host-gw (no overlay device):
     // node-b forwards the request by eth0, node-a's reply leaves by eth0.
-    let routed_dir = dir.0.join("routed");
+    let routed_dir = dir.path("routed");
     std::fs::create_dir_all(&routed_dir).expect("temp dir");
     let spec = presets::seed003(Seed003::default()).with_datapath(Datapath::Routed);
     let rec = record_seed003(&routed_dir, spec, false);

@@ -512,9 +512,8 @@ fn root_routed_text_output_names_every_interface() {
     require_root!();
     let _lock = tracing_lock();
     let lab = seed000(Backend::SameNode, true);
-    let dir = std::env::temp_dir().join(format!("nattrace-routed-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let rec = dir.join("names.rec");
+    let dir = lab::Scratch::new("routed");
+    let rec = dir.path("names.rec");
     let rec_arg = rec.display().to_string();
     let done = trace(
         &lab,
@@ -564,7 +563,6 @@ fn root_routed_text_output_names_every_interface() {
         .args(["analyze", &rec_arg, "-v"])
         .output()
         .expect("running nattrace analyze");
-    let _ = std::fs::remove_dir_all(&dir);
     let offline = String::from_utf8_lossy(&analyzed.stdout);
     assert_eq!(
         hop_lines(&offline),

@@ -6,7 +6,6 @@
 //! stop, `ok`. The DNS server of the lab's coredns pod is replaced by one
 //! that notes each query in a file (the event the test stops on) and
 //! answers only after `delay` seconds.
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -39,14 +38,6 @@ while True:
 
 const REPLY_TIMEOUT_MS: u64 = 5000;
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("nattrace-cut-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join(name);
-    let _ = std::fs::remove_file(&path);
-    path
-}
-
 /// One query to kube-dns through the node, nattrace stopped by SIGTERM as
 /// soon as the query reached the server (`delay` > 0: before its reply) or
 /// dig got its answer (`delay` 0). Returns the live run and `analyze` of
@@ -55,8 +46,9 @@ fn query_then_stop(delay: &str, name: &str) -> (Finished, std::process::Output) 
     let lab = lab::build_lab(presets::dns(presets::Dns::default()));
     lab.stop_pod_servers(DNS_POD)
         .expect("stopping the lab's DNS server");
-    let marker = tmp(&format!("{name}.query"));
-    let rec = tmp(&format!("{name}.rec"));
+    let scratch = lab::Scratch::new("cut");
+    let marker = scratch.path(&format!("{name}.query"));
+    let rec = scratch.path(&format!("{name}.rec"));
     let marker_s = marker.display().to_string();
     let answer = WEB_SERVICE_IP.to_string();
     lab.spawn(
