@@ -289,6 +289,8 @@ pub(crate) fn iperf(ctx: &Ctx) -> anyhow::Result<f64> {
         .with_context(|| format!("iperf3 failed: {}", v["error"]))
 }
 
+static BULK_RUN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 fn bulk_run(ctx: &Ctx, cond: Cond) -> anyhow::Result<BulkSample> {
     match cond {
         Cond::None => Ok(BulkSample {
@@ -296,13 +298,41 @@ fn bulk_run(ctx: &Ctx, cond: Cond) -> anyhow::Result<BulkSample> {
             ..Default::default()
         }),
         Cond::Other | Cond::This | Cond::OtherBaseline | Cond::ThisBaseline => {
+            // NATTRACE_BENCH_KEEP=1: this build's runs are recorded, and a
+            // run whose connections cost events after their openings keeps
+            // its recording, to see which those are.
+            let rec = (cond == Cond::This && std::env::var_os("NATTRACE_BENCH_KEEP").is_some())
+                .then(|| {
+                    std::env::temp_dir().join(format!(
+                        "nattrace-bench-{}-bulk-{}.rec",
+                        std::process::id(),
+                        BULK_RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    ))
+                });
+            let rec_s = rec.as_ref().map(|r| r.display().to_string());
+            let extra: Vec<&str> = rec_s
+                .as_deref()
+                .map(|r| vec!["--write", r])
+                .unwrap_or_default();
             let (tracer, _) =
-                shared::start_nattrace(ctx.binary(cond), ctx.lab, &[ctx.svc(cond)], &[])?;
+                shared::start_nattrace(ctx.binary(cond), ctx.lab, &[ctx.svc(cond)], &extra)?;
             let pid = tracer.pid();
             let gbps = iperf(ctx);
             let hwm = status_kib(pid, "VmHWM:");
             let done = shared::stop_nattrace(tracer)?;
             let summary = done.summary()?;
+            if let Some(rec) = &rec {
+                let events = summary["events"].as_u64().unwrap_or(0);
+                let flows = summary["flows"].as_u64().unwrap_or(0);
+                if events > 3 * flows {
+                    say(&format!(
+                        "bulk run: {events} events for {flows} connections, kept {}",
+                        rec.display()
+                    ));
+                } else {
+                    let _ = std::fs::remove_file(rec);
+                }
+            }
             Ok(BulkSample {
                 gbps: gbps?,
                 events: summary["events"].as_u64().unwrap_or(0),
