@@ -211,7 +211,14 @@ pub fn profile_pass(ctx: &Ctx, r: &mut Results, bulk: bool, conn: bool) -> anyho
         sets.push(("GB", c));
     }
     if conn {
-        sets.push(("1000 conns", vec![Cond::None, Cond::This, Cond::Tcpdump]));
+        // With a baseline, its process is profiled in the same rounds too:
+        // the tracer's µs per connection of two builds, one machine state.
+        let mut c = vec![Cond::None, Cond::This];
+        if ctx.opts.baseline.is_some() {
+            c.push(Cond::ThisBaseline);
+        }
+        c.push(Cond::Tcpdump);
+        sets.push(("1000 conns", c));
     }
     for (unit, conds) in sets {
         let is_conn = unit != "GB";
