@@ -525,6 +525,60 @@ fn root_backend_crashed_mid_flow_iptables() {
     backend_restarted_mid_flow(ProxyMode::Iptables, true);
 }
 
+/// The keep-alive race: the backend's application closes the connection
+/// (a FIN, nothing unread) and the client, having read that FIN, writes
+/// once more; the backend's kernel resets the data (net/ipv4/tcp_input.c
+/// `tcp_rcv_state_process`: data after close() in FIN_WAIT1/2) and the
+/// client's next write fails (EPIPE: it had read the FIN). On the wire the
+/// RST is the bare one of a lost socket; the backend's FIN, noted by the
+/// kernel while the flow was muted, makes it `backend_closed`, not
+/// `backend_restarted`. The twins to the other backend, one kept busy and
+/// one closed by its client, stay `ok`.
+#[test]
+fn root_backend_closed_then_the_client_wrote_iptables() {
+    require_root!();
+    let _lock = tracing_lock();
+    let lab = lab(ProxyMode::Iptables);
+    let scratch = lab::Scratch::new("established");
+    let record = scratch.path("backend-closed.rec");
+    let mut t = start(&lab, &record);
+    let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
+    let twin_ports = [HEALTHY_PORT, CLOSE_PORT];
+    let mut twins: Vec<Writer> = twin_ports
+        .iter()
+        .map(|&p| Writer::open(&lab, REMOTE_SERVICE_IP, p))
+        .collect();
+    broken.exchange(3);
+    for w in twins.iter_mut() {
+        w.exchange(3);
+    }
+    assert_eq!(twins[1].send("close"), "closed");
+    // Its opening decided `ok` first (a reset within the opening's settle
+    // time would be part of the opening's evidence): the race happens on
+    // an established connection.
+    let opening = t.wait_line(EVENT_TIMEOUT, |l| {
+        l.contains("\"verdict\":\"ok\"") && l.contains(&format!(":{BROKEN_PORT}\""))
+    });
+    assert!(opening.is_some(), "the broken connection's opening is ok");
+    let got = broken.send("write-after-close");
+    assert!(
+        got == "error: BrokenPipe" || got == "error: ConnectionReset",
+        "the client's symptom: {got}"
+    );
+    twins[0].exchange(3);
+    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
+    assert!(line.is_some(), "nattrace reports the broken connection");
+    twins[0].exchange(3);
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    let flow = assert_broken(&done, &record, "backend_closed", &twin_ports);
+    assert_eq!(flow["verdict"], "refused", "{flow}");
+    assert!(
+        flow["established"]["good_replies"].as_u64().unwrap_or(0) >= 3,
+        "the 3 echoes before were good: {flow}"
+    );
+}
+
 /// A NetworkPolicy-like DROP added on node-a mid-flow: a chain
 /// `KUBE-NWPLCY-TEST` jumped to from FORWARD drops the broken
 /// connection's packets (by its client port); the other connection to the

@@ -347,6 +347,13 @@ pub mod event_flags {
     /// NAT point. The flow is per packet again from here; `good` says how
     /// many replies were fine before.
     pub const WATCH: u8 = 32;
+    /// On a RST from the backend's side: the backend had sent its FIN
+    /// before (seen while the flow was muted, where FINs are only
+    /// counted). Its application closed the connection, and the RST
+    /// answers data the client sent after (net/ipv4/tcp_input.c
+    /// `tcp_rcv_state_process`, FIN_WAIT1/2 after close(): "RFC 1122 says
+    /// we MUST send a reset"), not a socket the backend lost.
+    pub const AFTER_FIN: u8 = 64;
 }
 
 /// The kernel's per-flow buffer (tracer-ebpf/src/held.rs, docs/DESIGN.md
@@ -423,7 +430,11 @@ pub struct EndpointState {
     /// The per-flow buffer (`HELD`): [`held::NEVER`], [`held::HOLDING`] or
     /// [`held::DONE`] for the SYN `syn_seq`.
     pub held: u8,
-    pub _pad: [u8; 2],
+    /// 1 once a FIN from the backend's side passed while the flow was
+    /// muted (cleared by a new SYN): its RSTs then carry
+    /// [`event_flags::AFTER_FIN`].
+    pub reply_fin: u8,
+    pub _pad: u8,
     /// ISN of the last SYN the buffer rule saw at the client: a SYN with
     /// another one is a new connection from a reused port.
     pub syn_seq: u32,

@@ -272,6 +272,11 @@ fn observe_via<const SLOT: bool>(
             && !is_drop
             && !(m.dir == direction::REPLY && at.hook == hook::DEV_RX)
         {
+            // Every reply passes the node's netfilter hooks, so the
+            // backend's FIN is noted here at the latest.
+            if pkt.tcp_flags & tcp_flags::FIN != 0 && m.dir == direction::REPLY {
+                watch::note_reply_fin(state);
+            }
             stat_inc(stat::MUTED_PACKETS);
             return true;
         }
@@ -398,6 +403,13 @@ pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) ->
         good = watch::good(state);
     }
     if let Some(state) = m.state
+        && pkt.tcp_flags & tcp_flags::RST != 0
+        && m.dir == direction::REPLY
+        && watch::reply_fin(state)
+    {
+        flags = event_flags::AFTER_FIN;
+    }
+    if let Some(state) = m.state
         && muted(state)
         && control == 0
     {
@@ -431,6 +443,7 @@ pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) ->
             if m.dir == direction::REQUEST && syn_ack == tcp_flags::SYN {
                 // A new connection from this client port: trace it afresh.
                 set_muted(state, false);
+                watch::clear_reply_fin(state);
                 if at.hook == hook::DEV_TX && at_client(at) {
                     fate = Fate::Start;
                 }

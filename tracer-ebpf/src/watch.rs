@@ -85,6 +85,28 @@ pub fn note_muted(state: *mut EndpointState, netns: u32) {
     }
 }
 
+/// A FIN from the backend's side passed: the backend's application closed
+/// the connection (only counted while muted, so noted here).
+#[inline(always)]
+pub fn note_reply_fin(state: *mut EndpointState) {
+    unsafe {
+        if core::ptr::read_volatile(&raw const (*state).reply_fin) == 0 {
+            core::ptr::write_volatile(&raw mut (*state).reply_fin, 1);
+        }
+    }
+}
+
+/// A new connection from the same client port starts without it.
+#[inline(always)]
+pub fn clear_reply_fin(state: *mut EndpointState) {
+    unsafe { core::ptr::write_volatile(&raw mut (*state).reply_fin, 0) }
+}
+
+#[inline(always)]
+pub fn reply_fin(state: *mut EndpointState) -> bool {
+    unsafe { core::ptr::read_volatile(&raw const (*state).reply_fin) != 0 }
+}
+
 /// The count a WATCH event carries.
 #[inline(always)]
 pub fn good(state: *mut EndpointState) -> u32 {

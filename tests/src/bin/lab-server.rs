@@ -5,10 +5,12 @@
 //! lab-server http PORT [--name TEXT]   answer every GET with a page naming the pod
 //!                                      (GET /stream: a line every 0.3 s until the client goes)
 //!                                      (GET /echo: each line sent back as "echo LINE";
-//!                                      a line "reset-me" closes with RST, SO_LINGER 0)
+//!                                      a line "reset-me" closes with RST, SO_LINGER 0,
+//!                                      "close-me" closes with FIN)
 //! lab-server writer IP PORT LOCALPORT   a client of GET /echo from LOCALPORT: each line
 //!                                      on stdin is sent and its echo printed; "abort"
-//!                                      resets, "close" closes; read stalls print "stalled"
+//!                                      resets, "close" closes, "write-after-close" has
+//!                                      the server close, then writes; read stalls print "stalled"
 //! lab-server dns PORT NAME A.B.C.D     answer A queries for NAME over UDP
 //! lab-server ra IFNAME LIFETIME        send one IPv6 Router Advertisement on IFNAME
 //! ```
@@ -202,6 +204,10 @@ fn echo_lines(mut stream: TcpStream) -> io::Result<()> {
             socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO))?;
             return Ok(());
         }
+        if line.trim() == "close-me" {
+            // The application ends the connection: a FIN (nothing unread).
+            return Ok(());
+        }
         stream.write_all(format!("echo {}\n", line.trim()).as_bytes())?;
     }
 }
@@ -261,6 +267,29 @@ fn writer(ip: &str, port: u16, local: u16) -> Result<(), String> {
                 drop(reader);
                 drop(stream);
                 say("aborted");
+                return Ok(());
+            }
+            "write-after-close" => {
+                // The keep-alive race: the server closes (close-me), the
+                // client reads its FIN and writes once more; the server's
+                // kernel resets that data, which the next write reports.
+                let _ = stream.write_all(b"close-me\n");
+                let mut rest = Vec::new();
+                let _ = io::Read::read_to_end(&mut reader, &mut rest);
+                if let Err(e) = stream.write_all(b"late\n") {
+                    say(&format!("error: {:?}", e.kind()));
+                    return Ok(());
+                }
+                // Until the RST is in (SO_ERROR), bounded by ECHO_WAIT.
+                let until = std::time::Instant::now() + ECHO_WAIT;
+                while std::time::Instant::now() < until {
+                    if let Ok(Some(e)) = stream.take_error() {
+                        say(&format!("error: {:?}", e.kind()));
+                        return Ok(());
+                    }
+                    thread::sleep(Duration::from_millis(5));
+                }
+                say("no reset");
                 return Ok(());
             }
             "close" => {

@@ -60,6 +60,9 @@ pub enum CauseId {
     /// Issue 21: mid-stream the backend answered with a bare RST (its
     /// socket for the connection is gone: crashed or restarted).
     BackendRestarted,
+    /// Mid-stream the backend closed the connection (FIN) and reset the
+    /// client's later data: the keep-alive race, not a lost socket.
+    BackendClosed,
     /// Issue 21: mid-stream a DROP/REJECT rule of the node's filter table
     /// (NetworkPolicy, firewall) dropped the flow, named as written.
     DroppedByRule,
@@ -217,6 +220,14 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         fix: "the endpoint is stale: check `kubectl get endpointslices` for the Service (is the backend's address still listed?), and the backend pod's readiness and termination (kubectl get pod -o wide, describe: deleted, evicted, node gone?); kube-proxy drops the KUBE-SEP rule once the endpoint is removed",
     },
     // Before backend_port_closed: a RST after an `ok` opening is no closed port.
+    CauseRow {
+        id: CauseId::BackendClosed,
+        name: "backend_closed",
+        verdicts: &[Verdict::Refused],
+        check: super::checks::midstream::backend_closed,
+        incident: "mid-stream the backend's application closed the connection (its FIN passed the node) and the client wrote after: the backend's kernel resets data sent to a closed socket (RFC 1122), the client gets ECONNRESET or EPIPE — the keep-alive race (a server idle timeout shorter than the client's connection pool's), found in the bench's iperf3 runs",
+        fix: "not a network or kube-proxy fault: the server ends connections the client still uses — make the client's idle timeout for pooled connections shorter than the server's keep-alive timeout (or have the server send `Connection: close` / HTTP/2 GOAWAY first), and retry idempotent requests on a reset of a reused connection",
+    },
     CauseRow {
         id: CauseId::BackendRestarted,
         name: "backend_restarted",

@@ -60,6 +60,9 @@ pub(crate) struct Packet {
     /// Seen at a point of the traced node namespace (tc, netfilter, or a
     /// device there): the node handled this packet.
     pub in_node: bool,
+    /// A RST the kernel flagged `event_flags::AFTER_FIN`: the backend had
+    /// closed the connection with its FIN before.
+    pub after_fin: bool,
 }
 
 /// The first reply event at the client side: what decides `ok` vs `reply_not_reverse_nated`.
@@ -316,6 +319,9 @@ impl Flow {
         let watched = ev.flags & event_flags::WATCH != 0
             && (ev.hook == hook::DEV_RX
                 || (ev.hook == hook::DROP && ev.netns != 0 && ev.netns == ctx.node_netns));
+        if ev.flags & event_flags::AFTER_FIN != 0 {
+            self.packets[idx as usize].after_fin = true;
+        }
         if observed_in_node(&obs, ctx) || ev.flags & event_flags::VIA_NODE != 0 || watched {
             self.packets[idx as usize].in_node = true;
             self.seen_in_node = true;
@@ -425,6 +431,7 @@ impl Flow {
                     first_ts: ev.ts_ns,
                     last_ts: ev.ts_ns,
                     in_node: false,
+                    after_fin: false,
                 });
                 out.new_packet = Some((ev.skb, key));
                 Some(((self.packets.len() - 1) as u8, None))

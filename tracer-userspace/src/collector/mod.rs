@@ -1198,21 +1198,22 @@ impl Collector {
     }
 }
 
-/// The kernel mutes the client's endpoint itself when the reverse-NATed
+/// The kernel mutes a TCP client's endpoint itself when the reverse-NATed
 /// reply reaches the client's namespace (tracer-ebpf/src/filter.rs,
 /// `Fate::Healthy`), so a mute from userspace would be a map lookup
-/// syscall per healthy connection for nothing. Only clients the kernel
-/// cannot see receive (a process of the node, another node's pod) and
-/// the SNAT address are muted from here.
+/// syscall per healthy connection for nothing. UDP flows, clients the
+/// kernel cannot see receive (a process of the node, another node's pod)
+/// and the SNAT address are muted from here.
 fn muted_by_kernel(flow: &Flow, node_netns: u32) -> bool {
-    flow.client_reply.is_some_and(|r| {
-        r.reverse_nated
-            && flow.packet_obs(r.packet).any(|o| {
-                o.hook == tracer_common::hook::DEV_RX
-                    && !in_node(o.netns, node_netns)
-                    && o.src == flow.service
-            })
-    })
+    flow.proto == proto::TCP
+        && flow.client_reply.is_some_and(|r| {
+            r.reverse_nated
+                && flow.packet_obs(r.packet).any(|o| {
+                    o.hook == tracer_common::hook::DEV_RX
+                        && !in_node(o.netns, node_netns)
+                        && o.src == flow.service
+                })
+        })
 }
 
 /// Reports in the order their flows began, as a stable sort would leave

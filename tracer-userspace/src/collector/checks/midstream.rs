@@ -18,22 +18,13 @@ use crate::collector::{
 /// (`established::is_bare_rst`). With no listener left on the port the
 /// segment is dropped with NO_SOCKET; with a restarted one listening,
 /// tcp_rcv_state_process answers the ACK at TCP_LISTEN (TCP_FLAGS).
+/// After the backend's own FIN it is [`backend_closed`] instead.
 pub(in crate::collector) fn backend_restarted(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let (after_fin, backend) = bare_rst_from_backend(ctx)?;
+    if after_fin {
+        return None;
+    }
     let flow = ctx.flow;
-    if ctx.verdict != Verdict::Refused || !flow.watch.is_some_and(|w| w.failed()) {
-        return None;
-    }
-    let reply = flow.client_reply?;
-    let p = &flow.packets[reply.packet as usize];
-    if p.key.tcp_flags & (tcp_flags::RST | tcp_flags::ACK) != tcp_flags::RST {
-        return None;
-    }
-    // Not made by the node itself: a REJECT --reject-with tcp-reset's RST
-    // is first seen at a netfilter hook of the node (LOCAL_OUT).
-    flow.packet_obs(reply.packet)
-        .min_by_key(|o| o.ts_ns)
-        .filter(|o| !(o.hook == hook::NETFILTER && in_node(o.netns, ctx.node_netns)))?;
-    let backend = reply_backend(flow, reply.packet).or(flow.backend)?;
     let dropped = flow
         .obs
         .iter()
@@ -52,6 +43,50 @@ pub(in crate::collector) fn backend_restarted(ctx: &RuleCtx<'_>) -> Option<Found
             "backend {backend} answered the client's segment with a bare RST (no ACK: what a kernel sends for a segment no socket of its owns){dropped}: the connection's socket is gone there — the backend's kernel lost it without closing it (node or pod sandbox restarted, a pod with the same address replaced it), or the segment was load-balanced to another backend after the connection's conntrack entry was lost — and the client gets ECONNRESET"
         ),
     ))
+}
+
+/// A flow that was `ok`, whose backend then closed the connection (its FIN
+/// passed the node while the flow was muted: `event_flags::AFTER_FIN`) and
+/// answered the client's later data with a bare RST. A kernel resets data
+/// that reaches a socket its application has closed
+/// (net/ipv4/tcp_input.c `tcp_rcv_state_process`, FIN_WAIT1/2 with
+/// RCV_SHUTDOWN: "RFC 1122 says we MUST send a reset", drop reason
+/// TCP_ABORT_ON_DATA; found when iperf3's server ended its tests this way
+/// in the bench). No socket was lost and nothing restarted: the client
+/// used a connection the server had ended — the keep-alive race.
+pub(in crate::collector) fn backend_closed(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let (after_fin, backend) = bare_rst_from_backend(ctx)?;
+    if !after_fin {
+        return None;
+    }
+    Some((
+        format!("backend {backend} had closed the connection; the client wrote after"),
+        format!(
+            "backend {backend} closed the connection (its FIN passed the node) and answered the client's later segment with a bare RST: data sent to a socket its application has closed is reset (RFC 1122 4.2.2.13), so the client's next read or write fails (ECONNRESET, or EPIPE after it read the FIN) — the server ended the connection while the client still used it (a server idle or keep-alive timeout shorter than the client's, or a client that writes after the server's last response); the backend did not restart"
+        ),
+    ))
+}
+
+/// The bare RST (no ACK) a failed `refused` established flow got from its
+/// backend's side, not made by the node itself: whether the backend's FIN
+/// came before it, and the backend that sent it.
+fn bare_rst_from_backend(ctx: &RuleCtx<'_>) -> Option<(bool, Endpoint)> {
+    let flow = ctx.flow;
+    if ctx.verdict != Verdict::Refused || !flow.watch.is_some_and(|w| w.failed()) {
+        return None;
+    }
+    let reply = flow.client_reply?;
+    let p = &flow.packets[reply.packet as usize];
+    if p.key.tcp_flags & (tcp_flags::RST | tcp_flags::ACK) != tcp_flags::RST {
+        return None;
+    }
+    // Not made by the node itself: a REJECT --reject-with tcp-reset's RST
+    // is first seen at a netfilter hook of the node (LOCAL_OUT).
+    flow.packet_obs(reply.packet)
+        .min_by_key(|o| o.ts_ns)
+        .filter(|o| !(o.hook == hook::NETFILTER && in_node(o.netns, ctx.node_netns)))?;
+    let backend = reply_backend(flow, reply.packet).or(flow.backend)?;
+    Some((p.after_fin, backend))
 }
 
 /// A flow that was `ok` and then was dropped by netfilter, with a DROP or

@@ -142,6 +142,35 @@ fn a_bare_rst_from_the_backend_mid_stream_is_backend_restarted() {
     }
 }
 
+/// The same bare RST after the backend's own FIN (the kernel flags it
+/// AFTER_FIN): the backend's application had closed the connection and its
+/// kernel reset the client's later data (net/ipv4/tcp_input.c
+/// tcp_rcv_state_process, TCP_ABORT_ON_DATA) — `backend_closed`, not a
+/// restart; still `refused`, the client got a reset.
+#[test]
+fn a_bare_rst_after_the_backends_fin_is_backend_closed() {
+    let mut events = fixture("seed000_healthy.jsonl");
+    let reply = client_reply(&events);
+    let mut rst = rst_reply(&reply, 1_200 * MS, tcp_flags::RST);
+    for e in &mut rst {
+        e.flags |= tracer_common::event_flags::AFTER_FIN;
+    }
+    events.extend(rst);
+    let (reports, summary) = decide(&events);
+    let e = established(&reports);
+    assert_eq!(e.len(), 1, "{reports:#?}");
+    assert_eq!(e[0].verdict, Verdict::Refused, "{:#?}", e[0]);
+    let cause = e[0].cause.as_ref().expect("a cause");
+    assert_eq!(cause.id, CauseId::BackendClosed, "{cause:#?}");
+    assert!(
+        cause.text.contains("closed the connection (its FIN"),
+        "{}",
+        cause.text
+    );
+    assert!(cause.text.contains("did not restart"), "{}", cause.text);
+    assert_eq!(summary.established_failures, 1);
+}
+
 /// An endpoint's own abort (RST|ACK, SO_LINGER 0) is a close, not a
 /// failure; the client's segment that was on its way meets the closed
 /// socket (NO_SOCKET, sent by the watch) and gets a bare RST back — the

@@ -265,6 +265,27 @@ fn dns_ok() {
     assert_eq!(only(&reports).verdict, Verdict::Ok);
 }
 
+/// The kernel mutes only TCP flows itself: a UDP flow's client is muted
+/// from here even when its answer reached the client's namespace.
+#[test]
+fn a_healthy_udp_flow_is_muted_from_userspace() {
+    let events = fixture("dns_ok.jsonl");
+    assert!(
+        events
+            .iter()
+            .any(|e| e.direction == REPLY && e.hook == tracer_common::hook::DEV_RX),
+        "the answer is seen at the client's device"
+    );
+    let mut c = Collector::new(config(Some(true)));
+    for ev in &events {
+        c.push(*ev);
+    }
+    assert_eq!(only(&c.tick(T0 + 10_000 * MS)).verdict, Verdict::Ok);
+    let mute = c.take_mute_candidates();
+    assert_eq!(mute.len(), 1, "{mute:?}");
+    assert_eq!(mute[0].proto, 17);
+}
+
 #[test]
 fn no_reply_through_node_after_timeout() {
     let events = fixture("no_reply.jsonl");
