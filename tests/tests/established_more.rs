@@ -130,6 +130,41 @@ impl Drop for Writer {
     }
 }
 
+/// The broken connection (to node-a's backend) and its twins (to the other
+/// node's), each with three lines echoed.
+fn writers(lab: &Lab, twin_ports: &[u16]) -> (Writer, Vec<Writer>) {
+    let mut broken = Writer::open(lab, WEB_SERVICE_IP, BROKEN_PORT);
+    let mut twins: Vec<Writer> = twin_ports
+        .iter()
+        .map(|&p| Writer::open(lab, REMOTE_SERVICE_IP, p))
+        .collect();
+    broken.exchange(3);
+    for w in twins.iter_mut() {
+        w.exchange(3);
+    }
+    (broken, twins)
+}
+
+/// After the break: the busy twin goes on while nattrace reports the broken
+/// connection, which must be `refused` with `cause`.
+fn refused_while_twin_goes_on(
+    mut t: Nattrace,
+    twin: &mut Writer,
+    record: &Path,
+    cause: &str,
+    twin_ports: &[u16],
+) -> Value {
+    twin.exchange(3);
+    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
+    assert!(line.is_some(), "nattrace reports the broken connection");
+    twin.exchange(3);
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    let flow = assert_broken(&done, record, cause, twin_ports);
+    assert_eq!(flow["verdict"], "refused", "{flow}");
+    flow
+}
+
 fn lab(mode: ProxyMode) -> Lab {
     lab_on(mode, Datapath::Bridge)
 }
@@ -439,16 +474,8 @@ fn backend_restarted_on(mode: ProxyMode, crashed: bool, datapath: Datapath) {
     let lab = lab_on(mode, datapath);
     let scratch = lab::Scratch::new("established");
     let record = scratch.path("backend-restarted.rec");
-    let mut t = start(&lab, &record);
-    let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
-    let mut twins: Vec<Writer> = TWINS
-        .iter()
-        .map(|&p| Writer::open(&lab, REMOTE_SERVICE_IP, p))
-        .collect();
-    broken.exchange(3);
-    for w in twins.iter_mut() {
-        w.exchange(3);
-    }
+    let t = start(&lab, &record);
+    let (mut broken, mut twins) = writers(&lab, &TWINS);
     // The twins' ends: a normal close, the server's abort with the
     // client's next line on its way, the client's abort.
     assert_eq!(twins[1].send("close"), "closed");
@@ -483,14 +510,7 @@ fn backend_restarted_on(mode: ProxyMode, crashed: bool, datapath: Datapath) {
     }
     let got = broken.send("after");
     assert_eq!(got, "error: ConnectionReset", "the client's symptom");
-    twins[0].exchange(3);
-    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
-    assert!(line.is_some(), "nattrace reports the broken connection");
-    twins[0].exchange(3);
-    t.terminate();
-    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
-    let flow = assert_broken(&done, &record, "backend_restarted", &TWINS);
-    assert_eq!(flow["verdict"], "refused", "{flow}");
+    let flow = refused_while_twin_goes_on(t, &mut twins[0], &record, "backend_restarted", &TWINS);
     let text = flow["cause_text"].as_str().unwrap_or_default();
     // NO_SOCKET is never claimed while a listener is left. With none left
     // it is named when the segment's NO_SOCKET drop reached the collector,
@@ -542,16 +562,8 @@ fn root_backend_closed_then_the_client_wrote_iptables() {
     let scratch = lab::Scratch::new("established");
     let record = scratch.path("backend-closed.rec");
     let mut t = start(&lab, &record);
-    let mut broken = Writer::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
     let twin_ports = [HEALTHY_PORT, CLOSE_PORT];
-    let mut twins: Vec<Writer> = twin_ports
-        .iter()
-        .map(|&p| Writer::open(&lab, REMOTE_SERVICE_IP, p))
-        .collect();
-    broken.exchange(3);
-    for w in twins.iter_mut() {
-        w.exchange(3);
-    }
+    let (mut broken, mut twins) = writers(&lab, &twin_ports);
     assert_eq!(twins[1].send("close"), "closed");
     // Its opening decided `ok` first (a reset within the opening's settle
     // time would be part of the opening's evidence): the race happens on
@@ -565,14 +577,7 @@ fn root_backend_closed_then_the_client_wrote_iptables() {
         got == "error: BrokenPipe" || got == "error: ConnectionReset",
         "the client's symptom: {got}"
     );
-    twins[0].exchange(3);
-    let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
-    assert!(line.is_some(), "nattrace reports the broken connection");
-    twins[0].exchange(3);
-    t.terminate();
-    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
-    let flow = assert_broken(&done, &record, "backend_closed", &twin_ports);
-    assert_eq!(flow["verdict"], "refused", "{flow}");
+    let flow = refused_while_twin_goes_on(t, &mut twins[0], &record, "backend_closed", &twin_ports);
     assert!(
         flow["established"]["good_replies"].as_u64().unwrap_or(0) >= 3,
         "the 3 echoes before were good: {flow}"
