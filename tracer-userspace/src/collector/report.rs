@@ -323,8 +323,14 @@ fn detail(
             let from = reply_backend(flow, r.packet)
                 .map(|b| format!(" from backend {b}"))
                 .unwrap_or_default();
+            // After an `ok` opening the RST ends a connection, it refuses none.
+            let what = if flow.watch.is_some() {
+                "the connection was reset"
+            } else {
+                "the connection was refused"
+            };
             format!(
-                "{}{from} reached the client (reverse-NATed to {}): the connection was refused",
+                "{}{from} reached the client (reverse-NATed to {}): {what}",
                 flow.kind(r.packet),
                 flow.service
             )
