@@ -168,6 +168,11 @@ fn a_bare_rst_after_the_backends_fin_is_backend_closed() {
         cause.text
     );
     assert!(cause.text.contains("did not restart"), "{}", cause.text);
+    assert!(
+        e[0].detail.contains("the connection was reset"),
+        "{}",
+        e[0].detail
+    );
     assert_eq!(summary.established_failures, 1);
 }
 
