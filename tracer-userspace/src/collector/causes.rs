@@ -61,7 +61,8 @@ pub enum CauseId {
     /// socket for the connection is gone: crashed or restarted).
     BackendRestarted,
     /// Mid-stream the backend closed the connection (FIN) and reset the
-    /// client's later data: the keep-alive race, not a lost socket.
+    /// client's later data: the keep-alive race, or a process that exited.
+    /// The socket was closed, not lost without a close.
     BackendClosed,
     /// Issue 21: mid-stream a DROP/REJECT rule of the node's filter table
     /// (NetworkPolicy, firewall) dropped the flow, named as written.
@@ -225,8 +226,8 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         name: "backend_closed",
         verdicts: &[Verdict::Refused],
         check: super::checks::midstream::backend_closed,
-        incident: "mid-stream the backend's application closed the connection (its FIN passed the node) and the client wrote after: the backend's kernel resets data sent to a closed socket (RFC 1122), the client gets ECONNRESET or EPIPE — the keep-alive race (a server idle timeout shorter than the client's connection pool's), found in the bench's iperf3 runs",
-        fix: "not a network or kube-proxy fault: the server ends connections the client still uses — make the client's idle timeout for pooled connections shorter than the server's keep-alive timeout (or have the server send `Connection: close` / HTTP/2 GOAWAY first), and retry idempotent requests on a reset of a reused connection",
+        incident: "mid-stream the backend closed the connection (its FIN passed the node) and the client wrote after: the backend's kernel resets data sent to a closed socket (RFC 1122), the client gets ECONNRESET or EPIPE — the keep-alive race (a server idle timeout shorter than the client's connection pool's; found in the bench's iperf3 runs), or the server's process exited and its kernel closed its sockets",
+        fix: "not a network or kube-proxy fault: the server ends connections the client still uses — make the client's idle timeout for pooled connections shorter than the server's keep-alive timeout (or have the server send `Connection: close` / HTTP/2 GOAWAY first), and retry idempotent requests on a reset of a reused connection; if the backend pod restarted at that time (kubectl get pod: RESTARTS), its process exiting closed the connection: see backend_restarted's fix",
     },
     CauseRow {
         id: CauseId::BackendRestarted,

@@ -52,8 +52,11 @@ pub(in crate::collector) fn backend_restarted(ctx: &RuleCtx<'_>) -> Option<Found
 /// (net/ipv4/tcp_input.c `tcp_rcv_state_process`, FIN_WAIT1/2 with
 /// RCV_SHUTDOWN: "RFC 1122 says we MUST send a reset", drop reason
 /// TCP_ABORT_ON_DATA; found when iperf3's server ended its tests this way
-/// in the bench). No socket was lost and nothing restarted: the client
-/// used a connection the server had ended — the keep-alive race.
+/// in the bench). The socket was closed, not lost: by the application
+/// (the keep-alive race: the client used a connection the server had
+/// ended) or by its process exiting, whose sockets the kernel closes the
+/// same way (a crash with nothing unread sends a FIN too), so restarts are
+/// still named as a thing to check.
 pub(in crate::collector) fn backend_closed(ctx: &RuleCtx<'_>) -> Option<Found> {
     let (after_fin, backend) = bare_rst_from_backend(ctx)?;
     if !after_fin {
@@ -62,7 +65,7 @@ pub(in crate::collector) fn backend_closed(ctx: &RuleCtx<'_>) -> Option<Found> {
     Some((
         format!("backend {backend} had closed the connection; the client wrote after"),
         format!(
-            "backend {backend} closed the connection (its FIN passed the node) and answered the client's later segment with a bare RST: data sent to a socket its application has closed is reset (RFC 1122 4.2.2.13), so the client's next read or write fails (ECONNRESET, or EPIPE after it read the FIN) — the server ended the connection while the client still used it (a server idle or keep-alive timeout shorter than the client's, or a client that writes after the server's last response); the backend did not restart"
+            "backend {backend} closed the connection (its FIN passed the node) and answered the client's later segment with a bare RST: data sent to a socket its application has closed is reset (RFC 1122 4.2.2.13), so the client's next read or write fails (ECONNRESET, or EPIPE after it read the FIN) — the server ended the connection while the client still used it (a server idle or keep-alive timeout shorter than the client's, or a client that writes after the server's last response), or the server's process exited (its kernel closes its sockets the same way: check the pod's restarts)"
         ),
     ))
 }

@@ -145,8 +145,8 @@ fn a_bare_rst_from_the_backend_mid_stream_is_backend_restarted() {
 /// The same bare RST after the backend's own FIN (the kernel flags it
 /// AFTER_FIN): the backend's application had closed the connection and its
 /// kernel reset the client's later data (net/ipv4/tcp_input.c
-/// tcp_rcv_state_process, TCP_ABORT_ON_DATA) — `backend_closed`, not a
-/// restart; still `refused`, the client got a reset.
+/// tcp_rcv_state_process, TCP_ABORT_ON_DATA) — `backend_closed`: the
+/// socket was closed, not lost; still `refused`, the client got a reset.
 #[test]
 fn a_bare_rst_after_the_backends_fin_is_backend_closed() {
     let mut events = fixture("seed000_healthy.jsonl");
@@ -167,7 +167,7 @@ fn a_bare_rst_after_the_backends_fin_is_backend_closed() {
         "{}",
         cause.text
     );
-    assert!(cause.text.contains("did not restart"), "{}", cause.text);
+    assert!(cause.text.contains("process exited"), "{}", cause.text);
     assert!(
         e[0].detail.contains("the connection was reset"),
         "{}",
