@@ -137,8 +137,8 @@ fn trace_seed000(lab: &Lab, ports: &[u16], extra: &[&str]) -> Finished {
 
 #[test]
 fn root_live_json_equals_analyze_json_and_pcapng_reads_in_tshark() {
-    let scratch = lab::Scratch::new("capture");
     require_root!();
+    let scratch = lab::Scratch::new("capture");
     let lab = seed000(false);
     let (rec, live_pcap, offline_pcap) = (
         scratch.path("seed.rec"),
@@ -274,8 +274,8 @@ fn tshark(file: &Path, fields: &[&str]) -> Vec<Vec<String>> {
 
 #[test]
 fn root_sigkill_mid_run_then_analyze_keeps_completed_flows() {
-    let scratch = lab::Scratch::new("capture");
     require_root!();
+    let scratch = lab::Scratch::new("capture");
     let lab = seed000(false);
     let rec = scratch.path("killed.rec");
     let ports: Vec<u16> = (46100..46104).collect();
@@ -512,8 +512,8 @@ fn root_cleanup_after_sigkill_removes_only_nattrace_filters() {
 
 #[test]
 fn root_analyze_skips_corrupt_lines_and_refuses_a_file_without_events() {
-    let scratch = lab::Scratch::new("capture");
     require_root!();
+    let scratch = lab::Scratch::new("capture");
     let lab = seed000(false);
     let rec = scratch.path("corrupt-source.rec");
     let ports: Vec<u16> = (46200..46203).collect();

@@ -349,10 +349,11 @@ pub mod event_flags {
     pub const WATCH: u8 = 32;
     /// On a RST from the backend's side: the backend had sent its FIN
     /// before (seen while the flow was muted, where FINs are only
-    /// counted). Its application closed the connection, and the RST
-    /// answers data the client sent after (net/ipv4/tcp_input.c
-    /// `tcp_rcv_state_process`, FIN_WAIT1/2 after close(): "RFC 1122 says
-    /// we MUST send a reset"), not a socket the backend lost.
+    /// counted). Its socket was closed (by the application, or by its
+    /// process exiting), and the RST answers data the client sent after
+    /// (net/ipv4/tcp_input.c `tcp_rcv_state_process`, FIN_WAIT1/2 after
+    /// close(): "RFC 1122 says we MUST send a reset"): not a socket the
+    /// backend lost without a close.
     pub const AFTER_FIN: u8 = 64;
 }
 

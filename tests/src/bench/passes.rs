@@ -24,14 +24,12 @@ fn under<R>(
     match cond {
         Cond::None => Ok((f(0)?, HashSet::new())),
         Cond::Other | Cond::This | Cond::OtherBaseline | Cond::ThisBaseline => {
-            let this_args = match cond {
+            let args = match cond {
                 Cond::This => shared::this_args(),
                 Cond::ThisBaseline => shared::baseline_args(),
                 _ => Vec::new(),
             };
-            let this_args: Vec<&str> = this_args.iter().map(String::as_str).collect();
-            let (tracer, _) =
-                shared::start_nattrace(ctx.binary(cond), ctx.lab, &[svc], &this_args)?;
+            let (tracer, _) = shared::start_nattrace(ctx.binary(cond), ctx.lab, &[svc], &args)?;
             let pid = tracer.pid();
             let names = profile::thread_ids(pid);
             let r = f(pid);

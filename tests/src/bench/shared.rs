@@ -179,8 +179,6 @@ pub fn run_client(
     })
 }
 
-/// `nattrace --svc .. --netns <node> --output json` plus `extra`, waiting
-/// for its first line; returns it with the time that took.
 /// `NATTRACE_BENCH_THIS_ARGS`: more arguments for the build under test in
 /// the connection runs and their profile (e.g. `--hide-ok`, the
 /// DaemonSet's output); the baseline build keeps the defaults, so
@@ -210,11 +208,13 @@ fn hides_ok() -> bool {
         .any(|a| a == "--hide-ok")
 }
 
+/// `nattrace --svc .. --netns <node> --output json` plus `extra`, waiting
+/// for its first line; returns it with the time that took.
 pub fn start_nattrace(
     nattrace: &Path,
     lab: &Lab,
     svcs: &[SocketAddrV4],
-    extra: &[&str],
+    extra: &[impl AsRef<str>],
 ) -> anyhow::Result<(Nattrace, Duration)> {
     let mut args: Vec<String> = svcs
         .iter()
@@ -223,7 +223,7 @@ pub fn start_nattrace(
     args.push("--netns".into());
     args.push(lab.node_netns(NODE)?.path().display().to_string());
     args.extend(["--output".into(), "json".into()]);
-    args.extend(extra.iter().map(|s| s.to_string()));
+    args.extend(extra.iter().map(|s| s.as_ref().to_string()));
     // The verifier gives up with EAGAIN when a signal is pending on the
     // loading thread (kernel/bpf/verifier.c do_check: `signal_pending`);
     // libbpf retries such a load, aya 0.14 does not, and this bench's starts
@@ -255,9 +255,9 @@ pub fn start_nattrace(
 /// check names what is missing.
 pub fn stop_nattrace_after(mut tracer: Nattrace, flows: u64) -> anyhow::Result<Finished> {
     if hides_ok() {
-        // The build under test prints no flow line to wait for: SIGUSR1
+        // A build with --hide-ok prints no flow line to wait for: SIGUSR1
         // stops a tracer once every flow it saw has its verdict (README),
-        // which the summary then counts. The baseline is stopped alike.
+        // which the summary then counts. Both builds are stopped alike.
         let done = tracer.finish()?;
         if done.status.code() == Some(2) {
             bail!("nattrace could not trace: {}", done.describe());

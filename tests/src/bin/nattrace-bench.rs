@@ -321,9 +321,9 @@ fn bulk_run(ctx: &Ctx, cond: Cond) -> anyhow::Result<BulkSample> {
             let hwm = status_kib(pid, "VmHWM:");
             let done = shared::stop_nattrace(tracer)?;
             let summary = done.summary()?;
+            let events = summary["events"].as_u64().unwrap_or(0);
+            let flows = summary["flows"].as_u64().unwrap_or(0);
             if let Some(rec) = &rec {
-                let events = summary["events"].as_u64().unwrap_or(0);
-                let flows = summary["flows"].as_u64().unwrap_or(0);
                 if events > 3 * flows {
                     say(&format!(
                         "bulk run: {events} events for {flows} connections, kept {}",
@@ -335,12 +335,12 @@ fn bulk_run(ctx: &Ctx, cond: Cond) -> anyhow::Result<BulkSample> {
             }
             Ok(BulkSample {
                 gbps: gbps?,
-                events: summary["events"].as_u64().unwrap_or(0),
+                events,
                 muted: summary["muted_packets"].as_u64().unwrap_or(0),
                 lost: summary["lost_events"].as_u64().unwrap_or(0),
                 rss_kib: hwm,
                 pcap_bytes: 0,
-                flows: summary["flows"].as_u64().unwrap_or(0),
+                flows,
             })
         }
         Cond::Tcpdump => {
@@ -402,16 +402,14 @@ fn conn(ctx: &Ctx, loads: &mut Vec<f64>) -> anyhow::Result<ConnResults> {
     for r in 0..ctx.opts.runs {
         loads.push(load1());
         let plain = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load)?;
-        let this_args = shared::this_args();
-        let this_args: Vec<&str> = this_args.iter().map(String::as_str).collect();
-        let (tracer, _) = shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[svc], &this_args)?;
+        let (tracer, _) =
+            shared::start_nattrace(&ctx.opts.nattrace, ctx.lab, &[svc], &shared::this_args())?;
         let traced = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load)?;
         let done = shared::stop_nattrace_after(tracer, traced.attempted)?;
         let check = shared::count_check(&done, &ctx.addrs, &traced, true);
         if let Some((bin, _)) = &ctx.opts.baseline {
-            let base_args = shared::baseline_args();
-            let base_args: Vec<&str> = base_args.iter().map(String::as_str).collect();
-            let (tracer, _) = shared::start_nattrace(bin, ctx.lab, &[svc], &base_args)?;
+            let (tracer, _) =
+                shared::start_nattrace(bin, ctx.lab, &[svc], &shared::baseline_args())?;
             let run = shared::run_client(ctx.lab, ctx.conn_bench, &ctx.addrs, &load)?;
             let done = shared::stop_nattrace_after(tracer, run.attempted)?;
             let check = shared::count_check(&done, &ctx.addrs, &run, true);
@@ -564,7 +562,8 @@ struct Start {
 
 fn startup_once(ctx: &Ctx, bin: &Path) -> anyhow::Result<Start> {
     let t_spawn = Instant::now();
-    let (tracer, took) = shared::start_nattrace(bin, ctx.lab, &[ctx.svc(Cond::Other)], &[])?;
+    let (tracer, took) =
+        shared::start_nattrace(bin, ctx.lab, &[ctx.svc(Cond::Other)], &[] as &[&str])?;
     let pid = tracer.pid();
     // Done when no link was added for 300 ms (a tcx link takes ~15 ms):
     // the netfilter backend's 9 netfilter and 3 raw tracepoint links

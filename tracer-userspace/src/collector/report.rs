@@ -154,25 +154,25 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
     let backend = answered_by
         .or(flow.backend)
         .or(reply_src.filter(|_| verdict == Verdict::ReplyNotReverseNated));
-    // An `ok` report no output prints is only counted (summary, metrics):
-    // its sentence, attempts and hops were half of a healthy connection's
-    // cost in the collector (counted with callgrind, BENCHMARKS.md).
-    let lean = ctx.lean_ok && verdict == Verdict::Ok;
-    let detail = if lean {
-        String::new()
-    } else {
-        detail(flow, ctx, verdict, cause.as_ref(), drop, d)
-    };
     let proto = Proto::from_raw(flow.proto).unwrap_or(Proto::Tcp);
     let kube = ctx.kube.lookup(
         flow.service.socket_addr(),
         proto.as_str(),
         backend.map(|b| b.socket_addr()),
     );
-    let attempts = if lean {
-        Vec::new()
+    // An `ok` report no output prints is only counted (summary, metrics):
+    // its sentence, attempts and hops were half of a healthy connection's
+    // cost in the collector (counted with callgrind, BENCHMARKS.md).
+    let lean = ctx.lean_ok && verdict == Verdict::Ok;
+    let (detail, attempts, packets, icmp_errors) = if lean {
+        Default::default()
     } else {
-        attempts(flow, ctx, proto, (backend, kube.as_ref()))
+        (
+            detail(flow, ctx, verdict, cause.as_ref(), drop, d),
+            attempts(flow, ctx, proto, (backend, kube.as_ref())),
+            evidence(flow, ctx),
+            super::icmp::errors(flow, ctx),
+        )
     };
     let k8s_service = kube.as_ref().map(|k| k.service.clone()).or_else(|| {
         ctx.kube
@@ -205,18 +205,10 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         first_ts_ns: flow.first_ts,
         decided_ts_ns: d.decided_ts,
         attempts,
-        packets: if lean {
-            Vec::new()
-        } else {
-            evidence(flow, ctx)
-        },
+        packets,
         phase: Phase::Opening,
         established: None,
-        icmp_errors: if lean {
-            Vec::new()
-        } else {
-            super::icmp::errors(flow, ctx)
-        },
+        icmp_errors,
     }
 }
 
