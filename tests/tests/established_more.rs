@@ -553,12 +553,11 @@ fn root_backend_crashed_mid_flow_iptables() {
 /// RST is the bare one of a lost socket; the backend's FIN, noted by the
 /// kernel while the flow was muted, makes it `backend_closed`, not
 /// `backend_restarted`. The twins to the other backend, one kept busy and
-/// one closed by its client, stay `ok`.
-#[test]
-fn root_backend_closed_then_the_client_wrote_iptables() {
-    require_root!();
+/// one closed by its client, stay `ok`. Both kube-proxy modes, bridged and
+/// routed.
+fn backend_closed_on(mode: ProxyMode, datapath: Datapath) {
     let _lock = tracing_lock();
-    let lab = lab(ProxyMode::Iptables);
+    let lab = lab_on(mode, datapath);
     let scratch = lab::Scratch::new("established");
     let record = scratch.path("backend-closed.rec");
     let mut t = start(&lab, &record);
@@ -582,6 +581,21 @@ fn root_backend_closed_then_the_client_wrote_iptables() {
         flow["established"]["good_replies"].as_u64().unwrap_or(0) >= 3,
         "the 3 echoes before were good: {flow}"
     );
+}
+
+fn backend_closed(mode: ProxyMode) {
+    backend_closed_on(mode, Datapath::Bridge);
+}
+
+both_modes!(
+    backend_closed: root_backend_closed_then_the_client_wrote_iptables,
+    root_backend_closed_then_the_client_wrote_nftables
+);
+
+#[test]
+fn root_routed_backend_closed_then_the_client_wrote_iptables() {
+    require_root!();
+    backend_closed_on(ProxyMode::Iptables, Datapath::Routed);
 }
 
 /// A NetworkPolicy-like DROP added on node-a mid-flow: a chain
