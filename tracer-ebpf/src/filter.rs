@@ -11,7 +11,7 @@ use tracer_common::{
 
 use crate::{
     ENDPOINTS, INFLIGHT, SERVICES,
-    emit::{Packet, Point, emit, stat_inc},
+    emit::{Packet, Point, emit, stat_add, stat_inc},
     held, prefilter,
     watch::{self, Check},
 };
@@ -164,7 +164,8 @@ fn set_muted(state: *mut EndpointState, on: bool) {
 }
 
 /// How the filter matched a packet (rules 1-4 of DESIGN.md).
-struct Match {
+#[derive(Clone, Copy)]
+pub struct Match {
     dir: u8,
     svc: u8,
     state: Option<*mut EndpointState>,
@@ -173,7 +174,7 @@ struct Match {
 /// Rules 1-4 of DESIGN.md, in order. Only reads the packet's addresses and
 /// ports: this is the path every packet of the node takes.
 #[inline(always)]
-fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
+pub fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
     // Pre-filter (ADDR_SLOTS): rules 1 and 3 need a known destination
     // address, rule 2 a known source address.
     let dst_known = prefilter::known(&pkt.daddr);
@@ -234,7 +235,23 @@ pub fn observe(
     at: &mut Point,
     details: impl FnOnce(&mut Packet, &mut Point) -> bool,
 ) -> bool {
-    observe_via::<true>(pkt, at, details)
+    observe_via::<true>(pkt, at, classify, details)
+}
+
+/// [`observe`] of a packet [`classify`] already matched (`m`) at a point
+/// with the same addresses in this program run, where rule 4 cannot
+/// apply (a veth's transmit and its peer's receive). Exact: what the first
+/// observation may have added to the maps in between is its own client
+/// side (rule 1's `endpoint`), which rules 1-2 find again by the same
+/// source.
+#[inline(always)]
+pub fn observe_matched(
+    pkt: &mut Packet,
+    at: &mut Point,
+    m: Option<Match>,
+    details: impl FnOnce(&mut Packet, &mut Point) -> bool,
+) -> bool {
+    observe_via::<true>(pkt, at, move |_, _| m, details)
 }
 
 /// [`observe`] handing `judge` the caller's own Packet and Point: for the
@@ -248,13 +265,14 @@ pub fn observe_in_place(
     at: &mut Point,
     details: impl FnOnce(&mut Packet, &mut Point) -> bool,
 ) {
-    observe_via::<false>(pkt, at, details);
+    observe_via::<false>(pkt, at, classify, details);
 }
 
 #[inline(always)]
 fn observe_via<const SLOT: bool>(
     pkt: &mut Packet,
     at: &mut Point,
+    classify: impl FnOnce(&Packet, &Point) -> Option<Match>,
     details: impl FnOnce(&mut Packet, &mut Point) -> bool,
 ) -> bool {
     let Some(m) = classify(pkt, at) else {
@@ -282,6 +300,20 @@ fn observe_via<const SLOT: bool>(
         }
     }
     if !details(pkt, at) {
+        return true;
+    }
+    // A muted flow's reply at a device in another namespace than its
+    // client's (the node's side of the backend's veth) is one `judge`
+    // would only count: the watch checks replies where the client
+    // receives them (watch.rs `check` passes it, and nothing after that
+    // sends it). Counted here, before the copy and the call.
+    if let Some(state) = m.state
+        && muted(state)
+        && control == 0
+        && !is_drop
+        && watch::elsewhere(state, at)
+    {
+        stat_inc(stat::MUTED_PACKETS);
         return true;
     }
     if !SLOT {
@@ -322,6 +354,60 @@ fn observe_via<const SLOT: bool>(
         );
         core::ptr::write_volatile(depth, d);
     }
+    true
+}
+
+/// Whether a NAT hook's packet stops at the muted check at both of its
+/// points, looked up as it is (after the rewrite): `kept` is the
+/// direction whose flow is keyed by the side the hook does not rewrite
+/// (DNAT hooks: a request, found by its source; SNAT hooks: a reply, found
+/// by its destination). The packet before the rewrite has that side too,
+/// so rules 1-3 find the same state for it (rules 1 and 2 by the same
+/// source; a reply's rule 3 by the same destination, unless its source
+/// before the de-DNAT, the backend's address and port, is also a traced
+/// client's (a UDP server querying from its listening socket), when the
+/// point before would have passed it as a request of that other flow,
+/// which it is not); and a muted state stops a packet without SYN, RST or
+/// ICMP error at a netfilter point whatever else it carries
+/// (`observe_via`). Then the hook skips conntrack's three reads and both
+/// points' classification. Counted as the two muted points it stands for.
+/// Only the lookups rules 1-3 would make, in the order that leaves a
+/// packet that is not such soonest; the match itself is not kept (its
+/// slot took 6.1's combined stack past 512 bytes, tests/stack_depth.rs).
+#[inline(always)]
+pub fn muted_across_nat(pkt: &Packet, kept: u8) -> bool {
+    let control = (pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST)) | pkt.icmp_type;
+    if control != 0 {
+        return false;
+    }
+    let src = key(pkt.saddr, pkt.sport, pkt.proto);
+    if kept == direction::REQUEST {
+        // Rule 1 (a Service destination) or rule 2 finds the client by
+        // the source, and a muted state exists and is in the pre-filter.
+        let state = match prefilter::known(&pkt.saddr) {
+            true => ENDPOINTS.get_ptr_mut(src),
+            false => None,
+        };
+        if !state.is_some_and(muted) {
+            return false;
+        }
+    } else {
+        let dst = key(pkt.daddr, pkt.dport, pkt.proto);
+        let Some(state) = ENDPOINTS.get_ptr_mut(dst) else {
+            return false;
+        };
+        // Rule 3 applies only where rules 1 and 2 do not.
+        if !muted(state)
+            || service_at(pkt.daddr, pkt.dport, pkt.proto).is_some()
+            || (prefilter::known(&pkt.saddr) && ENDPOINTS.get_ptr_mut(src).is_some())
+        {
+            return false;
+        }
+        if pkt.tcp_flags & tcp_flags::FIN != 0 {
+            watch::note_reply_fin(state);
+        }
+    }
+    stat_add(stat::MUTED_PACKETS, 2);
     true
 }
 

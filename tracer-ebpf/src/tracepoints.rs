@@ -7,7 +7,7 @@ use tracer_common::{Config, hook};
 use crate::{
     TC_IFACES, config,
     emit::{Packet, Point},
-    filter::observe,
+    filter::{self, observe, observe_matched},
     skb::{self, L3},
 };
 
@@ -71,14 +71,16 @@ fn try_transmit(skb: u64, dev: u64) -> Result<(), ()> {
     let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
     let mut at = Point::new(hook::DEV_TX);
     at.skb = skb;
-    if !observe(&mut pkt, &mut at, |pkt, at| {
+    // Both observations have the same addresses: classified once.
+    let m = filter::classify(&pkt, &at);
+    if !observe_matched(&mut pkt, &mut at, m, |pkt, at| {
         on_device(cfg, dev, pkt, payload, at)
     }) {
         return Ok(());
     }
     let mut at = Point::new(hook::DEV_RX);
     at.skb = skb;
-    observe(&mut pkt, &mut at, |pkt, at| {
+    observe_matched(&mut pkt, &mut at, m, |pkt, at| {
         let peer = skb::receiver(dev, off);
         peer != 0 && on_device(cfg, peer, pkt, payload, at)
     });

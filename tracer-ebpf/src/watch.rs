@@ -122,6 +122,14 @@ pub fn is_client_netns(state: *mut EndpointState, at: &Point) -> bool {
     cn == 0 || cn == at.netns
 }
 
+/// Whether `at` is a device in another namespace than the one the flow's
+/// reply reached when it was muted (`check` passes such a reply).
+#[inline(always)]
+pub fn elsewhere(state: *mut EndpointState, at: &Point) -> bool {
+    let cn = unsafe { core::ptr::read_volatile(&raw const (*state).client_netns) };
+    cn != 0 && cn != at.netns
+}
+
 /// `Config::benign_drops` bit `reason`; reasons past 255 (subsystem
 /// reasons) are failures.
 #[inline(always)]

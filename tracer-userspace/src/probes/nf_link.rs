@@ -445,8 +445,14 @@ fn load_one(
             // Load again only to get the verifier's explanation.
             let mut buf = vec![0u8; 1 << 20];
             let _ = attempt(Some(&mut buf));
-            let text = String::from_utf8_lossy(&buf);
-            let text = text.trim_end_matches('\0');
+            // The log is a C string: the verifier moves its end back over
+            // what it wrote for a path it abandons (kernel/bpf/log.c
+            // `bpf_vlog_reset` stores a NUL at the new end), so older text
+            // can follow the first NUL. Read past it, the tail below was
+            // that stale text and left out the reason (6.18, a program
+            // over the combined stack size: the reason was before it).
+            let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+            let text = String::from_utf8_lossy(&buf[..end]);
             let tail: Vec<&str> = text.lines().rev().take(20).collect();
             let log = if tail.is_empty() {
                 String::new()
