@@ -235,7 +235,7 @@ pub fn observe(
     at: &mut Point,
     details: impl FnOnce(&mut Packet, &mut Point) -> bool,
 ) -> bool {
-    observe_via::<true>(pkt, at, classify, details)
+    observe_via(pkt, at, classify, details)
 }
 
 /// [`observe`] of a packet [`classify`] already matched (`m`) at a point
@@ -251,25 +251,11 @@ pub fn observe_matched(
     m: Option<Match>,
     details: impl FnOnce(&mut Packet, &mut Point) -> bool,
 ) -> bool {
-    observe_via::<true>(pkt, at, move |_, _| m, details)
-}
-
-/// [`observe`] handing `judge` the caller's own Packet and Point: for the
-/// kprobe programs, whose frames sit at 6.1's 512-byte limit with `judge`
-/// on top and grow 32 bytes past it when the arguments go through
-/// `JUDGE_ARGS` (tests/stack_depth.rs). They pay the stores a miss does
-/// not need, as they did since `judge` became a global function.
-#[inline(always)]
-pub fn observe_in_place(
-    pkt: &mut Packet,
-    at: &mut Point,
-    details: impl FnOnce(&mut Packet, &mut Point) -> bool,
-) {
-    observe_via::<false>(pkt, at, classify, details);
+    observe_via(pkt, at, move |_, _| m, details)
 }
 
 #[inline(always)]
-fn observe_via<const SLOT: bool>(
+fn observe_via(
     pkt: &mut Packet,
     at: &mut Point,
     classify: impl FnOnce(&Packet, &Point) -> Option<Match>,
@@ -314,10 +300,6 @@ fn observe_via<const SLOT: bool>(
         && watch::elsewhere(state, at)
     {
         stat_inc(stat::MUTED_PACKETS);
-        return true;
-    }
-    if !SLOT {
-        judge(pkt, at, u32::from(m.dir), u32::from(m.svc));
         return true;
     }
     // judge's arguments are copied into a per-CPU slot here, on the match
