@@ -374,6 +374,11 @@ pub fn muted_across_nat(pkt: &Packet, kept: u8) -> bool {
             return false;
         }
     } else {
+        // Rule 3 needs a known destination: an untraced packet stops at
+        // the pre-filter, as its classification below does.
+        if !prefilter::known(&pkt.daddr) {
+            return false;
+        }
         let dst = key(pkt.daddr, pkt.dport, pkt.proto);
         let Some(state) = ENDPOINTS.get_ptr_mut(dst) else {
             return false;
