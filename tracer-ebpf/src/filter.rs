@@ -235,7 +235,8 @@ pub fn observe(
     at: &mut Point,
     details: impl FnOnce(&mut Packet, &mut Point) -> bool,
 ) -> bool {
-    observe_via(pkt, at, classify, details)
+    let m = classify(pkt, at);
+    observe_via::<true>(pkt, at, m, details)
 }
 
 /// [`observe`] of a packet [`classify`] already matched (`m`) at a point
@@ -251,17 +252,32 @@ pub fn observe_matched(
     m: Option<Match>,
     details: impl FnOnce(&mut Packet, &mut Point) -> bool,
 ) -> bool {
-    observe_via(pkt, at, move |_, _| m, details)
+    observe_via::<true>(pkt, at, m, details)
+}
+
+/// [`observe`] handing `judge` the caller's own Packet and Point: for the
+/// kprobe programs, whose frames sit at 6.1's 512-byte limit with `judge`
+/// on top and grow past it when the arguments go through `JUDGE_ARGS`
+/// (tests/stack_depth.rs). They pay the stores a miss does not need, as
+/// they did since `judge` became a global function.
+#[inline(always)]
+pub fn observe_in_place(
+    pkt: &mut Packet,
+    at: &mut Point,
+    details: impl FnOnce(&mut Packet, &mut Point) -> bool,
+) {
+    let m = classify(pkt, at);
+    observe_via::<false>(pkt, at, m, details);
 }
 
 #[inline(always)]
-fn observe_via(
+fn observe_via<const SLOT: bool>(
     pkt: &mut Packet,
     at: &mut Point,
-    classify: impl FnOnce(&Packet, &Point) -> Option<Match>,
+    m: Option<Match>,
     details: impl FnOnce(&mut Packet, &mut Point) -> bool,
 ) -> bool {
-    let Some(m) = classify(pkt, at) else {
+    let Some(m) = m else {
         return false;
     };
     let is_drop = at.hook == hook::DROP;
@@ -293,13 +309,17 @@ fn observe_via(
     // would only count: the watch checks replies where the client
     // receives them (watch.rs `check` passes it, and nothing after that
     // sends it). Counted here, before the copy and the call.
-    if let Some(state) = m.state
+    if at.hook == hook::DEV_RX
+        && let Some(state) = m.state
         && muted(state)
         && control == 0
-        && !is_drop
         && watch::elsewhere(state, at)
     {
         stat_inc(stat::MUTED_PACKETS);
+        return true;
+    }
+    if !SLOT {
+        judge(pkt, at, u32::from(m.dir), u32::from(m.svc));
         return true;
     }
     // judge's arguments are copied into a per-CPU slot here, on the match
@@ -357,45 +377,80 @@ fn observe_via(
 /// packet that is not such soonest; the match itself is not kept (its
 /// slot took 6.1's combined stack past 512 bytes, tests/stack_depth.rs).
 #[inline(always)]
-pub fn muted_across_nat(pkt: &Packet, kept: u8) -> bool {
+pub fn muted_across_nat<const KEPT: u8>(pkt: &Packet) -> bool {
     let control = (pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST)) | pkt.icmp_type;
-    if control != 0 {
+    // The side the flow is found by must be in the pre-filter: an
+    // untraced packet stops here, as its classification below does.
+    let side = if KEPT == direction::REQUEST {
+        &pkt.saddr
+    } else {
+        &pkt.daddr
+    };
+    if control != 0 || !prefilter::known(side) {
         return false;
     }
-    let src = key(pkt.saddr, pkt.sport, pkt.proto);
+    let words = |a: &Addr| {
+        (
+            u64::from(a[0]) | u64::from(a[1]) << 32,
+            u64::from(a[2]) | u64::from(a[3]) << 32,
+        )
+    };
+    let (s0, s1) = words(&pkt.saddr);
+    // A request's flow is found by its source alone.
+    let (d0, d1) = if KEPT == direction::REQUEST {
+        (0, 0)
+    } else {
+        words(&pkt.daddr)
+    };
+    let rest = u64::from(pkt.sport)
+        | u64::from(pkt.dport) << 16
+        | u64::from(pkt.proto) << 32
+        | u64::from(KEPT) << 40
+        | u64::from(pkt.tcp_flags & tcp_flags::FIN != 0) << 48;
+    muted_by_keys(s0, s1, d0, d1, rest) != 0
+}
+
+/// [`muted_across_nat`]'s map lookups, in a frame of their own: inlined,
+/// their keys took the NAT programs' frames past 6.1's combined limit with
+/// `judge` on top (tests/stack_depth.rs). Scalars only (the packet's
+/// addresses as words; ports, protocol, direction and FIN packed in
+/// `rest`), so the caller's packet does not escape into the call, which
+/// would keep it in stack memory on the miss path too. A static
+/// subprogram: verified at its one call site per program, with these
+/// arguments as plain scalars.
+#[inline(never)]
+fn muted_by_keys(s0: u64, s1: u64, d0: u64, d1: u64, rest: u64) -> u64 {
+    let addr = |w0: u64, w1: u64| [w0 as u32, (w0 >> 32) as u32, w1 as u32, (w1 >> 32) as u32];
+    let (sport, dport, proto) = (rest as u16, (rest >> 16) as u16, (rest >> 32) as u8);
+    let (kept, fin) = ((rest >> 40) as u8, (rest >> 48) & 1 != 0);
+    let (saddr, daddr) = (addr(s0, s1), addr(d0, d1));
     if kept == direction::REQUEST {
         // Rule 1 (a Service destination) or rule 2 finds the client by
-        // the source, and a muted state exists and is in the pre-filter.
-        let state = match prefilter::known(&pkt.saddr) {
-            true => ENDPOINTS.get_ptr_mut(src),
-            false => None,
-        };
-        if !state.is_some_and(muted) {
-            return false;
+        // the source, and a muted state exists.
+        if !ENDPOINTS
+            .get_ptr_mut(key(saddr, sport, proto))
+            .is_some_and(muted)
+        {
+            return 0;
         }
     } else {
-        // Rule 3 needs a known destination: an untraced packet stops at
-        // the pre-filter, as its classification below does.
-        if !prefilter::known(&pkt.daddr) {
-            return false;
-        }
-        let dst = key(pkt.daddr, pkt.dport, pkt.proto);
-        let Some(state) = ENDPOINTS.get_ptr_mut(dst) else {
-            return false;
+        let Some(state) = ENDPOINTS.get_ptr_mut(key(daddr, dport, proto)) else {
+            return 0;
         };
         // Rule 3 applies only where rules 1 and 2 do not.
         if !muted(state)
-            || service_at(pkt.daddr, pkt.dport, pkt.proto).is_some()
-            || (prefilter::known(&pkt.saddr) && ENDPOINTS.get_ptr_mut(src).is_some())
+            || service_at(daddr, dport, proto).is_some()
+            || (prefilter::known(&saddr)
+                && ENDPOINTS.get_ptr_mut(key(saddr, sport, proto)).is_some())
         {
-            return false;
+            return 0;
         }
-        if pkt.tcp_flags & tcp_flags::FIN != 0 {
+        if fin {
             watch::note_reply_fin(state);
         }
     }
     stat_add(stat::MUTED_PACKETS, 2);
-    true
+    1
 }
 
 /// [`judge`]'s arguments, written on the match path only (see `observe`).
@@ -566,7 +621,11 @@ pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) ->
     if at.skb != 0 {
         if is_drop {
             // The skb is being freed and its address will be reused.
-            let _ = INFLIGHT.remove(at.skb);
+            // The key borrowed where it lies (the JUDGE_ARGS slot): by
+            // value it took a stack slot of its own, and judge's frame is
+            // at 6.1's 128 bytes (tests/stack_depth.rs).
+            #[allow(clippy::needless_borrows_for_generic_args)]
+            let _ = INFLIGHT.remove(&at.skb);
         } else if at.nat_stage == nat_stage::BEFORE {
             // Only the AFTER point of the same hook looks this up (rule 4).
             let seen = InflightPacket {
@@ -575,7 +634,8 @@ pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) ->
                 direction: m.dir,
                 svc: m.svc,
             };
-            let _ = INFLIGHT.insert(at.skb, seen, 0);
+            #[allow(clippy::needless_borrows_for_generic_args)]
+            let _ = INFLIGHT.insert(&at.skb, seen, 0);
         }
     }
 

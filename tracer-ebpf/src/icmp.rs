@@ -245,11 +245,11 @@ pub fn v6<Q: Quote>(q: &Q, l3_len: usize, pkt: &mut Packet) -> Result<(), ()> {
     } else {
         0
     };
-    let l4 = h.l4;
     // The outer header's payload length.
     let outer_len = small::<Q, 2>(q, 4)?;
     let avail = (u16::from_be_bytes(outer_len) as usize + Ipv6Hdr::LEN).saturating_sub(at);
-    quoted_l4(q, pkt, l4, at + 8 + Ipv6Hdr::LEN, avail, 8 + Ipv6Hdr::LEN);
+    // Read from the scratch value after the call above, not kept across it.
+    quoted_l4(q, pkt, h.l4, at + 8 + Ipv6Hdr::LEN, avail, 8 + Ipv6Hdr::LEN);
     // SAFETY: as above; the outer source is read straight into place.
     unsafe {
         q.read(8, (&raw mut (*s).from).cast(), 16)?;

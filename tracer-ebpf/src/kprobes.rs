@@ -16,7 +16,7 @@ use tracer_common::{Addr, as_v4, hook, nat_stage, nf_hook, stat, v4_mapped};
 use crate::{
     config,
     emit::{Packet, Point, stat_inc},
-    filter::observe,
+    filter::observe_in_place,
     skb::{self, L3, read},
 };
 
@@ -265,7 +265,7 @@ fn emit_netfilter(pkt: &mut Packet, payload: u64, skb: u64, nf_hook: u8, stage: 
     at.nat_stage = stage;
     at.skb = skb;
     at.netns = cfg.node_netns;
-    observe(pkt, &mut at, |pkt, at| {
+    observe_in_place(pkt, &mut at, |pkt, at| {
         // Like the netfilter programs: skb->dev, NULL at LOCAL_OUT.
         at.ifindex = skb::dev_ifindex(skb::skb_dev(skb, off), off);
         skb::payload_head(pkt, payload);
@@ -282,7 +282,7 @@ fn try_br_forward(ctx: &ProbeContext) -> Result<(), ()> {
     let (mut pkt, payload) = skb::parse(skb, off, L3::Data)?;
     let mut at = Point::new(hook::BR_FORWARD);
     at.skb = skb;
-    observe(&mut pkt, &mut at, |pkt, at| {
+    observe_in_place(&mut pkt, &mut at, |pkt, at| {
         // The port the frame leaves by; skb->dev is still the one it came in on.
         let dev = if off.net_bridge_port_dev != 0 && to != 0 {
             read::<u64>(to + off.net_bridge_port_dev as u64).unwrap_or(0)

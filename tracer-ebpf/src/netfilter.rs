@@ -89,11 +89,11 @@ fn try_netfilter_nat(ctx: *mut c_void, nf_hook: u8, rewrites: Rewrites) -> Resul
     let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
     // The packet as it is (the AFTER point) is looked at first: the bulk
     // of an established flow then stops here, before conntrack is read.
-    let kept = match rewrites {
-        Rewrites::Destination => direction::REQUEST,
-        Rewrites::Source => direction::REPLY,
+    let muted = match rewrites {
+        Rewrites::Destination => filter::muted_across_nat::<{ direction::REQUEST }>(&pkt),
+        Rewrites::Source => filter::muted_across_nat::<{ direction::REPLY }>(&pkt),
     };
-    if filter::muted_across_nat(&pkt, kept) {
+    if muted {
         return Ok(());
     }
     let after = match rewrites {

@@ -95,20 +95,31 @@ pub fn bpf_pass(ctx: &Ctx, r: &mut Results, bulk: bool, conn: bool) -> anyhow::R
             "connections, baseline build, this Service",
         ));
     }
-    for (cond, label) in conds {
-        let is_conn = label.starts_with("conn");
-        let svc = if is_conn {
-            conn_svc(ctx)
-        } else {
-            ctx.svc(cond)
-        };
-        let mut s = BpfSample {
-            label: label.into(),
-            unit: if is_conn { "1000 conns" } else { "GB" },
-            cond: Some(cond),
+    // Conditions alternate run by run, as in the timed runs: run time per
+    // call is read from the clock, so it moves with the machine's load, and
+    // a fixed order put one build's runs first every time (2026-12-05: the
+    // miss path read 7-15% apart between two builds in that order).
+    let mut samples: Vec<BpfSample> = conds
+        .iter()
+        .map(|(cond, label)| BpfSample {
+            label: (*label).into(),
+            unit: if label.starts_with("conn") {
+                "1000 conns"
+            } else {
+                "GB"
+            },
+            cond: Some(*cond),
             ..BpfSample::default()
-        };
-        for _ in 0..runs {
+        })
+        .collect();
+    for _ in 0..runs {
+        for ((cond, label), s) in conds.iter().zip(samples.iter_mut()) {
+            let (cond, is_conn) = (*cond, label.starts_with("conn"));
+            let svc = if is_conn {
+                conn_svc(ctx)
+            } else {
+                ctx.svc(cond)
+            };
             let ((work, delta), _) = under(ctx, cond, svc, |pid| {
                 let before = prog_runtime(pid);
                 let work = if is_conn {
@@ -128,8 +139,11 @@ pub fn bpf_pass(ctx: &Ctx, r: &mut Results, bulk: bool, conn: bool) -> anyhow::R
                 p.1 += calls;
             }
         }
+    }
+    for s in samples {
         say(&format!(
-            "bpf stats {label}: {:.0} ns/call, {:.0} calls per {}",
+            "bpf stats {}: {:.0} ns/call, {:.0} calls per {}",
+            s.label,
             s.ns as f64 / s.calls.max(1) as f64,
             s.calls as f64 / s.work.max(1e-9),
             s.unit

@@ -751,7 +751,8 @@ fn bpf_section(w: &mut String, r: &Results) {
         w,
         "## BPF run time (separate pass)\n\nMeasured in runs of their own with BPF_ENABLE_STATS \
          held (the kernel then reads the clock around every program call, which the runs above \
-         do not pay): the sum over all of nattrace's programs.\n\n\
+         do not pay), conditions alternating run by run (the clock's reading moves with the \
+         machine's load): the sum over all of nattrace's programs.\n\n\
          | run | ns per program call | calls per unit | BPF CPU ms per unit |\n|---|---|---|---|"
     );
     for b in &r.bpf {
