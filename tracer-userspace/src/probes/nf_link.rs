@@ -445,23 +445,7 @@ fn load_one(
             // Load again only to get the verifier's explanation.
             let mut buf = vec![0u8; 1 << 20];
             let _ = attempt(Some(&mut buf));
-            // The log is a C string: the verifier moves its end back over
-            // what it wrote for a path it abandons (kernel/bpf/log.c
-            // `bpf_vlog_reset` stores a NUL at the new end), so older text
-            // can follow the first NUL. Read past it, the tail below was
-            // that stale text and left out the reason (6.18, a program
-            // over the combined stack size: the reason was before it).
-            let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-            let text = String::from_utf8_lossy(&buf[..end]);
-            let tail: Vec<&str> = text.lines().rev().take(20).collect();
-            let log = if tail.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    "\nverifier log (tail):\n{}",
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                )
-            };
+            let log = log_tail(&buf);
             Err(NfLinkError::Load {
                 name: name.to_owned(),
                 error: first,
@@ -471,9 +455,45 @@ fn load_one(
     }
 }
 
+/// The last lines of a verifier log, for the error. The log is a C string:
+/// the verifier moves its end back over what it wrote for a path it
+/// abandons (kernel/bpf/log.c `bpf_vlog_reset` stores a NUL at the new
+/// end), so older text can follow the first NUL. Read past it, the tail was
+/// that stale text and left out the reason (6.18, a program over the
+/// combined stack size: the reason was before the NUL).
+fn log_tail(buf: &[u8]) -> String {
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let text = String::from_utf8_lossy(&buf[..end]);
+    let tail: Vec<&str> = text.lines().rev().take(20).collect();
+    if tail.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\nverifier log (tail):\n{}",
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The shape 6.18 returned for nf_pre over the combined stack: the
+    /// reason, a NUL, then older lines of an abandoned path.
+    #[test]
+    fn the_log_ends_at_its_first_nul() {
+        let mut buf = b"Func#5 ('judge') is safe for any args that match its prototype\n\
+            combined stack size of 2 calls is 544. Too large\n\
+            processed 58130 insns (limit 1000000)\n"
+            .to_vec();
+        buf.push(0);
+        buf.extend_from_slice(b"ter.rs:460\n2838: (bf) r8 = r3\n");
+        buf.resize(4096, 0);
+        let tail = log_tail(&buf);
+        assert!(tail.contains("544. Too large"), "{tail}");
+        assert!(!tail.contains("2838"), "{tail}");
+        assert_eq!(log_tail(&[0; 16]), "");
+    }
 
     fn busy(priority: i32) -> NfLinkError {
         NfLinkError::Attach {
