@@ -8,7 +8,7 @@
 //! fixture, so a field added to one and not the other fails there.
 use std::net::SocketAddr;
 
-use crate::collector::{Attempt, FlowReport, Hop, PacketEvidence, addr_text::AddrText};
+use crate::collector::{Attempt, FlowReport, Hop, PacketEvidence, addr_text};
 
 /// A key as written after another member: `,"name":`. The first member
 /// of an object skips the comma. One copy per key instead of four pushes
@@ -227,7 +227,7 @@ impl<'a> Obj<'a> {
     fn addr(&mut self, k: &str, a: &SocketAddr) {
         self.key(k);
         self.out.push(b'"');
-        self.out.extend_from_slice(AddrText::new(a).as_bytes());
+        addr_text::push(self.out, a);
         self.out.push(b'"');
     }
 
