@@ -7,9 +7,10 @@ use std::net::SocketAddr;
 
 use serde::Serializer;
 
-/// Each byte's decimal text, left-aligned in three bytes after its length
-/// (callgrind: the octets' divisions and branches were ~200 instructions of
-/// an address's ~300).
+/// Each byte's decimal text, left-aligned in three bytes after its length:
+/// an octet's divisions and a branch per digit made `AddrText::new` ~215
+/// instructions per address (callgrind, BENCHMARKS.md "An ok line's
+/// addresses").
 const OCTETS: [[u8; 4]; 256] = {
     let mut t = [[0u8; 4]; 256];
     let mut o = 0;
