@@ -123,6 +123,19 @@ pub fn push(out: &mut Vec<u8>, addr: &SocketAddr) {
     }
 }
 
+/// [`push`] for a sentence (the `ok` detail, the text line's head).
+pub fn push_str(out: &mut String, addr: &SocketAddr) {
+    match addr {
+        SocketAddr::V4(a) => {
+            let mut b = [0u8; V4_MAX];
+            let n = v4(&mut b, a);
+            // Digits, dots and a colon: always UTF-8.
+            out.push_str(std::str::from_utf8(&b[..n]).unwrap_or_default());
+        }
+        SocketAddr::V6(_) => out.push_str(AddrText::new(addr).as_str()),
+    }
+}
+
 /// `#[serde(serialize_with)]` for a `SocketAddr`: the same string as serde's.
 pub fn serialize<S: Serializer>(addr: &SocketAddr, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(AddrText::new(addr).as_str())
@@ -178,6 +191,9 @@ mod tests {
                 let mut pushed = b"x".to_vec();
                 push(&mut pushed, &addr);
                 assert_eq!(pushed[1..], *addr.to_string().as_bytes());
+                let mut sentence = String::from("x");
+                push_str(&mut sentence, &addr);
+                assert_eq!(sentence[1..], addr.to_string());
             }
         }
     }

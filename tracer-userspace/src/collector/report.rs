@@ -9,7 +9,7 @@ pub use super::hops::Hop;
 pub(crate) use super::hops::{ReportCtx, hop};
 
 use super::{
-    addr_text::AddrText,
+    addr_text,
     causes::{self, Cause},
     checks::RuleCtx,
     established::{Established, Phase},
@@ -365,7 +365,7 @@ fn ok_detail(flow: &Flow, r: ClientReply) -> String {
     let mut s = String::with_capacity(96);
     s.push_str(flow.kind(r.packet));
     s.push_str(" reached the client from ");
-    s.push_str(AddrText::new(&flow.service.socket_addr()).as_str());
+    addr_text::push_str(&mut s, &flow.service.socket_addr());
     s.push_str(" (reverse-NATed");
     if let Some(at) = reverse_nat_point(flow, r.packet) {
         s.push_str(" at ");
@@ -377,7 +377,7 @@ fn ok_detail(flow: &Flow, r: ClientReply) -> String {
     }
     if let Some(snat) = flow.snat {
         s.push_str("; client masqueraded to ");
-        s.push_str(AddrText::new(&snat.socket_addr()).as_str());
+        addr_text::push_str(&mut s, &snat.socket_addr());
     }
     s
 }

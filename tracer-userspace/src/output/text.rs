@@ -7,7 +7,7 @@
 use std::io::{self, Write as _};
 
 use super::clean::Clean;
-use crate::collector::addr_text::AddrText;
+use crate::collector::addr_text;
 use crate::collector::{FlowReport, Hop, PacketEvidence, Summary, Verdict};
 
 const GREEN: &str = "\x1b[32m";
@@ -84,15 +84,16 @@ impl<W: io::Write> TextOutput<W> {
         };
         let (c, b, reset) = (self.paint(colour), self.paint(BOLD), self.paint(RESET));
         let mut head = format!(
-            "{c}{mark} {b}{}{reset} {} {} → {}",
+            "{c}{mark} {b}{}{reset} {} ",
             r.verdict.as_str(),
             r.proto.as_str(),
-            AddrText::new(&r.client).as_str(),
-            AddrText::new(&r.service).as_str()
         );
+        addr_text::push_str(&mut head, &r.client);
+        head.push_str(" → ");
+        addr_text::push_str(&mut head, &r.service);
         if let Some(backend) = r.backend {
             head.push_str(" DNAT→ ");
-            head.push_str(AddrText::new(&backend).as_str());
+            addr_text::push_str(&mut head, &backend);
         }
         let chains = r.kube.as_ref().map(|k| match &k.sep_chain {
             Some(sep) => format!("[{} {} → {sep}]", k.service, k.svc_chain),
