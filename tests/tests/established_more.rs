@@ -955,3 +955,179 @@ both_modes!(
     routed_policy_drop: root_routed_policy_drop_mid_flow_iptables,
     root_routed_policy_drop_mid_flow_nftables
 );
+
+/// A process of the lab in a pod, killed when dropped.
+struct PodProcess(Child);
+
+impl Drop for PodProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `lab-server ARGS` in `pod`, its stdout's lines sent to the receiver.
+fn in_pod(lab: &Lab, pod: &str, args: &[&str]) -> (PodProcess, Receiver<String>) {
+    let server = lab_server_path().expect("lab-server");
+    let mut cmd: Command = lab
+        .netns(pod)
+        .expect("the pod")
+        .command(&server.to_string_lossy())
+        .expect("lab-server in the pod");
+    cmd.args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut child = cmd.spawn().expect("starting lab-server");
+    let out = child.stdout.take().expect("piped");
+    let (tx, lines) = channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (PodProcess(child), lines)
+}
+
+/// The listen queue's overflow: node-a's backend stops accepting (a
+/// stalled accept loop, `lab-server backlog`: listen(4), never accept())
+/// with `net.ipv4.tcp_abort_on_overflow=1` in its pod. The client fills
+/// the queue, then opens four connections at once: their SYNs all find
+/// room, the first ACK takes the queue's last place, and the listener
+/// answers each later ACK with a bare RST (net/ipv4/tcp_minisocks.c
+/// `tcp_check_req`, `listen_overflow` → `embryonic_reset`). The client's
+/// connect() succeeded; its first read fails with ECONNRESET, about a
+/// millisecond after the SYN-ACK — inside the opening's settle time, where
+/// the reset was taken as part of the opening's evidence and the
+/// connection reported `ok`. The connections that got a place, and a
+/// connection to the other node's backend, stay `ok`.
+fn reset_after_handshake(mode: ProxyMode) {
+    let _lock = tracing_lock();
+    let lab = lab(mode);
+    let scratch = lab::Scratch::new("established");
+    let record = scratch.path("listen-overflow.rec");
+    let backend = presets::BACKEND_POD;
+    lab.stop_pod_servers(backend).expect("stopping the backend");
+    lab.run(
+        backend,
+        &["sysctl", "-qw", "net.ipv4.tcp_abort_on_overflow=1"],
+    )
+    .expect("the backend pod's sysctl");
+    let (_listener, ready) = in_pod(&lab, backend, &["backlog", &WEB_PORT.to_string(), "4"]);
+    assert_eq!(
+        ready.recv_timeout(EVENT_TIMEOUT).ok().as_deref(),
+        Some("ready"),
+        "the backend listens"
+    );
+    let mut t = start(&lab, &record);
+    let mut twin = Writer::open(&lab, REMOTE_SERVICE_IP, HEALTHY_PORT);
+    twin.exchange(3);
+    let (_burst, lines) = in_pod(
+        &lab,
+        presets::CLIENT_POD,
+        &[
+            "burst",
+            &WEB_SERVICE_IP.to_string(),
+            &WEB_PORT.to_string(),
+            "4",
+            "3",
+        ],
+    );
+    let mut fates = Vec::new();
+    loop {
+        let line = lines
+            .recv_timeout(EVENT_TIMEOUT)
+            .expect("the client's connections' fates");
+        if line == "done" {
+            break;
+        }
+        fates.push(line);
+    }
+    println!("client: {fates:?}");
+    let ports = |word: &str| -> Vec<u16> {
+        fates
+            .iter()
+            .filter_map(|l| l.strip_prefix(word)?.trim().split(' ').next()?.parse().ok())
+            .collect()
+    };
+    let (reset, opened) = (ports("reset"), [ports("filled"), ports("open")].concat());
+    assert!(
+        !reset.is_empty(),
+        "the client's symptom: a reset after connect: {fates:?}"
+    );
+    assert_eq!(
+        opened.len(),
+        5,
+        "four filled the queue, one took its last place: {fates:?}"
+    );
+    twin.exchange(3);
+    for p in &reset {
+        let port = format!(":{p}\"");
+        let line = t.wait_line(EVENT_TIMEOUT, |l| {
+            l.contains(&port) && l.contains("\"phase\":\"established\"")
+        });
+        if line.is_none() {
+            t.terminate();
+            let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+            panic!(
+                "nattrace did not report the reset on port {p}: {}",
+                done.describe()
+            );
+        }
+    }
+    twin.exchange(3);
+    t.terminate();
+    let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+    let live = done
+        .flows()
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", done.describe()));
+    let replayed = analyze(&record);
+    for flows in [&live, &replayed] {
+        for &p in &reset {
+            let of_port: Vec<&Value> = flows.iter().filter(|f| client_port(f) == p).collect();
+            let broken: Vec<&&Value> = of_port
+                .iter()
+                .filter(|f| f["phase"] == "established")
+                .collect();
+            assert_eq!(broken.len(), 1, "port {p}: {}", done.describe());
+            let f = broken[0];
+            println!(
+                "port {p}: {} / {} — {}",
+                f["verdict"], f["cause"], f["detail"]
+            );
+            assert_eq!(f["verdict"], "refused", "{f}");
+            assert_eq!(f["cause"], "listen_queue_overflow", "{f}");
+            assert!(
+                of_port
+                    .iter()
+                    .any(|f| f["phase"].is_null() && f["verdict"] == "ok"),
+                "its opening was ok: {of_port:?}"
+            );
+        }
+        for &p in opened.iter().chain([&HEALTHY_PORT]) {
+            let of_port: Vec<&Value> = flows.iter().filter(|f| client_port(f) == p).collect();
+            assert!(
+                !of_port.is_empty() && of_port.iter().all(|f| f["verdict"] == "ok"),
+                "port {p} stays ok: {of_port:?}"
+            );
+        }
+    }
+    // The collector's fixture (tracer-userspace/fixtures/established/),
+    // made by `cargo xtask fixtures`.
+    if let Ok(dir) = std::env::var(lab::tracer::RECORD_DIR_ENV) {
+        let name = format!(
+            "root_listen_queue_overflow_resets_after_the_handshake_{}.rec",
+            format!("{mode:?}").to_lowercase()
+        );
+        std::fs::copy(&record, Path::new(&dir).join(name)).expect("keeping the recording");
+    }
+}
+
+both_modes!(
+    reset_after_handshake: root_listen_queue_overflow_resets_after_the_handshake_iptables,
+    root_listen_queue_overflow_resets_after_the_handshake_nftables
+);

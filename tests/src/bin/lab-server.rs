@@ -11,6 +11,12 @@
 //!                                      on stdin is sent and its echo printed; "abort"
 //!                                      resets, "close" closes, "write-after-close" has
 //!                                      the server close, then writes; read stalls print "stalled"
+//! lab-server backlog PORT N            listen with a backlog of N, TCP_DEFER_ACCEPT, and
+//!                                      never accept (a stalled accept loop: the queue fills)
+//! lab-server burst IP PORT FILL N      FILL connections each with its request, then N opened
+//!                                      before their requests are sent; prints each one's
+//!                                      fate (filled, reset, open, failed), then "done", and
+//!                                      keeps them until stdin closes
 //! lab-server dns PORT NAME A.B.C.D     answer A queries for NAME over UDP
 //! lab-server ra IFNAME LIFETIME        send one IPv6 Router Advertisement on IFNAME
 //! ```
@@ -24,7 +30,7 @@ use std::process::ExitCode;
 use std::thread;
 use std::time::Duration;
 
-const USAGE: &str = "usage: lab-server http PORT [--name TEXT] | lab-server writer IP PORT LOCALPORT | lab-server dns PORT NAME A.B.C.D | lab-server ra IFNAME LIFETIME";
+const USAGE: &str = "usage: lab-server http PORT [--name TEXT] | lab-server writer IP PORT LOCALPORT | lab-server backlog PORT N | lab-server burst IP PORT FILL N | lab-server dns PORT NAME A.B.C.D | lab-server ra IFNAME LIFETIME";
 
 /// A client that connects and sends nothing must not pin a thread forever.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -37,6 +43,10 @@ fn main() -> ExitCode {
         ["writer", ip, port, local] => parse_port(port)
             .and_then(|p| parse_port(local).map(|l| (p, l)))
             .and_then(|(p, l)| writer(ip, p, l)),
+        ["backlog", port, n] => parse_port(port).and_then(|p| backlog(p, parse_count(n)?)),
+        ["burst", ip, port, fill, n] => {
+            parse_port(port).and_then(|p| burst(ip, p, parse_count(fill)?, parse_count(n)?))
+        }
         ["dns", port, name, answer] => parse_port(port).and_then(|p| {
             let ip: Ipv4Addr = answer
                 .parse()
@@ -60,6 +70,10 @@ fn main() -> ExitCode {
 
 fn parse_port(s: &str) -> Result<u16, String> {
     s.parse().map_err(|_| format!("{s:?} is not a port number"))
+}
+
+fn parse_count(s: &str) -> Result<u16, String> {
+    s.parse().map_err(|_| format!("{s:?} is not a count"))
 }
 
 fn ready() -> Result<(), String> {
@@ -333,6 +347,102 @@ fn writer(ip: &str, port: u16, local: u16) -> Result<(), String> {
             }
         }
     }
+}
+
+/// A listener whose application never accepts, with TCP_DEFER_ACCEPT (as
+/// nginx's `listen … deferred`): a connection takes its place in the
+/// accept queue when its first data arrives, not at the handshake's ACK,
+/// and stays there, as behind a stalled accept loop, until it is full.
+fn backlog(port: u16, n: u16) -> Result<(), String> {
+    use std::os::fd::AsRawFd as _;
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+        .map_err(|e| format!("socket: {e}"))?;
+    sock.set_reuse_address(true).map_err(|e| e.to_string())?;
+    let secs: libc::c_int = 30;
+    // SAFETY: a valid socket and an int option of the size given.
+    let rc = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_DEFER_ACCEPT,
+            (&raw const secs).cast(),
+            std::mem::size_of_val(&secs) as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(format!("TCP_DEFER_ACCEPT: {}", io::Error::last_os_error()));
+    }
+    sock.bind(&SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)).into())
+        .map_err(|e| format!("binding tcp port {port}: {e}"))?;
+    sock.listen(i32::from(n))
+        .map_err(|e| format!("listen: {e}"))?;
+    ready()?;
+    loop {
+        thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+/// How long an opened connection of `burst` is read before it counts as
+/// `open`: the listener resets a request as it arrives.
+const RESET_WAIT: Duration = Duration::from_secs(1);
+
+/// A request on each connection, as a client sends it right after connect().
+const BURST_REQUEST: &[u8] = b"GET / HTTP/1.0\r\n\r\n";
+
+/// `fill` connections, each opened and its request sent (each takes a
+/// place in a never-accepting listener's queue), then `n` opened one after
+/// another and only then their requests sent: each prints `filled PORT`,
+/// then `reset PORT` (opened, its read failed with ECONNRESET), `open
+/// PORT` (nothing within RESET_WAIT) or `failed PORT ERROR`; then `done`.
+/// The connections are kept until stdin closes.
+fn burst(ip: &str, port: u16, fill: u16, n: u16) -> Result<(), String> {
+    let ip: Ipv4Addr = ip.parse().map_err(|e| format!("{ip}: {e}"))?;
+    let to = SocketAddr::from((ip, port));
+    let open = || {
+        TcpStream::connect_timeout(&to, RESET_WAIT * 5)
+            .map_err(|e| format!("connecting to {to}: {e}"))
+    };
+    let local = |s: &TcpStream| s.local_addr().map_or(0, |a| a.port());
+    let mut kept = Vec::new();
+    for _ in 0..fill {
+        let mut s = open()?;
+        s.write_all(BURST_REQUEST).map_err(|e| e.to_string())?;
+        say(&format!("filled {}", local(&s)));
+        kept.push(s);
+    }
+    let mut burst = Vec::new();
+    for _ in 0..n {
+        burst.push(open()?);
+    }
+    for s in &mut burst {
+        // A reset of an earlier one does not stop the next request.
+        let _ = s.write_all(BURST_REQUEST);
+    }
+    for mut s in burst {
+        let port = local(&s);
+        s.set_read_timeout(Some(RESET_WAIT))
+            .map_err(|e| e.to_string())?;
+        let mut byte = [0u8];
+        match s.read(&mut byte) {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => say(&format!("reset {port}")),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                say(&format!("open {port}"))
+            }
+            Err(e) => say(&format!("failed {port} {e}")),
+            Ok(0) => say(&format!("failed {port} closed by the server")),
+            Ok(_) => say(&format!("open {port}")),
+        }
+        kept.push(s);
+    }
+    say("done");
+    let _ = io::stdin().read_to_end(&mut Vec::new());
+    drop(kept);
+    Ok(())
 }
 
 fn say(line: &str) {

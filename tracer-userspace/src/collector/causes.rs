@@ -60,6 +60,9 @@ pub enum CauseId {
     /// Issue 21: mid-stream the backend answered with a bare RST (its
     /// socket for the connection is gone: crashed or restarted).
     BackendRestarted,
+    /// Right after the handshake the backend reset the connection before
+    /// answering anything: its listener had no room in the accept queue.
+    ListenQueueOverflow,
     /// Mid-stream the backend closed the connection (FIN) and reset the
     /// client's later data: the keep-alive race, or a process that exited.
     /// The socket was closed, not lost without a close.
@@ -228,6 +231,15 @@ pub(crate) const CAUSES: &[CauseRow] = &[
         check: super::checks::midstream::backend_closed,
         incident: "mid-stream the backend closed the connection (its FIN passed the node) and the client wrote after: the backend's kernel resets data sent to a closed socket (RFC 1122), the client gets ECONNRESET or EPIPE — the keep-alive race (a server idle timeout shorter than the client's connection pool's; found in the bench's iperf3 runs), or the server's process exited and its kernel closed its sockets",
         fix: "not a network or kube-proxy fault: the server ends connections the client still uses — make the client's idle timeout for pooled connections shorter than the server's keep-alive timeout (or have the server send `Connection: close` / HTTP/2 GOAWAY first), and retry idempotent requests on a reset of a reused connection; if the backend pod restarted at that time (kubectl get pod: RESTARTS), its process exiting closed the connection: see backend_restarted's fix",
+    },
+    // Before backend_restarted: the same bare RST, before the backend sent a byte.
+    CauseRow {
+        id: CauseId::ListenQueueOverflow,
+        name: "listen_queue_overflow",
+        verdicts: &[Verdict::Refused],
+        check: super::checks::midstream::listen_queue_overflow,
+        incident: "right after the handshake (within 1 s, nothing answered before) the backend reset the connection with a bare RST: its listener had no room left in its accept queue (a server that does not accept() fast enough, with net.ipv4.tcp_abort_on_overflow=1); the client's connect() succeeded and its first read fails with ECONNRESET — reported `ok` until the opening stopped taking a reset within its settle time as its own evidence",
+        fix: "the backend's server does not accept connections as fast as they come: in its pod, `nstat -az TcpExtListenOverflows TcpExtListenDrops` rises and `ss -ltn` shows the listener's Recv-Q at its backlog (Send-Q); raise the server's listen backlog and net.core.somaxconn in the pod, add replicas, or find what stalls its accept loop; net.ipv4.tcp_abort_on_overflow=1 makes these resets (at 0 the kernel drops the segment and the client retries, slower but without an error)",
     },
     CauseRow {
         id: CauseId::BackendRestarted,

@@ -10,7 +10,7 @@
 //! verdicts and causes as an opening and `phase: established`. A verdict
 //! of `ok` then (a reverse-NATed reply after all) reports nothing.
 use serde::Serialize;
-use tracer_common::{PacketEvent, event_flags, hook, nat_stage, nf_hook};
+use tracer_common::{PacketEvent, event_flags, hook, nat_stage, nf_hook, tcp_flags};
 
 use super::{
     MS,
@@ -192,6 +192,33 @@ pub(crate) fn good_before_watch(flow: &Flow) -> u32 {
         .filter(|o| good_reply_at(flow, o.hook, o.netns, o.src, o.dst))
         .count();
     u32::try_from(n.saturating_sub(1)).unwrap_or(u32::MAX)
+}
+
+/// A bare RST from the backend's side while an opening whose reply reached
+/// the client reverse-NATed still settles (`CollectorConfig::settle_ns`):
+/// the connection was reset right after its handshake — a listener whose
+/// accept queue is full resets the client's first segment
+/// (net/ipv4/tcp_minisocks.c `tcp_check_req`, `listen_overflow` with
+/// `tcp_abort_on_overflow`). Taken as the opening's evidence, it left the
+/// connection `ok` while the client's first read failed; the opening is
+/// `ok` (its reply was right) and the reset is the established
+/// connection's failure, for the watch to judge.
+pub(crate) fn resets_settling_opening(
+    flow: &Flow,
+    ev: &PacketEvent,
+    known: &KnownReasons,
+    node_netns: u32,
+) -> bool {
+    !flow.reported
+        && flow.watch.is_none()
+        && is_bare_rst(ev)
+        && ev.direction == tracer_common::direction::REPLY
+        && ev.hook != hook::DROP
+        && flow.client_reply.is_some_and(|r| r.reverse_nated)
+        // An endpoint's own abort (RST|ACK) before it closed the connection:
+        // what follows is its aftermath, as `Watch::closed` says once watched.
+        && !flow.packets.iter().any(|p| p.key.tcp_flags & tcp_flags::RST != 0)
+        && super::verdict::verdict_of(flow, known, node_netns, false) == super::Verdict::Ok
 }
 
 /// The flow's evidence starts again at `ev`, which failed the watch.

@@ -774,6 +774,13 @@ impl Collector {
                 return;
             }
         };
+        if self.flow(r).is_some_and(|f| {
+            established::resets_settling_opening(f, ev, &self.known, self.cfg.facts.netns_inode)
+        }) {
+            // The opening is decided first, so that the reset is the
+            // established connection's failure, not the opening's evidence.
+            self.decide(r, ev.ts_ns);
+        }
         let ctx = FlowCtx {
             node_netns: self.cfg.facts.netns_inode,
             packet_gap_ns: self.cfg.packet_gap_ns,

@@ -45,6 +45,36 @@ pub(in crate::collector) fn backend_restarted(ctx: &RuleCtx<'_>) -> Option<Found
     ))
 }
 
+/// A flow decided `ok` whose backend reset it with a bare RST before
+/// answering anything, within [`FIRST_SEGMENT_NS`] of the opening: its
+/// kernel held nothing of the connection but the handshake when the
+/// client's first segment came. A listener does that when its accept queue
+/// has no room as the handshake completes (net/ipv4/tcp_minisocks.c
+/// `tcp_check_req`: `syn_recv_sock` fails on `sk_acceptq_is_full`, and
+/// with `tcp_abort_on_overflow` `embryonic_reset` answers the client's
+/// segment; reproduced in tests/tests/established_more.rs with a listener
+/// that never accepts). A pooled connection reset on its first use
+/// minutes later is left to `backend_restarted`.
+pub(in crate::collector) fn listen_queue_overflow(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let (after_fin, backend) = bare_rst_from_backend(ctx)?;
+    let w = ctx.flow.watch?;
+    if after_fin || w.good != 0 || w.failed_ts.saturating_sub(w.ok_ts) > FIRST_SEGMENT_NS {
+        return None;
+    }
+    Some((
+        format!(
+            "backend {backend} reset the connection right after its handshake (its listen queue was full?)"
+        ),
+        format!(
+            "backend {backend} answered the client's first segment after the handshake with a bare RST, having answered nothing before: its kernel held nothing of the connection but the handshake — its listener had no room left in its accept queue (the server does not accept() as fast as connections come, and net.ipv4.tcp_abort_on_overflow=1 makes the kernel reset instead of drop), or the listener was closed right after the handshake; the client's connect() succeeded, its first read or write fails with ECONNRESET"
+        ),
+    ))
+}
+
+/// How soon after the opening a client's first segment comes (a client
+/// sends its request as connect() returns).
+const FIRST_SEGMENT_NS: u64 = 1_000_000_000;
+
 /// A flow that was `ok`, whose backend then closed the connection (its FIN
 /// passed the node while the flow was muted: `event_flags::AFTER_FIN`) and
 /// answered the client's later data with a bare RST. A kernel resets data

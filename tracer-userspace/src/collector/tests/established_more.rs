@@ -295,3 +295,54 @@ fn a_netfilter_drop_mid_stream_is_named_after_the_rule_that_matches_it() {
     let text = &e[0].cause.as_ref().expect("a cause").text;
     assert!(text.contains("ct state invalid drop"), "{text}");
 }
+
+/// A bare RST from the backend's side 1 ms after the SYN-ACK reached the
+/// client, while the opening still settles: a listener with a full accept
+/// queue resetting the client's first segment. It was taken as the
+/// opening's evidence and the flow reported `ok`; now the opening is `ok`
+/// and the reset is the established connection's failure,
+/// `listen_queue_overflow`. The same reset 3 s later, nothing answered
+/// in between (a connection idle since its opening), stays
+/// `backend_restarted`.
+#[test]
+fn a_bare_rst_right_after_the_handshake_is_listen_queue_overflow() {
+    for (after, cause) in [
+        (MS, CauseId::ListenQueueOverflow),
+        (3_000 * MS, CauseId::BackendRestarted),
+    ] {
+        let mut events = fixture("seed000_healthy.jsonl");
+        let reply = client_reply(&events);
+        events.extend(rst_reply(&reply, after, tcp_flags::RST));
+        let (reports, summary) = decide(&events);
+        let e = established(&reports);
+        assert_eq!(e.len(), 1, "after {after} ns: {reports:#?}");
+        assert_eq!(e[0].verdict, Verdict::Refused, "{:#?}", e[0]);
+        assert_eq!(
+            e[0].cause.as_ref().map(|c| c.id),
+            Some(cause),
+            "{:#?}",
+            e[0]
+        );
+        let openings: Vec<_> = reports
+            .iter()
+            .filter(|r| r.phase == Phase::Opening)
+            .collect();
+        assert_eq!(openings.len(), 1, "{reports:#?}");
+        assert_eq!(openings[0].verdict, Verdict::Ok, "{:#?}", openings[0]);
+        assert_eq!(summary.established_failures, 1);
+    }
+}
+
+/// An endpoint's abort (RST|ACK) 1 ms after the opening, and the bare RST
+/// its aftermath brings: a close, no failure, as later in the connection.
+#[test]
+fn an_abort_right_after_the_handshake_is_no_failure() {
+    let mut events = fixture("seed000_healthy.jsonl");
+    let reply = client_reply(&events);
+    events.extend(rst_reply(&reply, MS, tcp_flags::RST | tcp_flags::ACK));
+    events.extend(rst_reply(&reply, MS + 300_000, tcp_flags::RST));
+    let (reports, summary) = decide(&events);
+    assert!(established(&reports).is_empty(), "{reports:#?}");
+    assert_eq!(summary.established_failures, 0);
+    assert_eq!(summary.by_verdict.ok, 1);
+}
