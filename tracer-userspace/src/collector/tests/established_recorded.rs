@@ -427,3 +427,65 @@ fn a_policy_drop_with_the_backend_retransmitting_is_dropped_by_the_rule() {
     assert_eq!(summary.by_verdict.ok, 2, "{summary:#?}");
     assert_eq!(summary.established_failures, 1);
 }
+
+/// The listen queue's overflow as the kernel showed it
+/// (`tests/tests/established_more.rs`, iptables mode, recorded by `cargo
+/// xtask fixtures`): a never-accepting listener with four connections
+/// queued; of three opened next, one took the last place and the listener
+/// reset the other two as their requests came, ~1 ms after the SYN-ACK.
+/// Those two are `ok` openings, then `refused` / `listen_queue_overflow`,
+/// phase established; every other flow (the queued ones, the one to the
+/// other node's backend) is only `ok`; `analyze -v` says what the golden
+/// says.
+#[test]
+fn the_listen_queue_overflow_recording() {
+    const REC: &str = include_str!(crate::fixture!(
+        "established/root_listen_queue_overflow_resets_after_the_handshake_iptables.rec"
+    ));
+    const GOLDEN: &str = include_str!(crate::fixture!(
+        "established/root_listen_queue_overflow_resets_after_the_handshake_iptables.json"
+    ));
+    let (reports, summary) = decide(REC);
+    let broken = established(&reports);
+    assert_eq!(broken.len(), 2, "{reports:#?}");
+    for b in &broken {
+        assert_eq!(b.verdict, Verdict::Refused, "{b:#?}");
+        assert_eq!(
+            b.cause.as_ref().map(|c| c.id),
+            Some(CauseId::ListenQueueOverflow),
+            "{b:#?}"
+        );
+        assert!(
+            reports.iter().any(|r| r.phase == Phase::Opening
+                && r.client == b.client
+                && r.verdict == Verdict::Ok),
+            "{:?}'s opening is ok",
+            b.client
+        );
+    }
+    let openings: Vec<_> = reports
+        .iter()
+        .filter(|r| r.phase == Phase::Opening)
+        .collect();
+    assert_eq!(
+        openings.len(),
+        8,
+        "4 queued, 1 took the last place, 2 reset, the twin"
+    );
+    assert!(
+        openings.iter().all(|r| r.verdict == Verdict::Ok),
+        "{openings:#?}"
+    );
+    assert_eq!(summary.established_failures, 2);
+    let mut out = JsonOutput::new(Vec::new(), true);
+    for r in &reports {
+        out.flow(r).unwrap();
+    }
+    out.summary(&summary, 0).unwrap();
+    let got = lines(&String::from_utf8(out.into_inner()).unwrap());
+    let want: Vec<Value> = lines(GOLDEN)
+        .into_iter()
+        .filter(|v| v["kind"] != "start")
+        .collect();
+    assert_eq!(got, want);
+}
