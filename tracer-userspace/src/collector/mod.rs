@@ -806,16 +806,12 @@ impl Collector {
             if established::fails(flow, ev, &self.cfg.drop_reasons, &self.known) {
                 established::reopen(flow, ev);
                 self.watch_q.push_back((ev.ts_ns + WATCH_WAIT_NS, r));
-                self.sysctls_wanted = true;
-                if self.ct_wanted.len() < 256
-                    && let Some(q) = flow.ct_tuples()
-                {
-                    self.ct_wanted.push(q);
-                }
-                // A stale conntrack entry is judged against the rules as
-                // they are when the flow is decided; so is a DROP rule
-                // added mid-stream (the filter table is part of the read).
-                self.rules_wanted = true;
+                wanted_after_failure(
+                    flow,
+                    &mut self.sysctls_wanted,
+                    &mut self.rules_wanted,
+                    &mut self.ct_wanted,
+                );
             } else {
                 established::note_healthy(flow, ev);
             }
@@ -900,7 +896,17 @@ impl Collector {
         if reopen {
             established::reopen(flow, ev);
             self.watch_q.push_back((ev.ts_ns + WATCH_WAIT_NS, r));
-            self.sysctls_wanted = true;
+            // Also the rules and the entry: an ICMP error can come before
+            // the drop that fails the watch too (neigh_invalidate reports
+            // each queued packet's error, then frees it), and a stale
+            // entry judged on the rules of before was left without a cause
+            // (a flake of established_more.rs's stale TCP entry, nftables).
+            wanted_after_failure(
+                flow,
+                &mut self.sysctls_wanted,
+                &mut self.rules_wanted,
+                &mut self.ct_wanted,
+            );
         }
         if ev.flags != 0 {
             held::note_flags(
@@ -1211,6 +1217,27 @@ impl Collector {
 /// syscall per healthy connection for nothing. UDP flows, clients the
 /// kernel cannot see receive (a process of the node, another node's pod)
 /// and the SNAT address are muted from here.
+
+/// What the session reads again before a flow that failed the watch is
+/// decided: the node's sysctls, kube-proxy's rules (a stale conntrack
+/// entry is judged against the rules as they are then; so is a DROP rule
+/// added mid-stream, the filter table being part of the read) and the
+/// flow's conntrack entry (bounded).
+fn wanted_after_failure(
+    flow: &Flow,
+    sysctls: &mut bool,
+    rules: &mut bool,
+    ct: &mut Vec<(crate::ctnetlink::CtTuple, crate::ctnetlink::CtTuple)>,
+) {
+    *sysctls = true;
+    *rules = true;
+    if ct.len() < 256
+        && let Some(q) = flow.ct_tuples()
+    {
+        ct.push(q);
+    }
+}
+
 fn muted_by_kernel(flow: &Flow, node_netns: u32) -> bool {
     flow.proto == proto::TCP
         && flow.client_reply.is_some_and(|r| {

@@ -346,3 +346,44 @@ fn an_abort_right_after_the_handshake_is_no_failure() {
     assert_eq!(summary.established_failures, 0);
     assert_eq!(summary.by_verdict.ok, 1);
 }
+
+/// An ICMP error about an `ok` flow fails the watch before the drop that
+/// would too (neigh_invalidate reports each queued packet's error, then
+/// frees it): the flow must ask for kube-proxy's rules and its conntrack
+/// entry as a drop does, or a stale entry is judged on the rules of before
+/// and left without a cause (a flake of tests/tests/established_more.rs's
+/// stale TCP entry in nftables mode).
+#[test]
+fn an_icmp_error_mid_stream_asks_for_the_rules_and_the_entry() {
+    let mut events = fixture("seed000_healthy.jsonl");
+    events.sort_by_key(|e| e.ts_ns);
+    let reply = client_reply(&events);
+    let last = events.last().map_or(0, |e| e.ts_ns);
+    let mut c = Collector::new(config(Some(true)));
+    for ev in &events {
+        c.push(*ev);
+    }
+    let reports = c.tick(last + 100 * MS);
+    assert!(reports.iter().any(|r| r.verdict == Verdict::Ok), "{reports:#?}");
+    let _ = (c.take_rules_request(), c.take_ct_lookups());
+    let error = PacketEvent {
+        ts_ns: last + 2_000 * MS,
+        skb: reply.skb + 0x40_0000,
+        direction: direction::REQUEST,
+        saddr: reply.daddr,
+        sport: reply.dport,
+        daddr: reply.saddr,
+        dport: reply.sport,
+        seq: reply.ack,
+        ack: reply.seq + 1,
+        tcp_flags: tcp_flags::ACK | tcp_flags::PSH,
+        hook: hook::DEV_RX,
+        icmp_type: 3,
+        icmp_code: 1,
+        ..reply
+    };
+    c.push(error);
+    let _ = c.tick(error.ts_ns + 100 * MS);
+    assert!(c.take_rules_request(), "the rules are read again");
+    assert_eq!(c.take_ct_lookups().len(), 1, "the flow's entry is looked up");
+}
