@@ -1211,13 +1211,6 @@ impl Collector {
     }
 }
 
-/// The kernel mutes a TCP client's endpoint itself when the reverse-NATed
-/// reply reaches the client's namespace (tracer-ebpf/src/filter.rs,
-/// `Fate::Healthy`), so a mute from userspace would be a map lookup
-/// syscall per healthy connection for nothing. UDP flows, clients the
-/// kernel cannot see receive (a process of the node, another node's pod)
-/// and the SNAT address are muted from here.
-
 /// What the session reads again before a flow that failed the watch is
 /// decided: the node's sysctls, kube-proxy's rules (a stale conntrack
 /// entry is judged against the rules as they are then; so is a DROP rule
@@ -1238,6 +1231,12 @@ fn wanted_after_failure(
     }
 }
 
+/// The kernel mutes a TCP client's endpoint itself when the reverse-NATed
+/// reply reaches the client's namespace (tracer-ebpf/src/filter.rs,
+/// `Fate::Healthy`), so a mute from userspace would be a map lookup
+/// syscall per healthy connection for nothing. UDP flows, clients the
+/// kernel cannot see receive (a process of the node, another node's pod)
+/// and the SNAT address are muted from here.
 fn muted_by_kernel(flow: &Flow, node_netns: u32) -> bool {
     flow.proto == proto::TCP
         && flow.client_reply.is_some_and(|r| {

@@ -364,7 +364,10 @@ fn an_icmp_error_mid_stream_asks_for_the_rules_and_the_entry() {
         c.push(*ev);
     }
     let reports = c.tick(last + 100 * MS);
-    assert!(reports.iter().any(|r| r.verdict == Verdict::Ok), "{reports:#?}");
+    assert!(
+        reports.iter().any(|r| r.verdict == Verdict::Ok),
+        "{reports:#?}"
+    );
     let _ = (c.take_rules_request(), c.take_ct_lookups());
     let error = PacketEvent {
         ts_ns: last + 2_000 * MS,
@@ -385,5 +388,9 @@ fn an_icmp_error_mid_stream_asks_for_the_rules_and_the_entry() {
     c.push(error);
     let _ = c.tick(error.ts_ns + 100 * MS);
     assert!(c.take_rules_request(), "the rules are read again");
-    assert_eq!(c.take_ct_lookups().len(), 1, "the flow's entry is looked up");
+    assert_eq!(
+        c.take_ct_lookups().len(),
+        1,
+        "the flow's entry is looked up"
+    );
 }
