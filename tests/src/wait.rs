@@ -136,3 +136,20 @@ pub fn snmp6(lab: &Lab, target: &str, counter: &str) -> anyhow::Result<u64> {
         })
         .ok_or_else(|| anyhow::anyhow!("no {counter} in {target}'s /proc/net/snmp6"))
 }
+
+/// A child's output as lines on a channel, read by a thread of its own, so
+/// a test waits for the line it expects (`recv_timeout`) and never blocks
+/// on a child that hangs.
+pub fn lines(out: impl std::io::Read + Send + 'static) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead as _;
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}

@@ -6,11 +6,10 @@
 //! reports comes from the kernel's watch of established flows; the
 //! recording is analysed again and must say the same. Needs root.
 use std::{
-    io::{BufRead as _, BufReader},
     net::{IpAddr, Ipv4Addr},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::mpsc::{Receiver, RecvTimeoutError, channel},
+    sync::mpsc::{Receiver, RecvTimeoutError},
     time::{Duration, Instant},
 };
 
@@ -66,15 +65,7 @@ impl Stream {
             .stderr(Stdio::null());
         let mut child = cmd.spawn().expect("starting curl");
         let out = child.stdout.take().expect("piped");
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = lab::wait::lines(out);
         Stream {
             child,
             lines,

@@ -9,11 +9,11 @@
 //! kernel's buffer on, healthy flows muted), and the recording is analysed
 //! again and must say the same. Needs root.
 use std::{
-    io::{BufRead as _, BufReader, Write as _},
+    io::Write as _,
     net::Ipv4Addr,
     path::Path,
     process::{Child, ChildStdin, Command, Stdio},
-    sync::mpsc::{Receiver, channel},
+    sync::mpsc::Receiver,
     time::Duration,
 };
 
@@ -77,15 +77,7 @@ impl Writer {
         let mut child = cmd.spawn().expect("starting the writer");
         let stdin = child.stdin.take().expect("piped");
         let out = child.stdout.take().expect("piped");
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = lab::wait::lines(out);
         let mut w = Writer {
             child,
             stdin,
@@ -218,6 +210,13 @@ fn start(lab: &Lab, record: &Path) -> Nattrace {
     t
 }
 
+/// A finished trace that failed (exit status 1): its flow lines.
+fn failed_trace_flows(done: &Finished) -> Vec<Value> {
+    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
+    done.flows()
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", done.describe()))
+}
+
 fn client_port(f: &Value) -> u16 {
     f["client"]
         .as_str()
@@ -241,10 +240,7 @@ fn analyze(file: &Path) -> Vec<Value> {
 /// The one established report (the broken connection's), checked; every
 /// twin has only its `ok` opening. Live and analyze say the same.
 fn assert_broken(done: &Finished, record: &Path, cause: &str, twins: &[u16]) -> Value {
-    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
-    let live = done
-        .flows()
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", done.describe()));
+    let live = failed_trace_flows(done);
     let established: Vec<&Value> = live
         .iter()
         .filter(|f| f["phase"] == "established")
@@ -777,10 +773,7 @@ fn udp_later_exchange_fails(mode: ProxyMode) {
     assert!(dig_from(&lab, DNS_B_SERVICE_IP, UDP_HEALTHY_PORT));
     t.terminate();
     let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
-    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
-    let live = done
-        .flows()
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", done.describe()));
+    let live = failed_trace_flows(&done);
     let established: Vec<&Value> = live
         .iter()
         .filter(|f| f["phase"] == "established")
@@ -980,15 +973,7 @@ fn in_pod(lab: &Lab, pod: &str, args: &[&str]) -> (PodProcess, Receiver<String>)
         .stderr(Stdio::inherit());
     let mut child = cmd.spawn().expect("starting lab-server");
     let out = child.stdout.take().expect("piped");
-    let (tx, lines) = channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let lines = lab::wait::lines(out);
     (PodProcess(child), lines)
 }
 
@@ -1081,10 +1066,7 @@ fn reset_after_handshake(mode: ProxyMode) {
     twin.exchange(3);
     t.terminate();
     let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
-    assert_eq!(done.status.code(), Some(1), "{}", done.describe());
-    let live = done
-        .flows()
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", done.describe()));
+    let live = failed_trace_flows(&done);
     let replayed = analyze(&record);
     for flows in [&live, &replayed] {
         for &p in &reset {
