@@ -978,29 +978,31 @@ fn in_pod(lab: &Lab, pod: &str, args: &[&str]) -> (PodProcess, Receiver<String>)
 }
 
 /// The listen queue's overflow: node-a's backend stops accepting (a
-/// stalled accept loop, `lab-server backlog`: listen(4), never accept())
-/// with `net.ipv4.tcp_abort_on_overflow=1` in its pod. The client fills
-/// the queue, then opens four connections at once: their SYNs all find
-/// room, the first ACK takes the queue's last place, and the listener
-/// answers each later ACK with a bare RST (net/ipv4/tcp_minisocks.c
-/// `tcp_check_req`, `listen_overflow` → `embryonic_reset`). The client's
-/// connect() succeeded; its first read fails with ECONNRESET, about a
-/// millisecond after the SYN-ACK — inside the opening's settle time, where
-/// the reset was taken as part of the opening's evidence and the
-/// connection reported `ok`. The connections that got a place, and a
-/// connection to the other node's backend, stay `ok`.
-fn reset_after_handshake(mode: ProxyMode) {
+/// stalled accept loop, `lab-server backlog`: listen(4) with
+/// TCP_DEFER_ACCEPT, never accept()). The client fills the queue (four
+/// connections, each with its request), then opens three more and only
+/// then sends their requests: the first request takes the queue's last
+/// place, and the listener has no room for the other two
+/// (net/ipv4/tcp_minisocks.c `tcp_check_req`, `listen_overflow`). With
+/// `net.ipv4.tcp_abort_on_overflow=1` in the backend's pod it resets each
+/// (`embryonic_reset`, a bare RST): connect() succeeded, the first read
+/// fails with ECONNRESET about a millisecond after the SYN-ACK — inside the
+/// opening's settle time, where the reset was taken as the opening's
+/// evidence and the connection reported `ok`; now `refused`. At 0, the
+/// default, the kernel drops each request (TCP_LISTEN_OVERFLOW) and the
+/// client's read hangs: `dropped`. Either way phase established,
+/// `listen_queue_overflow`; the connections that got a place, and one to
+/// the other node's backend, stay `ok`.
+fn listen_queue_overflow(mode: ProxyMode, abort: bool) {
     let _lock = tracing_lock();
     let lab = lab(mode);
     let scratch = lab::Scratch::new("established");
     let record = scratch.path("listen-overflow.rec");
     let backend = presets::BACKEND_POD;
     lab.stop_pod_servers(backend).expect("stopping the backend");
-    lab.run(
-        backend,
-        &["sysctl", "-qw", "net.ipv4.tcp_abort_on_overflow=1"],
-    )
-    .expect("the backend pod's sysctl");
+    let sysctl = format!("net.ipv4.tcp_abort_on_overflow={}", u8::from(abort));
+    lab.run(backend, &["sysctl", "-qw", &sysctl])
+        .expect("the backend pod's sysctl");
     let (_listener, ready) = in_pod(&lab, backend, &["backlog", &WEB_PORT.to_string(), "4"]);
     assert_eq!(
         ready.recv_timeout(EVENT_TIMEOUT).ok().as_deref(),
@@ -1038,30 +1040,32 @@ fn reset_after_handshake(mode: ProxyMode) {
             .filter_map(|l| l.strip_prefix(word)?.trim().split(' ').next()?.parse().ok())
             .collect()
     };
-    let (reset, opened) = (ports("reset"), [ports("filled"), ports("open")].concat());
-    assert!(
-        !reset.is_empty(),
-        "the client's symptom: a reset after connect: {fates:?}"
-    );
-    assert_eq!(
-        opened.len(),
-        5,
-        "four filled the queue, one took its last place: {fates:?}"
-    );
+    let (filled, open, reset) = (ports("filled"), ports("open"), ports("reset"));
+    assert_eq!(filled.len(), 4, "four filled the queue: {fates:?}");
+    // The client's symptom: two reset after connect() (abort), or all
+    // three waiting for an answer (no abort; the listener never answers).
+    let (burst, verdict) = if abort {
+        assert_eq!((open.len(), reset.len()), (1, 2), "{fates:?}");
+        ([&open[..], &reset[..]].concat(), "refused")
+    } else {
+        assert_eq!((open.len(), reset.len()), (3, 0), "{fates:?}");
+        (open.clone(), "dropped")
+    };
     twin.exchange(3);
-    for p in &reset {
-        let port = format!(":{p}\"");
+    let mut broken = Vec::new();
+    for _ in 0..2 {
         let line = t.wait_line(EVENT_TIMEOUT, |l| {
-            l.contains(&port) && l.contains("\"phase\":\"established\"")
+            l.contains("\"phase\":\"established\"")
+                && burst.iter().any(|p| l.contains(&format!(":{p}\"")))
+                && !broken.iter().any(|p| l.contains(&format!(":{p}\"")))
         });
-        if line.is_none() {
+        let Some(line) = line else {
             t.terminate();
             let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
-            panic!(
-                "nattrace did not report the reset on port {p}: {}",
-                done.describe()
-            );
-        }
+            panic!("nattrace did not report the overflow: {}", done.describe());
+        };
+        let flow: Value = serde_json::from_str(&line).expect("a JSON line");
+        broken.push(client_port(&flow));
     }
     twin.exchange(3);
     t.terminate();
@@ -1069,19 +1073,19 @@ fn reset_after_handshake(mode: ProxyMode) {
     let live = failed_trace_flows(&done);
     let replayed = analyze(&record);
     for flows in [&live, &replayed] {
-        for &p in &reset {
+        for &p in &broken {
             let of_port: Vec<&Value> = flows.iter().filter(|f| client_port(f) == p).collect();
-            let broken: Vec<&&Value> = of_port
+            let established: Vec<&&Value> = of_port
                 .iter()
                 .filter(|f| f["phase"] == "established")
                 .collect();
-            assert_eq!(broken.len(), 1, "port {p}: {}", done.describe());
-            let f = broken[0];
+            assert_eq!(established.len(), 1, "port {p}: {}", done.describe());
+            let f = established[0];
             println!(
                 "port {p}: {} / {} — {}",
                 f["verdict"], f["cause"], f["detail"]
             );
-            assert_eq!(f["verdict"], "refused", "{f}");
+            assert_eq!(f["verdict"], verdict, "{f}");
             assert_eq!(f["cause"], "listen_queue_overflow", "{f}");
             assert!(
                 of_port
@@ -1090,7 +1094,8 @@ fn reset_after_handshake(mode: ProxyMode) {
                 "its opening was ok: {of_port:?}"
             );
         }
-        for &p in opened.iter().chain([&HEALTHY_PORT]) {
+        let placed = burst.iter().filter(|p| !broken.contains(p));
+        for &p in filled.iter().chain(placed).chain([&HEALTHY_PORT]) {
             let of_port: Vec<&Value> = flows.iter().filter(|f| client_port(f) == p).collect();
             assert!(
                 !of_port.is_empty() && of_port.iter().all(|f| f["verdict"] == "ok"),
@@ -1100,7 +1105,7 @@ fn reset_after_handshake(mode: ProxyMode) {
     }
     // The collector's fixture (tracer-userspace/fixtures/established/),
     // made by `cargo xtask fixtures`.
-    if let Ok(dir) = std::env::var(lab::tracer::RECORD_DIR_ENV) {
+    if abort && let Ok(dir) = std::env::var(lab::tracer::RECORD_DIR_ENV) {
         let name = format!(
             "root_listen_queue_overflow_resets_after_the_handshake_{}.rec",
             format!("{mode:?}").to_lowercase()
@@ -1109,7 +1114,17 @@ fn reset_after_handshake(mode: ProxyMode) {
     }
 }
 
+fn reset_after_handshake(mode: ProxyMode) {
+    listen_queue_overflow(mode, true);
+}
+
 both_modes!(
     reset_after_handshake: root_listen_queue_overflow_resets_after_the_handshake_iptables,
     root_listen_queue_overflow_resets_after_the_handshake_nftables
 );
+
+#[test]
+fn root_listen_queue_overflow_drops_the_request_iptables() {
+    require_root!();
+    listen_queue_overflow(ProxyMode::Iptables, false);
+}

@@ -182,6 +182,9 @@ pub(crate) struct KnownReasons {
     /// a blackhole route keeps NOT_SPECIFIED; no route at all is
     /// IP_INNOROUTES / IP_OUTNOROUTES.
     pub no_route: [Option<u32>; 3],
+    /// A listener had no room in its accept queue for a connection whose
+    /// handshake completed (net/ipv4/tcp_minisocks.c `tcp_check_req`).
+    pub listen_overflow: Option<u32>,
 }
 
 impl DropReasons {
@@ -276,6 +279,7 @@ impl DropReasons {
                 self.code("IP_INNOROUTES"),
                 self.code("IP_OUTNOROUTES"),
             ],
+            listen_overflow: self.code("TCP_LISTEN_OVERFLOW"),
         }
     }
 }

@@ -45,19 +45,39 @@ pub(in crate::collector) fn backend_restarted(ctx: &RuleCtx<'_>) -> Option<Found
     ))
 }
 
-/// A flow decided `ok` whose backend reset it with a bare RST before
-/// answering anything, within [`FIRST_SEGMENT_NS`] of the opening: its
-/// kernel held nothing of the connection but the handshake when the
-/// client's first segment came. A listener does that when its accept queue
-/// has no room as the handshake completes (net/ipv4/tcp_minisocks.c
-/// `tcp_check_req`: `syn_recv_sock` fails on `sk_acceptq_is_full`, and
-/// with `tcp_abort_on_overflow` `embryonic_reset` answers the client's
-/// segment; reproduced in tests/tests/established_more.rs with a listener
-/// that never accepts). A pooled connection reset on its first use
-/// minutes later is left to `backend_restarted`.
+/// A connection whose handshake completed but which the backend's listener
+/// had no room for in its accept queue (net/ipv4/tcp_minisocks.c
+/// `tcp_check_req`: `syn_recv_sock` fails on `sk_acceptq_is_full`,
+/// `listen_overflow`). With `net.ipv4.tcp_abort_on_overflow=1`
+/// `embryonic_reset` answers the client's first segment with a bare RST:
+/// `refused` by a reset that came before the backend answered anything,
+/// within [`FIRST_SEGMENT_NS`] of the opening (a pooled connection reset
+/// on its first use minutes later is left to `backend_restarted`). At 0,
+/// the default, the segment is dropped with TCP_LISTEN_OVERFLOW and the
+/// client retransmits into the same queue: `dropped`. Both reproduced in
+/// tests/tests/established_more.rs with a listener that never accepts.
 pub(in crate::collector) fn listen_queue_overflow(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let flow = ctx.flow;
+    if ctx.verdict == Verdict::Dropped {
+        let reason = ctx.known.listen_overflow?;
+        let drop = flow
+            .obs
+            .iter()
+            .find(|o| o.hook == hook::DROP && o.drop_reason == reason)?;
+        return Some((
+            format!(
+                "{}'s listener had no room for the connection (accept queue full)",
+                drop.dst
+            ),
+            format!(
+                "the client's {} was dropped at {} with TCP_LISTEN_OVERFLOW: the handshake completed but the listener's accept queue was full (the server does not accept() as fast as connections come), so the kernel drops the client's segments (net.ipv4.tcp_abort_on_overflow=0) and resends its SYN-ACK until a place frees or the half-open connection expires (net.ipv4.tcp_synack_retries); the client's connect() succeeded and its request hangs",
+                ctx.kind(drop.packet),
+                drop.dst
+            ),
+        ));
+    }
     let (after_fin, backend) = bare_rst_from_backend(ctx)?;
-    let w = ctx.flow.watch?;
+    let w = flow.watch?;
     if after_fin || w.good != 0 || w.failed_ts.saturating_sub(w.ok_ts) > FIRST_SEGMENT_NS {
         return None;
     }

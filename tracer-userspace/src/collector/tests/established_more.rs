@@ -394,3 +394,52 @@ fn an_icmp_error_mid_stream_asks_for_the_rules_and_the_entry() {
         "the flow's entry is looked up"
     );
 }
+
+/// The client's first segment after the handshake dropped at the backend
+/// with TCP_LISTEN_OVERFLOW (the listener's accept queue full,
+/// `tcp_abort_on_overflow=0`), and its retransmission the same way after
+/// it was received: `dropped`, `listen_queue_overflow`.
+#[test]
+fn a_listen_overflow_drop_is_listen_queue_overflow() {
+    let mut events = fixture("seed000_healthy.jsonl");
+    let reply = client_reply(&events);
+    let mut drop = no_socket_drop(&reply, 200 * MS);
+    drop.drop_reason = DropReasons::default()
+        .code("TCP_LISTEN_OVERFLOW")
+        .expect("a reason of the built-in table");
+    drop.good = 0;
+    events.push(drop);
+    // Its retransmission, no longer muted: sent by the node to the
+    // backend's veth, received by the backend's eth0, dropped the same way.
+    let again = PacketEvent {
+        ts_ns: drop.ts_ns + 400 * MS,
+        skb: drop.skb + 1,
+        flags: 0,
+        ..drop
+    };
+    events.push(PacketEvent {
+        hook: hook::DEV_TX,
+        netns: NODE_NS,
+        ifindex: VETH_BACKEND,
+        drop_reason: 0,
+        ts_ns: again.ts_ns - 20_000,
+        ..again
+    });
+    events.push(PacketEvent {
+        hook: hook::DEV_RX,
+        drop_reason: 0,
+        ts_ns: again.ts_ns - 10_000,
+        ..again
+    });
+    events.push(again);
+    let (reports, _) = decide(&events);
+    let e = established(&reports);
+    assert_eq!(e.len(), 1, "{reports:#?}");
+    assert_eq!(e[0].verdict, Verdict::Dropped, "{:#?}", e[0]);
+    assert_eq!(
+        e[0].cause.as_ref().map(|c| c.id),
+        Some(CauseId::ListenQueueOverflow),
+        "{:#?}",
+        e[0]
+    );
+}
