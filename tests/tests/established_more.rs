@@ -991,7 +991,10 @@ fn in_pod(lab: &Lab, pod: &str, args: &[&str]) -> (PodProcess, Receiver<String>)
 /// evidence and the connection reported `ok`; now `refused`. At 0, the
 /// default, the kernel drops each request (TCP_LISTEN_OVERFLOW) and the
 /// client's read hangs: `dropped`. Either way phase established,
-/// `listen_queue_overflow`; the connections that got a place, and one to
+/// `listen_queue_overflow`. Then, at 0, one more connection: its SYN finds
+/// the queue full and is dropped without a drop event (connect() times
+/// out): `no_reply`, `listen_queue_overflow` (it was
+/// `no_reply_through_node`). The connections that got a place, and one to
 /// the other node's backend, stay `ok`.
 fn listen_queue_overflow(mode: ProxyMode, abort: bool) {
     let _lock = tracing_lock();
@@ -1067,6 +1070,29 @@ fn listen_queue_overflow(mode: ProxyMode, abort: bool) {
         let flow: Value = serde_json::from_str(&line).expect("a JSON line");
         broken.push(client_port(&flow));
     }
+    // The queue full, a new connection's SYN is dropped without a trace
+    // (no drop event): its connect() times out.
+    let unanswered = (!abort).then(|| {
+        let (_client, lines) = in_pod(
+            &lab,
+            presets::CLIENT_POD,
+            &[
+                "burst",
+                &WEB_SERVICE_IP.to_string(),
+                &WEB_PORT.to_string(),
+                "1",
+                "0",
+            ],
+        );
+        assert_eq!(
+            lines.recv_timeout(EVENT_TIMEOUT),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected),
+            "the client's symptom: connect() timed out"
+        );
+        let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"verdict\":\"no_reply\""));
+        let line = line.expect("nattrace reports the unanswered SYN");
+        client_port(&serde_json::from_str(&line).expect("a JSON line"))
+    });
     twin.exchange(3);
     t.terminate();
     let done = t.wait(ATTACH_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
@@ -1093,6 +1119,18 @@ fn listen_queue_overflow(mode: ProxyMode, abort: bool) {
                     .any(|f| f["phase"].is_null() && f["verdict"] == "ok"),
                 "its opening was ok: {of_port:?}"
             );
+        }
+        if let Some(p) = unanswered {
+            let f = flows
+                .iter()
+                .find(|f| client_port(f) == p)
+                .expect("the unanswered connection");
+            println!(
+                "port {p}: {} / {} — {}",
+                f["verdict"], f["cause"], f["detail"]
+            );
+            assert_eq!(f["verdict"], "no_reply", "{f}");
+            assert_eq!(f["cause"], "listen_queue_overflow", "{f}");
         }
         let placed = burst.iter().filter(|p| !broken.contains(p));
         for &p in filled.iter().chain(placed).chain([&HEALTHY_PORT]) {

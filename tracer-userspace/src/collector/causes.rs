@@ -236,9 +236,9 @@ pub(crate) const CAUSES: &[CauseRow] = &[
     CauseRow {
         id: CauseId::ListenQueueOverflow,
         name: "listen_queue_overflow",
-        verdicts: &[Verdict::Refused, Verdict::Dropped],
+        verdicts: &[Verdict::Refused, Verdict::Dropped, Verdict::NoReply],
         check: super::checks::midstream::listen_queue_overflow,
-        incident: "the handshake completed but the backend's listener had no room left in its accept queue (a server that does not accept() as fast as connections come): with net.ipv4.tcp_abort_on_overflow=1 it resets the client's first segment (a bare RST within 1 s, nothing answered before; reported `ok` until the opening stopped taking a reset within its settle time as its own evidence), the client's first read fails with ECONNRESET; at 0, the default, it drops the segment (TCP_LISTEN_OVERFLOW) and the client's request hangs",
+        incident: "the handshake completed but the backend's listener had no room left in its accept queue (a server that does not accept() as fast as connections come): with net.ipv4.tcp_abort_on_overflow=1 it resets the client's first segment (a bare RST within 1 s, nothing answered before; reported `ok` until the opening stopped taking a reset within its settle time as its own evidence), the client's first read fails with ECONNRESET; at 0, the default, it drops the segment (TCP_LISTEN_OVERFLOW) and the client's request hangs; a SYN that finds the queue full is dropped without a trace (no drop event: a SYN received in the backend's namespace and never answered), the client's connect() times out",
         fix: "the backend's server does not accept connections as fast as they come: in its pod, `nstat -az TcpExtListenOverflows TcpExtListenDrops` rises and `ss -ltn` shows the listener's Recv-Q at its backlog (Send-Q); raise the server's listen backlog and net.core.somaxconn in the pod, add replicas, or find what stalls its accept loop; net.ipv4.tcp_abort_on_overflow=1 makes these resets (at 0 the kernel drops the segment and the client retries, slower but without an error)",
     },
     CauseRow {

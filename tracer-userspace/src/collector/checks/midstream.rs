@@ -6,7 +6,7 @@ use crate::ctnetlink::CtLookup;
 
 use super::{Found, RuleCtx};
 use crate::collector::{
-    types::{Endpoint, Proto, in_node},
+    types::{Dir, Endpoint, Proto, in_node},
     verdict::{Verdict, drop_place, reply_backend},
 };
 
@@ -58,6 +58,9 @@ pub(in crate::collector) fn backend_restarted(ctx: &RuleCtx<'_>) -> Option<Found
 /// tests/tests/established_more.rs with a listener that never accepts.
 pub(in crate::collector) fn listen_queue_overflow(ctx: &RuleCtx<'_>) -> Option<Found> {
     let flow = ctx.flow;
+    if ctx.verdict == Verdict::NoReply {
+        return silent_listener(ctx);
+    }
     if ctx.verdict == Verdict::Dropped {
         let reason = ctx.known.listen_overflow?;
         let drop = flow
@@ -87,6 +90,65 @@ pub(in crate::collector) fn listen_queue_overflow(ctx: &RuleCtx<'_>) -> Option<F
         ),
         format!(
             "backend {backend} answered the client's first segment after the handshake with a bare RST, having answered nothing before: its kernel held nothing of the connection but the handshake — its listener had no room left in its accept queue (the server does not accept() as fast as connections come, and net.ipv4.tcp_abort_on_overflow=1 makes the kernel reset instead of drop), or the listener was closed right after the handshake; the client's connect() succeeded, its first read or write fails with ECONNRESET"
+        ),
+    ))
+}
+
+/// A SYN received in the backend's namespace and never answered, nothing
+/// of it dropped where nattrace sees it: a listener whose accept queue is
+/// full drops a SYN without a drop event (net/ipv4/tcp_input.c
+/// `tcp_conn_request`: `sk_acceptq_is_full` → LISTENOVERFLOWS, `goto
+/// drop`, which returns 0, and `tcp_rcv_state_process` then consumes the
+/// skb), and the client's connect() times out. It was named
+/// `no_reply_through_node` ("the reply never came back through this
+/// node"), which needs a reply: here the backend's namespace got the SYN
+/// and sent nothing (found with the lab's never-accepting listener). A
+/// backend on another node is out of sight of a real node's tracer, so
+/// there the routing cause stays.
+fn silent_listener(ctx: &RuleCtx<'_>) -> Option<Found> {
+    let flow = ctx.flow;
+    let backend = flow.backend?;
+    if flow.proto != tracer_common::proto::TCP
+        || flow.packets.iter().any(|p| p.dir == Dir::Reply)
+        || flow.obs.iter().any(|o| o.hook == hook::DROP)
+    {
+        return None;
+    }
+    // Decided before a neighbour failure on the way could have been
+    // reported (tracing stopped): the SYN may still be waiting for the
+    // backend's address to resolve.
+    if super::super::verdict::hold_until(flow, ctx.node_netns, ctx.known)
+        .is_some_and(|t| ctx.decided_ts < t)
+    {
+        return None;
+    }
+    // Where each SYN was seen last: received in a namespace that is not
+    // the node's, addressed to the backend, and no further.
+    let syn = |p: u8| {
+        let k = &flow.packets[p as usize].key;
+        flow.packets[p as usize].dir == Dir::Request
+            && k.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
+    };
+    let rx = flow
+        .obs
+        .iter()
+        .filter(|o| syn(o.packet))
+        .max_by_key(|o| o.ts_ns)
+        .filter(|o| {
+            o.hook == hook::DEV_RX && !in_node(o.netns, ctx.node_netns) && o.dst == backend
+        })?;
+    let syns = flow
+        .packets
+        .iter()
+        .filter(|p| p.dir == Dir::Request && p.key.tcp_flags & tcp_flags::SYN != 0)
+        .count();
+    Some((
+        format!(
+            "backend {backend} received the SYN and never answered (its listen queue was full?)"
+        ),
+        format!(
+            "the SYN reached backend {backend} (received on interface {} of its namespace; {syns} SYN(s) sent) and nothing came back, nothing dropped where nattrace sees: a listener whose accept queue is full drops new SYNs without a trace (the server does not accept() as fast as connections come; `nstat -az TcpExtListenOverflows TcpExtListenDrops` in the pod rises), or the backend's own stack or a filter nattrace does not see discards them; the client's connect() times out",
+            rx.ifindex
         ),
     ))
 }

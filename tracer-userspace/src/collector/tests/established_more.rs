@@ -443,3 +443,24 @@ fn a_listen_overflow_drop_is_listen_queue_overflow() {
         e[0]
     );
 }
+
+/// A SYN received in the backend's namespace and never answered, nothing
+/// dropped (a listener whose accept queue is full drops a SYN without a
+/// drop event): `no_reply`, `listen_queue_overflow` — it was
+/// `no_reply_through_node`, which needs a reply that went another way.
+#[test]
+fn an_unanswered_syn_at_the_backend_is_listen_queue_overflow() {
+    let events: Vec<PacketEvent> = fixture("seed000_healthy.jsonl")
+        .into_iter()
+        .filter(|e| e.tcp_flags == tcp_flags::SYN)
+        .collect();
+    let (reports, _) = decide(&events);
+    assert_eq!(reports.len(), 1, "{reports:#?}");
+    assert_eq!(reports[0].verdict, Verdict::NoReply, "{:#?}", reports[0]);
+    assert_eq!(
+        reports[0].cause.as_ref().map(|c| c.id),
+        Some(CauseId::ListenQueueOverflow),
+        "{:#?}",
+        reports[0]
+    );
+}
