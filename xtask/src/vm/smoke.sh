@@ -55,8 +55,10 @@ check "iptables-legacy nat table" sh -c '/usr/sbin/ip netns exec pa iptables-leg
     -d 10.96.0.99/32 -j DNAT --to-destination 10.99.0.3 && /usr/sbin/ip netns exec pa iptables-legacy -t nat -S | grep -q 10.96.0.99'
 check "ping pa -> pb across the bridge" in_ns pa ping -c 1 -W 3 10.99.0.3
 
-# timeout: a server that never sees its client must not hang the guest.
-timeout 10 /usr/sbin/ip netns exec pb sh -c 'echo pong | nc -l -p 8080 > /tmp/server.got' &
+# timeout: a server that never sees its client must not hang the guest; only
+# how long a broken run takes to fail (10 s cut a slowed guest's working
+# server off before its file was written, with the guests beside the root tests).
+timeout 60 /usr/sbin/ip netns exec pb sh -c 'echo pong | nc -l -p 8080 > /tmp/server.got' &
 server=$!
 # Until it listens (8080 = 0x1F90, state 0A = LISTEN in /proc/net/tcp), not a
 # fixed sleep: an emulated guest on a loaded host can take longer than any.
