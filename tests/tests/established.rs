@@ -262,7 +262,7 @@ fn assert_broken_and_healthy(
     assert!(
         broken["detail"]
             .as_str()
-            .is_some_and(|d| d.starts_with("mid-stream after ")),
+            .is_some_and(|d| d.starts_with("mid-stream ")),
         "{broken}"
     );
     for port in [BROKEN_PORT, HEALTHY_PORT] {

@@ -261,7 +261,7 @@ fn assert_broken(done: &Finished, record: &Path, cause: &str, twins: &[u16]) -> 
     assert!(
         broken["detail"]
             .as_str()
-            .is_some_and(|d| d.starts_with("mid-stream after ")),
+            .is_some_and(|d| d.starts_with("mid-stream ")),
         "{broken}"
     );
     for &port in std::iter::once(&BROKEN_PORT).chain(twins) {

@@ -272,16 +272,19 @@ pub(crate) fn info(flow: &Flow) -> Option<Established> {
     })
 }
 
-/// "mid-stream after 1.4 s and 57 good replies: " before the detail.
+/// "mid-stream after 1.4 s and 57 good replies: " before the detail;
+/// under a second in milliseconds, and "before any reply" when none came:
+/// a backend that resets right after the handshake (its accept queue full)
+/// read "after 0.0 s and 0 good replies".
 pub(crate) fn prefix(e: &Established) -> String {
-    let secs = e.after_ms as f64 / 1000.0;
-    let replies = if e.good_replies == 1 {
-        "reply"
-    } else {
-        "replies"
+    let when = match e.after_ms {
+        0 => "within 1 ms".to_owned(),
+        ms @ 1..1000 => format!("after {ms} ms"),
+        ms => format!("after {:.1} s", ms as f64 / 1000.0),
     };
-    format!(
-        "mid-stream after {secs:.1} s and {} good {replies}: ",
-        e.good_replies
-    )
+    match e.good_replies {
+        0 => format!("mid-stream {when}, before any reply: "),
+        1 => format!("mid-stream {when} and 1 good reply: "),
+        n => format!("mid-stream {when} and {n} good replies: "),
+    }
 }

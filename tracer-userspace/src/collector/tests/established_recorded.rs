@@ -237,7 +237,7 @@ fn established_recordings_show_the_break_and_a_healthy_twin() {
         assert!(info.good_replies >= 3, "{name}: {info:?}");
         assert!(info.failed_ts_ns > info.ok_ts_ns, "{name}: {info:?}");
         assert!(
-            e[0].detail.starts_with("mid-stream after "),
+            e[0].detail.starts_with("mid-stream "),
             "{name}: {}",
             e[0].detail
         );
