@@ -11,7 +11,7 @@ use tracer_common::{
 
 use crate::{
     ENDPOINTS, INFLIGHT, SERVICES,
-    emit::{Packet, Point, emit, stat_inc},
+    emit::{Packet, Point, emit, stat_add, stat_inc},
     held, prefilter,
     watch::{self, Check},
 };
@@ -359,6 +359,100 @@ fn observe_via<const SLOT: bool>(
     true
 }
 
+/// Whether a NAT hook's packet stops at the muted check at both of its
+/// points, looked up as it is (after the rewrite): `kept` is the
+/// direction whose flow is keyed by the side the hook does not rewrite
+/// (DNAT hooks: a request, found by its source; SNAT hooks: a reply, found
+/// by its destination). The packet before the rewrite has that side too,
+/// so rules 1-3 find the same state for it (rules 1 and 2 by the same
+/// source; a reply's rule 3 by the same destination, unless its source
+/// before the de-DNAT, the backend's address and port, is also a traced
+/// client's (a UDP server querying from its listening socket), when the
+/// point before would have passed it as a request of that other flow,
+/// which it is not); and a muted state stops a packet without SYN, RST or
+/// ICMP error at a netfilter point whatever else it carries
+/// (`observe_via`). Then the hook skips conntrack's three reads and both
+/// points' classification. Counted as the two muted points it stands for.
+/// Only the lookups rules 1-3 would make, in the order that leaves a
+/// packet that is not such soonest; the match itself is not kept (its
+/// slot took 6.1's combined stack past 512 bytes, tests/stack_depth.rs).
+#[inline(always)]
+pub fn muted_across_nat<const KEPT: u8>(pkt: &Packet) -> bool {
+    let control = (pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST)) | pkt.icmp_type;
+    // The side the flow is found by must be in the pre-filter: an
+    // untraced packet stops here, as its classification below does.
+    let side = if KEPT == direction::REQUEST {
+        &pkt.saddr
+    } else {
+        &pkt.daddr
+    };
+    if control != 0 || !prefilter::known(side) {
+        return false;
+    }
+    let words = |a: &Addr| {
+        (
+            u64::from(a[0]) | u64::from(a[1]) << 32,
+            u64::from(a[2]) | u64::from(a[3]) << 32,
+        )
+    };
+    let (s0, s1) = words(&pkt.saddr);
+    // A request's flow is found by its source alone.
+    let (d0, d1) = if KEPT == direction::REQUEST {
+        (0, 0)
+    } else {
+        words(&pkt.daddr)
+    };
+    let rest = u64::from(pkt.sport)
+        | u64::from(pkt.dport) << 16
+        | u64::from(pkt.proto) << 32
+        | u64::from(KEPT) << 40
+        | u64::from(pkt.tcp_flags & tcp_flags::FIN != 0) << 48;
+    muted_by_keys(s0, s1, d0, d1, rest) != 0
+}
+
+/// [`muted_across_nat`]'s map lookups, in a frame of their own: inlined,
+/// their keys took the NAT programs' frames past 6.1's combined limit with
+/// `judge` on top (tests/stack_depth.rs). Scalars only (the packet's
+/// addresses as words; ports, protocol, direction and FIN packed in
+/// `rest`), so the caller's packet does not escape into the call, which
+/// would keep it in stack memory on the miss path too. A static
+/// subprogram: verified at its one call site per program, with these
+/// arguments as plain scalars.
+#[inline(never)]
+fn muted_by_keys(s0: u64, s1: u64, d0: u64, d1: u64, rest: u64) -> u64 {
+    let addr = |w0: u64, w1: u64| [w0 as u32, (w0 >> 32) as u32, w1 as u32, (w1 >> 32) as u32];
+    let (sport, dport, proto) = (rest as u16, (rest >> 16) as u16, (rest >> 32) as u8);
+    let (kept, fin) = ((rest >> 40) as u8, (rest >> 48) & 1 != 0);
+    let (saddr, daddr) = (addr(s0, s1), addr(d0, d1));
+    if kept == direction::REQUEST {
+        // Rule 1 (a Service destination) or rule 2 finds the client by
+        // the source, and a muted state exists.
+        if !ENDPOINTS
+            .get_ptr_mut(key(saddr, sport, proto))
+            .is_some_and(muted)
+        {
+            return 0;
+        }
+    } else {
+        let Some(state) = ENDPOINTS.get_ptr_mut(key(daddr, dport, proto)) else {
+            return 0;
+        };
+        // Rule 3 applies only where rules 1 and 2 do not.
+        if !muted(state)
+            || service_at(daddr, dport, proto).is_some()
+            || (prefilter::known(&saddr)
+                && ENDPOINTS.get_ptr_mut(key(saddr, sport, proto)).is_some())
+        {
+            return 0;
+        }
+        if fin {
+            watch::note_reply_fin(state);
+        }
+    }
+    stat_add(stat::MUTED_PACKETS, 2);
+    1
+}
+
 /// [`judge`]'s arguments, written on the match path only (see `observe`).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -409,15 +503,10 @@ pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) ->
         return 0;
     };
     let (dir, svc) = (dir as u8, svc as u8);
-    let client = if dir == direction::REPLY {
-        key(pkt.daddr, pkt.dport, pkt.proto)
-    } else {
-        key(pkt.saddr, pkt.sport, pkt.proto)
-    };
     let m = Match {
         dir,
         svc,
-        state: ENDPOINTS.get_ptr_mut(client),
+        state: ENDPOINTS.get_ptr_mut(client_key(pkt, dir)),
     };
     let is_drop = at.hook == hook::DROP;
     let control = (pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST)) | pkt.icmp_type;
@@ -541,7 +630,10 @@ pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) ->
     }
 
     if let Some((state, fate)) = hold_for {
-        match held::hold(&client, state, pkt, at, m.dir, m.svc, fate) {
+        // The key made again, not kept from the lookup above: kept, it
+        // held 24 bytes of judge's frame from start to end, and judge is at
+        // 6.1's 128 bytes (tests/stack_depth.rs).
+        match held::hold(&client_key(pkt, m.dir), state, pkt, at, m.dir, m.svc, fate) {
             Some(f) => flags |= f,
             None => return 0,
         }
@@ -549,6 +641,17 @@ pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) ->
 
     emit(pkt, at, m.dir, m.svc, flags, good);
     0
+}
+
+/// The key of `pkt`'s client: its source for a request, its destination
+/// for a reply.
+#[inline(always)]
+fn client_key(pkt: &Packet, dir: u8) -> EndpointKey {
+    if dir == direction::REPLY {
+        key(pkt.daddr, pkt.dport, pkt.proto)
+    } else {
+        key(pkt.saddr, pkt.sport, pkt.proto)
+    }
 }
 
 /// A device event outside the traced node namespace (the pods' side).

@@ -18,12 +18,12 @@
 //! an event or map key needs allow_ptr_leaks, i.e. a privileged loader.
 use core::ffi::c_void;
 
-use tracer_common::{Addr, KernelOffsets, as_v4, hook, nat_stage, nf_hook, v4_mapped};
+use tracer_common::{Addr, KernelOffsets, as_v4, direction, hook, nat_stage, nf_hook, v4_mapped};
 
 use crate::{
     config,
     emit::{Packet, Point},
-    filter::observe,
+    filter::{self, observe},
     skb::{self, L3, read},
 };
 
@@ -87,6 +87,15 @@ fn try_netfilter_nat(ctx: *mut c_void, nf_hook: u8, rewrites: Rewrites) -> Resul
     let skb: u64 = unsafe { core::ptr::read_volatile((ctx as *const u8).add(8) as *const u64) };
     let off = config::offsets().ok_or(())?;
     let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
+    // The packet as it is (the AFTER point) is looked at first: the bulk
+    // of an established flow then stops here, before conntrack is read.
+    let muted = match rewrites {
+        Rewrites::Destination => filter::muted_across_nat::<{ direction::REQUEST }>(&pkt),
+        Rewrites::Source => filter::muted_across_nat::<{ direction::REPLY }>(&pkt),
+    };
+    if muted {
+        return Ok(());
+    }
     let after = match rewrites {
         Rewrites::Source => (pkt.saddr, pkt.sport),
         Rewrites::Destination => (pkt.daddr, pkt.dport),
