@@ -1,15 +1,16 @@
-//! The address pre-filter shared by the kernel programs and the loader
+//! The address pre-filters shared by the kernel programs and the loader
 //! (docs/DESIGN.md, "Kernel filter"): one slot per hash of an address that
-//! can be part of a traced flow (a Service's, written by userspace; a client
-//! side's, written by the programs when they start following it). A packet
-//! neither of whose addresses has its slot set is certainly untraced, and its
-//! program stops after two array reads, which the verifier inlines, instead of
-//! two hash lookups. A collision only sends a packet on to the exact lookups;
-//! slots are never cleared, so no address can be evicted from the filter.
+//! can be part of a traced flow, in one filter per role (a Service's,
+//! written by userspace; a client side's, written by the programs when they
+//! start following it). A packet neither of whose addresses has its slot
+//! set is certainly untraced, and its program stops after three array
+//! reads, which the verifier inlines, instead of hash lookups. A collision
+//! only sends a packet on to the exact lookups; slots are never cleared, so
+//! no address can be evicted from a filter.
 
 use crate::Addr;
 
-/// 2^16 slots. An array map rounds each value up to 8 bytes, so the map
+/// 2^16 slots. An array map rounds each value up to 8 bytes, so each map
 /// takes 512 KiB of kernel memory; a node with a few thousand Service and pod
 /// addresses sets a few percent of the slots.
 pub const SLOTS_LOG2: u32 = 16;

@@ -175,19 +175,21 @@ pub struct Match {
 /// ports: this is the path every packet of the node takes.
 #[inline(always)]
 pub fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
-    // Pre-filter (ADDR_SLOTS): rules 1 and 3 need a known destination
-    // address, rule 2 a known source address.
-    let dst_known = prefilter::known(&pkt.daddr);
-    let src_known = prefilter::known(&pkt.saddr);
+    // Pre-filters (prefilter.rs): rule 1 needs a Service's destination
+    // address, rule 2 a client's source, rule 3 a client's destination.
     let src = key(pkt.saddr, pkt.sport, pkt.proto);
-    if dst_known && let Some(svc) = service_at(pkt.daddr, pkt.dport, pkt.proto) {
+    if prefilter::service(&pkt.daddr)
+        && let Some(svc) = service_at(pkt.daddr, pkt.dport, pkt.proto)
+    {
         return Some(Match {
             dir: direction::REQUEST,
             svc,
             state: endpoint(&src, svc),
         });
     }
-    if src_known && let Some(state) = ENDPOINTS.get_ptr_mut(src) {
+    if prefilter::client(&pkt.saddr)
+        && let Some(state) = ENDPOINTS.get_ptr_mut(src)
+    {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REQUEST,
@@ -196,7 +198,9 @@ pub fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
         });
     }
     let dst = key(pkt.daddr, pkt.dport, pkt.proto);
-    if dst_known && let Some(state) = ENDPOINTS.get_ptr_mut(dst) {
+    if prefilter::client(&pkt.daddr)
+        && let Some(state) = ENDPOINTS.get_ptr_mut(dst)
+    {
         let svc = unsafe { (*state).svc };
         return Some(Match {
             dir: direction::REPLY,
@@ -386,7 +390,7 @@ pub fn muted_across_nat<const KEPT: u8>(pkt: &Packet) -> bool {
     } else {
         &pkt.daddr
     };
-    if control != 0 || !prefilter::known(side) {
+    if control != 0 || !prefilter::client(side) {
         return false;
     }
     let words = |a: &Addr| {
@@ -439,8 +443,8 @@ fn muted_by_keys(s0: u64, s1: u64, d0: u64, d1: u64, rest: u64) -> u64 {
         };
         // Rule 3 applies only where rules 1 and 2 do not.
         if !muted(state)
-            || service_at(daddr, dport, proto).is_some()
-            || (prefilter::known(&saddr)
+            || (prefilter::service(&daddr) && service_at(daddr, dport, proto).is_some())
+            || (prefilter::client(&saddr)
                 && ENDPOINTS.get_ptr_mut(key(saddr, sport, proto)).is_some())
         {
             return 0;

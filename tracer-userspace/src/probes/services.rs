@@ -5,11 +5,11 @@
 //! Everything that knows the key layout is here (`key`).
 //!
 //! The kernel looks a packet up in SERVICES only when its destination
-//! address's slot is set in the ADDR_SLOTS pre-filter (shared with the
-//! flows' client addresses, tracer_common::prefilter), so every Service
-//! address added here sets its slot too. Slots are never cleared: the slot
-//! may be a client's too, and a stale one costs the exact lookups, never a
-//! wrong match.
+//! address's slot is set in the SERVICE_SLOTS pre-filter
+//! (tracer_common::prefilter; client addresses have a filter of their own,
+//! written by the programs), so every Service address added here sets its
+//! slot too. Slots are never cleared: a stale one costs the exact lookups,
+//! never a wrong match.
 use std::collections::BTreeSet;
 
 use aya::maps::{Array, HashMap, MapData, MapError};
@@ -46,7 +46,7 @@ pub struct ServicesSynced {
 
 pub(super) struct ServiceMap {
     map: HashMap<MapData, ServiceKey, u8>,
-    /// The ADDR_SLOTS pre-filter.
+    /// The SERVICE_SLOTS pre-filter.
     slots: Array<MapData, u8>,
     /// What the map holds now.
     current: BTreeSet<ServicePort>,
@@ -87,7 +87,7 @@ impl ServiceMap {
             // Before the SERVICES entry, so its first packet passes the
             // pre-filter. Slots are never evicted: once is enough.
             if let Err(e) = remember_addr(&mut self.slots, kernel_addr(p.addr)) {
-                log::warn!("ADDR_SLOTS set {}: {e}", p.addr);
+                log::warn!("SERVICE_SLOTS set {}: {e}", p.addr);
             }
             match self.map.insert(key(&p), FROM_RULES, 0) {
                 Ok(()) => {
@@ -104,9 +104,8 @@ impl ServiceMap {
     }
 }
 
-/// Sets `addr`'s pre-filter slot (tracer_common::prefilter). The programs
-/// set client sides' slots with a plain store of the same value, so there is
-/// no read-modify-write to race.
+/// Sets `addr`'s Service pre-filter slot (tracer_common::prefilter). Only
+/// userspace writes this filter, with whole values.
 pub(super) fn remember_addr<T: std::borrow::BorrowMut<MapData>>(
     slots: &mut Array<T, u8>,
     addr: Addr,
