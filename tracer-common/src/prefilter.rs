@@ -1,17 +1,18 @@
-//! The address pre-filters shared by the kernel programs and the loader
-//! (docs/DESIGN.md, "Kernel filter"): one slot per hash of an address that
-//! can be part of a traced flow, in one filter per role (a Service's,
-//! written by userspace; a client side's, written by the programs when they
-//! start following it). A packet neither of whose addresses has its slot
-//! set is certainly untraced, and its program stops after three array
-//! reads, which the verifier inlines, instead of hash lookups. A collision
-//! only sends a packet on to the exact lookups; slots are never cleared, so
-//! no address can be evicted from a filter.
+//! The address pre-filter shared by the kernel programs and the loader
+//! (docs/DESIGN.md, "Kernel filter"): per hash of an address that can be
+//! part of a traced flow, one element per role — a Service's (written by
+//! userspace) and a client side's (written by the programs when they start
+//! following it) — side by side in one array, so both roles of an address
+//! are one cache line. A packet neither of whose addresses has its element
+//! set for the role a rule needs is certainly untraced, and its program
+//! stops after three array reads, which the verifier inlines, instead of
+//! hash lookups. A collision only sends a packet on to the exact lookups;
+//! elements are never cleared, so no address can be evicted from the filter.
 
 use crate::Addr;
 
-/// 2^16 slots. An array map rounds each value up to 8 bytes, so each map
-/// takes 512 KiB of kernel memory; a node with a few thousand Service and pod
+/// 2^16 slots, two elements each. An array map rounds each value up to 8
+/// bytes, so the map takes 1 MiB of kernel memory; a node with a few thousand Service and pod
 /// addresses sets a few percent of the slots.
 pub const SLOTS_LOG2: u32 = 16;
 pub const SLOTS: u32 = 1 << SLOTS_LOG2;
@@ -28,6 +29,24 @@ pub fn slot(addr: &Addr) -> u32 {
         i += 1;
     }
     h >> (32 - SLOTS_LOG2)
+}
+
+/// Elements of the pre-filter's array.
+pub const ELEMENTS: u32 = SLOTS * 2;
+
+/// The element that says `addr` may be a traced Service's (rule 1).
+#[inline(always)]
+pub fn service_element(addr: &Addr) -> u32 {
+    slot(addr) * 2
+}
+
+/// The element that says `addr` may be a followed client side's (rules 2
+/// and 3): next to its Service element, 8 bytes on in the kernel's array,
+/// so in the same 64-byte line. Each element has one writer, userspace or
+/// the programs, so no read-modify-write races another's.
+#[inline(always)]
+pub fn client_element(addr: &Addr) -> u32 {
+    slot(addr) * 2 + 1
 }
 
 #[cfg(test)]
@@ -68,5 +87,19 @@ mod tests {
             "{} slots for 256 IPv6 addresses",
             seen.len()
         );
+    }
+
+    #[test]
+    fn an_address_s_two_roles_are_neighbours_in_one_line() {
+        for a in [v4_mapped([100, 67, 30, 133]), v4_mapped([255; 4]), [u32::MAX; 4]] {
+            let (svc, client) = (service_element(&a), client_element(&a));
+            assert_ne!(svc, client);
+            assert!(client < ELEMENTS, "{client} of {ELEMENTS}");
+            // The kernel's array keeps each element in 8 bytes: an even
+            // element and the next share a 16-byte-aligned pair, so a
+            // 64-byte cache line.
+            assert_eq!(svc % 2, 0);
+            assert_eq!(client, svc + 1);
+        }
     }
 }

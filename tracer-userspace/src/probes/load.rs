@@ -84,13 +84,12 @@ pub(super) fn write_config(
     array.set(0, config, 0).map_err(kernel_err("CONFIG"))?;
 
     let mut slots: Array<&mut MapData, u8> = Array::try_from(
-        ebpf.map_mut("SERVICE_SLOTS")
-            .ok_or_else(|| TraceError::Kernel("map SERVICE_SLOTS missing".into()))?,
+        ebpf.map_mut("ADDR_SLOTS")
+            .ok_or_else(|| TraceError::Kernel("map ADDR_SLOTS missing".into()))?,
     )
-    .map_err(kernel_err("SERVICE_SLOTS"))?;
+    .map_err(kernel_err("ADDR_SLOTS"))?;
     for svc in services {
-        services::remember_addr(&mut slots, svc.kernel_addr())
-            .map_err(kernel_err("SERVICE_SLOTS"))?;
+        services::remember_addr(&mut slots, svc.kernel_addr()).map_err(kernel_err("ADDR_SLOTS"))?;
     }
     let mut map: HashMap<&mut MapData, ServiceKey, u8> = HashMap::try_from(
         ebpf.map_mut("SERVICES")

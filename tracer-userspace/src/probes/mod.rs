@@ -286,8 +286,8 @@ impl Tracer {
             .map_err(kernel_err("TC_IFACES"))?;
         let services = services::ServiceMap::new(
             HashMap::try_from(take_map(&mut ebpf, "SERVICES")?).map_err(kernel_err("SERVICES"))?,
-            Array::try_from(take_map(&mut ebpf, "SERVICE_SLOTS")?)
-                .map_err(kernel_err("SERVICE_SLOTS"))?,
+            Array::try_from(take_map(&mut ebpf, "ADDR_SLOTS")?)
+                .map_err(kernel_err("ADDR_SLOTS"))?,
             crate::service::traced_ports(&opts.services, None),
         );
 

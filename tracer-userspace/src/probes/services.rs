@@ -5,11 +5,11 @@
 //! Everything that knows the key layout is here (`key`).
 //!
 //! The kernel looks a packet up in SERVICES only when its destination
-//! address's slot is set in the SERVICE_SLOTS pre-filter
-//! (tracer_common::prefilter; client addresses have a filter of their own,
-//! written by the programs), so every Service address added here sets its
-//! slot too. Slots are never cleared: a stale one costs the exact lookups,
-//! never a wrong match.
+//! address's Service element is set in the ADDR_SLOTS pre-filter
+//! (tracer_common::prefilter; the client elements beside them are the
+//! programs'), so every Service address added here sets its element too.
+//! Elements are never cleared: a stale one costs the exact lookups, never
+//! a wrong match.
 use std::collections::BTreeSet;
 
 use aya::maps::{Array, HashMap, MapData, MapError};
@@ -46,7 +46,7 @@ pub struct ServicesSynced {
 
 pub(super) struct ServiceMap {
     map: HashMap<MapData, ServiceKey, u8>,
-    /// The SERVICE_SLOTS pre-filter.
+    /// The ADDR_SLOTS pre-filter (its Service elements).
     slots: Array<MapData, u8>,
     /// What the map holds now.
     current: BTreeSet<ServicePort>,
@@ -87,7 +87,7 @@ impl ServiceMap {
             // Before the SERVICES entry, so its first packet passes the
             // pre-filter. Slots are never evicted: once is enough.
             if let Err(e) = remember_addr(&mut self.slots, kernel_addr(p.addr)) {
-                log::warn!("SERVICE_SLOTS set {}: {e}", p.addr);
+                log::warn!("ADDR_SLOTS set {}: {e}", p.addr);
             }
             match self.map.insert(key(&p), FROM_RULES, 0) {
                 Ok(()) => {
@@ -104,11 +104,12 @@ impl ServiceMap {
     }
 }
 
-/// Sets `addr`'s Service pre-filter slot (tracer_common::prefilter). Only
-/// userspace writes this filter, with whole values.
+/// Sets `addr`'s Service element of the pre-filter
+/// (tracer_common::prefilter). Only userspace writes Service elements, and
+/// only the programs client elements: no read-modify-write to race.
 pub(super) fn remember_addr<T: std::borrow::BorrowMut<MapData>>(
     slots: &mut Array<T, u8>,
     addr: Addr,
 ) -> Result<(), MapError> {
-    slots.set(tracer_common::prefilter::slot(&addr), 1, 0)
+    slots.set(tracer_common::prefilter::service_element(&addr), 1, 0)
 }
