@@ -91,7 +91,11 @@ mod tests {
 
     #[test]
     fn an_address_s_two_roles_are_neighbours_in_one_line() {
-        for a in [v4_mapped([100, 67, 30, 133]), v4_mapped([255; 4]), [u32::MAX; 4]] {
+        for a in [
+            v4_mapped([100, 67, 30, 133]),
+            v4_mapped([255; 4]),
+            [u32::MAX; 4],
+        ] {
             let (svc, client) = (service_element(&a), client_element(&a));
             assert_ne!(svc, client);
             assert!(client < ELEMENTS, "{client} of {ELEMENTS}");

@@ -177,8 +177,9 @@ pub struct Match {
 pub fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
     // Pre-filters (prefilter.rs): rule 1 needs a Service's destination
     // address, rule 2 a client's source, rule 3 a client's destination.
+    let (dst_slot, src_slot) = (prefilter::slot(&pkt.daddr), prefilter::slot(&pkt.saddr));
     let src = key(pkt.saddr, pkt.sport, pkt.proto);
-    if prefilter::service(&pkt.daddr)
+    if prefilter::service(dst_slot)
         && let Some(svc) = service_at(pkt.daddr, pkt.dport, pkt.proto)
     {
         return Some(Match {
@@ -187,7 +188,7 @@ pub fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
             state: endpoint(&src, svc),
         });
     }
-    if prefilter::client(&pkt.saddr)
+    if prefilter::client(src_slot)
         && let Some(state) = ENDPOINTS.get_ptr_mut(src)
     {
         let svc = unsafe { (*state).svc };
@@ -198,7 +199,7 @@ pub fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
         });
     }
     let dst = key(pkt.daddr, pkt.dport, pkt.proto);
-    if prefilter::client(&pkt.daddr)
+    if prefilter::client(dst_slot)
         && let Some(state) = ENDPOINTS.get_ptr_mut(dst)
     {
         let svc = unsafe { (*state).svc };
@@ -390,7 +391,7 @@ pub fn muted_across_nat<const KEPT: u8>(pkt: &Packet) -> bool {
     } else {
         &pkt.daddr
     };
-    if control != 0 || !prefilter::client(side) {
+    if control != 0 || !prefilter::client(prefilter::slot(side)) {
         return false;
     }
     let words = |a: &Addr| {
@@ -443,8 +444,9 @@ fn muted_by_keys(s0: u64, s1: u64, d0: u64, d1: u64, rest: u64) -> u64 {
         };
         // Rule 3 applies only where rules 1 and 2 do not.
         if !muted(state)
-            || (prefilter::service(&daddr) && service_at(daddr, dport, proto).is_some())
-            || (prefilter::client(&saddr)
+            || (prefilter::service(prefilter::slot(&daddr))
+                && service_at(daddr, dport, proto).is_some())
+            || (prefilter::client(prefilter::slot(&saddr))
                 && ENDPOINTS.get_ptr_mut(key(saddr, sport, proto)).is_some())
         {
             return 0;

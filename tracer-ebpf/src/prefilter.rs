@@ -12,8 +12,10 @@
 use aya_ebpf::{macros::map, maps::Array};
 use tracer_common::{
     Addr,
-    prefilter::{ELEMENTS, client_element, service_element},
+    prefilter::{ELEMENTS, client_element},
 };
+
+pub use tracer_common::prefilter::slot;
 
 /// Non-zero when an address with that element may be a traced Service's
 /// (written by userspace only: before attaching, and as kube-proxy's rules
@@ -24,22 +26,23 @@ use tracer_common::{
 #[map]
 static ADDR_SLOTS: Array<u8> = Array::with_max_entries(ELEMENTS, 0);
 
-/// Whether `addr` may be a traced Service's (rule 1). An array lookup the
-/// verifier inlines (kernel/bpf/arraymap.c `array_map_gen_lookup`): a
-/// bounds check and a load, no helper call and no hashing of a 16-byte key.
+/// Whether an address of slot `slot` may be a traced Service's (rule 1).
+/// An array lookup the verifier inlines (kernel/bpf/arraymap.c
+/// `array_map_gen_lookup`): a bounds check and a load, no helper call and
+/// no hashing of a 16-byte key. The slot is taken, not the address: a
+/// classification asks two roles of the destination, and computed per
+/// question the hash was done again after each lookup (the packet lives
+/// in stack memory LLVM must reload after a call).
 #[inline(always)]
-pub fn service(addr: &Addr) -> bool {
-    ADDR_SLOTS
-        .get(service_element(addr))
-        .is_some_and(|v| *v != 0)
+pub fn service(slot: u32) -> bool {
+    ADDR_SLOTS.get(slot * 2).is_some_and(|v| *v != 0)
 }
 
-/// Whether `addr` may be a followed client side's (rules 2 and 3).
+/// Whether an address of slot `slot` may be a followed client side's
+/// (rules 2 and 3).
 #[inline(always)]
-pub fn client(addr: &Addr) -> bool {
-    ADDR_SLOTS
-        .get(client_element(addr))
-        .is_some_and(|v| *v != 0)
+pub fn client(slot: u32) -> bool {
+    ADDR_SLOTS.get(slot * 2 + 1).is_some_and(|v| *v != 0)
 }
 
 /// A client side the programs now follow.
