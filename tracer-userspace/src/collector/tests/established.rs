@@ -343,30 +343,19 @@ fn replies_at_the_client_clear_a_request_drop_only_once_a_request_leaves_the_nod
 /// reply says so instead of "0 good replies".
 #[test]
 fn the_mid_stream_prefix_reads_at_every_length() {
-    let e = |after_ms, good_replies| Established {
-        ok_ts_ns: 0,
-        failed_ts_ns: 0,
-        after_ms,
-        good_replies,
-    };
-    assert_eq!(
-        established::prefix(&e(1400, 57)),
-        "mid-stream after 1.4 s and 57 good replies: "
-    );
-    assert_eq!(
-        established::prefix(&e(1000, 1)),
-        "mid-stream after 1.0 s and 1 good reply: "
-    );
-    assert_eq!(
-        established::prefix(&e(3, 0)),
-        "mid-stream after 3 ms, before any reply: "
-    );
-    assert_eq!(
-        established::prefix(&e(0, 0)),
-        "mid-stream within 1 ms, before any reply: "
-    );
-    assert_eq!(
-        established::prefix(&e(999, 2)),
-        "mid-stream after 999 ms and 2 good replies: "
-    );
+    for (after_ms, good_replies, head) in [
+        (1400, 57, "mid-stream after 1.4 s and 57 good replies: "),
+        (1000, 1, "mid-stream after 1.0 s and 1 good reply: "),
+        (999, 2, "mid-stream after 999 ms and 2 good replies: "),
+        (3, 0, "mid-stream after 3 ms, before any reply: "),
+        (0, 0, "mid-stream within 1 ms, before any reply: "),
+    ] {
+        let e = Established {
+            ok_ts_ns: 0,
+            failed_ts_ns: 0,
+            after_ms,
+            good_replies,
+        };
+        assert_eq!(established::prefix(&e), head);
+    }
 }
