@@ -230,6 +230,12 @@ pub(crate) fn vanished_since(flow: &Flow, node_netns: u32) -> Option<u64> {
 /// NEIGH_FAILED; `ndisc_error_report` (net/ipv6/ndisc.c) sends ICMPv6
 /// address unreachable. Returns the packet and the error's time.
 pub(crate) fn neighbour_gave_up(flow: &Flow, node_netns: u32) -> Option<(u8, u64)> {
+    // Asked of every report (its attempts); without an ICMP error there is
+    // nothing to find, and the vanished request's search cost ~280
+    // instructions per healthy connection (callgrind, BENCHMARKS.md).
+    if flow.icmp.is_none() {
+        return None;
+    }
     let since = vanished_since(flow, node_netns)?;
     let packet = flow
         .packets
