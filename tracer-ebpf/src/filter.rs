@@ -314,11 +314,19 @@ fn observe_via<const SLOT: bool>(
     // would only count: the watch checks replies where the client
     // receives them (watch.rs `check` passes it, and nothing after that
     // sends it). Counted here, before the copy and the call.
+    // And at its client's device the reply from the Service, the watch's
+    // common case, is counted here too (watch.rs `fine_at_client`): through
+    // judge it paid the slot's copy, the call and the state's lookup again.
     if at.hook == hook::DEV_RX
         && let Some(state) = m.state
         && muted(state)
         && control == 0
-        && watch::elsewhere(state, at)
+        && (watch::elsewhere(state, at)
+            || (m.dir == direction::REPLY
+                && at_client(at)
+                && watch::fine_at_client(state, at, || {
+                    service_at(pkt.saddr, pkt.sport, pkt.proto).is_some()
+                })))
     {
         stat_inc(stat::MUTED_PACKETS);
         return true;

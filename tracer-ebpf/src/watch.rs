@@ -59,12 +59,9 @@ pub fn check(
         return Check::Pass;
     }
     if from_service() {
-        let good = unsafe { core::ptr::read_volatile(&raw const (*state).good) };
-        unsafe {
-            core::ptr::write_volatile(&raw mut (*state).good, good.wrapping_add(1));
-            if cn == 0 {
-                core::ptr::write_volatile(&raw mut (*state).client_netns, at.netns);
-            }
+        count_good(state);
+        if cn == 0 {
+            unsafe { core::ptr::write_volatile(&raw mut (*state).client_netns, at.netns) };
         }
         return Check::Fine;
     }
@@ -74,6 +71,33 @@ pub fn check(
         return Check::Pass;
     }
     Check::Alert
+}
+
+/// [`check`]'s common case decided before `judge` (filter.rs
+/// `observe_via`): a reply of a muted flow at a device in the namespace
+/// its reply reached before (`outside_node` already known), from the
+/// Service — fine, counted. False for anything else, which `judge`'s
+/// `check` then decides as before.
+#[inline(always)]
+pub fn fine_at_client(
+    state: *mut EndpointState,
+    at: &Point,
+    from_service: impl FnOnce() -> bool,
+) -> bool {
+    let cn = unsafe { core::ptr::read_volatile(&raw const (*state).client_netns) };
+    if cn == 0 || cn != at.netns || !from_service() {
+        return false;
+    }
+    count_good(state);
+    true
+}
+
+#[inline(always)]
+fn count_good(state: *mut EndpointState) {
+    unsafe {
+        let good = core::ptr::read_volatile(&raw const (*state).good);
+        core::ptr::write_volatile(&raw mut (*state).good, good.wrapping_add(1));
+    }
 }
 
 /// The flow was just muted by its reverse-NATed reply in namespace `netns`.
