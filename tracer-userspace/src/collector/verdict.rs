@@ -233,9 +233,7 @@ pub(crate) fn neighbour_gave_up(flow: &Flow, node_netns: u32) -> Option<(u8, u64
     // Asked of every report (its attempts); without an ICMP error there is
     // nothing to find, and the vanished request's search cost ~280
     // instructions per healthy connection (callgrind, BENCHMARKS.md).
-    if flow.icmp.is_none() {
-        return None;
-    }
+    flow.icmp.as_ref()?;
     let since = vanished_since(flow, node_netns)?;
     let packet = flow
         .packets
