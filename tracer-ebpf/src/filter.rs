@@ -317,16 +317,19 @@ fn observe_via<const SLOT: bool>(
     // And at its client's device the reply from the Service, the watch's
     // common case, is counted here too (watch.rs `fine_at_client`): through
     // judge it paid the slot's copy, the call and the state's lookup again.
-    if at.hook == hook::DEV_RX
-        && let Some(state) = m.state
+    // So is a deviceless drop, a closing socket's queue purge (one per
+    // connection; `judge` and `watch::check` count it as fine).
+    if let Some(state) = m.state
         && muted(state)
         && control == 0
-        && (watch::elsewhere(state, at)
-            || (m.dir == direction::REPLY
-                && at_client(at)
-                && watch::fine_at_client(state, at, || {
-                    service_at(pkt.saddr, pkt.sport, pkt.proto).is_some()
-                })))
+        && ((is_drop && at.ifindex == 0)
+            || (at.hook == hook::DEV_RX
+                && (watch::elsewhere(state, at)
+                    || (m.dir == direction::REPLY
+                        && at_client(at)
+                        && watch::fine_at_client(state, at, || {
+                            service_at(pkt.saddr, pkt.sport, pkt.proto).is_some()
+                        })))))
     {
         stat_inc(stat::MUTED_PACKETS);
         return true;
