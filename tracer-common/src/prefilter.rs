@@ -34,19 +34,33 @@ pub fn slot(addr: &Addr) -> u32 {
 /// Elements of the pre-filter's array.
 pub const ELEMENTS: u32 = SLOTS * 2;
 
-/// The element that says `addr` may be a traced Service's (rule 1).
+/// The element of slot `slot` that says its address may be a traced
+/// Service's (rule 1).
 #[inline(always)]
-pub fn service_element(addr: &Addr) -> u32 {
-    slot(addr) * 2
+pub const fn service_of(slot: u32) -> u32 {
+    slot * 2
 }
 
-/// The element that says `addr` may be a followed client side's (rules 2
-/// and 3): next to its Service element, 8 bytes on in the kernel's array,
-/// so in the same 64-byte line. Each element has one writer, userspace or
-/// the programs, so no read-modify-write races another's.
+/// The element of slot `slot` that says its address may be a followed
+/// client side's (rules 2 and 3): next to its Service element, 8 bytes on
+/// in the kernel's array, so in the same 64-byte line. Each element has one
+/// writer, userspace or the programs, so no read-modify-write races
+/// another's.
+#[inline(always)]
+pub const fn client_of(slot: u32) -> u32 {
+    slot * 2 + 1
+}
+
+/// `addr`'s Service element ([`service_of`]).
+#[inline(always)]
+pub fn service_element(addr: &Addr) -> u32 {
+    service_of(slot(addr))
+}
+
+/// `addr`'s client element ([`client_of`]).
 #[inline(always)]
 pub fn client_element(addr: &Addr) -> u32 {
-    slot(addr) * 2 + 1
+    client_of(slot(addr))
 }
 
 #[cfg(test)]

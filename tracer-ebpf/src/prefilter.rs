@@ -12,7 +12,7 @@
 use aya_ebpf::{macros::map, maps::Array};
 use tracer_common::{
     Addr,
-    prefilter::{ELEMENTS, client_element},
+    prefilter::{ELEMENTS, client_element, client_of, service_of},
 };
 
 pub use tracer_common::prefilter::slot;
@@ -35,14 +35,14 @@ static ADDR_SLOTS: Array<u8> = Array::with_max_entries(ELEMENTS, 0);
 /// in stack memory LLVM must reload after a call).
 #[inline(always)]
 pub fn service(slot: u32) -> bool {
-    ADDR_SLOTS.get(slot * 2).is_some_and(|v| *v != 0)
+    ADDR_SLOTS.get(service_of(slot)).is_some_and(|v| *v != 0)
 }
 
 /// Whether an address of slot `slot` may be a followed client side's
 /// (rules 2 and 3).
 #[inline(always)]
 pub fn client(slot: u32) -> bool {
-    ADDR_SLOTS.get(slot * 2 + 1).is_some_and(|v| *v != 0)
+    ADDR_SLOTS.get(client_of(slot)).is_some_and(|v| *v != 0)
 }
 
 /// A client side the programs now follow.
