@@ -309,27 +309,10 @@ fn observe_via<const SLOT: bool>(
     if !details(pkt, at) {
         return true;
     }
-    // A muted flow's reply at a device in another namespace than its
-    // client's (the node's side of the backend's veth) is one `judge`
-    // would only count: the watch checks replies where the client
-    // receives them (watch.rs `check` passes it, and nothing after that
-    // sends it). Counted here, before the copy and the call.
-    // And at its client's device the reply from the Service, the watch's
-    // common case, is counted here too (watch.rs `fine_at_client`): through
-    // judge it paid the slot's copy, the call and the state's lookup again.
-    // So is a deviceless drop, a closing socket's queue purge (one per
-    // connection; `judge` and `watch::check` count it as fine).
     if let Some(state) = m.state
         && muted(state)
         && control == 0
-        && ((is_drop && at.ifindex == 0)
-            || (at.hook == hook::DEV_RX
-                && (watch::elsewhere(state, at)
-                    || (m.dir == direction::REPLY
-                        && at_client(at)
-                        && watch::fine_at_client(state, at, || {
-                            service_at(pkt.saddr, pkt.sport, pkt.proto).is_some()
-                        })))))
+        && fine_before_judge(state, pkt, at, m.dir)
     {
         stat_inc(stat::MUTED_PACKETS);
         return true;
@@ -373,6 +356,31 @@ fn observe_via<const SLOT: bool>(
         core::ptr::write_volatile(depth, d);
     }
     true
+}
+
+/// What `judge` would only count as fine, for a muted flow's packet
+/// without SYN, RST or ICMP error, decided before the slot's copy, the call
+/// and the state's lookup again:
+/// - a reply at a device in another namespace than its client's (the
+///   node's side of the backend's veth): the watch checks replies where
+///   the client receives them (watch.rs `check` passes it, and nothing
+///   after that sends it);
+/// - at its client's device, the reply from the Service, the watch's
+///   common case (watch.rs `fine_at_client`);
+/// - a deviceless drop, a closing socket's queue purge (one per
+///   connection; `watch::check` counts it as fine).
+#[inline(always)]
+fn fine_before_judge(state: *mut EndpointState, pkt: &Packet, at: &Point, dir: u8) -> bool {
+    if at.hook == hook::DROP {
+        return at.ifindex == 0;
+    }
+    at.hook == hook::DEV_RX
+        && (watch::elsewhere(state, at)
+            || (dir == direction::REPLY
+                && at_client(at)
+                && watch::fine_at_client(state, at, || {
+                    service_at(pkt.saddr, pkt.sport, pkt.proto).is_some()
+                })))
 }
 
 /// Whether a NAT hook's packet stops at the muted check at both of its
