@@ -65,7 +65,9 @@ pub fn emit(pkt: &Packet, at: &Point, dir: u8, svc: u8, flags: u8, good: u32) {
         stat_inc(stat::RINGBUF_FULL);
         return;
     };
-    fill(entry.as_mut_ptr(), pkt, at, dir, svc, flags);
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    fill(entry.as_mut_ptr(), now, pkt, at, dir, svc, flags);
     // SAFETY: the reservation holds a PacketEvent.
     unsafe { (*entry.as_mut_ptr()).good = good };
     entry.submit(wakeup_flag());
@@ -73,12 +75,22 @@ pub fn emit(pkt: &Packet, at: &Point, dir: u8, svc: u8, flags: u8, good: u32) {
 }
 
 /// Writes every field of the event at `ev` (a ring-buffer reservation or a
-/// `HELD` slot), so no uninitialised bytes reach userspace.
+/// `HELD` slot), so no uninitialised bytes reach userspace. `ts_ns` is the
+/// caller's clock read: a held event's is the one its entry's age was
+/// judged by (one `bpf_ktime_get_ns` per held event, not two).
 #[inline(always)]
-pub fn fill(ev: *mut PacketEvent, pkt: &Packet, at: &Point, dir: u8, svc: u8, flags: u8) {
+pub fn fill(
+    ev: *mut PacketEvent,
+    ts_ns: u64,
+    pkt: &Packet,
+    at: &Point,
+    dir: u8,
+    svc: u8,
+    flags: u8,
+) {
     // SAFETY: `ev` points at sizeof(PacketEvent) bytes the caller owns.
     unsafe {
-        (*ev).ts_ns = bpf_ktime_get_ns();
+        (*ev).ts_ns = ts_ns;
         (*ev).skb = at.skb;
         (*ev).netns = at.netns;
         (*ev).ifindex = at.ifindex;
