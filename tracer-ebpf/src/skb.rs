@@ -2,7 +2,7 @@
 //! netfilter programs, kprobes). Offsets come from CONFIG, resolved by userspace from
 //! the running kernel's BTF: Rust eBPF has no CO-RE, and the layouts differ
 //! between kernels (sk_buff.head: 192 bytes on 6.18, 200 on 6.1/6.12).
-use aya_ebpf::helpers::bpf_probe_read_kernel;
+use aya_ebpf::{helpers::bpf_probe_read_kernel, macros::map, maps::Array};
 use network_types::{
     ip::{Ipv4Hdr, Ipv6Hdr},
     tcp::TcpHdr,
@@ -84,13 +84,34 @@ fn paired(dev: u64, off: &KernelOffsets) -> Paired {
     if ops == 0 {
         return Paired::Other;
     }
+    let known = VETH_OPS.get_ptr_mut(0);
+    if let Some(known) = known
+        && unsafe { core::ptr::read_volatile(known) } == ops
+    {
+        return Paired::Veth;
+    }
     let kind = read::<u64>(ops + off.rtnl_link_ops_kind as u64).unwrap_or(0);
     if kind != 0 && read::<[u8; 5]>(kind) == Ok(*b"veth\0") {
+        if let Some(known) = known {
+            unsafe { core::ptr::write_volatile(known, ops) };
+        }
         Paired::Veth
     } else {
         Paired::Other
     }
 }
+
+/// The address of veth's `rtnl_link_ops` (drivers/net/veth.c
+/// `veth_link_ops`, one static object for every veth), once a device's
+/// `kind` read "veth": later veths are told by that pointer alone, two
+/// `bpf_probe_read_kernel` calls fewer (`ops->kind`, then its bytes) at
+/// every veth transmit that reports its peer's receive. Learned, not
+/// given: /proc/kallsyms lists data symbols only with
+/// CONFIG_KALLSYMS_ALL. Written again if veth's module is ever reloaded
+/// elsewhere (its ops then fail the compare and are read by name); a
+/// module can be unloaded only once no veth is left.
+#[map]
+static VETH_OPS: Array<u64> = Array::with_max_entries(1, 0);
 
 /// The device that receives what `dev` transmits, when that follows from
 /// the transmit alone ([`Paired`]); 0 for any other device, or a veth peer
