@@ -21,7 +21,12 @@ pub struct Point {
     pub hook: u8,
     pub nf_hook: u8,
     pub nat_stage: u8,
-    _pad: [u8; 5],
+    /// 1: this NAT hook's BEFORE and AFTER points are both observed in
+    /// this program run (netfilter.rs `try_netfilter_nat`), which follows
+    /// rule 4 from the BEFORE point's match itself: no INFLIGHT entry is
+    /// written at BEFORE nor looked up at AFTER.
+    pub nat_pair: u8,
+    _pad: [u8; 4],
     /// Kernel address of the sk_buff (0 if unknown).
     pub skb: u64,
     pub netns: u32,

@@ -212,7 +212,9 @@ pub fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
     // Rule 4 can only apply right after a NAT stage rewrote a client side
     // that no map knows yet (SNAT/masquerade); everywhere else the packet
     // already matched by its addresses, so the miss path skips the lookup.
-    if at.skb == 0 || at.nat_stage != nat_stage::AFTER {
+    // A program that saw the BEFORE point itself follows it without the
+    // map ([`follow_rewrite`]).
+    if at.skb == 0 || at.nat_stage != nat_stage::AFTER || at.nat_pair != 0 {
         return None;
     }
     let seen = unsafe { INFLIGHT.get(at.skb) }?;
@@ -227,6 +229,53 @@ pub fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
         svc,
         state: endpoint(&client, svc),
     })
+}
+
+/// Rule 4 where one program observes both points of a NAT hook: at the
+/// AFTER point, a packet whose rewritten side no map knows yet belongs to
+/// the flow its BEFORE point matched (`before`: its direction and Service,
+/// [`Match::pair`]), and its new client side is followed from now on, as
+/// an INFLIGHT entry of the same skb would have it. The miss path pays
+/// nothing: it had an INFLIGHT lookup per call at PREROUTING and
+/// POSTROUTING, and a traced handshake an LRU insert per packet and hook.
+#[inline(always)]
+pub fn follow_rewrite(pkt: &Packet, before: u16) -> Option<Match> {
+    if before == NO_PAIR {
+        return None;
+    }
+    let (dir, svc) = ((before >> 8) as u8, before as u8);
+    Some(Match {
+        dir,
+        svc,
+        state: endpoint(&client_key(pkt, dir), svc),
+    })
+}
+
+/// [`Match::pair`] of no match.
+pub const NO_PAIR: u16 = u16::MAX;
+
+impl Match {
+    /// What [`follow_rewrite`] needs of the BEFORE point's match, read
+    /// after that point was observed, packed so that it stays in a register
+    /// across the observation (the NAT programs' frames are at 6.1's
+    /// limit, tests/stack_depth.rs): [`NO_PAIR`] where `judge` would not
+    /// have written the INFLIGHT entry, i.e. a muted flow's packet that was
+    /// only counted (a SYN, RST or ICMP error, or one the watch flagged,
+    /// goes on to `judge`, which unmutes it or writes the entry for it).
+    #[inline(always)]
+    pub fn pair(m: Option<Match>, pkt: &Packet) -> u16 {
+        let Some(m) = m else {
+            return NO_PAIR;
+        };
+        let control = (pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST)) | pkt.icmp_type;
+        if let Some(state) = m.state
+            && muted(state)
+            && control == 0
+        {
+            return NO_PAIR;
+        }
+        (u16::from(m.dir) << 8) | u16::from(m.svc)
+    }
 }
 
 /// Applies the filter to one observed packet and emits an event if it belongs
@@ -642,7 +691,7 @@ pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) ->
         if is_drop {
             // The skb is being freed and its address will be reused.
             let _ = INFLIGHT.remove(at.skb);
-        } else if at.nat_stage == nat_stage::BEFORE {
+        } else if at.nat_stage == nat_stage::BEFORE && at.nat_pair == 0 {
             // Only the AFTER point of the same hook looks this up (rule 4).
             let seen = InflightPacket {
                 seq: pkt.seq,

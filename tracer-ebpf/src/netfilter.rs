@@ -23,7 +23,7 @@ use tracer_common::{Addr, KernelOffsets, as_v4, direction, hook, nat_stage, nf_h
 use crate::{
     config,
     emit::{Packet, Point},
-    filter::{self, observe},
+    filter::{self, Match, observe, observe_matched},
     skb::{self, L3, read},
 };
 
@@ -108,16 +108,21 @@ fn try_netfilter_nat(ctx: *mut c_void, nf_hook: u8, rewrites: Rewrites) -> Resul
     let mut at = Point::new(hook::NETFILTER);
     at.nf_hook = nf_hook;
     at.nat_stage = nat_stage::BEFORE;
+    at.nat_pair = 1;
     at.skb = skb;
     let details = |pkt: &mut Packet, at: &mut Point| {
         at.ifindex = skb::dev_ifindex(skb::skb_dev(skb, off), off);
         skb::payload_head(pkt, payload);
         true
     };
-    observe(&mut pkt, &mut at, details);
+    let before = filter::classify(&pkt, &at);
+    observe_matched(&mut pkt, &mut at, before, details);
+    // Read after the BEFORE point was judged, which may unmute the flow.
+    let before = Match::pair(before, &pkt);
     set_side(&mut pkt, rewrites, after);
     at.nat_stage = nat_stage::AFTER;
-    observe(&mut pkt, &mut at, details);
+    let m = filter::classify(&pkt, &at).or_else(|| filter::follow_rewrite(&pkt, before));
+    observe_matched(&mut pkt, &mut at, m, details);
     Ok(())
 }
 
