@@ -18,35 +18,25 @@ pub struct TestArgs {
     pub no_vm: bool,
 }
 
-/// Everything CI runs: setup, formatting and lints, unit tests (as root
-/// the container image beside them), then as root the root integration
-/// tests on this kernel and the guest kernels. What needs no root comes first, so a developer
+/// Everything CI runs: setup, formatting and lints, unit tests, then (as
+/// root) the container image, the root integration tests on this kernel and
+/// the guest kernels. What needs no root comes first, so a developer
 /// without it still gets fmt, clippy and the unit tests.
 pub fn test(args: TestArgs) -> anyhow::Result<()> {
     setup::run()?;
-    // The image is built beside the lints and unit tests: its musl release
-    // build (the one vm-test needs too, same cargo call; tests/tests/image.rs
-    // runs the image instead of building one) has a target directory of its
-    // own (`vm::payload_target_dir`), and sequentially it was ~8 minutes of
-    // CI on 2 busy cores, spent before the root tests could start.
-    let root = setup::is_root();
-    let image = root.then(|| std::thread::spawn(|| image::run(image::ImageArgs::default())));
+    lint()?;
     // Unit tests of every default member (the eBPF crate has none and
     // builds only for bpfel-unknown-none).
-    let checks = lint().and_then(|()| cargo(&["test", "--lib", "--bins", "--no-fail-fast"]));
-    // Joined before any error is returned, so that no build outlives xtask.
-    let image = image.map_or(Ok(()), |h| {
-        h.join()
-            .unwrap_or_else(|_| Err(anyhow::anyhow!("the image build panicked")))
-    });
-    checks?;
-    if !root {
+    cargo(&["test", "--lib", "--bins", "--no-fail-fast"])?;
+    if !setup::is_root() {
         eprintln!(
             "xtask: not root: skipping the image, the root integration tests (network namespaces, eBPF) and the guest kernels; run `sudo cargo xtask test` for them"
         );
         return Ok(());
     }
-    image?;
+    // The image first: its musl build is the one vm-test needs too (same
+    // cargo call), and tests/tests/image.rs runs it instead of building one.
+    image::run(image::ImageArgs::default())?;
     let env = [("NATTRACE_IMAGE", image::DEFAULT_TAG)];
     // The guest kernels and the root tests share nothing (each guest is a
     // kernel of its own), and the root tests spend most of their time

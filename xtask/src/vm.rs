@@ -268,16 +268,6 @@ fn target_dir() -> PathBuf {
         .unwrap_or_else(|| crate::workspace::workspace_root().join("target"))
 }
 
-/// Where the musl payload is built: a target directory of its own, so that
-/// `cargo xtask test` builds it beside the debug builds of the lints and
-/// unit tests instead of after them (cargo holds a lock on its whole target
-/// directory while it builds). It shares nothing with them anyway: another
-/// target and the release profile, down to its build scripts and proc
-/// macros.
-fn payload_target_dir() -> PathBuf {
-    target_dir().join("payload")
-}
-
 /// The release nattrace linked statically against musl: what the guests run,
 /// and what `cargo xtask musl` hands to nodes and kind (nothing to install there).
 pub fn build_static_nattrace() -> Result<PathBuf> {
@@ -290,22 +280,24 @@ pub fn build_static_nattrace() -> Result<PathBuf> {
 pub fn build_payload(bins: &[String]) -> Result<Vec<PathBuf>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
-    let dir = payload_target_dir();
     cmd.current_dir(crate::workspace::workspace_root()).args([
         "build",
         "--release",
         "--target",
         deps::PAYLOAD_TARGET,
-        "--target-dir",
     ]);
-    cmd.arg(&dir);
     let mut paths = Vec::new();
     for spec in bins {
         let (pkg, bin) = spec
             .split_once(':')
             .with_context(|| format!("--bin {spec}: expected PACKAGE:BIN"))?;
         cmd.args(["-p", pkg, "--bin", bin]);
-        paths.push(dir.join(deps::PAYLOAD_TARGET).join("release").join(bin));
+        paths.push(
+            target_dir()
+                .join(deps::PAYLOAD_TARGET)
+                .join("release")
+                .join(bin),
+        );
     }
     if paths.is_empty() {
         return Ok(paths);
