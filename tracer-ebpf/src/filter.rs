@@ -267,7 +267,7 @@ impl Match {
         let Some(m) = m else {
             return NO_PAIR;
         };
-        let control = (pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST)) | pkt.icmp_type;
+        let control = control(pkt);
         if let Some(state) = m.state
             && muted(state)
             && control == 0
@@ -335,9 +335,7 @@ fn observe_via<const SLOT: bool>(
         return false;
     };
     let is_drop = at.hook == hook::DROP;
-    // Handshakes, resets and ICMP errors about the flow are always
-    // reported; FINs of an `ok` flow only close it and are counted like data.
-    let control = (pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST)) | pkt.icmp_type;
+    let control = control(pkt);
     if let Some(state) = m.state {
         // The bulk of a muted flow stops here, before reading anything
         // more; only a reply at a device may still have to unmute it below.
@@ -451,7 +449,7 @@ fn fine_before_judge(state: *mut EndpointState, pkt: &Packet, at: &Point, dir: u
 /// slot took 6.1's combined stack past 512 bytes, tests/stack_depth.rs).
 #[inline(always)]
 pub fn muted_across_nat<const KEPT: u8>(pkt: &Packet) -> bool {
-    let control = (pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST)) | pkt.icmp_type;
+    let control = control(pkt);
     // The side the flow is found by must be in the pre-filter: an
     // untraced packet stops here, as its classification below does.
     let side = if KEPT == direction::REQUEST {
@@ -583,7 +581,7 @@ pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) ->
         state: ENDPOINTS.get_ptr_mut(client_key(pkt, dir)),
     };
     let is_drop = at.hook == hook::DROP;
-    let control = (pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST)) | pkt.icmp_type;
+    let control = control(pkt);
     let mut flags = 0;
     let mut hold_for = None;
     let mut good = 0;
@@ -726,6 +724,14 @@ fn client_key(pkt: &Packet, dir: u8) -> EndpointKey {
     } else {
         key(pkt.saddr, pkt.sport, pkt.proto)
     }
+}
+
+/// Nonzero for a packet that is always reported, muted flow or not: a
+/// handshake (SYN), a reset or an ICMP error. A FIN of an `ok` flow only
+/// closes it and counts like data.
+#[inline(always)]
+fn control(pkt: &Packet) -> u8 {
+    (pkt.tcp_flags & (tcp_flags::SYN | tcp_flags::RST)) | pkt.icmp_type
 }
 
 /// A device event outside the traced node namespace (the pods' side).
