@@ -221,14 +221,19 @@ pub fn classify(pkt: &Packet, at: &Point) -> Option<Match> {
     if seen.ip_id != pkt.ip_id || seen.seq != pkt.seq {
         return None;
     }
-    let (dir, svc) = (seen.direction, seen.svc);
-    // NAT rewrote the client side: follow the new one too.
-    let client = if dir == direction::REPLY { dst } else { src };
-    Some(Match {
+    Some(followed(pkt, seen.direction, seen.svc))
+}
+
+/// Rule 4's match: NAT rewrote the client side of a packet whose BEFORE
+/// point matched (`dir`, `svc`), and the new client side is followed from
+/// now on (found, or created as rule 1 does).
+#[inline(always)]
+fn followed(pkt: &Packet, dir: u8, svc: u8) -> Match {
+    Match {
         dir,
         svc,
-        state: endpoint(&client, svc),
-    })
+        state: endpoint(&client_key(pkt, dir), svc),
+    }
 }
 
 /// Rule 4 where one program observes both points of a NAT hook: at the
@@ -243,12 +248,7 @@ pub fn follow_rewrite(pkt: &Packet, before: u16) -> Option<Match> {
     if before == NO_PAIR {
         return None;
     }
-    let (dir, svc) = ((before >> 8) as u8, before as u8);
-    Some(Match {
-        dir,
-        svc,
-        state: endpoint(&client_key(pkt, dir), svc),
-    })
+    Some(followed(pkt, (before >> 8) as u8, before as u8))
 }
 
 /// [`Match::pair`] of no match.
