@@ -16,8 +16,11 @@
 //! `--netns`); the bare binary traces beside it, one curl for both.
 //!
 //! Uses the image named by `$NATTRACE_IMAGE` (`cargo xtask test` builds it
-//! first, in the same cargo call as vm-test's musl binaries), else builds
-//! `localhost/nattrace:dev` with `cargo xtask image`.
+//! beside the other root tests, in the same cargo call as vm-test's musl
+//! binaries, and runs these after both), else builds
+//! `localhost/nattrace:dev` with `cargo xtask image`. Every test's name
+//! begins with `root_image_`: that is how `cargo xtask test` keeps them out
+//! of the other root tests' run (xtask/src/tasks.rs `IMAGE_TESTS`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -362,7 +365,7 @@ fn root_image_under_containerd_gives_the_bare_binarys_doctor_and_verdicts() {
 /// Without iptables and nft (a scratch image that carries neither) doctor
 /// says which program is missing, never "no kube-proxy rules".
 #[test]
-fn root_missing_tools_are_named_not_reported_as_no_rules() {
+fn root_image_missing_tools_are_named_not_reported_as_no_rules() {
     if lab::skip_without_root("needs root (a lab node)") {
         return;
     }
