@@ -10,6 +10,21 @@ use std::net::SocketAddr;
 
 use crate::collector::{Attempt, FlowReport, Hop, PacketEvidence, addr_text};
 
+/// A boolean value with the fixed bytes before and after it, one literal
+/// either way.
+macro_rules! flag {
+    ($out:expr, $b:expr, $before:literal, $after:literal) => {
+        lit(
+            $out,
+            if $b {
+                concat!($before, "true", $after)
+            } else {
+                concat!($before, "false", $after)
+            },
+        )
+    };
+}
+
 /// Whether [`write`] can write `r`'s abridged line: the fields it leaves
 /// to serde (a broken connection's, ICMP errors) are absent.
 pub(super) fn fits(r: &FlowReport) -> bool {
@@ -35,14 +50,7 @@ pub(super) fn write(out: &mut Vec<u8>, r: &FlowReport) {
     opt_addr(out, r.backend.as_ref());
     lit(out, r#","snat":"#);
     opt_addr(out, r.snat.as_ref());
-    lit(
-        out,
-        if r.hairpin {
-            r#","hairpin":true,"k8s_service":"#
-        } else {
-            r#","hairpin":false,"k8s_service":"#
-        },
-    );
+    flag!(out, r.hairpin, r#","hairpin":"#, r#","k8s_service":"#);
     opt_str(out, r.k8s_service.as_deref());
     if let Some(p) = &r.client_pod {
         lit(out, r#","client_pod":"#);
@@ -64,25 +72,11 @@ pub(super) fn write(out: &mut Vec<u8>, r: &FlowReport) {
     opt_str(out, r.cause.as_ref().map(|c| c.hint.as_ref()));
     lit(out, r#","detail":"#);
     string(out, &r.detail);
-    lit(
-        out,
-        if r.incomplete {
-            r#","incomplete":true"#
-        } else {
-            r#","incomplete":false"#
-        },
-    );
+    flag!(out, r.incomplete, r#","incomplete":"#, "");
     if !r.opening_seen {
         lit(out, r#","opening_seen":false"#);
     }
-    lit(
-        out,
-        if r.truncated {
-            r#","truncated":true,"first_ts_ns":"#
-        } else {
-            r#","truncated":false,"first_ts_ns":"#
-        },
-    );
+    flag!(out, r.truncated, r#","truncated":"#, r#","first_ts_ns":"#);
     num(out, r.first_ts_ns);
     lit(out, r#","decided_ts_ns":"#);
     num(out, r.decided_ts_ns);
@@ -100,14 +94,7 @@ fn attempt(out: &mut Vec<u8>, a: &Attempt) {
     opt_addr(out, a.backend.as_ref());
     lit(out, r#","sep_chain":"#);
     opt_str(out, a.sep_chain.as_deref());
-    lit(
-        out,
-        if a.answered {
-            r#","answered":true,"dropped":"#
-        } else {
-            r#","answered":false,"dropped":"#
-        },
-    );
+    flag!(out, a.answered, r#","answered":"#, r#","dropped":"#);
     opt_str(out, a.dropped.as_ref().map(|n| n.as_str()));
     out.push(b'}');
 }
@@ -166,27 +153,13 @@ fn hop(out: &mut Vec<u8>, h: &Hop) {
     opt_str(out, h.ifname.as_ref().map(|n| n.as_str()));
     lit(out, r#","netns":"#);
     num(out, h.netns.into());
-    lit(
-        out,
-        if h.node_ns {
-            r#","node_ns":true,"src":""#
-        } else {
-            r#","node_ns":false,"src":""#
-        },
-    );
+    flag!(out, h.node_ns, r#","node_ns":"#, r#","src":""#);
     addr_text::push(out, &h.src);
     lit(out, r#"","dst":""#);
     addr_text::push(out, &h.dst);
     lit(out, r#"","drop_reason":"#);
     opt_str(out, h.drop_reason.as_ref().map(|n| n.as_str()));
-    lit(
-        out,
-        if h.client_side {
-            r#","client_side":true"#
-        } else {
-            r#","client_side":false"#
-        },
-    );
+    flag!(out, h.client_side, r#","client_side":"#, "");
     if let Some(n) = &h.node {
         lit(out, r#","node":"#);
         string(out, n.as_str());
