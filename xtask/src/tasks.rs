@@ -51,8 +51,11 @@ pub fn test(args: TestArgs) -> anyhow::Result<()> {
         let image = image::run(image::ImageArgs::default());
         let ok = image.is_ok();
         let _ = built.send(image);
-        if no_vm || !ok {
+        if no_vm {
             return Ok(());
+        }
+        if !ok {
+            bail!("not run: their musl payload is the image's build, which failed");
         }
         vm::run(vm::VmTestArgs::default())
     });
@@ -262,4 +265,60 @@ pub fn fixtures() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::IMAGE_TESTS;
+    use crate::workspace::workspace_root;
+
+    /// `test` keeps the image's tests out of the main run by a name filter
+    /// (a substring, in every test binary): each of tests/tests/image.rs's
+    /// tests must carry the prefix (else it runs before the image exists),
+    /// and no other test may (else it never runs).
+    #[test]
+    fn only_the_image_tests_carry_their_prefix() {
+        let image = std::fs::read_to_string(workspace_root().join("tests/tests/image.rs")).unwrap();
+        let names: Vec<&str> = image
+            .split("#[test]")
+            .skip(1)
+            .filter_map(|after| after.split("fn ").nth(1)?.split('(').next())
+            .collect();
+        assert!(names.len() >= 2, "{names:?}");
+        for n in &names {
+            assert!(n.starts_with(IMAGE_TESTS), "tests/tests/image.rs: {n}");
+        }
+        let mut others = Vec::new();
+        for dir in [
+            "tests/tests",
+            "tests/src",
+            "tracer-userspace/src",
+            "tracer-userspace/tests",
+            "xtask/src",
+        ] {
+            rust_files(&workspace_root().join(dir), &mut others);
+        }
+        for f in others
+            .iter()
+            .filter(|f| !f.ends_with("tests/tests/image.rs"))
+        {
+            let text = std::fs::read_to_string(f).unwrap();
+            assert!(
+                !text.contains(&format!("fn {IMAGE_TESTS}")),
+                "{}: a test named {IMAGE_TESTS}* outside tests/tests/image.rs would never run",
+                f.display()
+            );
+        }
+    }
+
+    fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                rust_files(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
 }
