@@ -461,7 +461,9 @@ pub struct InflightPacket {
 }
 
 /// Struct member offsets (bytes) read from the running kernel's BTF at start,
-/// because Rust eBPF has no CO-RE and offsets differ between kernels.
+/// because Rust eBPF has no CO-RE and offsets differ between kernels. The
+/// loader writes them into the object's global `KERNEL_OFFSETS` (read-only,
+/// so the verifier knows each as a constant), not into `CONFIG`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(serde::Serialize, serde::Deserialize))]
@@ -515,7 +517,6 @@ pub struct KernelOffsets {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Config {
-    pub offsets: KernelOffsets,
     /// `ns.inum` of the traced node namespace, for the programs that fire in
     /// every namespace but stand in for per-namespace attachments (kprobes on
     /// netfilter functions).

@@ -5,7 +5,7 @@
 //! attached in the traced one only: the netfilter events here are kept only
 //! when the hook runs in `Config::node_netns`, so the collector sees the same
 //! picture from both backends. Kprobe arguments are plain scalars in
-//! `pt_regs`, so pointer arithmetic with CONFIG offsets passes the verifier.
+//! `pt_regs`, so pointer arithmetic with the loader's offsets passes the verifier.
 use aya_ebpf::{
     macros::{kprobe, map},
     maps::PerCpuArray,
@@ -17,7 +17,7 @@ use crate::{
     config,
     emit::{Packet, Point, stat_inc},
     filter::observe_in_place,
-    skb::{self, L3, read},
+    skb::{self, L3, Probe, read},
 };
 
 const NFPROTO_IPV4: u8 = 2;
@@ -91,7 +91,7 @@ fn try_nf_hook_slow(ctx: &ProbeContext) -> Result<(), ()> {
     let skb = arg(ctx, 0)?;
     let state = arg(ctx, 1)?;
     let cfg = config::config().ok_or(())?;
-    let off = &cfg.offsets;
+    let off = config::offsets();
     let slot = NF_CURRENT.get_ptr_mut(0).ok_or(())?;
     // Forget the previous hook first, so an early return below can never
     // leave NAT attributed to a stale one.
@@ -112,7 +112,7 @@ fn try_nf_hook_slow(ctx: &ProbeContext) -> Result<(), ()> {
         (*slot).hook = nf_hook;
         (*slot).skb = skb;
     }
-    let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
+    let (mut pkt, payload) = skb::parse::<Probe>(skb, off, L3::NetworkHeader)?;
     emit_netfilter(&mut pkt, payload, skb, nf_hook, nat_stage::NONE);
     Ok(())
 }
@@ -142,7 +142,7 @@ fn try_nf_nat_packet(ctx: &ProbeContext) -> Result<(), ()> {
     let skb = arg(ctx, 3)?;
     // Also the namespace filter: only set for traced IPv4 hooks.
     let nf_hook = current_hook(skb).ok_or(())?;
-    let off = config::offsets().ok_or(())?;
+    let off = config::offsets();
     // The decision nf_nat_packet makes before calling nf_nat_manip_pkt
     // (HOOK2MANIP, CTINFO2DIR, the status bit test).
     let h = hooknum as u8;
@@ -176,13 +176,12 @@ fn try_nf_nat_packet(ctx: &ProbeContext) -> Result<(), ()> {
 /// `dir` is the inverse of the other direction's tuple.
 #[inline(always)]
 fn nat_events(skb: u64, ct: u64, mtype: u64, dir: u64, nf_hook: u8) -> Result<(), ()> {
-    let cfg = config::config().ok_or(())?;
-    let off = &cfg.offsets;
+    let off = config::offsets();
     if off.nf_conn_tuplehash == 0 {
         // nf_conntrack's BTF was not available at start.
         return Err(());
     }
-    let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
+    let (mut pkt, payload) = skb::parse::<Probe>(skb, off, L3::NetworkHeader)?;
     let other_dir = (dir & 1) ^ 1;
     let other =
         ct + off.nf_conn_tuplehash as u64 + other_dir * off.nf_conntrack_tuple_hash_size as u64;
@@ -259,7 +258,7 @@ fn emit_netfilter(pkt: &mut Packet, payload: u64, skb: u64, nf_hook: u8, stage: 
     let Some(cfg) = config::config() else {
         return;
     };
-    let off = &cfg.offsets;
+    let off = config::offsets();
     let mut at = Point::new(hook::NETFILTER);
     at.nf_hook = nf_hook;
     at.nat_stage = stage;
@@ -267,7 +266,7 @@ fn emit_netfilter(pkt: &mut Packet, payload: u64, skb: u64, nf_hook: u8, stage: 
     at.netns = cfg.node_netns;
     observe_in_place(pkt, &mut at, |pkt, at| {
         // Like the netfilter programs: skb->dev, NULL at LOCAL_OUT.
-        at.ifindex = skb::dev_ifindex(skb::skb_dev(skb, off), off);
+        at.ifindex = skb::dev_ifindex::<Probe>(skb::skb_dev::<Probe>(skb, off), off);
         skb::payload_head(pkt, payload);
         true
     });
@@ -277,9 +276,9 @@ fn emit_netfilter(pkt: &mut Packet, payload: u64, skb: u64, nf_hook: u8, stage: 
 fn try_br_forward(ctx: &ProbeContext) -> Result<(), ()> {
     let to = arg(ctx, 0)?;
     let skb = arg(ctx, 1)?;
-    let off = config::offsets().ok_or(())?;
+    let off = config::offsets();
     // The bridge pulled the Ethernet header: data is at the IP header.
-    let (mut pkt, payload) = skb::parse(skb, off, L3::Data)?;
+    let (mut pkt, payload) = skb::parse::<Probe>(skb, off, L3::Data)?;
     let mut at = Point::new(hook::BR_FORWARD);
     at.skb = skb;
     observe_in_place(&mut pkt, &mut at, |pkt, at| {
@@ -287,9 +286,9 @@ fn try_br_forward(ctx: &ProbeContext) -> Result<(), ()> {
         let dev = if off.net_bridge_port_dev != 0 && to != 0 {
             read::<u64>(to + off.net_bridge_port_dev as u64).unwrap_or(0)
         } else {
-            skb::skb_dev(skb, off)
+            skb::skb_dev::<Probe>(skb, off)
         };
-        let (ifindex, netns) = skb::dev_info(dev, off);
+        let (ifindex, netns) = skb::dev_info::<Probe>(dev, off);
         at.ifindex = ifindex;
         at.netns = netns;
         skb::payload_head(pkt, payload);
@@ -334,8 +333,7 @@ fn try_icmp_reply_translation(ctx: &ProbeContext) -> Result<(), ()> {
     let ctinfo = arg(ctx, 2)?;
     let hooknum = arg(ctx, 3)?;
     let nf_hook = current_hook(skb).ok_or(())?;
-    let cfg = config::config().ok_or(())?;
-    let off = &cfg.offsets;
+    let off = config::offsets();
     if off.nf_conn_tuplehash == 0 || off.nf_conn_status == 0 {
         return Err(());
     }
@@ -350,7 +348,7 @@ fn try_icmp_reply_translation(ctx: &ProbeContext) -> Result<(), ()> {
     if status & statusbit == 0 {
         return Ok(());
     }
-    let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
+    let (mut pkt, payload) = skb::parse::<Probe>(skb, off, L3::NetworkHeader)?;
     if pkt.icmp_type == 0 {
         return Ok(());
     }

@@ -1,7 +1,8 @@
 //! Reading a packet from a kernel `struct sk_buff *` (raw tracepoints,
-//! netfilter programs, kprobes). Offsets come from CONFIG, resolved by userspace from
-//! the running kernel's BTF: Rust eBPF has no CO-RE, and the layouts differ
-//! between kernels (sk_buff.head: 192 bytes on 6.18, 200 on 6.1/6.12).
+//! netfilter programs, kprobes). Offsets come from the loader
+//! (config.rs `KERNEL_OFFSETS`), resolved from the running kernel's BTF:
+//! Rust eBPF has no CO-RE, and the layouts differ between kernels
+//! (sk_buff.head: 192 bytes on 6.18, 200 on 6.1/6.12).
 use aya_ebpf::{helpers::bpf_probe_read_kernel, macros::map, maps::Array};
 use network_types::{
     ip::{Ipv4Hdr, Ipv6Hdr},
@@ -33,17 +34,59 @@ pub fn read<T>(addr: u64) -> Result<T, ()> {
     unsafe { bpf_probe_read_kernel(addr as *const T) }.map_err(|_| ())
 }
 
+/// How a program reads a member of a kernel struct (`sk_buff`,
+/// `net_device`, `net`) it holds a pointer to.
+pub trait Kmem {
+    const DIRECT: bool;
+    fn field<T>(base: u64, off: u32) -> Result<T, ()>;
+}
+
+/// Through `bpf_probe_read_kernel`: the pointer is a plain number to the
+/// verifier (kprobes' registers, raw tracepoints' arguments), or one
+/// read that way.
+pub struct Probe;
+
+impl Kmem for Probe {
+    const DIRECT: bool = false;
+    #[inline(always)]
+    fn field<T>(base: u64, off: u32) -> Result<T, ()> {
+        read::<T>(base + off as u64)
+    }
+}
+
+/// A plain load (issue 25): the pointer is one the verifier types
+/// PTR_TO_BTF_ID (a netfilter program's `ctx->skb`, and what a load
+/// through it gives: `skb->dev`). It turns the load into a BPF_PROBE_MEM
+/// one, an exception-table-guarded load instead of a helper call
+/// (`copy_from_kernel_nofault` and its range check, mm/maccess.c). The
+/// offset is a constant to it ([`crate::config::offsets`]), and each load
+/// must be one member of the struct's BTF (kernel/bpf/btf.c
+/// `btf_struct_walk`): hence exact-width volatile loads, which LLVM may
+/// not merge or widen. A pointer member to a non-struct (`skb->head`)
+/// loads as a scalar: what it points at is read with [`Probe`].
+pub struct Direct;
+
+impl Kmem for Direct {
+    const DIRECT: bool = true;
+    #[inline(always)]
+    fn field<T>(base: u64, off: u32) -> Result<T, ()> {
+        // SAFETY: the verifier accepts only a load inside one member of
+        // the struct `base` points to, and makes a faulting one read 0.
+        Ok(unsafe { core::ptr::read_volatile((base + off as u64) as *const T) })
+    }
+}
+
 /// `dev->ifindex` and the inode of `dev_net(dev)`; zeros when `dev` is NULL.
 #[inline(always)]
-pub fn dev_info(dev: u64, off: &KernelOffsets) -> (u32, u32) {
+pub fn dev_info<M: Kmem>(dev: u64, off: &KernelOffsets) -> (u32, u32) {
     if dev == 0 {
         return (0, 0);
     }
-    let ifindex = read::<u32>(dev + off.net_device_ifindex as u64).unwrap_or(0);
+    let ifindex = M::field::<u32>(dev, off.net_device_ifindex).unwrap_or(0);
     // possible_net_t is a struct holding just the `struct net *`.
-    let net = read::<u64>(dev + off.net_device_nd_net as u64).unwrap_or(0);
+    let net = M::field::<u64>(dev, off.net_device_nd_net).unwrap_or(0);
     let inum = if net != 0 {
-        read::<u32>(net + off.net_ns_inum as u64).unwrap_or(0)
+        M::field::<u32>(net, off.net_ns_inum).unwrap_or(0)
     } else {
         0
     };
@@ -52,11 +95,11 @@ pub fn dev_info(dev: u64, off: &KernelOffsets) -> (u32, u32) {
 
 /// `dev->ifindex`, 0 when `dev` is NULL (no need for the namespace).
 #[inline(always)]
-pub fn dev_ifindex(dev: u64, off: &KernelOffsets) -> u32 {
+pub fn dev_ifindex<M: Kmem>(dev: u64, off: &KernelOffsets) -> u32 {
     if dev == 0 {
         return 0;
     }
-    read::<u32>(dev + off.net_device_ifindex as u64).unwrap_or(0)
+    M::field::<u32>(dev, off.net_device_ifindex).unwrap_or(0)
 }
 
 /// include/uapi/linux/if.h.
@@ -75,12 +118,12 @@ enum Paired {
 }
 
 #[inline(always)]
-fn paired(dev: u64, off: &KernelOffsets) -> Paired {
-    let flags = read::<u32>(dev + off.net_device_flags as u64).unwrap_or(0);
+fn paired<M: Kmem>(dev: u64, off: &KernelOffsets) -> Paired {
+    let flags = M::field::<u32>(dev, off.net_device_flags).unwrap_or(0);
     if flags & IFF_LOOPBACK != 0 {
         return Paired::Loopback;
     }
-    let ops = read::<u64>(dev + off.net_device_rtnl_link_ops as u64).unwrap_or(0);
+    let ops = M::field::<u64>(dev, off.net_device_rtnl_link_ops).unwrap_or(0);
     if ops == 0 {
         return Paired::Other;
     }
@@ -90,7 +133,7 @@ fn paired(dev: u64, off: &KernelOffsets) -> Paired {
     {
         return Paired::Veth;
     }
-    let kind = read::<u64>(ops + off.rtnl_link_ops_kind as u64).unwrap_or(0);
+    let kind = M::field::<u64>(ops, off.rtnl_link_ops_kind).unwrap_or(0);
     if kind != 0 && read::<[u8; 5]>(kind) == Ok(*b"veth\0") {
         if let Some(known) = known {
             unsafe { core::ptr::write_volatile(known, ops) };
@@ -119,11 +162,11 @@ static VETH_OPS: Array<u64> = Array::with_max_entries(1, 0);
 /// drops for it, and that drop is reported). Read only for a packet that
 /// matched: up to six reads.
 #[inline(always)]
-pub fn receiver(dev: u64, off: &KernelOffsets) -> u64 {
+pub fn receiver<M: Kmem>(dev: u64, off: &KernelOffsets) -> u64 {
     if dev == 0 {
         return 0;
     }
-    match paired(dev, off) {
+    match paired::<M>(dev, off) {
         Paired::Loopback => dev,
         Paired::Other => 0,
         Paired::Veth => {
@@ -140,13 +183,13 @@ pub fn receiver(dev: u64, off: &KernelOffsets) -> u64 {
 /// ([`receiver`]): the receive tracepoint, where it is attached for other
 /// devices, skips it.
 #[inline(always)]
-pub fn reported_at_transmit(dev: u64, off: &KernelOffsets) -> bool {
-    dev != 0 && paired(dev, off) != Paired::Other
+pub fn reported_at_transmit<M: Kmem>(dev: u64, off: &KernelOffsets) -> bool {
+    dev != 0 && paired::<M>(dev, off) != Paired::Other
 }
 
 #[inline(always)]
-pub fn skb_dev(skb: u64, off: &KernelOffsets) -> u64 {
-    read::<u64>(skb + off.sk_buff_dev as u64).unwrap_or(0)
+pub fn skb_dev<M: Kmem>(skb: u64, off: &KernelOffsets) -> u64 {
+    M::field::<u64>(skb, off.sk_buff_dev).unwrap_or(0)
 }
 
 /// Parses the IPv4/IPv6 + TCP/UDP headers of `skb`: what the filter decides on.
@@ -154,11 +197,11 @@ pub fn skb_dev(skb: u64, off: &KernelOffsets) -> u64 {
 /// [`payload_head`] once the packet matched. Err(()) = not a packet we trace
 /// (or unreadable, which is counted in STATS[READ_ERRORS]).
 #[inline(always)]
-pub fn parse(skb: u64, off: &KernelOffsets, l3: L3) -> Result<(Packet, u64), ()> {
+pub fn parse<M: Kmem>(skb: u64, off: &KernelOffsets, l3: L3) -> Result<(Packet, u64), ()> {
     let ip_addr = match l3 {
-        L3::Data => read::<u64>(skb + off.sk_buff_data as u64).map_err(read_error)?,
+        L3::Data => M::field::<u64>(skb, off.sk_buff_data).map_err(read_error)?,
         L3::NetworkHeader => {
-            let (head, nh) = head_and_network_header(skb, off)?;
+            let (head, nh) = head_and_network_header::<M>(skb, off)?;
             if nh == UNSET_HEADER {
                 return Err(());
             }
@@ -179,9 +222,15 @@ pub fn parse(skb: u64, off: &KernelOffsets, l3: L3) -> Result<(Packet, u64), ()>
 /// bpf_probe_read_kernel instead of two on every miss at a netfilter hook,
 /// transmit or drop (each call pays `copy_from_kernel_nofault` and its
 /// `copy_from_kernel_nofault_allowed` check, mm/maccess.c, which the miss
-/// path's profile showed). Two reads on a layout where they are further apart.
+/// path's profile showed). Two reads on a layout where they are further
+/// apart, and two plain loads where the pointer is a BTF one ([`Direct`]).
 #[inline(always)]
-fn head_and_network_header(skb: u64, off: &KernelOffsets) -> Result<(u64, u16), ()> {
+fn head_and_network_header<M: Kmem>(skb: u64, off: &KernelOffsets) -> Result<(u64, u16), ()> {
+    if M::DIRECT {
+        let head = M::field::<u64>(skb, off.sk_buff_head)?;
+        let nh = M::field::<u16>(skb, off.sk_buff_network_header)?;
+        return Ok((head, nh));
+    }
     let nh_off = off.sk_buff_network_header as u64;
     let head_off = off.sk_buff_head as u64;
     let base = nh_off & !7;
@@ -242,16 +291,16 @@ fn parse_ip(ip_addr: u64) -> Result<(Packet, u64), ()> {
         // SAFETY: both union views are plain bytes.
         Ok(h) if unsafe { h.v4.ip.vihl } >> 4 == 6 => {
             let mut pkt = Packet::default();
-            let mut payload = parse_ipv6(ip_addr, unsafe { &h.v6 }, &mut pkt);
-            if payload >= ICMPV6_AT {
-                if payload == NOT_TRACED {
+            let at = parse_ipv6(ip_addr, unsafe { &h.v6 }, &mut pkt);
+            if at >= ICMPV6_AT {
+                if at == NOT_TRACED {
                     return Err(());
                 }
-                let l3_len = (payload & 0x7ff) as usize;
+                let l3_len = (at & 0x7ff) as usize;
                 crate::icmp::v6(&crate::icmp::Kernel(ip_addr), l3_len, &mut pkt)?;
-                payload = 0;
+                return Ok((pkt, 0));
             }
-            return Ok((pkt, payload));
+            return Ok((pkt, payload_addr(ip_addr, at)));
         }
         Ok(h) => (unsafe { h.v4.ip }, Some(unsafe { h.v4.l4 })),
         Err(()) => (read::<Ipv4Hdr>(ip_addr).map_err(read_error)?, None),
@@ -265,13 +314,12 @@ fn parse_ip(ip_addr: u64) -> Result<(Packet, u64), ()> {
         crate::icmp::v4(&crate::icmp::Kernel(ip_addr), &mut pkt)?;
         return Ok((pkt, 0));
     };
-    let l4 = ip_addr + ihl as u64;
     let hdr = match first_l4 {
         Some(h) if ihl == Ipv4Hdr::LEN => h,
-        _ => read::<TcpHdr>(l4).map_err(read_error)?,
+        _ => read::<TcpHdr>(ip_addr + ihl as u64).map_err(read_error)?,
     };
     let l4_len = l4_header(&mut pkt, &hdr);
-    Ok((pkt, payload_at(&pkt, ihl, l4, l4_len)))
+    Ok((pkt, payload_addr(ip_addr, payload_at(&pkt, ihl, l4_len))))
 }
 
 /// Fills ports (and TCP's fields) from the L4 header; returns its length.
@@ -286,22 +334,33 @@ fn l4_header(pkt: &mut Packet, hdr: &TcpHdr) -> usize {
     }
 }
 
-/// Only when the IP length says there is a payload: otherwise the bytes
-/// there are whatever follows the packet in memory.
+/// Where the payload starts, from the IP header; 0 = none. Only when the
+/// IP length says there is a payload: otherwise the bytes there are
+/// whatever follows the packet in memory.
 #[inline(always)]
-fn payload_at(pkt: &Packet, l3_len: usize, l4: u64, l4_len: usize) -> u64 {
-    if (pkt.ip_len as usize) >= l3_len + l4_len + 4 {
-        l4 + l4_len as u64
+fn payload_at(pkt: &Packet, l3_len: usize, l4_len: usize) -> u64 {
+    let at = l3_len + l4_len;
+    if (pkt.ip_len as usize) >= at + 4 {
+        at as u64
     } else {
         0
     }
+}
+
+/// An offset, not an address, comes back from [`parse_ipv6`] and is mixed
+/// with its flags there: on 6.18 `skb->head` loaded directly
+/// ([`Direct`]) is a pointer to the verifier (untrusted memory), which
+/// may be added to a number, not masked or added to another pointer.
+#[inline(always)]
+fn payload_addr(ip_addr: u64, at: u64) -> u64 {
+    if at == 0 { 0 } else { ip_addr + at }
 }
 
 /// IPv6: TCP/UDP right after the fixed header, or after the extension
 /// headers [`ipv6_l4`] steps over. A BPF-to-BPF call that fills `pkt` in
 /// the caller's frame: inlined, LLVM duplicated the whole filter and event
 /// path per family, doubling code and passing the 512-byte stack limit.
-/// Returns the payload's address, or [`NOT_TRACED`]: a 16-byte `Result`
+/// Returns [`payload_at`], or [`NOT_TRACED`]: a 16-byte `Result`
 /// came back through a pointer to the caller's frame left in r0, which
 /// the verifier refuses ("cannot return stack pointer to the caller").
 #[inline(never)]
@@ -314,13 +373,12 @@ fn parse_ipv6(ip_addr: u64, ip: &Ipv6Hdr, pkt: &mut Packet) -> u64 {
         return icmpv6_at(l3_len);
     }
     *pkt = Packet::from_ipv6(ip, l4_proto);
-    let l4 = ip_addr + l3_len as u64;
-    let Ok(hdr) = read::<TcpHdr>(l4) else {
+    let Ok(hdr) = read::<TcpHdr>(ip_addr + l3_len as u64) else {
         read_error(());
         return NOT_TRACED;
     };
     let l4_len = l4_header(pkt, &hdr);
-    payload_at(pkt, l3_len, l4, l4_len)
+    payload_at(pkt, l3_len, l4_len)
 }
 
 /// First four payload bytes; `payload` as returned by [`parse`].

@@ -8,7 +8,7 @@ use crate::{
     TC_IFACES, config,
     emit::{Packet, Point},
     filter::{self, observe, observe_matched},
-    skb::{self, L3},
+    skb::{self, L3, Probe},
 };
 
 /// `netif_receive_skb(struct sk_buff *skb)`: fires before the network header
@@ -46,13 +46,13 @@ pub fn kfree_skb(ctx: RawTracePointContext) -> i32 {
 #[inline(always)]
 fn try_receive(skb: u64) -> Result<(), ()> {
     let cfg = config::config().ok_or(())?;
-    let off = &cfg.offsets;
-    let (mut pkt, payload) = skb::parse(skb, off, L3::Data)?;
+    let off = config::offsets();
+    let (mut pkt, payload) = skb::parse::<Probe>(skb, off, L3::Data)?;
     let mut at = Point::new(hook::DEV_RX);
     at.skb = skb;
     observe(&mut pkt, &mut at, |pkt, at| {
-        let dev = skb::skb_dev(skb, off);
-        !skb::reported_at_transmit(dev, off) && on_device(cfg, dev, pkt, payload, at)
+        let dev = skb::skb_dev::<Probe>(skb, off);
+        !skb::reported_at_transmit::<Probe>(dev, off) && on_device(cfg, dev, pkt, payload, at)
     });
     Ok(())
 }
@@ -67,8 +67,8 @@ fn try_receive(skb: u64) -> Result<(), ()> {
 #[inline(always)]
 fn try_transmit(skb: u64, dev: u64) -> Result<(), ()> {
     let cfg = config::config().ok_or(())?;
-    let off = &cfg.offsets;
-    let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
+    let off = config::offsets();
+    let (mut pkt, payload) = skb::parse::<Probe>(skb, off, L3::NetworkHeader)?;
     let mut at = Point::new(hook::DEV_TX);
     at.skb = skb;
     // Both observations have the same addresses: classified once.
@@ -81,7 +81,7 @@ fn try_transmit(skb: u64, dev: u64) -> Result<(), ()> {
     let mut at = Point::new(hook::DEV_RX);
     at.skb = skb;
     observe_matched(&mut pkt, &mut at, m, |pkt, at| {
-        let peer = skb::receiver(dev, off);
+        let peer = skb::receiver::<Probe>(dev, off);
         peer != 0 && on_device(cfg, peer, pkt, payload, at)
     });
     Ok(())
@@ -90,13 +90,13 @@ fn try_transmit(skb: u64, dev: u64) -> Result<(), ()> {
 #[inline(always)]
 fn try_drop(skb: u64, drop_reason: u32) -> Result<(), ()> {
     let cfg = config::config().ok_or(())?;
-    let off = &cfg.offsets;
-    let (mut pkt, payload) = skb::parse(skb, off, L3::NetworkHeader)?;
+    let off = config::offsets();
+    let (mut pkt, payload) = skb::parse::<Probe>(skb, off, L3::NetworkHeader)?;
     let mut at = Point::new(hook::DROP);
     at.skb = skb;
     at.drop_reason = drop_reason;
     observe(&mut pkt, &mut at, |pkt, at| {
-        on_device(cfg, skb::skb_dev(skb, off), pkt, payload, at)
+        on_device(cfg, skb::skb_dev::<Probe>(skb, off), pkt, payload, at)
     });
     Ok(())
 }
@@ -108,7 +108,7 @@ fn try_drop(skb: u64, drop_reason: u32) -> Result<(), ()> {
 /// enough.
 #[inline(always)]
 fn on_device(cfg: &Config, dev: u64, pkt: &mut Packet, payload: u64, at: &mut Point) -> bool {
-    let (ifindex, netns) = skb::dev_info(dev, &cfg.offsets);
+    let (ifindex, netns) = skb::dev_info::<Probe>(dev, config::offsets());
     if at.hook != hook::DROP
         && netns != 0
         && netns == cfg.node_netns

@@ -1,7 +1,8 @@
 //! Struct member offsets of the running kernel, read from its BTF.
 //!
 //! Rust eBPF emits no CO-RE relocations, so the kernel programs read
-//! `sk_buff`, `net_device`, ... at offsets handed to them in CONFIG. Those
+//! `sk_buff`, `net_device`, ... at offsets handed to them in the object's
+//! read-only global `KERNEL_OFFSETS` (probes/load.rs). Those
 //! offsets differ between kernels (sk_buff.head is at byte 192 on 6.18 and
 //! 200 on 6.1/6.12), so they are looked up here at start, never compiled in.
 mod raw;

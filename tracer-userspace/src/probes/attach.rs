@@ -9,7 +9,7 @@ use aya::{
 
 use super::{
     OBJECT, TraceError,
-    load::write_config,
+    load::{self, write_config},
     load_error,
     nf_link::{self, NfPrograms},
     preflight,
@@ -254,9 +254,10 @@ pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
     preflight()?;
     let offsets = KernelBtf::load()?.kernel_offsets()?;
     let mut ebpf = EbpfLoader::new()
+        .override_global(load::OFFSETS_GLOBAL, &offsets, true)
         .load(OBJECT)
         .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;
-    write_config(&mut ebpf, offsets, 0, &[])?;
+    write_config(&mut ebpf, 0, &[])?;
     let mut loaded = Vec::new();
     let mut nf_names = Vec::new();
     for spec in table::PROGRAMS

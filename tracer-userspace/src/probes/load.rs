@@ -45,12 +45,13 @@ pub(super) fn load_object(
     node_netns: u32,
 ) -> Result<Ebpf, TraceError> {
     let t = crate::timing::step("waiting for aya's loader");
-    let mut loader = loader.join().unwrap_or_else(|_| EbpfLoader::new());
+    let mut loader: EbpfLoader<'_> = loader.join().unwrap_or_else(|_| EbpfLoader::new());
     drop(t);
     // No CO-RE in these programs (offsets come from the kernel's BTF, read
     // by the caller), so aya's parse of it is dropped unused.
     loader
         .btf(None)
+        .override_global(OFFSETS_GLOBAL, &offsets, true)
         .map_max_entries("EVENTS", opts.ringbuf_bytes);
     if opts.all_services {
         loader.map_max_entries("SERVICES", services::ALL_SERVICES_ENTRIES);
@@ -59,20 +60,23 @@ pub(super) fn load_object(
     let mut ebpf = loader
         .load(OBJECT)
         .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;
-    write_config(&mut ebpf, offsets, node_netns, &opts.services)?;
+    write_config(&mut ebpf, node_netns, &opts.services)?;
     set_buffering(&mut ebpf, opts)?;
     Ok(ebpf)
 }
 
+/// The object's read-only global holding the kernel's struct offsets
+/// (tracer-ebpf/src/config.rs): set before the load, since the verifier
+/// checks the direct loads with their values.
+pub(super) const OFFSETS_GLOBAL: &str = "KERNEL_OFFSETS";
+
 pub(super) fn write_config(
     ebpf: &mut Ebpf,
-    offsets: tracer_common::KernelOffsets,
     node_netns: u32,
     services: &[Service],
 ) -> Result<(), TraceError> {
     // Buffering off until `set_buffering` (a load check attaches nothing).
     let config = Config {
-        offsets,
         node_netns,
         ..Config::default()
     };
