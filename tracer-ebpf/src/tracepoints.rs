@@ -1,14 +1,25 @@
-//! Raw tracepoints: global (every network namespace), so they see the pod
-//! side of a flow and drops anywhere. Their args are plain scalars, which is
-//! what lets skb.rs do pointer arithmetic with runtime offsets.
-use aya_ebpf::{macros::raw_tracepoint, programs::RawTracePointContext};
+//! Device and drop tracepoints: global (every network namespace), so they
+//! see the pod side of a flow and drops anywhere.
+//!
+//! The transmit and the drop are BTF tracepoints (tp_btf, issue 25): their
+//! `struct sk_buff *` and `struct net_device *` arguments are pointers the
+//! verifier types, so those structs' members are plain loads (skb.rs
+//! [`Direct`]) instead of bpf_probe_read_kernel calls, on every packet of
+//! every namespace. The receive stays a raw tracepoint (plain-number
+//! arguments, [`Probe`]): it is attached late, and only on nodes that need
+//! it (probes/receive.rs), where a tp_btf load would need vmlinux's BTF
+//! parsed again or kept for the trace's life.
+use aya_ebpf::{
+    macros::{btf_tracepoint, raw_tracepoint},
+    programs::{BtfTracePointContext, RawTracePointContext},
+};
 use tracer_common::{Config, hook};
 
 use crate::{
     TC_IFACES, config,
     emit::{Packet, Point},
     filter::{self, observe, observe_matched},
-    skb::{self, L3, Probe},
+    skb::{self, Direct, Kmem, L3, Probe},
 };
 
 /// `netif_receive_skb(struct sk_buff *skb)`: fires before the network header
@@ -25,20 +36,20 @@ pub fn netif_receive_skb(ctx: RawTracePointContext) -> i32 {
 
 /// `net_dev_start_xmit(struct sk_buff *skb, struct net_device *dev)`: the
 /// transmit, and for a veth or loopback the receive it leads to.
-#[raw_tracepoint(tracepoint = "net_dev_start_xmit")]
-pub fn net_dev_start_xmit(ctx: RawTracePointContext) -> i32 {
-    let skb: u64 = ctx.arg(0);
-    let dev: u64 = ctx.arg(1);
+#[btf_tracepoint(function = "net_dev_start_xmit")]
+pub fn net_dev_start_xmit(ctx: BtfTracePointContext) -> i32 {
+    // The tracepoint's first two arguments (include/trace/events/net.h).
+    let (skb, dev): (u64, u64) = (ctx.arg(0), ctx.arg(1));
     let _ = try_transmit(skb, dev);
     0
 }
 
 /// `kfree_skb(struct sk_buff *skb, void *location, enum skb_drop_reason reason, ...)`.
 /// Only real drops: consumed skbs go to the `consume_skb` tracepoint.
-#[raw_tracepoint(tracepoint = "kfree_skb")]
-pub fn kfree_skb(ctx: RawTracePointContext) -> i32 {
-    let skb: u64 = ctx.arg(0);
-    let reason: u64 = ctx.arg(2);
+#[btf_tracepoint(function = "kfree_skb")]
+pub fn kfree_skb(ctx: BtfTracePointContext) -> i32 {
+    // Arguments 0 and 2 (include/trace/events/skb.h).
+    let (skb, reason): (u64, u64) = (ctx.arg(0), ctx.arg(2));
     let _ = try_drop(skb, reason as u32);
     0
 }
@@ -52,7 +63,8 @@ fn try_receive(skb: u64) -> Result<(), ()> {
     at.skb = skb;
     observe(&mut pkt, &mut at, |pkt, at| {
         let dev = skb::skb_dev::<Probe>(skb, off);
-        !skb::reported_at_transmit::<Probe>(dev, off) && on_device(cfg, dev, pkt, payload, at)
+        !skb::reported_at_transmit::<Probe>(dev, off)
+            && on_device::<Probe>(cfg, dev, pkt, payload, at)
     });
     Ok(())
 }
@@ -68,21 +80,23 @@ fn try_receive(skb: u64) -> Result<(), ()> {
 fn try_transmit(skb: u64, dev: u64) -> Result<(), ()> {
     let cfg = config::config().ok_or(())?;
     let off = config::offsets();
-    let (mut pkt, payload) = skb::parse::<Probe>(skb, off, L3::NetworkHeader)?;
+    let (mut pkt, payload) = skb::parse::<Direct>(skb, off, L3::NetworkHeader)?;
     let mut at = Point::new(hook::DEV_TX);
     at.skb = skb;
     // Both observations have the same addresses: classified once.
     let m = filter::classify(&pkt, &at);
     if !observe_matched(&mut pkt, &mut at, m, |pkt, at| {
-        on_device(cfg, dev, pkt, payload, at)
+        on_device::<Direct>(cfg, dev, pkt, payload, at)
     }) {
         return Ok(());
     }
     let mut at = Point::new(hook::DEV_RX);
     at.skb = skb;
     observe_matched(&mut pkt, &mut at, m, |pkt, at| {
-        let peer = skb::receiver::<Probe>(dev, off);
-        peer != 0 && on_device(cfg, peer, pkt, payload, at)
+        // The peer is read from the veth's private area (past the
+        // struct's BTF on 6.1): a plain number.
+        let peer = skb::receiver::<Direct>(dev, off);
+        peer != 0 && on_device::<Probe>(cfg, peer, pkt, payload, at)
     });
     Ok(())
 }
@@ -91,12 +105,12 @@ fn try_transmit(skb: u64, dev: u64) -> Result<(), ()> {
 fn try_drop(skb: u64, drop_reason: u32) -> Result<(), ()> {
     let cfg = config::config().ok_or(())?;
     let off = config::offsets();
-    let (mut pkt, payload) = skb::parse::<Probe>(skb, off, L3::NetworkHeader)?;
+    let (mut pkt, payload) = skb::parse::<Direct>(skb, off, L3::NetworkHeader)?;
     let mut at = Point::new(hook::DROP);
     at.skb = skb;
     at.drop_reason = drop_reason;
     observe(&mut pkt, &mut at, |pkt, at| {
-        on_device(cfg, skb::skb_dev::<Probe>(skb, off), pkt, payload, at)
+        on_device::<Direct>(cfg, skb::skb_dev::<Direct>(skb, off), pkt, payload, at)
     });
     Ok(())
 }
@@ -107,8 +121,14 @@ fn try_drop(skb: u64, drop_reason: u32) -> Result<(), ()> {
 /// with nothing in between that the collector uses: one event there is
 /// enough.
 #[inline(always)]
-fn on_device(cfg: &Config, dev: u64, pkt: &mut Packet, payload: u64, at: &mut Point) -> bool {
-    let (ifindex, netns) = skb::dev_info::<Probe>(dev, config::offsets());
+fn on_device<M: Kmem>(
+    cfg: &Config,
+    dev: u64,
+    pkt: &mut Packet,
+    payload: u64,
+    at: &mut Point,
+) -> bool {
+    let (ifindex, netns) = skb::dev_info::<M>(dev, config::offsets());
     if at.hook != hook::DROP
         && netns != 0
         && netns == cfg.node_netns

@@ -3,8 +3,10 @@
 use std::os::fd::OwnedFd;
 
 use aya::{
-    Ebpf, EbpfLoader,
-    programs::{KProbe, Program, ProgramError, RawTracePoint, SchedClassifier, TcAttachType},
+    Btf, Ebpf, EbpfLoader,
+    programs::{
+        BtfTracePoint, KProbe, Program, ProgramError, RawTracePoint, SchedClassifier, TcAttachType,
+    },
 };
 
 use super::{
@@ -100,19 +102,20 @@ pub(super) fn load_tc(
     Ok(tc_programs)
 }
 
-/// Loads and attaches the global programs (raw tracepoints, kprobes: no
+/// Loads and attaches the global programs (tracepoints, kprobes: no
 /// namespace switch). Returns the attached labels.
 pub(super) fn load_global(
     ebpf: &mut Ebpf,
     plan: &[&'static ProgramSpec],
+    btf: load::VmlinuxBtf,
 ) -> Result<Vec<String>, TraceError> {
-    load_in_parallel(ebpf, plan)?;
+    load_in_parallel(ebpf, plan, &load::vmlinux_btf(btf)?)?;
     let mut attached = Vec::new();
     for spec in plan {
         match spec.attach {
-            Attach::RawTracepoint(tp) => {
-                let prog: &mut RawTracePoint = program(ebpf, spec.name)?;
-                prog.attach(tp).map_err(|e| load_error(spec.name, e))?;
+            Attach::BtfTracepoint(_) => {
+                let prog: &mut BtfTracePoint = program(ebpf, spec.name)?;
+                prog.attach().map_err(|e| load_error(spec.name, e))?;
                 attached.push(spec.label.to_owned());
             }
             Attach::Kprobe { symbol, .. } => {
@@ -149,29 +152,41 @@ pub(super) fn attach_unpaired_receive(
     Ok(())
 }
 
-/// Loads the plan's raw tracepoint and kprobe programs, each on its own
+/// Loads the plan's tracepoint and kprobe programs, each on its own
 /// thread: the kernel verifies them one per CPU (as root no verifier lock
 /// is taken, kernel/bpf/verifier.c bpf_check), beside the netfilter
 /// programs' thread.
-fn load_in_parallel(ebpf: &mut Ebpf, plan: &[&'static ProgramSpec]) -> Result<(), TraceError> {
-    let global: Vec<&str> = plan
+fn load_in_parallel(
+    ebpf: &mut Ebpf,
+    plan: &[&'static ProgramSpec],
+    btf: &Btf,
+) -> Result<(), TraceError> {
+    let global: Vec<(&str, Option<&str>)> = plan
         .iter()
-        .filter(|p| matches!(p.attach, Attach::RawTracepoint(_) | Attach::Kprobe { .. }))
-        .map(|p| p.name)
+        .filter_map(|p| match p.attach {
+            Attach::BtfTracepoint(tp) => Some((p.name, Some(tp))),
+            Attach::Kprobe { .. } => Some((p.name, None)),
+            _ => None,
+        })
         .collect();
-    let programs: Vec<(&str, &mut Program)> = ebpf
+    let programs: Vec<(&str, Option<&str>, &mut Program)> = ebpf
         .programs_mut()
-        .filter(|(name, _)| global.contains(name))
+        .filter_map(|(name, prog)| {
+            let (_, tp) = global.iter().find(|(n, _)| *n == name)?;
+            Some((name, *tp, prog))
+        })
         .collect();
-    let load = |name: &str, prog: &mut Program| {
+    let load = |name: &str, tp: Option<&str>, prog: &mut Program| {
         // Per program: an old verifier's slow one is otherwise hidden in
         // the step's total (6.1 under TCG took minutes for one).
         let began = std::time::Instant::now();
-        let loaded = match prog {
-            Program::RawTracePoint(p) => p.load().map_err(|e| load_error(name, e)),
-            Program::KProbe(p) => p.load().map_err(|e| load_error(name, e)),
+        let loaded = match (&mut *prog, tp) {
+            (Program::BtfTracePoint(p), Some(tp)) => {
+                p.load(tp, btf).map_err(|e| load_error(name, e))
+            }
+            (Program::KProbe(p), _) => p.load().map_err(|e| load_error(name, e)),
             _ => Err(TraceError::Kernel(format!(
-                "{name}: not a raw tracepoint or kprobe"
+                "{name}: not a tp_btf tracepoint or kprobe"
             ))),
         };
         // The kernel's count of instructions it walked: what the time
@@ -193,7 +208,7 @@ fn load_in_parallel(ebpf: &mut Ebpf, plan: &[&'static ProgramSpec]) -> Result<()
     std::thread::scope(|s| {
         let threads: Vec<_> = programs
             .into_iter()
-            .map(|(name, prog)| s.spawn(move || load(name, prog)))
+            .map(|(name, tp, prog)| s.spawn(move || load(name, tp, prog)))
             .collect();
         threads
             .into_iter()
@@ -253,6 +268,7 @@ pub(super) fn nf_families(services: &[Service]) -> Vec<u32> {
 pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
     preflight()?;
     let offsets = KernelBtf::load()?.kernel_offsets()?;
+    let btf = load::vmlinux_btf(load::start_vmlinux_btf())?;
     let mut ebpf = EbpfLoader::new()
         .override_global(load::OFFSETS_GLOBAL, &offsets, true)
         .load(OBJECT)
@@ -270,8 +286,9 @@ pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
                 continue;
             }
             Attach::Tc(_) => program::<SchedClassifier>(&mut ebpf, spec.name)?.load(),
-            Attach::RawTracepoint(_) | Attach::UnpairedReceive(_) => {
-                program::<RawTracePoint>(&mut ebpf, spec.name)?.load()
+            Attach::UnpairedReceive(_) => program::<RawTracePoint>(&mut ebpf, spec.name)?.load(),
+            Attach::BtfTracepoint(tp) => {
+                program::<BtfTracePoint>(&mut ebpf, spec.name)?.load(tp, &btf)
             }
             Attach::Kprobe { .. } => program::<KProbe>(&mut ebpf, spec.name)?.load(),
         };

@@ -23,6 +23,28 @@ pub(super) fn start_loader() -> std::thread::JoinHandle<EbpfLoader<'static>> {
     })
 }
 
+/// vmlinux's BTF as aya reads it, for the tp_btf programs: aya's
+/// `BtfTracePoint::load` finds each one's attach point by the typedef
+/// `btf_trace_<tracepoint>` in it. Parsed on a thread of its own, beside
+/// the loader's own parse (which aya keeps private), and dropped once they
+/// are loaded: kept, it would cost the trace its memory for nothing.
+pub(super) type VmlinuxBtf = std::thread::JoinHandle<Result<aya::Btf, aya::BtfError>>;
+
+pub(super) fn start_vmlinux_btf() -> VmlinuxBtf {
+    std::thread::spawn(|| {
+        let _t = crate::timing::step("aya Btf::from_sys_fs for tp_btf (own thread)");
+        aya::Btf::from_sys_fs()
+    })
+}
+
+/// The parse [`start_vmlinux_btf`] started.
+pub(super) fn vmlinux_btf(handle: VmlinuxBtf) -> Result<aya::Btf, TraceError> {
+    handle
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        .map_err(|e| TraceError::Kernel(format!("cannot read the kernel's BTF for tp_btf: {e}")))
+}
+
 /// A loader started by [`prepare_loader`], taken by the next [`start_loader`].
 static EARLY_LOADER: std::sync::Mutex<Option<std::thread::JoinHandle<EbpfLoader<'static>>>> =
     std::sync::Mutex::new(None);

@@ -254,6 +254,7 @@ impl Tracer {
         let netns = Netns::open(opts.netns.as_deref())?;
         let reading_facts = node::start_reading_facts(opts.netns.clone());
         let loader = load::start_loader();
+        let vmlinux_btf = load::start_vmlinux_btf();
         let t = timing::step("kernel BTF: offsets");
         let mut btf = KernelBtf::load()?;
         let offsets = btf.kernel_offsets()?;
@@ -306,8 +307,15 @@ impl Tracer {
             netns_name: netns.name.clone(),
             ..node
         };
-        let (attached, early) =
-            node::load_global_and_attach_tcx(&mut ebpf, &plan, &mut tc, &facts, &netns, &pod_veths);
+        let (attached, early) = node::load_global_and_attach_tcx(
+            &mut ebpf,
+            &plan,
+            &mut tc,
+            &facts,
+            &netns,
+            &pod_veths,
+            vmlinux_btf,
+        );
         // On error `tracer` is dropped, which detaches whatever was attached so far.
         let mut tracer = Tracer {
             backend,

@@ -7,6 +7,7 @@ use aya::Ebpf;
 
 use super::{
     TraceError, TraceOptions, Tracer, attach,
+    load::VmlinuxBtf,
     netns::{self, Netns, NetnsError},
     nf_link,
     table::ProgramSpec,
@@ -17,7 +18,7 @@ use crate::{facts::NodeFacts, timing};
 /// The tc links made early, or why the namespace could not be entered.
 pub(super) type TcxSynced = Result<Synced, NetnsError>;
 
-/// Loads and attaches the raw tracepoint (kprobe) programs here while, with
+/// Loads and attaches the tracepoint (kprobe) programs here while, with
 /// tcx, a thread makes the tc links: each waits for an RCU grace period
 /// (tc.rs), time the verifier fills. The scope ends that thread before the
 /// caller's `ebpf`, whose program fds it uses, could drop. The second result
@@ -29,6 +30,7 @@ pub(super) fn load_global_and_attach_tcx(
     facts: &NodeFacts,
     netns: &Netns,
     pod_veths: &BTreeSet<u32>,
+    btf: VmlinuxBtf,
 ) -> (Result<Vec<String>, TraceError>, Option<TcxSynced>) {
     let tcx_programs = tc.is_tcx().then(|| tc.tcx_programs(ebpf).ok()).flatten();
     std::thread::scope(|s| {
@@ -38,8 +40,8 @@ pub(super) fn load_global_and_attach_tcx(
                 netns.run(|| tc.sync_tcx(programs, &facts.interfaces, pod_veths))
             })
         });
-        let t = timing::step("raw tracepoint programs: load + verify + attach");
-        let attached = attach::load_global(ebpf, plan);
+        let t = timing::step("tracepoint/kprobe programs: load + verify + attach");
+        let attached = attach::load_global(ebpf, plan, btf);
         drop(t);
         let early = early.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
         (attached, early)

@@ -35,8 +35,9 @@ pub enum Attach {
     /// A netfilter hook of the traced namespace (IPv4), at a free priority
     /// inside `window`.
     Netfilter { hook: u8, window: Window },
-    /// Global raw tracepoint.
-    RawTracepoint(&'static str),
+    /// Global BTF tracepoint (tp_btf): its pointer arguments typed by the
+    /// verifier, so the program loads their members directly.
+    BtfTracepoint(&'static str),
     /// Global raw tracepoint, loaded always but attached only while some
     /// device receives what no transmit reports (receive.rs).
     UnpairedReceive(&'static str),
@@ -55,6 +56,8 @@ pub enum Need {
     NetfilterLink,
     Kprobes,
     RawTracepoint,
+    /// tp_btf: vmlinux BTF, which every start needs anyway (preflight).
+    BtfTracepoint,
 }
 
 pub struct ProgramSpec {
@@ -275,18 +278,18 @@ pub const PROGRAMS: &[ProgramSpec] = &[
     },
     ProgramSpec {
         name: "net_dev_start_xmit",
-        attach: Attach::RawTracepoint("net_dev_start_xmit"),
+        attach: Attach::BtfTracepoint("net_dev_start_xmit"),
         backends: BOTH,
-        need: Need::RawTracepoint,
-        label: "raw_tp net_dev_start_xmit",
+        need: Need::BtfTracepoint,
+        label: "tp_btf net_dev_start_xmit",
         nat_points: NatPoints::Any,
     },
     ProgramSpec {
         name: "kfree_skb",
-        attach: Attach::RawTracepoint("kfree_skb"),
+        attach: Attach::BtfTracepoint("kfree_skb"),
         backends: BOTH,
-        need: Need::RawTracepoint,
-        label: "raw_tp kfree_skb",
+        need: Need::BtfTracepoint,
+        label: "tp_btf kfree_skb",
         nat_points: NatPoints::Any,
     },
     // nf_hook_slow first: the NAT probes read the hook it records.
@@ -467,7 +470,7 @@ impl KernelFeatures {
     /// Err = one human reason why `need` is not met.
     pub fn check(&self, need: Need) -> Result<(), String> {
         match need {
-            Need::Tc | Need::RawTracepoint => Ok(()),
+            Need::Tc | Need::RawTracepoint | Need::BtfTracepoint => Ok(()),
             Need::NetfilterLink if self.netfilter_links => Ok(()),
             Need::NetfilterLink => Err("BPF netfilter links need kernel >= 6.4".to_owned()),
             Need::Kprobes if self.kprobes => Ok(()),
