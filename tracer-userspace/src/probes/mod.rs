@@ -436,7 +436,9 @@ impl Tracer {
             .attached
             .iter()
             .filter(|l| {
-                !l.starts_with("raw_tp") && !l.starts_with("tc") && !l.starts_with("kprobe")
+                !["raw_tp", "tp_btf", "tc", "kprobe"]
+                    .iter()
+                    .any(|kind| l.starts_with(kind))
             })
             .map(String::as_str)
             .collect();
@@ -446,7 +448,11 @@ impl Tracer {
         out.extend(
             self.attached
                 .iter()
-                .filter(|l| l.starts_with("raw_tp") || l.starts_with("kprobe"))
+                .filter(|l| {
+                    ["raw_tp", "tp_btf", "kprobe"]
+                        .iter()
+                        .any(|kind| l.starts_with(kind))
+                })
                 .cloned(),
         );
         out
