@@ -2,8 +2,8 @@
 //!
 //! Everything here is `#[repr(C)]` and plain-old-data: the kernel side writes
 //! these bytes into maps and the ring buffer, userspace reads them back. Both
-//! probe backends (tc + netfilter links + raw tracepoints, and tc + kprobes +
-//! raw tracepoints) emit the same [`PacketEvent`]s so the collector and its
+//! probe backends (tc + netfilter links + tracepoints, and tc + kprobes +
+//! tracepoints) emit the same [`PacketEvent`]s so the collector and its
 //! verdicts do not depend on the backend.
 #![no_std]
 
@@ -17,11 +17,12 @@ pub mod hook {
     pub const TC_EGRESS: u8 = 2;
     /// A netfilter hook of the traced namespace; `nf_hook` and `nat_stage` say which and where.
     pub const NETFILTER: u8 = 3;
-    /// A device received the packet (raw tracepoint `netif_receive_skb`, every namespace).
+    /// A device received the packet (raw tracepoint `netif_receive_skb`, every namespace;
+    /// for a veth or loopback, sent by the transmit's program).
     pub const DEV_RX: u8 = 4;
-    /// A device is about to transmit the packet (raw tracepoint `net_dev_start_xmit`, every namespace).
+    /// A device is about to transmit the packet (tp_btf `net_dev_start_xmit`, every namespace).
     pub const DEV_TX: u8 = 5;
-    /// The kernel dropped the packet (raw tracepoint `kfree_skb`); `drop_reason` is set.
+    /// The kernel dropped the packet (tp_btf `kfree_skb`); `drop_reason` is set.
     pub const DROP: u8 = 6;
     /// The bridge forwarded the frame from one port to another (kprobe `br_forward`).
     pub const BR_FORWARD: u8 = 7;
