@@ -9,12 +9,15 @@
 //!
 //! The context is `struct bpf_nf_ctx { const struct nf_hook_state *state;
 //! struct sk_buff *skb; }`. `ctx->skb` is loaded directly (no helper call):
-//! the verifier types it PTR_TO_BTF_ID, so the sk_buff's and its device's
-//! members are plain loads too (skb.rs [`Direct`]), at offsets the verifier
-//! knows as constants (config.rs); the packet bytes behind `skb->head` are
-//! still read with bpf_probe_read_kernel, whose source is any value.
-//! Storing the address in an event or map key needs allow_ptr_leaks, i.e. a
-//! privileged loader.
+//! the verifier types it PTR_TO_BTF_ID, and adding our offsets to such a
+//! pointer is allowed (kernel/bpf/verifier.c `adjust_ptr_min_max_vals`
+//! refuses arithmetic only on packet-end, socket and map pointers). The
+//! sk_buff's members are still read with bpf_probe_read_kernel
+//! (skb.rs [`Probe`]), whose source is any value: loaded directly, as
+//! the tp_btf programs do, they made these programs' verification several
+//! times longer, the start-up's critical path (docs/DESIGN.md, "Direct
+//! loads"). Storing the address in an event or map key needs
+//! allow_ptr_leaks, i.e. a privileged loader.
 use core::ffi::c_void;
 
 use tracer_common::{Addr, KernelOffsets, as_v4, direction, hook, nat_stage, nf_hook, v4_mapped};
@@ -23,7 +26,7 @@ use crate::{
     config,
     emit::{Packet, Point},
     filter::{self, Match, observe, observe_matched},
-    skb::{self, Direct, Kmem, L3, read},
+    skb::{self, L3, Probe, read},
 };
 
 const NF_ACCEPT: i32 = 1;
@@ -33,7 +36,7 @@ fn try_netfilter(ctx: *mut c_void, nf_hook: u8, stage: u8) -> Result<(), ()> {
     // SAFETY: ctx is the kernel's bpf_nf_ctx; the verifier allows this load.
     let skb: u64 = unsafe { core::ptr::read_volatile((ctx as *const u8).add(8) as *const u64) };
     let off = config::offsets();
-    let (mut pkt, payload) = skb::parse::<Direct>(skb, off, L3::NetworkHeader)?;
+    let (mut pkt, payload) = skb::parse::<Probe>(skb, off, L3::NetworkHeader)?;
     let mut at = Point::new(hook::NETFILTER);
     at.nf_hook = nf_hook;
     at.nat_stage = stage;
@@ -41,7 +44,7 @@ fn try_netfilter(ctx: *mut c_void, nf_hook: u8, stage: u8) -> Result<(), ()> {
     // netns stays 0: these programs only run in the traced namespace.
     observe(&mut pkt, &mut at, |pkt, at| {
         // skb->dev is NULL at LOCAL_OUT (set by ip_output before POSTROUTING).
-        at.ifindex = skb::dev_ifindex::<Direct>(skb::skb_dev::<Direct>(skb, off), off);
+        at.ifindex = skb::dev_ifindex::<Probe>(skb::skb_dev::<Probe>(skb, off), off);
         skb::payload_head(pkt, payload);
         true
     });
@@ -85,7 +88,7 @@ fn try_netfilter_nat(ctx: *mut c_void, nf_hook: u8, rewrites: Rewrites) -> Resul
     // SAFETY: ctx is the kernel's bpf_nf_ctx; the verifier allows this load.
     let skb: u64 = unsafe { core::ptr::read_volatile((ctx as *const u8).add(8) as *const u64) };
     let off = config::offsets();
-    let (mut pkt, payload) = skb::parse::<Direct>(skb, off, L3::NetworkHeader)?;
+    let (mut pkt, payload) = skb::parse::<Probe>(skb, off, L3::NetworkHeader)?;
     // The packet as it is (the AFTER point) is looked at first: the bulk
     // of an established flow then stops here, before conntrack is read.
     let muted = match rewrites {
@@ -110,7 +113,7 @@ fn try_netfilter_nat(ctx: *mut c_void, nf_hook: u8, rewrites: Rewrites) -> Resul
     at.nat_pair = 1;
     at.skb = skb;
     let details = |pkt: &mut Packet, at: &mut Point| {
-        at.ifindex = skb::dev_ifindex::<Direct>(skb::skb_dev::<Direct>(skb, off), off);
+        at.ifindex = skb::dev_ifindex::<Probe>(skb::skb_dev::<Probe>(skb, off), off);
         skb::payload_head(pkt, payload);
         true
     };
@@ -151,7 +154,7 @@ fn side_conntrack_saw(
     if off.sk_buff_nfct == 0 || off.nf_conn_tuplehash == 0 {
         return None;
     }
-    let nfct = Direct::field::<u64>(skb, off.sk_buff_nfct).ok()?;
+    let nfct = read::<u64>(skb + off.sk_buff_nfct as u64).ok()?;
     let (ct, info) = (nfct & !NFCT_INFOMASK, nfct & NFCT_INFOMASK);
     if ct == 0 || info == IP_CT_UNTRACKED {
         return None;

@@ -55,8 +55,8 @@ impl Kmem for Probe {
 }
 
 /// A plain load (issue 25): the pointer is one the verifier types
-/// PTR_TO_BTF_ID (a netfilter program's `ctx->skb`, and what a load
-/// through it gives: `skb->dev`). It turns the load into a BPF_PROBE_MEM
+/// PTR_TO_BTF_ID (a tp_btf program's `struct sk_buff *` argument, and what
+/// a load through it gives: `skb->dev`). It turns the load into a BPF_PROBE_MEM
 /// one, an exception-table-guarded load instead of a helper call
 /// (`copy_from_kernel_nofault` and its range check, mm/maccess.c). The
 /// offset is a constant to it ([`crate::config::offsets`]), and each load
