@@ -253,15 +253,14 @@ impl Tracer {
     ) -> Result<Tracer, TraceError> {
         let netns = Netns::open(opts.netns.as_deref())?;
         let reading_facts = node::start_reading_facts(opts.netns.clone());
-        let loader = load::start_loader();
-        let vmlinux_btf = load::start_vmlinux_btf();
+        let loading = load::start_loader();
         let t = timing::step("kernel BTF: offsets");
         let mut btf = KernelBtf::load()?;
         let offsets = btf.kernel_offsets()?;
         let ct_tuples = offsets.sk_buff_nfct != 0 && offsets.nf_conn_tuplehash != 0;
         drop(t);
         log::debug!("kernel {:?}, offsets {offsets:?}", kernel.version);
-        let mut ebpf = load::load_object(loader, opts, offsets, netns.inode)?;
+        let mut ebpf = load::load_object(&loading, opts, offsets, netns.inode)?;
 
         let (mut plan, mut skipped) = table::plan(backend, kernel, ct_tuples, |name| {
             ebpf.program(name).is_some()
@@ -314,7 +313,7 @@ impl Tracer {
             &facts,
             &netns,
             &pod_veths,
-            vmlinux_btf,
+            loading.btf,
         );
         // On error `tracer` is dropped, which detaches whatever was attached so far.
         let mut tracer = Tracer {
