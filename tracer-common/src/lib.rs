@@ -613,7 +613,7 @@ mod tests {
         assert_eq!(core::mem::size_of::<EndpointKey>(), 20);
         assert_eq!(core::mem::size_of::<EndpointState>(), 20);
         assert_eq!(core::mem::size_of::<KernelOffsets>(), 96);
-        assert_eq!(core::mem::size_of::<Config>(), 144);
+        assert_eq!(core::mem::size_of::<Config>(), 48);
         assert_eq!(
             core::mem::size_of::<HeldFlow>(),
             48 + HELD_SLOTS * core::mem::size_of::<PacketEvent>()
