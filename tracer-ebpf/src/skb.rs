@@ -63,7 +63,9 @@ impl Kmem for Probe {
 /// must be one member of the struct's BTF (kernel/bpf/btf.c
 /// `btf_struct_walk`): hence exact-width volatile loads, which LLVM may
 /// not merge or widen. A pointer member to a non-struct (`skb->head`)
-/// loads as a scalar: what it points at is read with [`Probe`].
+/// loads as a plain number on 6.1 and as untrusted memory on 6.18
+/// (`parse_ipv6`'s offset says why that matters): what it points at is
+/// read with [`Probe`] either way.
 pub struct Direct;
 
 impl Kmem for Direct {
