@@ -268,7 +268,7 @@ pub(super) fn nf_families(services: &[Service]) -> Vec<u32> {
 pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
     preflight()?;
     let offsets = KernelBtf::load()?.kernel_offsets()?;
-    let btf = load::vmlinux_btf(load::start_vmlinux_btf())?;
+    let btf = load::read_vmlinux_btf()?;
     let mut ebpf = EbpfLoader::new()
         .override_global(load::OFFSETS_GLOBAL, &offsets, true)
         .load(OBJECT)

@@ -47,17 +47,21 @@ pub(super) fn start_loader() -> Loading {
     })
 }
 
-/// vmlinux's BTF for the tp_btf programs alone (`check_load`).
-pub(super) fn start_vmlinux_btf() -> VmlinuxBtf {
-    std::thread::spawn(aya::Btf::from_sys_fs)
-}
-
-/// The parse [`start_loader`] or [`start_vmlinux_btf`] started.
+/// The parse [`start_loader`] started.
 pub(super) fn vmlinux_btf(handle: VmlinuxBtf) -> Result<aya::Btf, TraceError> {
     handle
         .join()
         .unwrap_or_else(|p| std::panic::resume_unwind(p))
-        .map_err(|e| TraceError::Kernel(format!("cannot read the kernel's BTF for tp_btf: {e}")))
+        .map_err(btf_error)
+}
+
+/// vmlinux's BTF for the tp_btf programs, read here (`check_load`).
+pub(super) fn read_vmlinux_btf() -> Result<aya::Btf, TraceError> {
+    aya::Btf::from_sys_fs().map_err(btf_error)
+}
+
+fn btf_error(e: aya::BtfError) -> TraceError {
+    TraceError::Kernel(format!("cannot read the kernel's BTF for tp_btf: {e}"))
 }
 
 /// A loader started by [`prepare_loader`], taken by the next [`start_loader`].
