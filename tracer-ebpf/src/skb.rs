@@ -81,18 +81,94 @@ impl Kmem for Direct {
 /// `dev->ifindex` and the inode of `dev_net(dev)`; zeros when `dev` is NULL.
 #[inline(always)]
 pub fn dev_info<M: Kmem>(dev: u64, off: &KernelOffsets) -> (u32, u32) {
+    dev_info_in::<M>(dev, dev_net::<M>(dev, off), off)
+}
+
+/// [`dev_info`] with `dev_net(dev)` read already ([`TrustedDev`]).
+#[inline(always)]
+fn dev_info_in<M: Kmem>(dev: u64, net: u64, off: &KernelOffsets) -> (u32, u32) {
     if dev == 0 {
         return (0, 0);
     }
     let ifindex = M::field::<u32>(dev, off.net_device_ifindex).unwrap_or(0);
-    // possible_net_t is a struct holding just the `struct net *`.
-    let net = M::field::<u64>(dev, off.net_device_nd_net).unwrap_or(0);
     let inum = if net != 0 {
         M::field::<u32>(net, off.net_ns_inum).unwrap_or(0)
     } else {
         0
     };
     (ifindex, inum)
+}
+
+/// `dev_net(dev)`: possible_net_t is a struct holding just the `struct net *`.
+#[inline(always)]
+fn dev_net<M: Kmem>(dev: u64, off: &KernelOffsets) -> u64 {
+    if dev == 0 {
+        return 0;
+    }
+    M::field::<u64>(dev, off.net_device_nd_net).unwrap_or(0)
+}
+
+/// A tp_btf program's `struct net_device *` argument with its two pointer
+/// members loaded once, at the program's entry. The verifier holds that
+/// argument trusted, and a pointer loaded through a trusted pointer is
+/// checked against vmlinux's `<struct>__safe_trusted`, `__safe_trusted_or_null`,
+/// `__safe_rcu` and `__safe_rcu_or_null` types (kernel/bpf/verifier.c
+/// `check_ptr_to_btf_access` → kernel/bpf/btf.c `btf_nested_type_is_trusted`),
+/// each looked up by `btf_find_by_name_kind`: a linear scan of every type
+/// in vmlinux, to its end for a `net_device`, which has none. It costs that
+/// at every path the verifier walks to the load, and a load inside the
+/// filter's branches is walked on dozens: the scans were 14-17% of the
+/// start-up's CPU (`perf record -g`). Loaded before the first branch, it
+/// is walked once. What is loaded through the pointers these give is not
+/// checked again (they are not trusted).
+#[derive(Clone, Copy)]
+pub struct TrustedDev {
+    pub dev: u64,
+    net: u64,
+    ops: u64,
+}
+
+impl TrustedDev {
+    #[inline(always)]
+    pub fn load(dev: u64, off: &KernelOffsets) -> Self {
+        TrustedDev {
+            dev,
+            net: dev_net::<Direct>(dev, off),
+            ops: Direct::field::<u64>(dev, off.net_device_rtnl_link_ops).unwrap_or(0),
+        }
+    }
+
+    #[inline(always)]
+    pub fn info(&self, off: &KernelOffsets) -> (u32, u32) {
+        dev_info_in::<Direct>(self.dev, self.net, off)
+    }
+
+    /// The device that receives what this one transmits, when that
+    /// follows from the transmit alone ([`Paired`]); 0 for any other
+    /// device, or a veth peer that is gone (`veth_dellink` clears it) or
+    /// down (`__dev_forward_skb` drops for it, and that drop is reported).
+    /// Read only for a packet that matched: up to four reads. The peer is
+    /// read from the veth's private area, past the struct's BTF on 6.1: a
+    /// probe read, and a plain number.
+    #[inline(always)]
+    pub fn receiver(&self, off: &KernelOffsets) -> u64 {
+        let dev = self.dev;
+        if dev == 0 {
+            return 0;
+        }
+        match paired::<Direct>(dev, || self.ops, off) {
+            Paired::Loopback => dev,
+            Paired::Other => 0,
+            Paired::Veth => {
+                let peer_at = dev + off.net_device_priv as u64 + off.veth_priv_peer as u64;
+                let peer = read::<u64>(peer_at).unwrap_or(0);
+                let up = peer != 0
+                    && read::<u32>(peer + off.net_device_flags as u64)
+                        .is_ok_and(|f| f & IFF_UP != 0);
+                if up { peer } else { 0 }
+            }
+        }
+    }
 }
 
 /// `dev->ifindex`, 0 when `dev` is NULL (no need for the namespace).
@@ -120,12 +196,13 @@ enum Paired {
 }
 
 #[inline(always)]
-fn paired<M: Kmem>(dev: u64, off: &KernelOffsets) -> Paired {
+fn paired<M: Kmem>(dev: u64, ops: impl FnOnce() -> u64, off: &KernelOffsets) -> Paired {
     let flags = M::field::<u32>(dev, off.net_device_flags).unwrap_or(0);
     if flags & IFF_LOOPBACK != 0 {
         return Paired::Loopback;
     }
-    let ops = M::field::<u64>(dev, off.net_device_rtnl_link_ops).unwrap_or(0);
+    // `dev->rtnl_link_ops`.
+    let ops = ops();
     if ops == 0 {
         return Paired::Other;
     }
@@ -158,35 +235,17 @@ fn paired<M: Kmem>(dev: u64, off: &KernelOffsets) -> Paired {
 #[map]
 static VETH_OPS: Array<u64> = Array::with_max_entries(1, 0);
 
-/// The device that receives what `dev` transmits, when that follows from
-/// the transmit alone ([`Paired`]); 0 for any other device, or a veth peer
-/// that is gone (`veth_dellink` clears it) or down (`__dev_forward_skb`
-/// drops for it, and that drop is reported). Read only for a packet that
-/// matched: up to six reads.
-#[inline(always)]
-pub fn receiver<M: Kmem>(dev: u64, off: &KernelOffsets) -> u64 {
-    if dev == 0 {
-        return 0;
-    }
-    match paired::<M>(dev, off) {
-        Paired::Loopback => dev,
-        Paired::Other => 0,
-        Paired::Veth => {
-            let peer_at = dev + off.net_device_priv as u64 + off.veth_priv_peer as u64;
-            let peer = read::<u64>(peer_at).unwrap_or(0);
-            let up = peer != 0
-                && read::<u32>(peer + off.net_device_flags as u64).is_ok_and(|f| f & IFF_UP != 0);
-            if up { peer } else { 0 }
-        }
-    }
-}
-
 /// Whether a receive on `dev` was reported at its transmit already
-/// ([`receiver`]): the receive tracepoint, where it is attached for other
+/// ([`TrustedDev::receiver`]): the receive tracepoint, where it is attached for other
 /// devices, skips it.
 #[inline(always)]
 pub fn reported_at_transmit<M: Kmem>(dev: u64, off: &KernelOffsets) -> bool {
-    dev != 0 && paired::<M>(dev, off) != Paired::Other
+    dev != 0 && paired::<M>(dev, || link_ops::<M>(dev, off), off) != Paired::Other
+}
+
+#[inline(always)]
+fn link_ops<M: Kmem>(dev: u64, off: &KernelOffsets) -> u64 {
+    M::field::<u64>(dev, off.net_device_rtnl_link_ops).unwrap_or(0)
 }
 
 #[inline(always)]

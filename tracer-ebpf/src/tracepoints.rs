@@ -19,7 +19,7 @@ use crate::{
     TC_IFACES, config,
     emit::{Packet, Point},
     filter::{self, observe, observe_matched},
-    skb::{self, Direct, Kmem, L3, Probe},
+    skb::{self, Direct, L3, Probe, TrustedDev},
 };
 
 /// `netif_receive_skb(struct sk_buff *skb)`: fires before the network header
@@ -64,7 +64,7 @@ fn try_receive(skb: u64) -> Result<(), ()> {
     observe(&mut pkt, &mut at, |pkt, at| {
         let dev = skb::skb_dev::<Probe>(skb, off);
         !skb::reported_at_transmit::<Probe>(dev, off)
-            && on_device::<Probe>(cfg, dev, pkt, payload, at)
+            && on_device(cfg, skb::dev_info::<Probe>(dev, off), pkt, payload, at)
     });
     Ok(())
 }
@@ -80,23 +80,22 @@ fn try_receive(skb: u64) -> Result<(), ()> {
 fn try_transmit(skb: u64, dev: u64) -> Result<(), ()> {
     let cfg = config::config().ok_or(())?;
     let off = config::offsets();
+    let dev = TrustedDev::load(dev, off);
     let (mut pkt, payload) = skb::parse::<Direct>(skb, off, L3::NetworkHeader)?;
     let mut at = Point::new(hook::DEV_TX);
     at.skb = skb;
     // Both observations have the same addresses: classified once.
     let m = filter::classify(&pkt, &at);
     if !observe_matched(&mut pkt, &mut at, m, |pkt, at| {
-        on_device::<Direct>(cfg, dev, pkt, payload, at)
+        on_device(cfg, dev.info(off), pkt, payload, at)
     }) {
         return Ok(());
     }
     let mut at = Point::new(hook::DEV_RX);
     at.skb = skb;
     observe_matched(&mut pkt, &mut at, m, |pkt, at| {
-        // The peer is read from the veth's private area (past the
-        // struct's BTF on 6.1): a plain number.
-        let peer = skb::receiver::<Direct>(dev, off);
-        peer != 0 && on_device::<Probe>(cfg, peer, pkt, payload, at)
+        let peer = dev.receiver(off);
+        peer != 0 && on_device(cfg, skb::dev_info::<Probe>(peer, off), pkt, payload, at)
     });
     Ok(())
 }
@@ -105,30 +104,32 @@ fn try_transmit(skb: u64, dev: u64) -> Result<(), ()> {
 fn try_drop(skb: u64, drop_reason: u32) -> Result<(), ()> {
     let cfg = config::config().ok_or(())?;
     let off = config::offsets();
+    // Loaded before the first branch: `skb` is trusted ([`TrustedDev`]);
+    // the device it gives is not, and is read as it comes.
+    let dev = skb::skb_dev::<Direct>(skb, off);
     let (mut pkt, payload) = skb::parse::<Direct>(skb, off, L3::NetworkHeader)?;
     let mut at = Point::new(hook::DROP);
     at.skb = skb;
     at.drop_reason = drop_reason;
     observe(&mut pkt, &mut at, |pkt, at| {
-        on_device::<Direct>(cfg, skb::skb_dev::<Direct>(skb, off), pkt, payload, at)
+        on_device(cfg, skb::dev_info::<Direct>(dev, off), pkt, payload, at)
     });
     Ok(())
 }
 
-/// Where a matched packet is (`dev`'s ifindex and namespace); false when
+/// Where a matched packet is (its device's ifindex and namespace); false when
 /// tc reports the same packet on the same device in the traced namespace
 /// (ingress right after the receive, egress right before the transmit),
 /// with nothing in between that the collector uses: one event there is
 /// enough.
 #[inline(always)]
-fn on_device<M: Kmem>(
+fn on_device(
     cfg: &Config,
-    dev: u64,
+    (ifindex, netns): (u32, u32),
     pkt: &mut Packet,
     payload: u64,
     at: &mut Point,
 ) -> bool {
-    let (ifindex, netns) = skb::dev_info::<M>(dev, config::offsets());
     if at.hook != hook::DROP
         && netns != 0
         && netns == cfg.node_netns
