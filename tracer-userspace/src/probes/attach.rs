@@ -45,11 +45,13 @@ pub(super) fn start_netfilter_load(
     ebpf: &Ebpf,
     plan: &[&'static ProgramSpec],
 ) -> Result<Option<NfLoading>, TraceError> {
-    let nf_names: Vec<&str> = plan
-        .iter()
-        .filter(|p| matches!(p.attach, Attach::Netfilter { .. }))
-        .map(|p| p.name)
-        .collect();
+    let mut nf_names: Vec<&str> = Vec::new();
+    for p in plan {
+        // One program may serve several hooks (table.rs: `nf_dnat`, `nf_snat`).
+        if matches!(p.attach, Attach::Netfilter { .. }) && !nf_names.contains(&p.name) {
+            nf_names.push(p.name);
+        }
+    }
     if nf_names.is_empty() {
         return Ok(None);
     }
@@ -282,7 +284,9 @@ pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
     {
         let loaded_one = match spec.attach {
             Attach::Netfilter { .. } => {
-                nf_names.push(spec.name);
+                if !nf_names.contains(&spec.name) {
+                    nf_names.push(spec.name);
+                }
                 continue;
             }
             Attach::Tc(_) => program::<SchedClassifier>(&mut ebpf, spec.name)?.load(),
