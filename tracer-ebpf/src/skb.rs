@@ -147,7 +147,7 @@ impl TrustedDev {
     /// follows from the transmit alone ([`Paired`]); 0 for any other
     /// device, or a veth peer that is gone (`veth_dellink` clears it) or
     /// down (`__dev_forward_skb` drops for it, and that drop is reported).
-    /// Read only for a packet that matched: up to four reads. The peer is
+    /// Read only for a packet that matched: up to five reads. The peer is
     /// read from the veth's private area, past the struct's BTF on 6.1: a
     /// probe read, and a plain number.
     #[inline(always)]
