@@ -134,7 +134,7 @@ impl TrustedDev {
         TrustedDev {
             dev,
             net: dev_net::<Direct>(dev, off),
-            ops: Direct::field::<u64>(dev, off.net_device_rtnl_link_ops).unwrap_or(0),
+            ops: link_ops::<Direct>(dev, off),
         }
     }
 

@@ -45,13 +45,7 @@ pub(super) fn start_netfilter_load(
     ebpf: &Ebpf,
     plan: &[&'static ProgramSpec],
 ) -> Result<Option<NfLoading>, TraceError> {
-    let mut nf_names: Vec<&str> = Vec::new();
-    for p in plan {
-        // One program may serve several hooks (table.rs: `nf_dnat`, `nf_snat`).
-        if matches!(p.attach, Attach::Netfilter { .. }) && !nf_names.contains(&p.name) {
-            nf_names.push(p.name);
-        }
-    }
+    let nf_names = table::netfilter_programs(plan.iter().copied());
     if nf_names.is_empty() {
         return Ok(None);
     }
@@ -277,18 +271,15 @@ pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
         .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;
     write_config(&mut ebpf, 0, &[])?;
     let mut loaded = Vec::new();
-    let mut nf_names = Vec::new();
-    for spec in table::PROGRAMS
-        .iter()
-        .filter(|p| p.backends.contains(&backend))
-    {
+    let rows = || {
+        table::PROGRAMS
+            .iter()
+            .filter(move |p| p.backends.contains(&backend))
+    };
+    let nf_names = table::netfilter_programs(rows());
+    for spec in rows() {
         let loaded_one = match spec.attach {
-            Attach::Netfilter { .. } => {
-                if !nf_names.contains(&spec.name) {
-                    nf_names.push(spec.name);
-                }
-                continue;
-            }
+            Attach::Netfilter { .. } => continue,
             Attach::Tc(_) => program::<SchedClassifier>(&mut ebpf, spec.name)?.load(),
             Attach::UnpairedReceive(_) => program::<RawTracePoint>(&mut ebpf, spec.name)?.load(),
             Attach::BtfTracepoint(tp) => {

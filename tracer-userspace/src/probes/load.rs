@@ -35,8 +35,7 @@ pub(super) fn start_loader() -> Loading {
         let (tx, loader) = std::sync::mpsc::sync_channel(1);
         let btf = std::thread::spawn(move || {
             let t = crate::timing::step("aya EbpfLoader::new (parses vmlinux BTF, own thread)");
-            let mut l = EbpfLoader::new();
-            l.btf(None);
+            let l = bare_loader();
             drop(t);
             // The receiver may be gone (a failed start): nothing to do then.
             let _ = tx.send(l);
@@ -45,6 +44,14 @@ pub(super) fn start_loader() -> Loading {
         });
         Loading { loader, btf }
     })
+}
+
+/// aya's loader without its parse of vmlinux's BTF: no CO-RE in these
+/// programs (offsets come from the kernel's BTF, read by the caller).
+fn bare_loader() -> EbpfLoader<'static> {
+    let mut l = EbpfLoader::new();
+    l.btf(None);
+    l
 }
 
 /// The parse [`start_loader`] started.
@@ -85,11 +92,7 @@ pub(super) fn load_object(
     node_netns: u32,
 ) -> Result<Ebpf, TraceError> {
     let t = crate::timing::step("waiting for aya's loader");
-    let mut loader: EbpfLoader<'_> = loader.loader.recv().unwrap_or_else(|_| {
-        let mut l = EbpfLoader::new();
-        l.btf(None);
-        l
-    });
+    let mut loader: EbpfLoader<'_> = loader.loader.recv().unwrap_or_else(|_| bare_loader());
     drop(t);
     // No CO-RE in these programs (offsets come from the kernel's BTF, read
     // by the caller): aya's parse of it was dropped unused (`start_loader`).

@@ -482,6 +482,20 @@ impl KernelFeatures {
     }
 }
 
+/// The netfilter programs `rows` attach, each once: one program may serve
+/// several rows (`nf_dnat`, `nf_snat`), and is loaded once for all of them.
+pub fn netfilter_programs<'a>(
+    rows: impl IntoIterator<Item = &'a ProgramSpec>,
+) -> Vec<&'static str> {
+    let mut names = Vec::new();
+    for p in rows {
+        if matches!(p.attach, Attach::Netfilter { .. }) && !names.contains(&p.name) {
+            names.push(p.name);
+        }
+    }
+    names
+}
+
 /// Rows of `backend` that this kernel can run, plus one Skipped per row it
 /// cannot. `ct_tuples`: the programs can read conntrack's tuples (the NAT
 /// hooks then take one program each, [`NatPoints`]).
@@ -586,6 +600,19 @@ mod tests {
                 .collect();
             assert_eq!(at, hooks, "{one}");
         }
+    }
+
+    /// A program that serves several rows is loaded once.
+    #[test]
+    fn netfilter_programs_are_named_once() {
+        let k = KernelFeatures::from_parts((6, 18, 0), false);
+        let (run, _) = plan(Backend::Netfilter, &k, true, |_| true);
+        assert_eq!(
+            netfilter_programs(run.iter().copied()),
+            ["nf_dnat", "nf_fwd", "nf_snat"]
+        );
+        let (run, _) = plan(Backend::Netfilter, &k, false, |_| true);
+        assert_eq!(netfilter_programs(run.iter().copied()).len(), 9);
     }
 
     #[test]
