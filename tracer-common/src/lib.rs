@@ -512,6 +512,14 @@ pub struct KernelOffsets {
     /// NETDEV_ALIGN (32), include/linux/netdevice.h. Plus `veth_priv.peer`.
     pub net_device_priv: u32,
     pub veth_priv_peer: u32,
+    /// 1: a load of `skb->head` through a BTF pointer gives memory the
+    /// program may load from (kernel 6.17+, `PTR_TO_MEM | MEM_RDONLY |
+    /// PTR_UNTRUSTED`, kernel/bpf/btf.c `btf_struct_walk` →
+    /// `WALK_PTR_UNTRUSTED`), so the tp_btf programs read the headers with
+    /// plain loads; 0: a plain number (6.1, 6.12), read with
+    /// `bpf_probe_read_kernel`. Known by vmlinux's `enum bpf_features`
+    /// value `BPF_FEAT_RDONLY_CAST_TO_VOID`, added in the same series.
+    pub head_is_mem: u32,
 }
 
 /// Global configuration of the kernel programs (one entry of the `CONFIG` array).
@@ -612,7 +620,7 @@ mod tests {
         assert_eq!(core::mem::size_of::<ServiceKey>(), 20);
         assert_eq!(core::mem::size_of::<EndpointKey>(), 20);
         assert_eq!(core::mem::size_of::<EndpointState>(), 20);
-        assert_eq!(core::mem::size_of::<KernelOffsets>(), 96);
+        assert_eq!(core::mem::size_of::<KernelOffsets>(), 100);
         assert_eq!(core::mem::size_of::<Config>(), 48);
         assert_eq!(
             core::mem::size_of::<HeldFlow>(),

@@ -63,9 +63,10 @@ impl Kmem for Probe {
 /// must be one member of the struct's BTF (kernel/bpf/btf.c
 /// `btf_struct_walk`): hence exact-width volatile loads, which LLVM may
 /// not merge or widen. A pointer member to a non-struct (`skb->head`)
-/// loads as a plain number on 6.1 and as untrusted memory on 6.18
-/// (`parse_ipv6`'s offset says why that matters): what it points at is
-/// read with [`Probe`] either way.
+/// loads as a plain number on 6.1 and 6.12 and as untrusted memory on 6.18
+/// (`parse_ipv6`'s offset says why that matters): the first 40 bytes at the
+/// network header are then plain loads too ([`load_head`]), the rest
+/// (options, extension headers, the payload's head) [`Probe`] reads.
 pub struct Direct;
 
 impl Kmem for Direct {
@@ -272,7 +273,7 @@ pub fn parse<M: Kmem>(skb: u64, off: &KernelOffsets, l3: L3) -> Result<(Packet, 
     if ip_addr == 0 {
         return Err(());
     }
-    parse_ip(ip_addr)
+    parse_ip(ip_addr, M::DIRECT && l3 == L3::NetworkHeader && off.head_is_mem != 0)
 }
 
 /// `skb->head` and `skb->network_header`. They are a few bytes apart in
@@ -338,17 +339,57 @@ union Head {
 
 const _: () = assert!(size_of::<Headers>() == size_of::<Ipv6Hdr>());
 
+/// The first 40 bytes at `ip_addr` as five 8-byte loads, through a pointer
+/// the verifier types `rdonly_untrusted_mem`: it turns each into a
+/// BPF_PROBE_MEM load (an exception-table-guarded load that reads 0 if it
+/// faults, kernel/bpf/verifier.c `check_mem_access`, the
+/// `PTR_TO_MEM | PTR_UNTRUSTED` case), at any offset, aligned or not
+/// (the kernel's selftest `mem_rdonly_untrusted.c` `misaligned_access`).
+/// Replaces `bpf_probe_read_kernel`'s call, `copy_from_kernel_nofault`
+/// and its range check, on every packet a tp_btf program parses. A fault
+/// gives a version nibble of 0, which no parse accepts. Only ever reached
+/// with `skb->head` plus an offset: a load instruction the verifier sees
+/// with two pointer types is refused ("same insn cannot be used with
+/// different pointers").
+#[inline(always)]
+fn load_head(ip_addr: u64) -> Head {
+    let p = ip_addr as *const u64;
+    // SAFETY: see above; volatile so each stays one 8-byte load of memory
+    // Rust knows nothing about.
+    let w: [u64; 5] = unsafe {
+        [
+            core::ptr::read_volatile(p),
+            core::ptr::read_volatile(p.wrapping_add(1)),
+            core::ptr::read_volatile(p.wrapping_add(2)),
+            core::ptr::read_volatile(p.wrapping_add(3)),
+            core::ptr::read_volatile(p.wrapping_add(4)),
+        ]
+    };
+    // SAFETY: Head is 40 plain bytes, as is `w`.
+    unsafe { core::mem::transmute::<[u64; 5], Head>(w) }
+}
+
 #[inline(always)]
 fn read_error(_: ()) {
     stat_inc(stat::READ_ERRORS);
 }
 
+/// `head_is_mem`: `ip_addr` is `skb->head` loaded directly plus the
+/// network header, which the verifier types as readable memory on this
+/// kernel ([`KernelOffsets::head_is_mem`]): the first 40 bytes are
+/// [`load_head`]'s plain loads, not a helper call. Known at load time
+/// (`.rodata`), so the verifier walks only one of the two reads.
 #[inline(always)]
-fn parse_ip(ip_addr: u64) -> Result<(Packet, u64), ()> {
+fn parse_ip(ip_addr: u64, head_is_mem: bool) -> Result<(Packet, u64), ()> {
     // The linear data is followed by skb_shared_info, so reading 40 bytes
     // of a shorter (UDP) packet stays inside the buffer; only the bytes the
     // headers say are there are used.
-    let (ip, first_l4) = match read::<Head>(ip_addr) {
+    let first = if head_is_mem {
+        Ok(load_head(ip_addr))
+    } else {
+        read::<Head>(ip_addr)
+    };
+    let (ip, first_l4) = match first {
         // SAFETY: both union views are plain bytes.
         Ok(h) if unsafe { h.v4.ip.vihl } >> 4 == 6 => {
             let mut pkt = Packet::default();

@@ -188,12 +188,24 @@ impl KernelBtf {
         o.veth_priv_peer = self
             .offset_in_module("veth", "veth_priv", "peer")
             .unwrap_or(0);
+        o.head_is_mem = u32::from(self.head_is_mem());
         match self.offset_in_module("bridge", "net_bridge_port", "dev") {
             Ok(off) => o.net_bridge_port_dev = off,
             // br_forward then reports skb->dev (the ingress port) instead.
             Err(e) => log::debug!("net_bridge_port.dev unavailable: {e}"),
         }
         Ok(o)
+    }
+
+    /// Whether a tp_btf program's load of `skb->head` gives memory it may
+    /// load from ([`KernelOffsets::head_is_mem`]). The verifier's change
+    /// (kernel 6.17, "bpf: rdonly_untrusted_mem for btf id walk pointer
+    /// leafs") came with `enum bpf_features` and its first value, which
+    /// says so in vmlinux's BTF, as the kernel's selftests read it
+    /// (tools/testing/selftests/bpf/progs/mem_rdonly_untrusted.c).
+    fn head_is_mem(&self) -> bool {
+        self.enum_values("bpf_features")
+            .is_some_and(|v| v.iter().any(|(_, n)| n == "BPF_FEAT_RDONLY_CAST_TO_VOID"))
     }
 
     /// Why the NAT kprobes cannot read conntrack entries, if they cannot.
@@ -359,8 +371,8 @@ mod tests {
         // machines and at 200 bytes on Debian's 6.1/6.12 (docs/MACHINE.md).
         let version = crate::probes::table::KernelFeatures::probe().version;
         match (version.0, version.1) {
-            (6, 18) => assert_eq!(o.sk_buff_head, 192, "{o:?}"),
-            (6, 1) | (6, 12) => assert_eq!(o.sk_buff_head, 200, "{o:?}"),
+            (6, 18) => assert_eq!((o.sk_buff_head, o.head_is_mem), (192, 1), "{o:?}"),
+            (6, 1) | (6, 12) => assert_eq!((o.sk_buff_head, o.head_is_mem), (200, 0), "{o:?}"),
             _ => eprintln!(
                 "not checked: sk_buff.head's measured offset (kernel {version:?} was never measured)"
             ),
