@@ -273,7 +273,10 @@ pub fn parse<M: Kmem>(skb: u64, off: &KernelOffsets, l3: L3) -> Result<(Packet, 
     if ip_addr == 0 {
         return Err(());
     }
-    parse_ip(ip_addr, M::DIRECT && l3 == L3::NetworkHeader && off.head_is_mem != 0)
+    parse_ip(
+        ip_addr,
+        M::DIRECT && l3 == L3::NetworkHeader && off.head_is_mem != 0,
+    )
 }
 
 /// `skb->head` and `skb->network_header`. They are a few bytes apart in
