@@ -17,11 +17,6 @@ use nattrace::collector::testing::{self, from_jsonl};
 use nattrace::collector::{Collector, CollectorConfig, VerdictCounts};
 use tracer_common::PacketEvent;
 
-/// The binary's allocator (src/main.rs), so that throughput and peak RSS
-/// are the shipped process's.
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 const FLOWS: u32 = 100_000;
 /// New flows per second of trace time: 100k flows arrive within one second,
 /// far inside the idle timeout, so all of them are live at the end.

@@ -10,14 +10,6 @@ use nattrace::{
     session::{self, OutputFormat, SessionOptions},
 };
 
-/// mimalloc, not glibc's malloc: a healthy connection's report and line
-/// take ~10 small allocations and as many frees, which glibc's
-/// `_int_malloc`/`_int_free` paid ~5.9k instructions for per connection,
-/// a quarter of the live share (BENCHMARKS.md, "The allocator"). mimalloc's
-/// thread-local free lists serve them in a few dozen each.
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[derive(Parser, Debug)]
 #[command(
     name = "nattrace",

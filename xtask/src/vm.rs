@@ -286,10 +286,6 @@ pub fn build_payload(bins: &[String]) -> Result<Vec<PathBuf>> {
         "--target",
         deps::PAYLOAD_TARGET,
     ]);
-    // nattrace's allocator (mimalloc) is C: cc-rs looks for a cross
-    // compiler named `x86_64-linux-musl-gcc`, which Debian's musl-tools
-    // calls `musl-gcc`.
-    cmd.env(deps::PAYLOAD_CC.0, deps::PAYLOAD_CC.1);
     let mut paths = Vec::new();
     for spec in bins {
         let (pkg, bin) = spec

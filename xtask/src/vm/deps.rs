@@ -10,8 +10,6 @@ pub const APT_PACKAGES: &[&str] = &[
     "iproute2",
     "iptables",
     "conntrack",
-    // musl-gcc: the payload's C (mimalloc, nattrace's allocator)
-    "musl-tools",
 ];
 
 /// The guest has no libc of ours, so payload binaries are linked statically against musl.
@@ -19,5 +17,3 @@ pub const RUSTUP_TARGETS: &[&str] = &["x86_64-unknown-linux-musl"];
 
 /// The target triple payload binaries are built for (one of `RUSTUP_TARGETS`).
 pub const PAYLOAD_TARGET: &str = "x86_64-unknown-linux-musl";
-/// The C compiler cc-rs uses for [`PAYLOAD_TARGET`] (package musl-tools).
-pub const PAYLOAD_CC: (&str, &str) = ("CC_x86_64_unknown_linux_musl", "musl-gcc");
