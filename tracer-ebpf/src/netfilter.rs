@@ -17,8 +17,10 @@
 //! (skb.rs [`Probe`]), whose source is any value: loaded directly, as
 //! the tp_btf programs do, they made these programs' verification several
 //! times longer, the start-up's critical path (docs/DESIGN.md, "Direct
-//! loads"). Storing the address in an event or map key needs
-//! allow_ptr_leaks, i.e. a privileged loader.
+//! loads"). All but the headers' two, `head` and `network_header`, where
+//! the kernel types what `head` gives as readable memory (6.17+, [`parse`]):
+//! then the miss path makes no helper call. Storing the address in an
+//! event or map key needs allow_ptr_leaks, i.e. a privileged loader.
 use core::ffi::c_void;
 
 use tracer_common::{Addr, KernelOffsets, as_v4, direction, hook, nat_stage, nf_hook, v4_mapped};
@@ -37,7 +39,7 @@ fn try_netfilter(ctx: *mut c_void, nf_hook: u8, stage: u8) -> Result<(), ()> {
     // SAFETY: ctx is the kernel's bpf_nf_ctx; the verifier allows this load.
     let skb: u64 = unsafe { core::ptr::read_volatile((ctx as *const u8).add(8) as *const u64) };
     let off = config::offsets();
-    let (mut pkt, payload) = skb::parse::<Probe>(skb, off, L3::NetworkHeader)?;
+    let (mut pkt, payload) = parse(skb, off)?;
     let mut at = Point::new(hook::NETFILTER);
     at.nf_hook = nf_hook;
     at.nat_stage = stage;
@@ -89,7 +91,7 @@ fn try_netfilter_nat(ctx: *mut c_void, rewrites: Rewrites) -> Result<(), ()> {
     // SAFETY: ctx is the kernel's bpf_nf_ctx; the verifier allows this load.
     let skb: u64 = unsafe { core::ptr::read_volatile((ctx as *const u8).add(8) as *const u64) };
     let off = config::offsets();
-    let (mut pkt, payload) = skb::parse::<Probe>(skb, off, L3::NetworkHeader)?;
+    let (mut pkt, payload) = parse(skb, off)?;
     // The packet as it is (the AFTER point) is looked at first: the bulk
     // of an established flow then stops here, before conntrack is read.
     let muted = match rewrites {
@@ -130,6 +132,19 @@ fn try_netfilter_nat(ctx: *mut c_void, rewrites: Rewrites) -> Result<(), ()> {
     let m = filter::classify(&pkt, &at).or_else(|| filter::follow_rewrite(&pkt, before));
     observe_matched(&mut pkt, &mut at, m, details);
     Ok(())
+}
+
+/// The packet's headers. Where `skb->head` loads as readable memory
+/// ([`KernelOffsets::head_is_mem`]), `head` and `network_header` are two
+/// plain loads and the first 40 header bytes five more (skb.rs
+/// `load_head`): no helper call on a miss. Elsewhere two probe reads.
+#[inline(always)]
+fn parse(skb: u64, off: &KernelOffsets) -> Result<(Packet, u64), ()> {
+    if off.head_is_mem != 0 {
+        skb::parse::<Direct>(skb, off, L3::NetworkHeader)
+    } else {
+        skb::parse::<Probe>(skb, off, L3::NetworkHeader)
+    }
 }
 
 #[inline(always)]

@@ -259,7 +259,12 @@ impl NfPrepared {
         let load_all = |programs: &[Prepared]| {
             programs
                 .iter()
-                .map(|p| Ok((p.name.clone(), load_one(p, btf, &license)?)))
+                .map(|p| {
+                    let began = std::time::Instant::now();
+                    let fd = load_one(p, btf, &license)?;
+                    log_verified(&p.name, began, &fd);
+                    Ok((p.name.clone(), fd))
+                })
                 .collect::<Result<Vec<_>, NfLinkError>>()
         };
         let (first, second) = self.programs.split_at(self.programs.len() / 2);
@@ -395,6 +400,26 @@ pub fn probe_support() -> Option<bool> {
         }
         Err(_) => None,
     }
+}
+
+/// As the tp_btf and kprobe programs' line (attach.rs): the kernel's count
+/// of instructions it walked, read from the program's fdinfo, only when
+/// the line is printed.
+fn log_verified(name: &str, began: std::time::Instant, fd: &OwnedFd) {
+    if !log::log_enabled!(log::Level::Debug) {
+        return;
+    }
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()));
+    let insns = info.ok().and_then(|i| {
+        i.lines()
+            .find_map(|l| l.strip_prefix("verified_insns:"))
+            .map(|v| v.trim().to_owned())
+    });
+    log::debug!(
+        "start-up: {name} loaded and verified in {:.1} ms ({} instructions processed)",
+        began.elapsed().as_secs_f64() * 1e3,
+        insns.as_deref().unwrap_or("?")
+    );
 }
 
 fn load_one(
