@@ -405,7 +405,7 @@ fn parse_ip(ip_addr: u64, head_is_mem: bool) -> Result<(Packet, u64), ()> {
                 crate::icmp::v6(&crate::icmp::Kernel(ip_addr), l3_len, &mut pkt)?;
                 return Ok((pkt, 0));
             }
-            return Ok((pkt, payload_addr(ip_addr, at)));
+            return Ok((pkt, payload_of(&mut pkt, ip_addr, at, head_is_mem)));
         }
         Ok(h) => (unsafe { h.v4.ip }, Some(unsafe { h.v4.l4 })),
         Err(()) => (read::<Ipv4Hdr>(ip_addr).map_err(read_error)?, None),
@@ -424,7 +424,8 @@ fn parse_ip(ip_addr: u64, head_is_mem: bool) -> Result<(Packet, u64), ()> {
         _ => read::<TcpHdr>(ip_addr + ihl as u64).map_err(read_error)?,
     };
     let l4_len = l4_header(&mut pkt, &hdr);
-    Ok((pkt, payload_addr(ip_addr, payload_at(&pkt, ihl, l4_len))))
+    let at = payload_at(&pkt, ihl, l4_len);
+    Ok((pkt, payload_of(&mut pkt, ip_addr, at, head_is_mem)))
 }
 
 /// Fills ports (and TCP's fields) from the L4 header; returns its length.
@@ -459,6 +460,31 @@ fn payload_at(pkt: &Packet, l3_len: usize, l4_len: usize) -> u64 {
 #[inline(always)]
 fn payload_addr(ip_addr: u64, at: u64) -> u64 {
     if at == 0 { 0 } else { ip_addr + at }
+}
+
+/// Where the headers were read as memory (`in_mem`, [`load_head`]), the
+/// payload's first four bytes are one more plain load, made here for every
+/// packet, and no address is returned (0: [`payload_head`] does nothing).
+/// Returned, that address would be a pointer on the paths with a payload
+/// and the scalar 0 on the others, carried through the filter and the
+/// event: registers of two types never prune each other (kernel/bpf/
+/// verifier.c `regsafe`), so the verifier walked every path after the
+/// parse once per kind (`nf_dnat` 55.5k instructions against 36.8k,
+/// `net_dev_start_xmit` 33.0k against 21.6k). Carried as an offset and
+/// added to the pointer where a packet matched, it was worse (138k): the
+/// addition makes the verifier track the offset's range exactly back
+/// through every path that carried it. Here the offset dies in the parse.
+#[inline(always)]
+fn payload_of(pkt: &mut Packet, ip_addr: u64, at: u64, in_mem: bool) -> u64 {
+    if !in_mem {
+        return payload_addr(ip_addr, at);
+    }
+    if at != 0 {
+        // SAFETY: as load_head's: a BPF_PROBE_MEM load, any offset, 0 on a fault.
+        let w = unsafe { core::ptr::read_volatile((ip_addr + at) as *const u32) };
+        pkt.payload_head = u32::from_be(w);
+    }
+    0
 }
 
 /// IPv6: TCP/UDP right after the fixed header, or after the extension
