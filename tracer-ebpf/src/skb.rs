@@ -65,8 +65,9 @@ impl Kmem for Probe {
 /// not merge or widen. A pointer member to a non-struct (`skb->head`)
 /// loads as a plain number on 6.1 and 6.12 and as untrusted memory on 6.18
 /// (`parse_ipv6`'s offset says why that matters): the first 40 bytes at the
-/// network header are then plain loads too ([`load_head`]), the rest
-/// (options, extension headers, the payload's head) [`Probe`] reads.
+/// network header are then plain loads too ([`load_head`]), and so are the
+/// payload's first four ([`payload_of`]); the rest (options, extension
+/// headers) [`Probe`] reads.
 pub struct Direct;
 
 impl Kmem for Direct {
@@ -255,8 +256,8 @@ pub fn skb_dev<M: Kmem>(skb: u64, off: &KernelOffsets) -> u64 {
 }
 
 /// Parses the IPv4/IPv6 + TCP/UDP headers of `skb`: what the filter decides on.
-/// Also returns where the payload starts (0 = no payload), for
-/// [`payload_head`] once the packet matched. Err(()) = not a packet we trace
+/// Also returns where the payload starts (0 = no payload, or read
+/// already: [`payload_of`]), for [`payload_head`] once the packet matched. Err(()) = not a packet we trace
 /// (or unreadable, which is counted in STATS[READ_ERRORS]).
 #[inline(always)]
 pub fn parse<M: Kmem>(skb: u64, off: &KernelOffsets, l3: L3) -> Result<(Packet, u64), ()> {
@@ -405,7 +406,8 @@ fn parse_ip(ip_addr: u64, head_is_mem: bool) -> Result<(Packet, u64), ()> {
                 crate::icmp::v6(&crate::icmp::Kernel(ip_addr), l3_len, &mut pkt)?;
                 return Ok((pkt, 0));
             }
-            return Ok((pkt, payload_of(&mut pkt, ip_addr, at, head_is_mem)));
+            let payload = payload_of(&mut pkt, ip_addr, at, head_is_mem);
+            return Ok((pkt, payload));
         }
         Ok(h) => (unsafe { h.v4.ip }, Some(unsafe { h.v4.l4 })),
         Err(()) => (read::<Ipv4Hdr>(ip_addr).map_err(read_error)?, None),
@@ -425,7 +427,10 @@ fn parse_ip(ip_addr: u64, head_is_mem: bool) -> Result<(Packet, u64), ()> {
     };
     let l4_len = l4_header(&mut pkt, &hdr);
     let at = payload_at(&pkt, ihl, l4_len);
-    Ok((pkt, payload_of(&mut pkt, ip_addr, at, head_is_mem)))
+    // Before the tuple: Packet is Copy, and `(pkt, f(&mut pkt))` would
+    // return the copy made before `f` wrote the payload head.
+    let payload = payload_of(&mut pkt, ip_addr, at, head_is_mem);
+    Ok((pkt, payload))
 }
 
 /// Fills ports (and TCP's fields) from the L4 header; returns its length.

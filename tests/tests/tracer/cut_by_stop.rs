@@ -42,7 +42,7 @@ const REPLY_TIMEOUT_MS: u64 = 5000;
 /// soon as the query reached the server (`delay` > 0: before its reply) or
 /// dig got its answer (`delay` 0). Returns the live run and `analyze` of
 /// its recording.
-fn query_then_stop(delay: &str, name: &str) -> (Finished, std::process::Output) {
+fn query_then_stop(delay: &str, name: &str) -> (Finished, std::process::Output, Option<u16>) {
     let lab = lab::build_lab(presets::dns(presets::Dns::default()));
     lab.stop_pod_servers(DNS_POD)
         .expect("stopping the lab's DNS server");
@@ -77,18 +77,28 @@ fn query_then_stop(delay: &str, name: &str) -> (Finished, std::process::Output) 
     );
     let mut t = start(&a, &[]);
     let dig = format!("@{DNS_SERVICE_IP}");
+    let mut query_id = None;
     if delay == "0" {
         let out = lab
             .exec_timeout(
                 CLIENT_POD,
-                &["dig", &dig, DNS_NAME, "A", "+time=5", "+tries=1", "+short"],
+                &["dig", &dig, DNS_NAME, "A", "+time=5", "+tries=1"],
                 Duration::from_secs(20),
             )
             .expect("dig");
+        let text = String::from_utf8_lossy(&out.stdout);
         assert!(
-            String::from_utf8_lossy(&out.stdout).contains(&answer),
+            text.lines()
+                .any(|l| l.starts_with(DNS_NAME) && l.ends_with(&answer)),
             "dig got no answer: {out:?}"
         );
+        // ";; ->>HEADER<<- opcode: QUERY, status: NOERROR, id: 4242"
+        query_id = text
+            .split("id: ")
+            .nth(1)
+            .and_then(|t| t.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|n| n.parse().ok());
+        assert!(query_id.is_some(), "no query id in dig's output: {text}");
     } else {
         lab.spawn(
             CLIENT_POD,
@@ -111,7 +121,7 @@ fn query_then_stop(delay: &str, name: &str) -> (Finished, std::process::Output) 
         .expect("running nattrace analyze");
     let _ = std::fs::remove_file(&rec);
     let _ = std::fs::remove_file(&marker);
-    (done, analyzed)
+    (done, analyzed, query_id)
 }
 
 fn dns_flows(lines: impl Iterator<Item = String>) -> (Vec<Value>, Value) {
@@ -157,7 +167,7 @@ fn root_a_query_whose_reply_the_stop_cut_off_is_undecided_exit_0() {
     require_root!();
     // The reply comes 30 s late: SIGTERM (sent as the query reaches the
     // server) always comes first.
-    let (done, analyzed) = query_then_stop("30", "cut");
+    let (done, analyzed, _) = query_then_stop("30", "cut");
     let f = assert_one(&done, &analyzed, "undecided");
     let detail = f["detail"].as_str().unwrap();
     assert!(detail.contains("ms before tracing stopped"), "{detail}");
@@ -172,8 +182,18 @@ fn root_a_query_whose_reply_the_stop_cut_off_is_undecided_exit_0() {
 #[test]
 fn root_a_query_answered_right_before_the_stop_is_ok_exit_0() {
     require_root!();
-    let (done, analyzed) = query_then_stop("0", "answered");
-    assert_one(&done, &analyzed, "ok");
+    let (done, analyzed, query_id) = query_then_stop("0", "answered");
+    let f = assert_one(&done, &analyzed, "ok");
+    // The query's id is the payload's first two bytes, which every hook
+    // reads its own way (tc from the packet, the device and netfilter
+    // programs through skb->head, by plain loads on 6.17+ or probe reads):
+    // a packet's hops are stitched on them, so one hook reading them wrong
+    // splits the query into two packets, one with another id.
+    let packets = f["packets"].as_array().expect("packets");
+    assert!(!packets.is_empty(), "{f}");
+    for p in packets {
+        assert_eq!(p["dns_id"], query_id.expect("dig's id"), "{f}");
+    }
     let (_, summary) = dns_flows(done.stdout.iter().cloned());
     assert!(
         summary["by_verdict"].get("undecided").is_none(),
