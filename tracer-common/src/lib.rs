@@ -432,10 +432,11 @@ pub struct EndpointState {
     /// The per-flow buffer (`HELD`): [`held::NEVER`], [`held::HOLDING`] or
     /// [`held::DONE`] for the SYN `syn_seq`.
     pub held: u8,
-    /// 1 once a FIN from the backend's side passed while the flow was
-    /// muted (cleared by a new SYN): its RSTs then carry
-    /// [`event_flags::AFTER_FIN`].
-    pub reply_fin: u8,
+    /// The FINs that passed while the flow was muted ([`fins`] bits,
+    /// cleared by a new SYN): after the backend's, its RSTs carry
+    /// [`event_flags::AFTER_FIN`]; after both, the close's aftermath is
+    /// no failure (tracer-ebpf/src/watch.rs `closing`).
+    pub fins: u8,
     pub _pad: u8,
     /// ISN of the last SYN the buffer rule saw at the client: a SYN with
     /// another one is a new connection from a reused port.
@@ -522,6 +523,16 @@ pub struct KernelOffsets {
     pub head_is_mem: u32,
 }
 
+/// [`EndpointState::fins`]: whose FIN passed.
+pub mod fins {
+    /// The backend's side (a reply's FIN).
+    pub const REPLY: u8 = 1;
+    /// The client's side (a request's FIN).
+    pub const REQUEST: u8 = 2;
+    /// Both: each application has closed its end.
+    pub const BOTH: u8 = REPLY | REQUEST;
+}
+
 /// Global configuration of the kernel programs (one entry of the `CONFIG` array).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -543,6 +554,11 @@ pub struct Config {
     /// flow counts such a drop instead of sending it (collector
     /// `established::BENIGN_DROPS`).
     pub benign_drops: [u64; 4],
+    /// Bit `r` set: drop reason `r` (numbered as `benign_drops`) ends a
+    /// late segment of a connection both sides had closed (its socket is
+    /// gone: NO_SOCKET): the watch counts it once both FINs passed
+    /// (collector `drop_reason::CLOSED_DROPS`).
+    pub closed_drops: [u64; 4],
 }
 
 /// Indexes of the per-CPU counters in the `STATS` map. Summed by userspace.
@@ -621,7 +637,7 @@ mod tests {
         assert_eq!(core::mem::size_of::<EndpointKey>(), 20);
         assert_eq!(core::mem::size_of::<EndpointState>(), 20);
         assert_eq!(core::mem::size_of::<KernelOffsets>(), 100);
-        assert_eq!(core::mem::size_of::<Config>(), 48);
+        assert_eq!(core::mem::size_of::<Config>(), 80);
         assert_eq!(
             core::mem::size_of::<HeldFlow>(),
             48 + HELD_SLOTS * core::mem::size_of::<PacketEvent>()

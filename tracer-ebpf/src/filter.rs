@@ -344,10 +344,10 @@ fn observe_via<const SLOT: bool>(
             && !is_drop
             && !(m.dir == direction::REPLY && at.hook == hook::DEV_RX)
         {
-            // Every reply passes the node's netfilter hooks, so the
-            // backend's FIN is noted here at the latest.
-            if pkt.tcp_flags & tcp_flags::FIN != 0 && m.dir == direction::REPLY {
-                watch::note_reply_fin(state);
+            // Every packet passes the node's netfilter hooks, so each
+            // side's FIN is noted here at the latest.
+            if pkt.tcp_flags & tcp_flags::FIN != 0 {
+                watch::note_fin(state, m.dir);
             }
             stat_inc(stat::MUTED_PACKETS);
             return true;
@@ -498,11 +498,14 @@ fn muted_by_keys(s0: u64, s1: u64, d0: u64, d1: u64, rest: u64) -> u64 {
     if kept == direction::REQUEST {
         // Rule 1 (a Service destination) or rule 2 finds the client by
         // the source, and a muted state exists.
-        if !ENDPOINTS
-            .get_ptr_mut(key(saddr, sport, proto))
-            .is_some_and(muted)
-        {
+        let Some(state) = ENDPOINTS.get_ptr_mut(key(saddr, sport, proto)) else {
             return 0;
+        };
+        if !muted(state) {
+            return 0;
+        }
+        if fin {
+            watch::note_fin(state, direction::REQUEST);
         }
     } else {
         let Some(state) = ENDPOINTS.get_ptr_mut(key(daddr, dport, proto)) else {
@@ -518,7 +521,7 @@ fn muted_by_keys(s0: u64, s1: u64, d0: u64, d1: u64, rest: u64) -> u64 {
             return 0;
         }
         if fin {
-            watch::note_reply_fin(state);
+            watch::note_fin(state, direction::REPLY);
         }
     }
     stat_add(stat::MUTED_PACKETS, 2);
@@ -587,6 +590,14 @@ pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) ->
     let mut good = 0;
     if let Some(state) = m.state
         && muted(state)
+        && pkt.icmp_type == 0
+        && watch::closing(state, pkt.tcp_flags, at)
+    {
+        stat_inc(stat::MUTED_PACKETS);
+        return 0;
+    }
+    if let Some(state) = m.state
+        && muted(state)
         && (pkt.tcp_flags & tcp_flags::RST != 0 || pkt.icmp_type != 0)
     {
         // A reset or an ICMP error about a muted flow is sent as it is; the
@@ -638,7 +649,7 @@ pub extern "C" fn judge(pkt: *mut Packet, at: *mut Point, dir: u32, svc: u32) ->
             if m.dir == direction::REQUEST && syn_ack == tcp_flags::SYN {
                 // A new connection from this client port: trace it afresh.
                 set_muted(state, false);
-                watch::clear_reply_fin(state);
+                watch::clear_fins(state);
                 if at.hook == hook::DEV_TX && at_client(at) {
                     fate = Fate::Start;
                 }

@@ -11,7 +11,10 @@
 //!
 //! A failure unmutes the flow (per packet from then on) and its event
 //! carries `event_flags::WATCH` and the count of replies that were fine.
-use tracer_common::{EndpointState, direction, hook};
+//!
+//! Once both sides' FINs passed, the close's aftermath is counted too
+//! ([`closing`]): RSTs, and a late segment whose socket is gone.
+use tracer_common::{EndpointState, direction, fins, hook, tcp_flags};
 
 use crate::emit::Point;
 
@@ -109,26 +112,53 @@ pub fn note_muted(state: *mut EndpointState, netns: u32) {
     }
 }
 
-/// A FIN from the backend's side passed: the backend's application closed
-/// the connection (only counted while muted, so noted here).
+/// A FIN in direction `dir` passed: that side's application closed its
+/// end (only counted while muted, so noted here).
 #[inline(always)]
-pub fn note_reply_fin(state: *mut EndpointState) {
+pub fn note_fin(state: *mut EndpointState, dir: u8) {
+    let bit = if dir == direction::REPLY {
+        fins::REPLY
+    } else {
+        fins::REQUEST
+    };
     unsafe {
-        if core::ptr::read_volatile(&raw const (*state).reply_fin) == 0 {
-            core::ptr::write_volatile(&raw mut (*state).reply_fin, 1);
+        let seen = core::ptr::read_volatile(&raw const (*state).fins);
+        if seen & bit == 0 {
+            core::ptr::write_volatile(&raw mut (*state).fins, seen | bit);
         }
     }
 }
 
-/// A new connection from the same client port starts without it.
+/// A new connection from the same client port starts without them.
 #[inline(always)]
-pub fn clear_reply_fin(state: *mut EndpointState) {
-    unsafe { core::ptr::write_volatile(&raw mut (*state).reply_fin, 0) }
+pub fn clear_fins(state: *mut EndpointState) {
+    unsafe { core::ptr::write_volatile(&raw mut (*state).fins, 0) }
 }
 
+/// The backend's FIN passed.
 #[inline(always)]
 pub fn reply_fin(state: *mut EndpointState) -> bool {
-    unsafe { core::ptr::read_volatile(&raw const (*state).reply_fin) != 0 }
+    unsafe { core::ptr::read_volatile(&raw const (*state).fins) & fins::REPLY != 0 }
+}
+
+/// A packet of a muted flow both of whose sides had closed (both FINs
+/// passed) that is the close's aftermath, not a failure: a RST (a late
+/// segment answered by a kernel whose socket is gone, or a TIME_WAIT
+/// socket's end), or a drop for a reason of `Config::closed_drops` (the
+/// late segment itself: a close's last ACK that comes twice, after a
+/// retransmitted FIN, finds the socket the first freed — NO_SOCKET). No
+/// application is left to see it; data dropped for another reason is
+/// still checked.
+#[inline(always)]
+pub fn closing(state: *mut EndpointState, flags: u8, at: &crate::emit::Point) -> bool {
+    let seen = unsafe { core::ptr::read_volatile(&raw const (*state).fins) };
+    if seen != fins::BOTH {
+        return false;
+    }
+    flags & tcp_flags::RST != 0
+        || (at.hook == hook::DROP
+            && crate::config::config()
+                .is_some_and(|c| reason_in(&c.closed_drops, at.drop_reason)))
 }
 
 /// The count a WATCH event carries.
@@ -158,13 +188,16 @@ pub fn elsewhere(state: *mut EndpointState, at: &Point) -> bool {
 /// reasons) are failures.
 #[inline(always)]
 fn benign_drop(reason: u32) -> bool {
+    crate::config::config().is_some_and(|c| reason_in(&c.benign_drops, reason))
+}
+
+/// Bit `reason` of a drop-reason bitmap of `Config`; none past 255.
+#[inline(always)]
+fn reason_in(bits: &[u64; 4], reason: u32) -> bool {
     if reason >= 256 {
         return false;
     }
-    let Some(cfg) = crate::config::config() else {
-        return false;
-    };
     // Constant bounds for the verifier: the index is masked to 0..3.
-    let word = cfg.benign_drops[((reason >> 6) & 3) as usize];
+    let word = bits[((reason >> 6) & 3) as usize];
     word & (1u64 << (reason & 63)) != 0
 }

@@ -74,6 +74,7 @@ fn forced_kprobe_backend_without_kprobes_is_one_line() {
         buffer: false,
         reply_timeout_ns: 3_000_000_000,
         benign_drops: [0; 4],
+        closed_drops: [0; 4],
     };
     match Tracer::start(&opts) {
         Err(e @ TraceError::Unsupported(_)) => assert_eq!(

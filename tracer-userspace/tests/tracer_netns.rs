@@ -208,6 +208,7 @@ fn events_carry_correct_kernel_fields() {
         buffer: false,
         reply_timeout_ns: 3_000_000_000,
         benign_drops: [0; 4],
+        closed_drops: [0; 4],
     };
     let mut tracer = start_checked(&opts);
     let (node_inode, client_inode) = (lab.inode(&lab.node), lab.inode(&lab.client));

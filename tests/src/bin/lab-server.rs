@@ -19,6 +19,9 @@
 //!                                      keeps them until stdin closes
 //! lab-server dns PORT NAME A.B.C.D     answer A queries for NAME over UDP
 //! lab-server ra IFNAME LIFETIME        send one IPv6 Router Advertisement on IFNAME
+//! lab-server hold QUEUE                hold the packets an NFQUEUE rule queues to QUEUE,
+//!                                      each printed as "held ACK" (its TCP ack number),
+//!                                      until stdin reads "release"; then let all through
 //! ```
 //!
 //! Both print `ready` on stdout once the socket is bound, so the lab knows the
@@ -30,7 +33,7 @@ use std::process::ExitCode;
 use std::thread;
 use std::time::Duration;
 
-const USAGE: &str = "usage: lab-server http PORT [--name TEXT] | lab-server writer IP PORT LOCALPORT | lab-server backlog PORT N | lab-server burst IP PORT FILL N | lab-server dns PORT NAME A.B.C.D | lab-server ra IFNAME LIFETIME";
+const USAGE: &str = "usage: lab-server http PORT [--name TEXT] | lab-server writer IP PORT LOCALPORT | lab-server backlog PORT N | lab-server burst IP PORT FILL N | lab-server dns PORT NAME A.B.C.D | lab-server ra IFNAME LIFETIME | lab-server hold QUEUE";
 
 /// A client that connects and sends nothing must not pin a thread forever.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -57,6 +60,7 @@ fn main() -> ExitCode {
             .parse()
             .map_err(|_| format!("{lifetime:?} is not a lifetime in seconds"))
             .and_then(|l| router_advertisement(ifname, l)),
+        ["hold", queue] => parse_count(queue).and_then(hold),
         _ => Err(USAGE.to_string()),
     };
     match result {
@@ -443,6 +447,73 @@ fn burst(ip: &str, port: u16, fill: u16, n: u16) -> Result<(), String> {
     let _ = io::stdin().read_to_end(&mut Vec::new());
     drop(kept);
     Ok(())
+}
+
+/// A network's delay, made to order: packets queued to `queue` wait in
+/// the kernel (nfnetlink_queue holds a queued packet until its verdict;
+/// nothing is dropped, so no drop is traced) until the test says
+/// `release`, as a segment held up in a busy network or a busy node. Each
+/// is printed with its TCP ack number, so a test can tell a repeated
+/// segment (a retransmission's answer) from a new one.
+fn hold(queue: u16) -> Result<(), String> {
+    use std::sync::mpsc::TryRecvError;
+    let mut q = nfq::Queue::open().map_err(|e| format!("nfqueue: {e}"))?;
+    q.bind(queue)
+        .map_err(|e| format!("binding queue {queue}: {e}"))?;
+    q.set_nonblocking(true);
+    let (tx, commands) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        for line in io::stdin().lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    ready()?;
+    let mut held: Vec<nfq::Message> = Vec::new();
+    let mut released = false;
+    loop {
+        let stdin_closed = match commands.try_recv() {
+            Ok(line) => {
+                released |= line.trim() == "release";
+                false
+            }
+            Err(TryRecvError::Empty) => false,
+            Err(TryRecvError::Disconnected) => true,
+        };
+        if released || stdin_closed {
+            for mut m in held.drain(..) {
+                m.set_verdict(nfq::Verdict::Accept);
+                q.verdict(m).map_err(|e| format!("verdict: {e}"))?;
+            }
+        }
+        if stdin_closed {
+            return Ok(());
+        }
+        match q.recv() {
+            Ok(mut m) if released => {
+                m.set_verdict(nfq::Verdict::Accept);
+                q.verdict(m).map_err(|e| format!("verdict: {e}"))?;
+            }
+            Ok(m) => {
+                say(&format!("held {}", tcp_ack(m.get_payload())));
+                held.push(m);
+            }
+            // Nothing queued: the next look at stdin, a moment later.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                thread::sleep(Duration::from_millis(2))
+            }
+            Err(e) => return Err(format!("nfqueue: {e}")),
+        }
+    }
+}
+
+/// The TCP ack number of an IPv4 packet (0 if it is none).
+fn tcp_ack(ip: &[u8]) -> u32 {
+    let ihl = usize::from(ip.first().copied().unwrap_or(0) & 0x0f) * 4;
+    ip.get(ihl + 8..ihl + 12)
+        .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+        .unwrap_or(0)
 }
 
 fn say(line: &str) {

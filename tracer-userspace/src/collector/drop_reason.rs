@@ -189,7 +189,8 @@ pub(crate) struct KnownReasons {
 
 impl DropReasons {
     /// From (value, enumerator name) pairs, e.g. a BTF `enum skb_drop_reason`:
-    /// `SKB_DROP_REASON_` / `SKB_` prefixes are stripped. Values above 4096
+    /// the `SKB_DROP_REASON_` prefix is stripped, and `SKB_` from
+    /// `SKB_NOT_DROPPED_YET` and `SKB_CONSUMED`. Values above 4096
     /// (subsystem-encoded reasons) are ignored to keep the table small.
     pub fn from_pairs<S: AsRef<str>>(pairs: impl IntoIterator<Item = (u32, S)>) -> Self {
         let mut names: Vec<Option<Name>> = Vec::new();
@@ -198,9 +199,15 @@ impl DropReasons {
                 continue;
             }
             let name = name.as_ref();
+            // Only the two enumerators outside the SKB_DROP_REASON_ family
+            // lose "SKB_": tracefs prints SKB_DROP_REASON_SKB_CSUM as
+            // "SKB_CSUM" (include/net/dropreason-core.h `FN(SKB_CSUM)`),
+            // which BTF and tracefs must name alike.
             let name = name
                 .strip_prefix("SKB_DROP_REASON_")
-                .or_else(|| name.strip_prefix("SKB_"))
+                .or_else(|| {
+                    matches!(name, "SKB_NOT_DROPPED_YET" | "SKB_CONSUMED").then(|| &name[4..])
+                })
                 .unwrap_or(name);
             let i = value as usize;
             if names.len() <= i {
@@ -331,12 +338,31 @@ pub const BENIGN_DROPS: &[&str] = &[
     "SKB_UCOPY_FAULT",
 ];
 
+/// Drop reasons that end a late segment of a connection whose two sides
+/// had both closed (both FINs passed): the segment's socket is gone. A
+/// close's last ACK that comes twice (a retransmitted FIN answered again
+/// from TIME_WAIT, net/ipv4/tcp_minisocks.c `tcp_timewait_state_process`)
+/// finds the socket that closed second freed by the first (LAST_ACK →
+/// `tcp_done`, net/ipv4/tcp_input.c) and is dropped with NO_SOCKET. No
+/// application is left to see it; mid-stream (one FIN or none) the same
+/// drop is a failure.
+pub const CLOSED_DROPS: &[&str] = &["NO_SOCKET"];
+
 impl DropReasons {
     /// [`BENIGN_DROPS`] in this kernel's numbering, as the bitmap the
     /// kernel's watch reads (`Config::benign_drops`; reasons ≥ 256 left out).
     pub fn benign_bitmap(&self) -> [u64; 4] {
+        self.bitmap(BENIGN_DROPS)
+    }
+
+    /// [`CLOSED_DROPS`] as `Config::closed_drops`.
+    pub fn closed_bitmap(&self) -> [u64; 4] {
+        self.bitmap(CLOSED_DROPS)
+    }
+
+    fn bitmap(&self, names: &[&str]) -> [u64; 4] {
         let mut bits = [0u64; 4];
-        for code in BENIGN_DROPS.iter().filter_map(|n| self.code(n)) {
+        for code in names.iter().filter_map(|n| self.code(n)) {
             if code < 256 {
                 bits[(code / 64) as usize] |= 1 << (code % 64);
             }
@@ -346,8 +372,17 @@ impl DropReasons {
 
     /// A healthy socket's own drop ([`BENIGN_DROPS`]).
     pub fn is_benign(&self, reason: u32) -> bool {
+        self.is_in(BENIGN_DROPS, reason)
+    }
+
+    /// A late segment's end once both sides closed ([`CLOSED_DROPS`]).
+    pub fn ends_closed(&self, reason: u32) -> bool {
+        self.is_in(CLOSED_DROPS, reason)
+    }
+
+    fn is_in(&self, names: &[&str], reason: u32) -> bool {
         self.name(reason)
-            .is_some_and(|n| BENIGN_DROPS.contains(&n.as_str()))
+            .is_some_and(|n| names.contains(&n.as_str()))
     }
 }
 

@@ -68,7 +68,10 @@ pub(crate) fn fails(
     reasons: &DropReasons,
     known: &KnownReasons,
 ) -> bool {
-    if flow.watch.is_some_and(|w| w.closed) {
+    if flow
+        .watch
+        .is_some_and(|w| w.closed || closing(w.fins, ev, reasons))
+    {
         return false;
     }
     if ev.flags & event_flags::WATCH != 0 {
@@ -123,9 +126,24 @@ pub(crate) fn is_bare_rst(ev: &PacketEvent) -> bool {
     ev.proto == tracer_common::proto::TCP && ev.tcp_flags & (RST | ACK) == RST
 }
 
+/// The kernel's `watch::closing` (tracer-ebpf/src/watch.rs) on an event:
+/// once both sides' FINs passed, a RST or a drop for a reason of
+/// [`super::drop_reason::CLOSED_DROPS`] is the close's aftermath — a
+/// close's last ACK that comes twice (a retransmitted FIN answered again
+/// from TIME_WAIT) finds the socket the first one freed, is dropped with
+/// NO_SOCKET and answered with a bare RST. Data dropped for another reason
+/// is still a failure.
+fn closing(fins: u8, ev: &PacketEvent, reasons: &DropReasons) -> bool {
+    fins == tracer_common::fins::BOTH
+        && ev.icmp_type == 0
+        && (ev.tcp_flags & tcp_flags::RST != 0
+            || (ev.hook == hook::DROP && reasons.ends_closed(ev.drop_reason)))
+}
+
 /// An event of a healthy `ok` flow that did not fail the watch: a
 /// reverse-NATed reply is counted, a RST (an endpoint closed the
-/// connection itself) ends the watch's claims on what follows.
+/// connection itself) ends the watch's claims on what follows, and each
+/// side's FIN is noted.
 pub(crate) fn note_healthy(flow: &mut Flow, ev: &PacketEvent) {
     let good = is_good_reply(flow, ev);
     let Some(w) = flow.watch.as_mut() else {
@@ -133,6 +151,16 @@ pub(crate) fn note_healthy(flow: &mut Flow, ev: &PacketEvent) {
     };
     if good {
         w.good = w.good.saturating_add(1);
+    }
+    if ev.proto == tracer_common::proto::TCP
+        && ev.hook != hook::DROP
+        && ev.tcp_flags & tcp_flags::FIN != 0
+    {
+        w.fins |= if ev.direction == tracer_common::direction::REPLY {
+            tracer_common::fins::REPLY
+        } else {
+            tracer_common::fins::REQUEST
+        };
     }
     // Only an endpoint's own close (RST|ACK): a bare RST on its way to the
     // client is checked when it gets there.
@@ -192,6 +220,22 @@ pub(crate) fn good_before_watch(flow: &Flow) -> u32 {
         .filter(|o| good_reply_at(flow, o.hook, o.netns, o.src, o.dst))
         .count();
     u32::try_from(n.saturating_sub(1)).unwrap_or(u32::MAX)
+}
+
+/// The FINs already in the flow's evidence when its opening is decided
+/// `ok` (a short connection read in one batch closed before its decision),
+/// as [`note_healthy`] would have noted them.
+pub(crate) fn fins_before_watch(flow: &Flow) -> u8 {
+    use super::types::Dir;
+    flow.packets
+        .iter()
+        .filter(|p| p.key.tcp_flags & tcp_flags::FIN != 0)
+        .fold(0, |fins, p| {
+            fins | match p.dir {
+                Dir::Reply => tracer_common::fins::REPLY,
+                Dir::Request => tracer_common::fins::REQUEST,
+            }
+        })
 }
 
 /// A bare RST from the backend's side while an opening whose reply reached

@@ -549,6 +549,10 @@ pub(crate) struct Watch {
     /// segment in flight reaching the closed socket: NO_SOCKET, a bare
     /// RST back) is its aftermath, not a failure.
     pub closed: bool,
+    /// The FINs seen while healthy (`tracer_common::fins` bits, as the
+    /// kernel's watch keeps them): after both, the close's aftermath
+    /// (`established::closing`) is no failure.
+    pub fins: u8,
 }
 
 impl Watch {

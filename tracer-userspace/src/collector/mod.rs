@@ -1137,11 +1137,13 @@ impl Collector {
         if let Some(f) = self.flow_mut(r) {
             f.reported = true;
             let good = established::good_before_watch(f);
+            let fins = established::fins_before_watch(f);
             f.drop_evidence();
             if ok {
                 f.watch = Some(established::Watch {
                     ok_ts: at,
                     good,
+                    fins,
                     ..Default::default()
                 });
             }

@@ -172,5 +172,6 @@ fn set_buffering(ebpf: &mut Ebpf, opts: &TraceOptions) -> Result<(), TraceError>
     config.buffer = u32::from(opts.buffer);
     config.reply_timeout_ns = opts.reply_timeout_ns;
     config.benign_drops = opts.benign_drops;
+    config.closed_drops = opts.closed_drops;
     array.set(0, config, 0).map_err(kernel_err("CONFIG"))
 }

@@ -84,6 +84,9 @@ pub struct TraceOptions {
     /// `Config::benign_drops`: drop reasons the watch of an established
     /// flow counts instead of sending (`DropReasons::benign_bitmap`).
     pub benign_drops: [u64; 4],
+    /// `Config::closed_drops`: drop reasons that end a late segment once
+    /// both sides closed (`DropReasons::closed_bitmap`).
+    pub closed_drops: [u64; 4],
 }
 
 /// `recursion_misses` of a program's fdinfo (kernel/bpf/syscall.c

@@ -68,6 +68,7 @@ impl Live {
             remove_leftovers(options.netns.as_deref(), &mut notices);
         }
         let _t = timing::step("Tracer::start");
+        let drop_reasons = super::kernel_drop_reasons();
         let mut tracer = Tracer::start(&TraceOptions {
             services: options.services.clone(),
             netns: options.netns.clone(),
@@ -76,7 +77,8 @@ impl Live {
             all_services: options.continuous.all_services,
             buffer: !options.verbose,
             reply_timeout_ns: options.reply_timeout.as_nanos() as u64,
-            benign_drops: super::kernel_drop_reasons().benign_bitmap(),
+            benign_drops: drop_reasons.benign_bitmap(),
+            closed_drops: drop_reasons.closed_bitmap(),
         })?;
         drop(_t);
         let watch = NetnsWatch::new(options.netns.as_deref());
