@@ -1222,16 +1222,12 @@ impl Hold {
             acks: Vec::new(),
         };
         assert_eq!(h.next(), "ready", "lab-server hold");
-        let (src, sport, dport) = (src.to_string(), sport.to_string(), dport.to_string());
-        lab.run(
-            pod,
-            &[
-                "iptables", "-t", "raw", "-I", "PREROUTING", "-p", "tcp", "-s", &src, "--sport", &sport,
-                "--dport", &dport, "--tcp-flags", "ALL", "ACK", "-j", "NFQUEUE",
-                "--queue-num", HOLD_QUEUE,
-            ],
-        )
-        .expect("the pod's NFQUEUE rule");
+        let rule = format!(
+            "iptables -t raw -I PREROUTING -p tcp -s {src} --sport {sport} --dport {dport} \
+             --tcp-flags ALL ACK -j NFQUEUE --queue-num {HOLD_QUEUE}"
+        );
+        let args: Vec<&str> = rule.split_whitespace().collect();
+        lab.run(pod, &args).expect("the pod's NFQUEUE rule");
         h
     }
 
@@ -1315,7 +1311,13 @@ fn late_ack_of_a_close(mode: ProxyMode) {
 
     let mut w = Writer::open(&lab, WEB_SERVICE_IP, CLIENT_CLOSES_PORT);
     w.exchange(3);
-    let mut hold = Hold::start(&lab, backend, presets::CLIENT_IP, CLIENT_CLOSES_PORT, WEB_PORT);
+    let mut hold = Hold::start(
+        &lab,
+        backend,
+        presets::CLIENT_IP,
+        CLIENT_CLOSES_PORT,
+        WEB_PORT,
+    );
     let before = out_rsts(&lab, backend);
     assert_eq!(w.send("close"), "closed");
     hold.wait_repeated();

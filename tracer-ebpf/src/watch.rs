@@ -157,8 +157,7 @@ pub fn closing(state: *mut EndpointState, flags: u8, at: &crate::emit::Point) ->
     }
     flags & tcp_flags::RST != 0
         || (at.hook == hook::DROP
-            && crate::config::config()
-                .is_some_and(|c| reason_in(&c.closed_drops, at.drop_reason)))
+            && crate::config::config().is_some_and(|c| reason_in(&c.closed_drops, at.drop_reason)))
 }
 
 /// The count a WATCH event carries.
