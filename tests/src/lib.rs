@@ -26,6 +26,7 @@ mod cidr;
 pub mod cri;
 pub mod dual_stack;
 mod error;
+pub mod hold;
 pub mod kube_proxy;
 pub mod kube_proxy_nft;
 pub mod kubelet;

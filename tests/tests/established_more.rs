@@ -18,7 +18,9 @@ use std::{
 };
 
 use lab::{
-    Datapath, Lab, Protocol, ProxyMode, ServiceSpec, both_modes, build_lab, lab_server_path,
+    Datapath, Lab, Protocol, ProxyMode, ServiceSpec, both_modes, build_lab,
+    hold::{Hold, out_rsts},
+    lab_server_path,
     presets::{self, Backend, NODE_A, Seed000, WEB_PORT, WEB_SERVICE_IP},
     tracer::{Finished, Nattrace, nattrace, tracing_lock},
 };
@@ -1170,102 +1172,10 @@ fn root_listen_queue_overflow_drops_the_request_iptables() {
 /// Source ports of the connections whose close repeats its last ACK.
 const SERVER_CLOSES_PORT: u16 = 41021;
 const CLIENT_CLOSES_PORT: u16 = 41022;
-/// The NFQUEUE number `lab-server hold` binds in a pod.
-const HOLD_QUEUE: &str = "7";
-
-/// `Tcp: OutRsts` of `pod`'s namespace (/proc/net/snmp read from inside it).
-fn out_rsts(lab: &Lab, pod: &str) -> u64 {
-    let snmp = lab.run(pod, &["cat", "/proc/net/snmp"]).expect("snmp");
-    let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
-    let (names, values) = (tcp.next().unwrap_or(""), tcp.next().unwrap_or(""));
-    names
-        .split_whitespace()
-        .zip(values.split_whitespace())
-        .find(|(n, _)| *n == "OutRsts")
-        .and_then(|(_, v)| v.parse().ok())
-        .expect("Tcp: OutRsts in /proc/net/snmp")
-}
-
-/// `lab-server hold` in `pod`, holding the pure ACKs it gets from `src`
-/// port `sport` to port `dport` (an NFQUEUE rule, removed with the pod's
-/// namespace). Held at PREROUTING, as if late on the wire: after it, at
-/// INPUT, a packet keeps the socket early demux found for it
-/// (net/ipv4/ip_input.c `ip_rcv_finish_core`), and TCP uses that socket
-/// though it closed meanwhile (net/ipv4/tcp_ipv4.c `tcp_v4_rcv` →
-/// `skb_steal_sock`): the late ACK met it in TCP_CLOSE, not NO_SOCKET.
-struct Hold {
-    child: Child,
-    stdin: ChildStdin,
-    lines: Receiver<String>,
-    acks: Vec<String>,
-}
-
-impl Hold {
-    fn start(lab: &Lab, pod: &str, src: Ipv4Addr, sport: u16, dport: u16) -> Hold {
-        let server = lab_server_path().expect("lab-server");
-        let mut cmd: Command = lab
-            .netns(pod)
-            .expect("the pod")
-            .command(&server.to_string_lossy())
-            .expect("lab-server in the pod");
-        cmd.args(["hold", HOLD_QUEUE])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        let mut child = cmd.spawn().expect("starting lab-server hold");
-        let stdin = child.stdin.take().expect("piped");
-        let lines = lab::wait::lines(child.stdout.take().expect("piped"));
-        let mut h = Hold {
-            child,
-            stdin,
-            lines,
-            acks: Vec::new(),
-        };
-        assert_eq!(h.next(), "ready", "lab-server hold");
-        let rule = format!(
-            "iptables -t raw -I PREROUTING -p tcp -s {src} --sport {sport} --dport {dport} \
-             --tcp-flags ALL ACK -j NFQUEUE --queue-num {HOLD_QUEUE}"
-        );
-        let args: Vec<&str> = rule.split_whitespace().collect();
-        lab.run(pod, &args).expect("the pod's NFQUEUE rule");
-        h
-    }
-
-    fn next(&mut self) -> String {
-        self.lines
-            .recv_timeout(EVENT_TIMEOUT)
-            .unwrap_or_else(|_| "(nothing from lab-server hold)".to_string())
-    }
-
-    /// Waits until two held ACKs acknowledge the same byte: the answer to
-    /// a retransmission held behind the first.
-    fn wait_repeated(&mut self) {
-        while !(1..self.acks.len()).any(|i| self.acks[i..].contains(&self.acks[i - 1])) {
-            let line = self.next();
-            let ack = line
-                .strip_prefix("held ")
-                .unwrap_or_else(|| panic!("lab-server hold: {line}"));
-            self.acks.push(ack.to_string());
-        }
-    }
-
-    fn release(&mut self) {
-        writeln!(self.stdin, "release").expect("writing to lab-server hold");
-        self.stdin.flush().expect("flushing");
-    }
-}
-
-impl Drop for Hold {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Waits until `pod` has sent a reset since it had sent `before`.
 fn wait_reset(lab: &Lab, pod: &str, before: u64) {
     lab::wait::until(format!("a reset from {pod}"), EVENT_TIMEOUT, || {
-        (out_rsts(lab, pod) > before).then_some(())
+        (out_rsts(lab, pod).expect("OutRsts") > before).then_some(())
     })
     .unwrap_or_else(|e| panic!("{e:#}"));
 }
@@ -1301,11 +1211,13 @@ fn late_ack_of_a_close(mode: ProxyMode) {
 
     let mut w = Writer::open(&lab, WEB_SERVICE_IP, SERVER_CLOSES_PORT);
     w.exchange(3);
-    let mut hold = Hold::start(&lab, client, WEB_SERVICE_IP, WEB_PORT, SERVER_CLOSES_PORT);
-    let before = out_rsts(&lab, client);
+    let mut hold = Hold::start(&lab, client, WEB_SERVICE_IP, WEB_PORT, SERVER_CLOSES_PORT)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let before = out_rsts(&lab, client).expect("OutRsts");
     assert_eq!(w.send("close-me"), "eof");
-    hold.wait_repeated();
-    hold.release();
+    hold.wait_repeated(EVENT_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    hold.release().expect("releasing the held ACKs");
     wait_reset(&lab, client, before);
     drop(hold);
 
@@ -1317,11 +1229,13 @@ fn late_ack_of_a_close(mode: ProxyMode) {
         presets::CLIENT_IP,
         CLIENT_CLOSES_PORT,
         WEB_PORT,
-    );
-    let before = out_rsts(&lab, backend);
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let before = out_rsts(&lab, backend).expect("OutRsts");
     assert_eq!(w.send("close"), "closed");
-    hold.wait_repeated();
-    hold.release();
+    hold.wait_repeated(EVENT_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    hold.release().expect("releasing the held ACKs");
     wait_reset(&lab, backend, before);
     drop(hold);
 

@@ -245,6 +245,7 @@ fn run() -> anyhow::Result<bool> {
     if !record_fixtures {
         ipv6::run(&mut checks, &nattrace, &backends)?;
         established::run(&mut checks, &nattrace, &backends);
+        established::run_late_ack(&mut checks, &nattrace, &backends);
         icmp::run(&mut checks, &nattrace, &backends);
     }
     // Recorded too: the table-full case can only be made in a guest.

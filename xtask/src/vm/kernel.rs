@@ -59,6 +59,11 @@ pub const MODULES: &[&str] = &[
     "ipt_REJECT",
     "sch_ingress",
     "cls_bpf",
+    // A late ACK held in a pod (lab::hold): an NFQUEUE rule in its raw table.
+    "iptable_raw",
+    "nfnetlink_queue",
+    "xt_NFQUEUE",
+    "nft_queue",
 ];
 
 /// A kernel series the harness knows how to fetch.

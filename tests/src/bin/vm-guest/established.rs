@@ -17,6 +17,9 @@
 //!
 //! Each check also counts the healthy twin's events in the recording after
 //! its handshake: 0 (every data packet checked in the kernel, no event).
+//!
+//! And a healthy close whose last ACK comes twice ([`run_late_ack`]): it
+//! must stay `ok`.
 use std::fs::File;
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::net::{Ipv4Addr, Shutdown, SocketAddr, SocketAddrV4, TcpStream};
@@ -252,6 +255,113 @@ fn judge(
         case.cause,
         good,
         b["detail"].as_str().unwrap_or_default()
+    ))
+}
+
+/// The close's last ACK held in the client pod (`lab::hold`) until its
+/// FIN's retransmission is answered too, as
+/// `root_a_late_ack_of_a_close_is_no_failure_*` on 6.18: the server closes
+/// first, the client then, and the repeated ACK reaches a socket the first
+/// one freed (NO_SOCKET, a bare RST back). Both sides had closed: the
+/// kernel's watch counts it (tracer-ebpf/src/watch.rs `closing`) and the
+/// connection stays `ok`, exit 0.
+pub fn run_late_ack(checks: &mut Checks, nattrace: &Path, backends: &[&str]) {
+    for &backend in backends {
+        let t = Instant::now();
+        let result = late_ack(nattrace, backend)
+            .map(|ok| format!("{ok} (in {:.1}s)", t.elapsed().as_secs_f64()));
+        checks.record(
+            &format!("established late ACK of a close {backend}"),
+            result.map_err(|e| format!("{e:#}")),
+        );
+    }
+}
+
+fn late_ack(nattrace: &Path, backend: &str) -> anyhow::Result<String> {
+    use lab::hold::{Hold, out_rsts};
+    use std::sync::mpsc::channel;
+    let lab = lab()?;
+    let node = lab.node_netns(NODE_A)?.path();
+    let client = lab.netns(presets::CLIENT_POD)?.path().to_path_buf();
+    let record = PathBuf::from(format!("/tmp/vm-late-ack-{backend}.rec"));
+    let svcs = [format!("{WEB_SERVICE_IP}:{WEB_PORT}")];
+    let args = super::recorded_trace_args(backend, &svcs, &node, &record);
+    let mut t = Nattrace::spawn_echoing(nattrace, &args, super::TRACER_ENV, Echo::Stderr)?;
+    let first = t.wait_started(ATTACH_TIMEOUT)?;
+    if !first.contains("\"kind\":\"start\"") {
+        bail!("first line: {first}");
+    }
+    // The connection, on a thread in the client's namespace: a line
+    // echoed, then (told to) `close-me`, read to the server's FIN, closed.
+    let (port_tx, port_rx) = channel::<anyhow::Result<u16>>();
+    let (go_tx, go_rx) = channel::<()>();
+    let conn = std::thread::spawn(move || -> anyhow::Result<()> {
+        let opened = (|| -> anyhow::Result<(TcpStream, BufReader<TcpStream>)> {
+            nix::sched::setns(File::open(&client)?, nix::sched::CloneFlags::CLONE_NEWNET)?;
+            let addr = SocketAddr::V4(SocketAddrV4::new(WEB_SERVICE_IP, WEB_PORT));
+            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10))?;
+            s.set_read_timeout(Some(EVENT_TIMEOUT))?;
+            s.write_all(b"GET /echo HTTP/1.0\r\n\r\nline0\n")?;
+            let mut r = BufReader::new(s.try_clone()?);
+            let mut line = String::new();
+            while line.trim() != "echo line0" {
+                line.clear();
+                if r.read_line(&mut line)? == 0 {
+                    bail!("the server closed before echoing");
+                }
+            }
+            Ok((s, r))
+        })();
+        let (mut s, mut r) = match opened {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = port_tx.send(Err(e));
+                return Ok(());
+            }
+        };
+        let _ = port_tx.send(Ok(s.local_addr()?.port()));
+        go_rx.recv()?;
+        s.write_all(b"close-me\n")?;
+        std::io::copy(&mut r, &mut std::io::sink())?;
+        Ok(())
+    });
+    let port = port_rx
+        .recv_timeout(EVENT_TIMEOUT)
+        .context("the connection's thread")??;
+    let mut hold = Hold::start(&lab, presets::CLIENT_POD, WEB_SERVICE_IP, WEB_PORT, port)?;
+    let before = out_rsts(&lab, presets::CLIENT_POD)?;
+    go_tx.send(())?;
+    conn.join()
+        .map_err(|_| anyhow::anyhow!("the connection's thread panicked"))??;
+    hold.wait_repeated(EVENT_TIMEOUT)?;
+    hold.release()?;
+    lab::wait::until("the client's reset of the late ACK", EVENT_TIMEOUT, || {
+        out_rsts(&lab, presets::CLIENT_POD)
+            .is_ok_and(|n| n > before)
+            .then_some(())
+    })?;
+    let held = hold.acks.len();
+    drop(hold);
+    t.terminate();
+    let done = t.wait(EVENT_TIMEOUT)?;
+    let _ = std::fs::remove_file(&record);
+    if done.status.code() != Some(0) {
+        bail!(
+            "exit status {}, expected 0\n{}",
+            done.status,
+            done.describe()
+        );
+    }
+    let flows = done.flows()?;
+    let of_port: Vec<&Value> = flows.iter().filter(|f| client_port(f) == port).collect();
+    if of_port.len() != 1 || of_port[0]["verdict"] != "ok" {
+        bail!(
+            "port {port}: {of_port:?}, expected one ok\n{}",
+            done.describe()
+        );
+    }
+    Ok(format!(
+        "ok, nothing more, exit 0: {held} ACKs held (the late one twice), the client's reset sent"
     ))
 }
 
