@@ -1172,6 +1172,28 @@ fn root_listen_queue_overflow_drops_the_request_iptables() {
 /// Source ports of the connections whose close repeats its last ACK.
 const SERVER_CLOSES_PORT: u16 = 41021;
 const CLIENT_CLOSES_PORT: u16 = 41022;
+/// A connection from `port` to node-a's backend that ends with the
+/// writer's `command` (it prints `said`), the close's last ACK held in
+/// `closes_second`'s namespace until the answer to the retransmitted FIN
+/// is held too, then let through: `closes_second` resets the late one.
+fn close_late(lab: &Lab, port: u16, command: &str, said: &str, closes_second: &str) {
+    let mut w = Writer::open(lab, WEB_SERVICE_IP, port);
+    w.exchange(3);
+    let (src, sport, dport) = if closes_second == presets::CLIENT_POD {
+        (WEB_SERVICE_IP, WEB_PORT, port)
+    } else {
+        (presets::CLIENT_IP, port, WEB_PORT)
+    };
+    let mut hold =
+        Hold::start(lab, closes_second, src, sport, dport).unwrap_or_else(|e| panic!("{e:#}"));
+    let before = out_rsts(lab, closes_second).expect("OutRsts");
+    assert_eq!(w.send(command), said);
+    hold.wait_repeated(EVENT_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    hold.release().expect("releasing the held ACKs");
+    wait_reset(lab, closes_second, before);
+}
+
 /// Waits until `pod` has sent a reset since it had sent `before`.
 fn wait_reset(lab: &Lab, pod: &str, before: u64) {
     lab::wait::until(format!("a reset from {pod}"), EVENT_TIMEOUT, || {
@@ -1207,37 +1229,22 @@ fn late_ack_of_a_close(mode: ProxyMode) {
     let mut t = start(&lab, &record);
     let mut twin = Writer::open(&lab, REMOTE_SERVICE_IP, HEALTHY_PORT);
     twin.exchange(3);
-    let (client, backend) = (presets::CLIENT_POD, presets::BACKEND_POD);
-
-    let mut w = Writer::open(&lab, WEB_SERVICE_IP, SERVER_CLOSES_PORT);
-    w.exchange(3);
-    let mut hold = Hold::start(&lab, client, WEB_SERVICE_IP, WEB_PORT, SERVER_CLOSES_PORT)
-        .unwrap_or_else(|e| panic!("{e:#}"));
-    let before = out_rsts(&lab, client).expect("OutRsts");
-    assert_eq!(w.send("close-me"), "eof");
-    hold.wait_repeated(EVENT_TIMEOUT)
-        .unwrap_or_else(|e| panic!("{e:#}"));
-    hold.release().expect("releasing the held ACKs");
-    wait_reset(&lab, client, before);
-    drop(hold);
-
-    let mut w = Writer::open(&lab, WEB_SERVICE_IP, CLIENT_CLOSES_PORT);
-    w.exchange(3);
-    let mut hold = Hold::start(
+    // The server closes first: the client's kernel resets the late ACK.
+    close_late(
         &lab,
-        backend,
-        presets::CLIENT_IP,
+        SERVER_CLOSES_PORT,
+        "close-me",
+        "eof",
+        presets::CLIENT_POD,
+    );
+    // The client closes first: the backend's kernel resets it.
+    close_late(
+        &lab,
         CLIENT_CLOSES_PORT,
-        WEB_PORT,
-    )
-    .unwrap_or_else(|e| panic!("{e:#}"));
-    let before = out_rsts(&lab, backend).expect("OutRsts");
-    assert_eq!(w.send("close"), "closed");
-    hold.wait_repeated(EVENT_TIMEOUT)
-        .unwrap_or_else(|e| panic!("{e:#}"));
-    hold.release().expect("releasing the held ACKs");
-    wait_reset(&lab, backend, before);
-    drop(hold);
+        "close",
+        "closed",
+        presets::BACKEND_POD,
+    );
 
     twin.exchange(3);
     t.terminate();
