@@ -531,6 +531,17 @@ pub mod fins {
     pub const REQUEST: u8 = 2;
     /// Both: each application has closed its end.
     pub const BOTH: u8 = REPLY | REQUEST;
+
+    /// The bit of a FIN travelling in `dir` (`direction::REPLY` or
+    /// `REQUEST`), for the kernel's watch and the collector's alike.
+    #[inline(always)]
+    pub const fn of(dir: u8) -> u8 {
+        if dir == super::direction::REPLY {
+            REPLY
+        } else {
+            REQUEST
+        }
+    }
 }
 
 /// Global configuration of the kernel programs (one entry of the `CONFIG` array).

@@ -116,11 +116,7 @@ pub fn note_muted(state: *mut EndpointState, netns: u32) {
 /// end (only counted while muted, so noted here).
 #[inline(always)]
 pub fn note_fin(state: *mut EndpointState, dir: u8) {
-    let bit = if dir == direction::REPLY {
-        fins::REPLY
-    } else {
-        fins::REQUEST
-    };
+    let bit = fins::of(dir);
     unsafe {
         let seen = core::ptr::read_volatile(&raw const (*state).fins);
         if seen & bit == 0 {

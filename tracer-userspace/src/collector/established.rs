@@ -156,11 +156,7 @@ pub(crate) fn note_healthy(flow: &mut Flow, ev: &PacketEvent) {
         && ev.hook != hook::DROP
         && ev.tcp_flags & tcp_flags::FIN != 0
     {
-        w.fins |= if ev.direction == tracer_common::direction::REPLY {
-            tracer_common::fins::REPLY
-        } else {
-            tracer_common::fins::REQUEST
-        };
+        w.fins |= tracer_common::fins::of(ev.direction);
     }
     // Only an endpoint's own close (RST|ACK): a bare RST on its way to the
     // client is checked when it gets there.
@@ -231,10 +227,11 @@ pub(crate) fn fins_before_watch(flow: &Flow) -> u8 {
         .iter()
         .filter(|p| p.key.tcp_flags & tcp_flags::FIN != 0)
         .fold(0, |fins, p| {
-            fins | match p.dir {
-                Dir::Reply => tracer_common::fins::REPLY,
-                Dir::Request => tracer_common::fins::REQUEST,
-            }
+            let dir = match p.dir {
+                Dir::Reply => tracer_common::direction::REPLY,
+                Dir::Request => tracer_common::direction::REQUEST,
+            };
+            fins | tracer_common::fins::of(dir)
         })
 }
 
