@@ -30,6 +30,14 @@ pub fn out_rsts(lab: &Lab, pod: &str) -> anyhow::Result<u64> {
         .context("Tcp: OutRsts in /proc/net/snmp")
 }
 
+/// Waits until `pod` has sent a reset since it had sent `before` (its
+/// kernel's answer to a late segment).
+pub fn wait_reset(lab: &Lab, pod: &str, before: u64, timeout: Duration) -> anyhow::Result<()> {
+    crate::wait::until(format!("a reset from {pod}"), timeout, || {
+        out_rsts(lab, pod).is_ok_and(|n| n > before).then_some(())
+    })
+}
+
 /// `lab-server hold` in a pod, holding the pure ACKs it gets from `src`
 /// port `sport` to port `dport` (an NFQUEUE rule, removed with the pod's
 /// namespace). Held at PREROUTING, as if late on the wire: after it, at

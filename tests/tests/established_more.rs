@@ -19,7 +19,7 @@ use std::{
 
 use lab::{
     Datapath, Lab, Protocol, ProxyMode, ServiceSpec, both_modes, build_lab,
-    hold::{Hold, out_rsts},
+    hold::{Hold, out_rsts, wait_reset},
     lab_server_path,
     presets::{self, Backend, NODE_A, Seed000, WEB_PORT, WEB_SERVICE_IP},
     tracer::{Finished, Nattrace, nattrace, tracing_lock},
@@ -1191,15 +1191,7 @@ fn close_late(lab: &Lab, port: u16, command: &str, said: &str, closes_second: &s
     hold.wait_repeated(EVENT_TIMEOUT)
         .unwrap_or_else(|e| panic!("{e:#}"));
     hold.release().expect("releasing the held ACKs");
-    wait_reset(lab, closes_second, before);
-}
-
-/// Waits until `pod` has sent a reset since it had sent `before`.
-fn wait_reset(lab: &Lab, pod: &str, before: u64) {
-    lab::wait::until(format!("a reset from {pod}"), EVENT_TIMEOUT, || {
-        (out_rsts(lab, pod).expect("OutRsts") > before).then_some(())
-    })
-    .unwrap_or_else(|e| panic!("{e:#}"));
+    wait_reset(lab, closes_second, before, EVENT_TIMEOUT).unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 /// A close whose last ACK arrives twice, after its receiver has finished

@@ -278,7 +278,7 @@ pub fn run_late_ack(checks: &mut Checks, nattrace: &Path, backends: &[&str]) {
 }
 
 fn late_ack(nattrace: &Path, backend: &str) -> anyhow::Result<String> {
-    use lab::hold::{Hold, out_rsts};
+    use lab::hold::{Hold, out_rsts, wait_reset};
     use std::sync::mpsc::channel;
     let lab = lab()?;
     let node = lab.node_netns(NODE_A)?.path();
@@ -344,11 +344,7 @@ fn late_ack(nattrace: &Path, backend: &str) -> anyhow::Result<String> {
         .map_err(|_| anyhow::anyhow!("the connection's thread panicked"))??;
     hold.wait_repeated(EVENT_TIMEOUT)?;
     hold.release()?;
-    lab::wait::until("the client's reset of the late ACK", EVENT_TIMEOUT, || {
-        out_rsts(&lab, presets::CLIENT_POD)
-            .is_ok_and(|n| n > before)
-            .then_some(())
-    })?;
+    wait_reset(&lab, presets::CLIENT_POD, before, EVENT_TIMEOUT)?;
     let held = hold.acks.len();
     drop(hold);
     t.terminate();
