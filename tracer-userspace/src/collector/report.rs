@@ -72,9 +72,10 @@ pub struct FlowReport {
     /// for a Service without endpoints (named by its REJECT rule).
     pub k8s_service: Option<Arc<str>>,
     /// The client's and the backend's pods (`namespace/name`), when they
-    /// are pods of this node (src/pods).
-    pub client_pod: Option<String>,
-    pub backend_pod: Option<String>,
+    /// are pods of this node (src/pods): shared names, so a report costs
+    /// no string copy for them.
+    pub client_pod: Option<Name>,
+    pub backend_pod: Option<Name>,
     pub cause: Option<Cause>,
     /// One sentence: what happened, for the text line.
     pub detail: String,
@@ -189,14 +190,11 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         hairpin: flow.is_hairpin(),
         kube,
         k8s_service,
-        client_pod: ctx
-            .pods
-            .pod_of(flow.client.addr)
-            .map(|n| n.as_str().to_owned()),
+        client_pod: ctx.pods.pod_of(flow.client.addr).cloned(),
         backend_pod: backend
             .filter(|_| !lean)
             .and_then(|b| ctx.pods.pod_of(b.addr))
-            .map(|n| n.as_str().to_owned()),
+            .cloned(),
         cause,
         detail,
         incomplete,

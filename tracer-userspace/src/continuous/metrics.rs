@@ -317,7 +317,8 @@ impl Metrics {
                 .map_or_else(|| r.service.to_string().into(), std::borrow::Cow::Borrowed);
             let client_namespace = r
                 .client_pod
-                .as_deref()
+                .as_ref()
+                .map(crate::collector::Name::as_str)
                 .and_then(|p| p.split_once('/'))
                 .map_or("none", |(ns, _)| ns);
             let cause = r.cause.as_ref().map_or("none", |c| c.id.as_str());

@@ -7,8 +7,8 @@ use serde::Serialize;
 
 use crate::collector::addr_text;
 use crate::collector::{
-    Attempt, Dir, Established, FlowReport, Hop, IcmpError, PacketEvidence, Phase, Proto, Summary,
-    Verdict,
+    Attempt, Dir, Established, FlowReport, Hop, IcmpError, Name, PacketEvidence, Phase, Proto,
+    Summary, Verdict,
 };
 
 #[derive(Serialize)]
@@ -172,8 +172,8 @@ impl<W: io::Write> JsonOutput<W> {
             snat: r.snat,
             hairpin: r.hairpin,
             k8s_service: r.k8s_service.as_deref(),
-            client_pod: r.client_pod.as_deref(),
-            backend_pod: r.backend_pod.as_deref(),
+            client_pod: r.client_pod.as_ref().map(Name::as_str),
+            backend_pod: r.backend_pod.as_ref().map(Name::as_str),
             svc_chain: r.kube.as_ref().map(|k| &*k.svc_chain),
             sep_chain: r.kube.as_ref().and_then(|k| k.sep_chain.as_deref()),
             cause: r.cause.as_ref().map(|c| c.id.as_str()),

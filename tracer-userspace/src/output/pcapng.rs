@@ -31,7 +31,7 @@ use pcap_file::{
 use tracer_common::proto;
 
 use crate::{
-    collector::{Dir, FlowReport, Hop, PacketEvidence, Proto},
+    collector::{Dir, FlowReport, Hop, Name, PacketEvidence, Proto},
     recording::Clock,
 };
 
@@ -109,8 +109,8 @@ impl<W: io::Write> PcapngOutput<W> {
             (None, None) => String::new(),
             (c, b) => format!(
                 " (pods: client {}, backend {})",
-                c.as_deref().unwrap_or("-"),
-                b.as_deref().unwrap_or("-")
+                c.as_ref().map_or("-", Name::as_str),
+                b.as_ref().map_or("-", Name::as_str)
             ),
         };
         for (packet, sighting) in sightings(&r.packets) {

@@ -8,7 +8,7 @@ use std::io::{self, Write as _};
 
 use super::clean::Clean;
 use crate::collector::addr_text;
-use crate::collector::{FlowReport, Hop, PacketEvidence, Summary, Verdict};
+use crate::collector::{FlowReport, Hop, Name, PacketEvidence, Summary, Verdict};
 
 const GREEN: &str = "\x1b[32m";
 const RED: &str = "\x1b[31m";
@@ -105,8 +105,8 @@ impl<W: io::Write> TextOutput<W> {
             // As the headline: client → backend.
             (c, b) => Some(format!(
                 "{} → {}",
-                c.as_deref().unwrap_or("(not a pod of this node)"),
-                b.as_deref().unwrap_or("(not a pod of this node)")
+                c.as_ref().map_or("(not a pod of this node)", Name::as_str),
+                b.as_ref().map_or("(not a pod of this node)", Name::as_str)
             )),
         };
         let mut notes = Vec::new();
