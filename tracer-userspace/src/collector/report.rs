@@ -284,7 +284,33 @@ fn attempts(
             a.answered = true;
         }
     }
+    answered_by_reverse_nat(flow, &mut out);
     out.into_iter().map(|(a, _)| a).collect()
+}
+
+/// A reply reverse-NATed at the client answers an attempt too. A healthy
+/// connection costs three events (issue 25): its reply is seen only where
+/// it reaches the client, never leaving the backend, so `reply_backend`
+/// finds no backend for it, and every `ok` line said its one attempt went
+/// unanswered. The reverse NAT is conntrack's, of the entry DNAT made for
+/// the request; when every attempt went to one backend, the latest before
+/// the reply is the one it answers. Attempts to several backends with no
+/// reply seen leaving one stay as they are: which entry answered is not
+/// known then.
+fn answered_by_reverse_nat(flow: &Flow, out: &mut [(Attempt, Option<super::types::Endpoint>)]) {
+    let Some(r) = flow.client_reply.filter(|r| r.reverse_nated) else {
+        return;
+    };
+    let Some(first) = out.first().and_then(|(_, b)| *b) else {
+        return;
+    };
+    if out.iter().any(|(a, b)| a.answered || *b != Some(first)) {
+        return;
+    }
+    let at = flow.packets[usize::from(r.packet)].first_ts;
+    if let Some((a, _)) = out.iter_mut().rev().find(|(a, _)| a.at_ns <= at) {
+        a.answered = true;
+    }
 }
 
 /// "no socket" from NO_SOCKET: drop reasons read better in a sentence in lower case.
