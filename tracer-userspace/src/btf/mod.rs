@@ -65,6 +65,11 @@ impl KernelBtf {
         })
     }
 
+    /// vmlinux's type id of the typedef `name`.
+    pub fn vmlinux_typedef_id(&self, name: &str) -> Option<u32> {
+        self.vmlinux().typedef_id(name)
+    }
+
     fn vmlinux(&self) -> View<'_> {
         View {
             base: &self.vmlinux,

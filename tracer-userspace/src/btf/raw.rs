@@ -212,6 +212,18 @@ impl<'a> View<'a> {
         index.get(name.as_bytes()).map(|&i| btf.rec(i))
     }
 
+    /// The type id of the typedef `name` (vmlinux's `btf_trace_<tracepoint>`,
+    /// which a tp_btf program is attached by).
+    pub fn typedef_id(&self, name: &str) -> Option<u32> {
+        let btf = self.top();
+        (0..btf.types.len())
+            .find(|&i| {
+                let t = btf.rec(i);
+                t.kind == KIND_TYPEDEF && self.name(t.name_off) == name.as_bytes()
+            })
+            .map(|i| btf.first_id + i as u32)
+    }
+
     /// The enumerators (name offset, value) of the enum `name` (BTF_KIND_ENUM
     /// or, for 64-bit values, BTF_KIND_ENUM64); None when there is none.
     pub fn enum_values(&self, name: &str) -> Option<Vec<(u32, i64)>> {

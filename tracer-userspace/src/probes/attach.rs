@@ -103,9 +103,9 @@ pub(super) fn load_tc(
 pub(super) fn load_global(
     ebpf: &mut Ebpf,
     plan: &[&'static ProgramSpec],
-    btf: load::VmlinuxBtf,
+    btf: &Btf,
 ) -> Result<Vec<String>, TraceError> {
-    load_in_parallel(ebpf, plan, &load::vmlinux_btf(btf)?)?;
+    load_in_parallel(ebpf, plan, btf)?;
     let mut attached = Vec::new();
     for spec in plan {
         match spec.attach {
@@ -263,8 +263,9 @@ pub(super) fn nf_families(services: &[Service]) -> Vec<u32> {
 /// programs load.
 pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
     preflight()?;
-    let offsets = KernelBtf::load()?.kernel_offsets()?;
-    let btf = load::read_vmlinux_btf()?;
+    let mut kernel = KernelBtf::load()?;
+    let offsets = kernel.kernel_offsets()?;
+    let btf = load::tracepoint_btf(&kernel)?;
     let mut ebpf = EbpfLoader::new()
         .override_global(load::OFFSETS_GLOBAL, &offsets, true)
         .load(OBJECT)

@@ -9,40 +9,29 @@ use tracer_common::{Config, ServiceKey, proto};
 use super::{OBJECT, TraceError, TraceOptions, kernel_err, services};
 use crate::service::Service;
 
-/// aya's loader and vmlinux's BTF as aya reads it, made on a thread of
-/// their own while the caller reads the kernel's BTF.
+/// aya's loader, made on a thread of its own while the caller reads the
+/// kernel's BTF.
 ///
 /// `EbpfLoader::new` parses all of vmlinux's BTF (aya 0.14 bpf.rs, `btf:
 /// Btf::from_sys_fs()`), 35-80 ms here, which the object (no CO-RE) never
-/// uses: the thread drops it and hands the loader over. Then it parses
-/// vmlinux's BTF again for the tp_btf programs (aya's
-/// `BtfTracePoint::load` finds each one's attach point by the typedef
-/// `btf_trace_<tracepoint>`; aya keeps the loader's copy private), which
-/// [`vmlinux_btf`] takes and the caller drops once they are loaded. One
-/// parsed copy at a time, on one thread; still, the start's peak RSS is
-/// 48-53 MiB against 33-39 without the second parse, while the RSS once
-/// started is no higher (31.6 against 37.8 MiB, measured once each).
+/// uses: the thread drops it and hands the loader over. The tp_btf
+/// programs' BTF is not aya's parse of vmlinux either ([`super::tp_btf`]).
 pub(super) struct Loading {
     loader: std::sync::mpsc::Receiver<EbpfLoader<'static>>,
-    pub(super) btf: VmlinuxBtf,
 }
-
-pub(super) type VmlinuxBtf = std::thread::JoinHandle<Result<aya::Btf, aya::BtfError>>;
 
 pub(super) fn start_loader() -> Loading {
     let early = EARLY_LOADER.lock().ok().and_then(|mut l| l.take());
     early.unwrap_or_else(|| {
         let (tx, loader) = std::sync::mpsc::sync_channel(1);
-        let btf = std::thread::spawn(move || {
+        std::thread::spawn(move || {
             let t = crate::timing::step("aya EbpfLoader::new (parses vmlinux BTF, own thread)");
             let l = bare_loader();
             drop(t);
             // The receiver may be gone (a failed start): nothing to do then.
             let _ = tx.send(l);
-            let _t = crate::timing::step("aya Btf::from_sys_fs for tp_btf (same thread)");
-            aya::Btf::from_sys_fs()
         });
-        Loading { loader, btf }
+        Loading { loader }
     })
 }
 
@@ -54,21 +43,10 @@ fn bare_loader() -> EbpfLoader<'static> {
     l
 }
 
-/// The parse [`start_loader`] started.
-pub(super) fn vmlinux_btf(handle: VmlinuxBtf) -> Result<aya::Btf, TraceError> {
-    handle
-        .join()
-        .unwrap_or_else(|p| std::panic::resume_unwind(p))
-        .map_err(btf_error)
-}
-
-/// vmlinux's BTF for the tp_btf programs, read here (`check_load`).
-pub(super) fn read_vmlinux_btf() -> Result<aya::Btf, TraceError> {
-    aya::Btf::from_sys_fs().map_err(btf_error)
-}
-
-fn btf_error(e: aya::BtfError) -> TraceError {
-    TraceError::Kernel(format!("cannot read the kernel's BTF for tp_btf: {e}"))
+/// What the tp_btf programs are loaded with ([`super::tp_btf`]).
+pub(super) fn tracepoint_btf(kernel: &crate::btf::KernelBtf) -> Result<aya::Btf, TraceError> {
+    let _t = crate::timing::step("tp_btf typedef ids (nattrace's BTF reader)");
+    super::tp_btf::tracepoint_btf(kernel)
 }
 
 /// A loader started by [`prepare_loader`], taken by the next [`start_loader`].

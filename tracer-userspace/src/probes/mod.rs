@@ -15,6 +15,7 @@ mod receive;
 pub mod services;
 pub mod table;
 mod tc;
+mod tp_btf;
 
 use std::{
     collections::BTreeSet,
@@ -260,6 +261,7 @@ impl Tracer {
         let t = timing::step("kernel BTF: offsets");
         let mut btf = KernelBtf::load()?;
         let offsets = btf.kernel_offsets()?;
+        let tp_btf = load::tracepoint_btf(&btf)?;
         let ct_tuples = offsets.sk_buff_nfct != 0 && offsets.nf_conn_tuplehash != 0;
         drop(t);
         log::debug!("kernel {:?}, offsets {offsets:?}", kernel.version);
@@ -310,13 +312,7 @@ impl Tracer {
             ..node
         };
         let (attached, early) = node::load_global_and_attach_tcx(
-            &mut ebpf,
-            &plan,
-            &mut tc,
-            &facts,
-            &netns,
-            &pod_veths,
-            loading.btf,
+            &mut ebpf, &plan, &mut tc, &facts, &netns, &pod_veths, &tp_btf,
         );
         // On error `tracer` is dropped, which detaches whatever was attached so far.
         let mut tracer = Tracer {

@@ -7,7 +7,6 @@ use aya::Ebpf;
 
 use super::{
     TraceError, TraceOptions, Tracer, attach,
-    load::VmlinuxBtf,
     netns::{self, Netns, NetnsError},
     nf_link,
     table::ProgramSpec,
@@ -30,7 +29,7 @@ pub(super) fn load_global_and_attach_tcx(
     facts: &NodeFacts,
     netns: &Netns,
     pod_veths: &BTreeSet<u32>,
-    btf: VmlinuxBtf,
+    btf: &aya::Btf,
 ) -> (Result<Vec<String>, TraceError>, Option<TcxSynced>) {
     let tcx_programs = tc.is_tcx().then(|| tc.tcx_programs(ebpf).ok()).flatten();
     std::thread::scope(|s| {
