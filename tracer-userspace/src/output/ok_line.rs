@@ -111,14 +111,7 @@ impl Written {
     }
 
     fn opt_addr(&mut self, out: &mut Vec<u8>, a: Option<&SocketAddr>) {
-        match a {
-            Some(a) => {
-                out.push(b'"');
-                self.addr(out, a);
-                out.push(b'"');
-            }
-            None => lit(out, "null"),
-        }
+        quoted_or_null(out, a, |out, a| self.addr(out, a));
     }
 
     /// `a`'s text, copied from earlier in the line when it was written
@@ -134,14 +127,23 @@ impl Written {
     }
 
     fn opt_again(&self, out: &mut Vec<u8>, a: Option<&SocketAddr>) {
-        match a {
-            Some(a) => {
-                out.push(b'"');
-                self.again(out, a);
-                out.push(b'"');
-            }
-            None => lit(out, "null"),
+        quoted_or_null(out, a, |out, a| self.again(out, a));
+    }
+}
+
+/// An optional address: its text between quotes, or `null`.
+fn quoted_or_null(
+    out: &mut Vec<u8>,
+    a: Option<&SocketAddr>,
+    text: impl FnOnce(&mut Vec<u8>, &SocketAddr),
+) {
+    match a {
+        Some(a) => {
+            out.push(b'"');
+            text(out, a);
+            out.push(b'"');
         }
+        None => lit(out, "null"),
     }
 }
 
