@@ -75,75 +75,48 @@ fn lean_ok_reports_count_as_the_whole_ones() {
 /// of the kind.
 #[test]
 fn the_three_events_of_a_healthy_connection_answer_its_attempt() {
-    use crate::collector::{fixtures::T0, testing::*};
-    let client_ns = 4_026_532_304u32;
-    let event = |dt: u64,
-                 hook: u8,
-                 netns: u32,
-                 ifindex: u32,
-                 (saddr, sport): (&str, u16),
-                 (daddr, dport): (&str, u16),
-                 nat: (u8, u8),
-                 (tcp_flags, direction, flags): (u8, u8, u16)| {
-        format!(
-            r#"{{"ts_ns":{},"skb":1,"netns":{netns},"ifindex":{ifindex},"saddr":"{saddr}","daddr":"{daddr}","sport":{sport},"dport":{dport},"seq":{},"ack":{},"drop_reason":0,"payload_head":0,"ip_len":60,"ip_id":{},"hook":{hook},"nf_hook":{},"nat_stage":{},"proto":6,"tcp_flags":{tcp_flags},"direction":{direction},"svc":0,"flags":{flags}}}"#,
-            T0 + dt,
-            if direction == 1 { 1000 } else { 7000 },
-            if direction == 1 { 0 } else { 1001 },
-            if direction == 1 { 13831 } else { 0 },
-            nat.0,
-            nat.1,
-        )
+    use tracer_common::{
+        direction::{REPLY, REQUEST},
+        event_flags::{HOLDING, KEPT, VIA_NODE},
+        nat_stage::AFTER,
+        nf_hook::PRE_ROUTING,
+        tcp_flags::{ACK, SYN},
     };
-    let client = ("10.244.1.10", 58888);
-    let svc = ("100.67.30.133", 80);
-    let backend = ("10.244.1.20", 8080);
-    let lines = |reply_from: (&str, u16)| {
-        [
-            event(
-                0,
-                tracer_common::hook::DEV_TX,
-                client_ns,
-                2,
-                client,
-                svc,
-                (255, 0),
-                (2, 1, 1),
-            ),
-            event(
-                60_000,
-                tracer_common::hook::NETFILTER,
-                NODE_NS,
-                CNI0,
-                client,
-                backend,
-                (0, 2),
-                (2, 1, 8),
-            ),
-            event(
-                140_000,
-                tracer_common::hook::DEV_RX,
-                client_ns,
-                2,
-                reply_from,
-                client,
-                (255, 0),
-                (18, 2, 16),
-            ),
-        ]
-        .join("\n")
+
+    use crate::collector::fixtures::*;
+    let decide = |reply_from| {
+        let mut b = Builder::default();
+        let syn = tcp(SYN, 1000, 0, 13831, 1, REQUEST);
+        let syn_hops = [
+            (tx(CLIENT_NS, POD_ETH0), CLIENT, SVC),
+            (nf(PRE_ROUTING, AFTER), CLIENT, BACKEND),
+        ];
+        b.path(syn, T0, &syn_hops);
+        let syn_ack = tcp(SYN | ACK, 7000, 1001, 0, 2, REPLY);
+        b.path(
+            syn_ack,
+            T0 + 140_000,
+            &[(rx(CLIENT_NS, POD_ETH0), reply_from, CLIENT)],
+        );
+        // As the kernel marks them live: the held SYN, its event kept at
+        // the NAT point, the reply that crossed the node muted.
+        for (e, flags) in b.events.iter_mut().zip([HOLDING, KEPT, VIA_NODE]) {
+            e.flags = flags;
+        }
+        super::run(&b.events, Some(true)).0
     };
-    let (reports, _) = super::run(&from_jsonl(&lines(svc)), Some(true));
+
+    let reports = decide(SVC);
     let r = &reports[0];
     assert_eq!(r.verdict, Verdict::Ok, "{r:#?}");
     assert_eq!(r.attempts.len(), 1, "{r:#?}");
     assert!(r.attempts[0].answered, "{r:#?}");
     assert_eq!(
         r.attempts[0].backend.map(|b| b.to_string()).as_deref(),
-        Some("10.244.1.20:8080")
+        Some("100.96.54.247:80")
     );
 
-    let (reports, _) = super::run(&from_jsonl(&lines(backend)), Some(true));
+    let reports = decide(BACKEND);
     let r = &reports[0];
     assert_ne!(r.verdict, Verdict::Ok, "{r:#?}");
     assert_eq!(r.attempts.len(), 1, "{r:#?}");
