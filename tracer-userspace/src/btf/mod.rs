@@ -65,9 +65,9 @@ impl KernelBtf {
         })
     }
 
-    /// vmlinux's type id of the typedef `name`.
-    pub fn vmlinux_typedef_id(&self, name: &str) -> Option<u32> {
-        self.vmlinux().typedef_id(name)
+    /// vmlinux's type ids of the typedefs `names` (None: not in it).
+    pub fn vmlinux_typedef_ids(&self, names: &[String]) -> Vec<Option<u32>> {
+        self.vmlinux().typedef_ids(names)
     }
 
     fn vmlinux(&self) -> View<'_> {

@@ -212,16 +212,28 @@ impl<'a> View<'a> {
         index.get(name.as_bytes()).map(|&i| btf.rec(i))
     }
 
-    /// The type id of the typedef `name` (vmlinux's `btf_trace_<tracepoint>`,
-    /// which a tp_btf program is attached by).
-    pub fn typedef_id(&self, name: &str) -> Option<u32> {
+    /// The type ids of the typedefs `names` (vmlinux's
+    /// `btf_trace_<tracepoint>`, which a tp_btf program is attached by), in
+    /// one pass over the types that stops when each is found.
+    pub fn typedef_ids(&self, names: &[String]) -> Vec<Option<u32>> {
         let btf = self.top();
-        (0..btf.types.len())
-            .find(|&i| {
-                let t = btf.rec(i);
-                t.kind == KIND_TYPEDEF && self.name(t.name_off) == name.as_bytes()
-            })
-            .map(|i| btf.first_id + i as u32)
+        let mut ids = vec![None; names.len()];
+        for i in 0..btf.types.len() {
+            if ids.iter().all(Option::is_some) {
+                break;
+            }
+            let t = btf.rec(i);
+            if t.kind != KIND_TYPEDEF {
+                continue;
+            }
+            let name = self.name(t.name_off);
+            for (id, wanted) in ids.iter_mut().zip(names) {
+                if id.is_none() && name == wanted.as_bytes() {
+                    *id = Some(btf.first_id + i as u32);
+                }
+            }
+        }
+        ids
     }
 
     /// The enumerators (name offset, value) of the enum `name` (BTF_KIND_ENUM

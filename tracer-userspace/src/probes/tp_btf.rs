@@ -40,12 +40,12 @@ fn tracepoints() -> impl Iterator<Item = &'static str> {
 /// program table this kernel has. One it lacks is left out, so its load
 /// fails as with vmlinux's own BTF (aya: unknown BTF type name).
 pub(super) fn tracepoint_btf(kernel: &KernelBtf) -> Result<Btf, TraceError> {
-    let ids: Vec<(String, u32)> = tracepoints()
-        .filter_map(|tp| {
-            let name = format!("btf_trace_{tp}");
-            let id = kernel.vmlinux_typedef_id(&name)?;
-            Some((name, id))
-        })
+    let names: Vec<String> = tracepoints().map(|tp| format!("btf_trace_{tp}")).collect();
+    let ids: Vec<(String, u32)> = kernel
+        .vmlinux_typedef_ids(&names)
+        .into_iter()
+        .zip(names)
+        .filter_map(|(id, name)| Some((name, id?)))
         .collect();
     Btf::parse(&blob(&ids), aya::Endianness::default())
         .map_err(|e| TraceError::Kernel(format!("cannot build the tp_btf programs' BTF: {e}")))
@@ -56,12 +56,15 @@ pub(super) fn tracepoint_btf(kernel: &KernelBtf) -> Result<Btf, TraceError> {
 fn blob(ids: &[(String, u32)]) -> Vec<u8> {
     let last = ids.iter().map(|(_, id)| *id).max().unwrap_or(0);
     let mut strings = vec![0u8];
-    let mut named = std::collections::HashMap::new();
+    // (id, name offset), by id: the type loop below meets them in order.
+    let mut named: Vec<(u32, u32)> = Vec::with_capacity(ids.len());
     for (name, id) in ids {
-        named.insert(*id, strings.len() as u32);
+        named.push((*id, strings.len() as u32));
         strings.extend_from_slice(name.as_bytes());
         strings.push(0);
     }
+    named.sort_unstable();
+    let mut named = named.into_iter().peekable();
     let type_len = last * TYPE_LEN;
     let mut b = Vec::with_capacity((HEADER_LEN + type_len) as usize + strings.len());
     b.extend_from_slice(&MAGIC.to_ne_bytes());
@@ -71,8 +74,8 @@ fn blob(ids: &[(String, u32)]) -> Vec<u8> {
     }
     // Ids start at 1 (0 is void).
     for id in 1..=last {
-        let (name_off, kind) = match named.get(&id) {
-            Some(&off) => (off, KIND_TYPEDEF),
+        let (name_off, kind) = match named.next_if(|&(at, _)| at == id) {
+            Some((_, off)) => (off, KIND_TYPEDEF),
             None => (0, KIND_PTR),
         };
         for v in [name_off, kind << 24, 0] {
