@@ -6,41 +6,20 @@ use aya::{
 };
 use tracer_common::{Config, ServiceKey, proto};
 
-use super::{OBJECT, TraceError, TraceOptions, kernel_err, services};
+use super::{OBJECT, TraceError, TraceOptions, aya_loader, kernel_err, services};
 use crate::service::Service;
 
-/// aya's loader, made on a thread of its own while the caller reads the
-/// kernel's BTF.
-///
-/// `EbpfLoader::new` parses all of vmlinux's BTF (aya 0.14 bpf.rs, `btf:
-/// Btf::from_sys_fs()`), 35-80 ms here, which the object (no CO-RE) never
-/// uses: the thread drops it and hands the loader over. The tp_btf
-/// programs' BTF is not aya's parse of vmlinux either ([`super::tp_btf`]).
+/// aya's loader, made on a thread of its own ([`super::aya_loader`]) while
+/// the caller reads the kernel's BTF.
 pub(super) struct Loading {
     loader: std::sync::mpsc::Receiver<EbpfLoader<'static>>,
 }
 
 pub(super) fn start_loader() -> Loading {
     let early = EARLY_LOADER.lock().ok().and_then(|mut l| l.take());
-    early.unwrap_or_else(|| {
-        let (tx, loader) = std::sync::mpsc::sync_channel(1);
-        std::thread::spawn(move || {
-            let t = crate::timing::step("aya EbpfLoader::new (parses vmlinux BTF, own thread)");
-            let l = bare_loader();
-            drop(t);
-            // The receiver may be gone (a failed start): nothing to do then.
-            let _ = tx.send(l);
-        });
-        Loading { loader }
+    early.unwrap_or_else(|| Loading {
+        loader: aya_loader::spawn(),
     })
-}
-
-/// aya's loader without its parse of vmlinux's BTF: no CO-RE in these
-/// programs (offsets come from the kernel's BTF, read by the caller).
-fn bare_loader() -> EbpfLoader<'static> {
-    let mut l = EbpfLoader::new();
-    l.btf(None);
-    l
 }
 
 /// What the tp_btf programs are loaded with ([`super::tp_btf`]).
@@ -70,10 +49,11 @@ pub(super) fn load_object(
     node_netns: u32,
 ) -> Result<Ebpf, TraceError> {
     let t = crate::timing::step("waiting for aya's loader");
-    let mut loader: EbpfLoader<'_> = loader.loader.recv().unwrap_or_else(|_| bare_loader());
+    let mut loader: EbpfLoader<'_> = loader
+        .loader
+        .recv()
+        .unwrap_or_else(|_| aya_loader::without_btf());
     drop(t);
-    // No CO-RE in these programs (offsets come from the kernel's BTF, read
-    // by the caller): aya's parse of it was dropped unused (`start_loader`).
     loader
         .override_global(OFFSETS_GLOBAL, &offsets, true)
         .map_max_entries("EVENTS", opts.ringbuf_bytes);

@@ -3,6 +3,7 @@
 //! out the events, counters and node facts. Dropping the [`Tracer`] detaches
 //! everything it attached and removes what it created, nothing else.
 mod attach;
+mod aya_loader;
 pub mod cleanup;
 mod held;
 pub mod ifnames;

@@ -7,8 +7,8 @@
 //! `attach_btf_id`, which the kernel looks up in vmlinux. aya finds it by
 //! parsing all of vmlinux's BTF (~150k types, 40-120 ms and ~15 MiB of
 //! peak RSS on a start, BENCHMARKS.md), and that parse was on a start's
-//! critical path, a second one after `EbpfLoader::new`'s own (aya keeps
-//! that one private). nattrace's own reader (src/btf) has read vmlinux's
+//! critical path (`EbpfLoader::new`'s own is skipped too, [`super::aya_loader`]).
+//! nattrace's own reader (src/btf) has read vmlinux's
 //! BTF already for the struct offsets; it finds the typedefs' ids, and
 //! this module writes a BTF blob in which those ids name those typedefs
 //! and every other id is a filler pointer. aya parses that blob in a few
