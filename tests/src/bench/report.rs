@@ -263,7 +263,10 @@ pub fn markdown(r: &Results) -> String {
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let (_, lmin, lmax) = stats(&r.load_samples);
-    if busy(&r.load_after).is_some_and(|l| l > cores * 0.5) || lmax > cores * 1.5 {
+    if r.load_samples.is_empty() {
+        // A pass that reads no load between runs (the start-up's alone):
+        // the table's two readings are all there is.
+    } else if busy(&r.load_after).is_some_and(|l| l > cores * 0.5) || lmax > cores * 1.5 {
         let _ = writeln!(
             w,
             "**The machine was shared and busy during this run**: the 1-min load average, read \
