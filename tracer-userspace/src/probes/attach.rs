@@ -3,7 +3,7 @@
 use std::os::fd::OwnedFd;
 
 use aya::{
-    Btf, Ebpf, EbpfLoader,
+    Btf, Ebpf,
     programs::{
         BtfTracePoint, KProbe, Program, ProgramError, RawTracePoint, SchedClassifier, TcAttachType,
     },
@@ -266,7 +266,7 @@ pub fn check_load(backend: Backend) -> Result<Vec<&'static str>, TraceError> {
     let mut kernel = KernelBtf::load()?;
     let offsets = kernel.kernel_offsets()?;
     let btf = load::tracepoint_btf(&kernel)?;
-    let mut ebpf = EbpfLoader::new()
+    let mut ebpf = super::aya_loader::made()
         .override_global(load::OFFSETS_GLOBAL, &offsets, true)
         .load(OBJECT)
         .map_err(|e| TraceError::Kernel(format!("cannot create nattrace's eBPF maps: {e}")))?;
