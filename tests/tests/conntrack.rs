@@ -241,16 +241,6 @@ fn analyze(rec: &Path) -> Vec<Value> {
         .collect()
 }
 
-/// A directory of this test process for its recordings.
-fn tmp_dir(mode: ProxyMode, v6: bool) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "nattrace-conntrack-{}-{mode:?}-{v6}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
-
 /// The incident, traced from before the swap: the rules read at start
 /// still list the old DNS pod, so only the re-read at decision time can
 /// tell the stale entry from a stale rule.
@@ -286,8 +276,9 @@ fn stale_udp_entry_once(mode: ProxyMode, v6: bool) -> bool {
     };
     let mut lab = build_lab(spec);
     let a = Addrs::of(&lab, v6);
-    let dir = tmp_dir(mode, v6);
-    let rec = dir.join("stale.rec");
+    // Removed when the case ends, also when it fails.
+    let dir = lab::Scratch::new(&format!("conntrack-{mode:?}-{v6}"));
+    let rec = dir.path("stale.rec");
     // The client's entry: its source port → coredns.
     assert!(dig_from(&lab, a, STUCK_PORT), "DNS works before the change");
     let ns = node_path(&lab);
@@ -324,7 +315,6 @@ fn stale_udp_entry_once(mode: ProxyMode, v6: bool) -> bool {
             .iter()
             .any(|f| f["incomplete"] == true && f["service"] == web_svc().as_str())
     {
-        let _ = std::fs::remove_dir_all(&dir);
         return false;
     }
     let old = SocketAddr::new(a.old, 53).to_string();
@@ -394,7 +384,7 @@ fn stale_udp_entry_once(mode: ProxyMode, v6: bool) -> bool {
         ),
         "the fix deleted the entry: {deleted}"
     );
-    let rec2 = dir.join("fixed.rec");
+    let rec2 = dir.path("fixed.rec");
     let mut worked = false;
     let fixed = trace(&lab, a, &rec2, |_| worked = dig_from(&lab, a, STUCK_PORT));
     assert!(worked, "after the fix the stuck port is answered");
@@ -405,7 +395,6 @@ fn stale_udp_entry_once(mode: ProxyMode, v6: bool) -> bool {
     let f = the_flow(&flows, a, STUCK_PORT, &describe);
     assert_eq!(f["verdict"], "ok", "{describe}");
     assert_eq!(f["backend"], new.as_str(), "{describe}");
-    let _ = std::fs::remove_dir_all(&dir);
     true
 }
 

@@ -180,24 +180,50 @@ fn start_for<A: Into<IpAddr>>(lab: &Lab, record: &Path, ips: [A; 2]) -> Nattrace
 
 /// Where the trace is recorded: a temporary file, or — when `cargo xtask
 /// fixtures` asks ([`lab::tracer::RECORD_DIR_ENV`]) — `DIR/<test name>.rec`,
-/// kept as the collector's recorded fixture.
-fn record_path(name: &str) -> PathBuf {
-    match std::env::var(lab::tracer::RECORD_DIR_ENV) {
-        Ok(dir) => {
-            let thread = std::thread::current();
-            let test = thread
-                .name()
-                .map_or(name, |n| n.rsplit("::").next().unwrap_or(n));
-            PathBuf::from(dir).join(format!("{test}.rec"))
+/// kept as the collector's recorded fixture. The temporary one and its
+/// pcapng go when the test ends, also when it fails: a case that returned
+/// early (the iptables branch of `ct-window`) left its pcapng in /tmp on
+/// every run.
+struct Record {
+    path: PathBuf,
+    keep: bool,
+}
+
+impl Record {
+    fn new(name: &str) -> Record {
+        match std::env::var(lab::tracer::RECORD_DIR_ENV) {
+            Ok(dir) => {
+                let thread = std::thread::current();
+                let test = thread
+                    .name()
+                    .map_or(name, |n| n.rsplit("::").next().unwrap_or(n));
+                Record {
+                    path: PathBuf::from(dir).join(format!("{test}.rec")),
+                    keep: true,
+                }
+            }
+            Err(_) => Record {
+                path: std::env::temp_dir()
+                    .join(format!("nattrace-{name}-{}.rec", std::process::id())),
+                keep: false,
+            },
         }
-        Err(_) => std::env::temp_dir().join(format!("nattrace-{name}-{}.rec", std::process::id())),
     }
 }
 
-/// A recording asked for by `cargo xtask fixtures` stays.
-fn remove_record(record: &Path) {
-    if std::env::var_os(lab::tracer::RECORD_DIR_ENV).is_none() {
-        let _ = std::fs::remove_file(record);
+impl std::ops::Deref for Record {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Record {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.path.with_extension("pcapng"));
+        if !self.keep {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -285,7 +311,6 @@ fn assert_broken_and_healthy(
         pcap.windows(11).any(|w| w == b"mid-stream "),
         "the broken stream's packets carry a mid-stream comment in the pcapng"
     );
-    let _ = std::fs::remove_file(record.with_extension("pcapng"));
     // The healthy stream's events in the recording: none after its
     // handshake (every data packet checked in the kernel, no event), and
     // for a backend on the client's node 3 in all (docs/DESIGN.md, "Event
@@ -350,7 +375,7 @@ fn bridge_nf_flip(mode: ProxyMode, ipv6: bool) {
         let ips = [WEB_SERVICE_IP, REMOTE_SERVICE_IP].map(IpAddr::from);
         (lab(mode), ips, "iptables", "bridge_nf_call_iptables_off")
     };
-    let record = record_path(if ipv6 { "bnf6-flip" } else { "bnf-flip" });
+    let record = Record::new(if ipv6 { "bnf6-flip" } else { "bnf-flip" });
     let mut t = start_for(&lab, &record, ips);
     let mut broken = Stream::open(&lab, ips[0], BROKEN_PORT);
     let mut healthy = Stream::open(&lab, ips[1], HEALTHY_PORT);
@@ -387,7 +412,6 @@ fn bridge_nf_flip(mode: ProxyMode, ipv6: bool) {
         ipv6,
         "the flow's family: {broken_flow}"
     );
-    remove_record(&record);
 }
 
 fn bridge_nf_off_mid_stream(mode: ProxyMode) {
@@ -435,7 +459,7 @@ fn conntrack_entry_deleted_mid_stream(mode: ProxyMode, ipv6: bool) {
         &["sysctl", "-w", "net.netfilter.nf_conntrack_tcp_loose=0"],
     )
     .expect("nf_conntrack_tcp_loose=0 in node-a");
-    let record = record_path(if ipv6 { "ct6-invalid" } else { "ct-invalid" });
+    let record = Record::new(if ipv6 { "ct6-invalid" } else { "ct-invalid" });
     let mut t = start_for(&lab, &record, ips);
     let mut broken = Stream::open(&lab, ips[0], BROKEN_PORT);
     let mut healthy = Stream::open(&lab, ips[0], HEALTHY_PORT);
@@ -484,7 +508,6 @@ fn conntrack_entry_deleted_mid_stream(mode: ProxyMode, ipv6: bool) {
             .is_some_and(|d| d.contains("entry for the connection was gone")),
         "{broken_flow}"
     );
-    remove_record(&record);
 }
 
 fn conntrack_entry4_deleted_mid_stream(mode: ProxyMode) {
@@ -564,7 +587,7 @@ print("sent seq", seq, "to", socket.inet_ntoa(client), cport)
 fn conntrack_out_of_window_mid_stream(mode: ProxyMode) {
     let _lock = tracing_lock();
     let lab = lab(mode);
-    let record = record_path("ct-window");
+    let record = Record::new("ct-window");
     let mut t = start(&lab, &record);
     let mut broken = Stream::open(&lab, WEB_SERVICE_IP, BROKEN_PORT);
     let mut healthy = Stream::open(&lab, WEB_SERVICE_IP, HEALTHY_PORT);
@@ -597,7 +620,6 @@ fn conntrack_out_of_window_mid_stream(mode: ProxyMode) {
             "a dropped stray segment leaves the streams ok: {}",
             done.describe()
         );
-        remove_record(&record);
         return;
     }
     let line = t.wait_line(EVENT_TIMEOUT, |l| l.contains("\"phase\":\"established\""));
@@ -616,7 +638,6 @@ fn conntrack_out_of_window_mid_stream(mode: ProxyMode) {
         ),
         "{broken_flow}"
     );
-    remove_record(&record);
 }
 
 both_modes!(

@@ -240,10 +240,8 @@ fn seed000_healthy(mode: ProxyMode) {
     let lab = seed000(true, Backend::SameNode, mode);
     let ports = ports(42000, 5);
     let _lock = tracing_lock();
-    let rec = std::env::temp_dir().join(format!(
-        "nattrace-healthy-{}-{mode:?}.rec",
-        std::process::id()
-    ));
+    let scratch = lab::Scratch::new(&format!("healthy-{mode:?}"));
+    let rec = scratch.path("trace.rec");
     let write = vec!["--write".to_string(), rec.display().to_string()];
     let done = trace_with(&lab, &[web_svc()], write, || {
         assert_eq!(
@@ -267,7 +265,6 @@ fn seed000_healthy(mode: ProxyMode) {
 fn assert_event_budget(lab: &Lab, rec: &std::path::Path, ports: &[u16], done: &Finished) {
     use std::os::unix::fs::MetadataExt;
     let text = std::fs::read_to_string(rec).expect("the recording");
-    let _ = std::fs::remove_file(rec);
     // This lab's namespaces only: another lab on this kernel may use the
     // same addresses and ports (the tracepoints see every namespace).
     let node = lab.node_netns(presets::NODE_A).expect("node-a").path();

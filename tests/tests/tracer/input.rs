@@ -83,9 +83,9 @@ fn root_unknown_netns_is_one_line_and_exit_2() {
 fn root_running_without_root_is_one_line_and_exit_2() {
     require_root!();
     // A copy nobody can reach: the build tree may sit under a private home.
-    let dir = std::env::temp_dir().join(format!("nattrace-nonroot-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
+    let scratch = lab::Scratch::new("nonroot");
+    let dir = scratch.dir();
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
     let bin = dir.join("nattrace");
     std::fs::copy(nattrace(), &bin).expect("copying nattrace");
     std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).expect("chmod");
@@ -101,7 +101,6 @@ fn root_running_without_root_is_one_line_and_exit_2() {
         .env_remove("RUST_LOG")
         .output()
         .expect("running setpriv");
-    let _ = std::fs::remove_dir_all(&dir);
     assert_one_line_exit_2(&out, &["root", "cap_", "privilege", "permission"]);
 }
 
@@ -186,10 +185,8 @@ fn netns_that_is_not_a_network_namespace_is_one_line_and_exit_2() {
 #[test]
 fn root_output_fifo_without_a_reader_is_one_line_and_exit_2() {
     require_root!();
-    let dir = std::env::temp_dir().join(format!("nattrace-fifo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let fifo = dir.join("out");
-    let _ = std::fs::remove_file(&fifo);
+    let scratch = lab::Scratch::new("fifo");
+    let fifo = scratch.path("out");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
     for opt in ["--write", "--pcap"] {
         let out = nattrace_cmd()
@@ -199,5 +196,4 @@ fn root_output_fifo_without_a_reader_is_one_line_and_exit_2() {
             .expect("running nattrace");
         assert_one_line_exit_2(&out, &["fifo no process has open for reading"]);
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
