@@ -17,7 +17,11 @@
 //! tmpfs covers `/sys/kernel/btf`: `from_sys_fs` finds no file and the
 //! loader starts without BTF, which [`EbpfLoader::btf`]`(None)` asks for
 //! anyway. The namespace's mounts are private first, so nothing propagates
-//! to the node's, and the namespace ends with the thread. Where the thread
+//! to the node's, and the namespace ends with the thread. It costs what
+//! copying the node's mount table costs (kernel/fork.c → fs/namespace.c
+//! `copy_mnt_ns`, then the private walk): 0.2 ms on a bare VM, 10-35 ms
+//! with 3,000 mounts (a busy node's pods' volumes) on a loaded 2-core one,
+//! where the parse took 150 ms and more. Where the thread
 //! may not unshare or mount (a container without CAP_SYS_ADMIN, a seccomp
 //! profile), aya parses as before: the start is slower, nothing else
 //! changes.
