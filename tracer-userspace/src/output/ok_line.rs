@@ -131,12 +131,8 @@ impl Written {
     }
 }
 
-/// An optional address: its text between quotes, or `null`.
-fn quoted_or_null(
-    out: &mut Vec<u8>,
-    a: Option<&SocketAddr>,
-    text: impl FnOnce(&mut Vec<u8>, &SocketAddr),
-) {
+/// An optional value: its text between quotes, or `null`.
+fn quoted_or_null<T>(out: &mut Vec<u8>, a: Option<T>, text: impl FnOnce(&mut Vec<u8>, T)) {
     match a {
         Some(a) => {
             out.push(b'"');
@@ -259,14 +255,7 @@ fn name(out: &mut Vec<u8>, v: &'static str) {
 }
 
 fn opt_name(out: &mut Vec<u8>, v: Option<&'static str>) {
-    match v {
-        Some(v) => {
-            out.push(b'"');
-            name(out, v);
-            out.push(b'"');
-        }
-        None => lit(out, "null"),
-    }
+    quoted_or_null(out, v, name);
 }
 
 fn opt_str(out: &mut Vec<u8>, v: Option<&str>) {

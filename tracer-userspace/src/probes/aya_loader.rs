@@ -31,13 +31,22 @@ use nix::sched::{CloneFlags, unshare};
 
 const KERNEL_BTF_DIR: &str = "/sys/kernel/btf";
 
+/// A loader being made on a thread of its own ([`spawn`]).
+pub(super) struct Pending(std::sync::mpsc::Receiver<EbpfLoader<'static>>);
+
+impl Pending {
+    /// The loader, made here if its thread is gone.
+    pub(super) fn wait(&self) -> EbpfLoader<'static> {
+        self.0.recv().unwrap_or_else(|_| without_btf())
+    }
+}
+
 /// A loader without kernel BTF, made on a new thread that ends after it.
-pub(super) fn spawn() -> std::sync::mpsc::Receiver<EbpfLoader<'static>> {
+pub(super) fn spawn() -> Pending {
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     std::thread::spawn(move || {
         let t = crate::timing::step("aya EbpfLoader::new (own thread)");
-        let hidden = hide_kernel_btf();
-        if let Err(e) = &hidden {
+        if let Err(e) = hide_kernel_btf() {
             log::debug!(
                 "aya's loader parses vmlinux's BTF: cannot hide {KERNEL_BTF_DIR} on its thread ({e})"
             );
@@ -47,17 +56,17 @@ pub(super) fn spawn() -> std::sync::mpsc::Receiver<EbpfLoader<'static>> {
         // The receiver may be gone (a failed start): nothing to do then.
         let _ = tx.send(l);
     });
-    rx
+    Pending(rx)
 }
 
 /// A loader without kernel BTF, waited for.
 pub(super) fn made() -> EbpfLoader<'static> {
-    spawn().recv().unwrap_or_else(|_| without_btf())
+    spawn().wait()
 }
 
 /// The loader on the calling thread, parse and all (the fallback when the
 /// loader's thread is gone).
-pub(super) fn without_btf() -> EbpfLoader<'static> {
+fn without_btf() -> EbpfLoader<'static> {
     let mut l = EbpfLoader::new();
     l.btf(None);
     l
@@ -102,16 +111,14 @@ mod tests {
         }
         let mounts = || std::fs::read_to_string("/proc/self/mountinfo").unwrap();
         let before = mounts();
-        let seen = std::thread::spawn(move || hide_kernel_btf().map(|()| vmlinux.exists()))
-            .join()
-            .unwrap();
+        let seen = std::thread::scope(|s| {
+            s.spawn(|| hide_kernel_btf().map(|()| vmlinux.exists()))
+                .join()
+                .unwrap()
+        });
         assert_eq!(seen, Ok(false), "the thread still saw vmlinux's BTF");
         assert_eq!(mounts(), before, "the process's mounts changed");
-        assert!(
-            std::path::Path::new(KERNEL_BTF_DIR)
-                .join("vmlinux")
-                .exists()
-        );
+        assert!(vmlinux.exists());
         let _ = made();
     }
 }

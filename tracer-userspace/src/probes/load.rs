@@ -12,7 +12,7 @@ use crate::service::Service;
 /// aya's loader, made on a thread of its own ([`super::aya_loader`]) while
 /// the caller reads the kernel's BTF.
 pub(super) struct Loading {
-    loader: std::sync::mpsc::Receiver<EbpfLoader<'static>>,
+    loader: aya_loader::Pending,
 }
 
 pub(super) fn start_loader() -> Loading {
@@ -49,10 +49,7 @@ pub(super) fn load_object(
     node_netns: u32,
 ) -> Result<Ebpf, TraceError> {
     let t = crate::timing::step("waiting for aya's loader");
-    let mut loader: EbpfLoader<'_> = loader
-        .loader
-        .recv()
-        .unwrap_or_else(|_| aya_loader::without_btf());
+    let mut loader: EbpfLoader<'_> = loader.loader.wait();
     drop(t);
     loader
         .override_global(OFFSETS_GLOBAL, &offsets, true)
