@@ -161,6 +161,11 @@ const MAX_REORDER_EVENTS: usize = 1 << 15;
 /// Queue entries (and skb map entries) before the first [`Collector::compact`].
 const COMPACT_MIN: usize = 1 << 14;
 
+/// Emptied evidence vectors kept for new flows: enough for the flows one
+/// tick decides on a busy node to hand theirs to the next ones, at most
+/// ~0.6 MiB (`Buffers::worth_keeping`'s sizes: 64-byte observations, 40-byte packets).
+const SPARE_BUFFERS: usize = 256;
+
 pub struct Collector {
     cfg: CollectorConfig,
     /// `cfg.services`, plus kube-proxy's with `all_services`.
@@ -233,6 +238,9 @@ pub struct Collector {
     /// Queue and skb-map entries of removed flows are dropped once the
     /// queues hold this many (see [`Self::compact`]).
     compact_at: usize,
+    /// Decided flows' emptied evidence vectors, for the next flows: at most
+    /// [`SPARE_BUFFERS`] ([`flow::Buffers`]).
+    spare: Vec<flow::Buffers>,
     mute: Vec<EndpointKey>,
     lost_total: u64,
     lost_seen: u64,
@@ -258,6 +266,7 @@ impl Collector {
             horizon: 0,
             slots: Slots::default(),
             free: Vec::new(),
+            spare: Vec::new(),
             live: 0,
             pairs: PairIndex::default(),
             skbs: HashMap::default(),
@@ -630,6 +639,11 @@ impl Collector {
             + self.age_q.capacity() * size_of::<FlowRef>()
             + self.held_due_q.capacity() * size_of::<(u64, FlowRef)>()
             + self.free.capacity() * 4
+            + self
+                .spare
+                .iter()
+                .map(flow::Buffers::heap_bytes)
+                .sum::<usize>()
     }
 
     /// Loss is applied here rather than when deciding: a flow can be decided
@@ -929,7 +943,7 @@ impl Collector {
             self.evict_oldest(ev.ts_ns);
         }
         self.compact();
-        let mut flow = Flow::new(ev);
+        let mut flow = Flow::reusing(ev, self.spare.pop());
         flow.opening_seen &= ev.ts_ns >= self.cfg.traced_since_ns;
         let pair = PairKey::of(ev);
         let idx = match self.free.pop() {
@@ -1084,16 +1098,22 @@ impl Collector {
             self.summary.incomplete_flows += u64::from(report.incomplete);
             self.ready.push(report);
         }
-        if let Some(f) = self.flow_mut(r) {
-            f.reported = true;
-            f.drop_evidence();
-            if let Some(w) = f.watch.as_mut() {
-                if failed {
-                    w.reported = true;
-                } else {
-                    w.failed_ts = 0;
-                }
+        let Some(f) = self.flow_mut(r) else { return };
+        f.reported = true;
+        let spare = f.drop_evidence();
+        if let Some(w) = f.watch.as_mut() {
+            if failed {
+                w.reported = true;
+            } else {
+                w.failed_ts = 0;
             }
+        }
+        self.keep_spare(spare);
+    }
+
+    fn keep_spare(&mut self, b: flow::Buffers) {
+        if self.spare.len() < SPARE_BUFFERS && b.worth_keeping() {
+            self.spare.push(b);
         }
     }
 
@@ -1106,7 +1126,8 @@ impl Collector {
             self.summary.foreign_flows += 1;
             if let Some(f) = self.flow_mut(r) {
                 f.reported = true;
-                f.drop_evidence();
+                let spare = f.drop_evidence();
+                self.keep_spare(spare);
             }
             return;
         }
@@ -1134,20 +1155,20 @@ impl Collector {
         self.summary.incomplete_flows += u64::from(report.incomplete);
         let ok = report.verdict == Verdict::Ok;
         self.ready.push(report);
-        if let Some(f) = self.flow_mut(r) {
-            f.reported = true;
-            let good = established::good_before_watch(f);
-            let fins = established::fins_before_watch(f);
-            f.drop_evidence();
-            if ok {
-                f.watch = Some(established::Watch {
-                    ok_ts: at,
-                    good,
-                    fins,
-                    ..Default::default()
-                });
-            }
+        let Some(f) = self.flow_mut(r) else { return };
+        f.reported = true;
+        let good = established::good_before_watch(f);
+        let fins = established::fins_before_watch(f);
+        let spare = f.drop_evidence();
+        if ok {
+            f.watch = Some(established::Watch {
+                ok_ts: at,
+                good,
+                fins,
+                ..Default::default()
+            });
         }
+        self.keep_spare(spare);
     }
 
     fn evict_idle(&mut self) {

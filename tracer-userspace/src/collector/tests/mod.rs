@@ -470,6 +470,48 @@ fn new_syn_from_the_same_port_is_a_new_flow() {
     assert_eq!(summary.by_verdict.ok, 2);
 }
 
+/// A decided flow hands its evidence vectors, emptied, to the next flow
+/// (`flow::Buffers`): the next flow's report holds its own evidence only,
+/// the same as when it is the only flow.
+#[test]
+fn a_decided_flows_vectors_serve_the_next_flow_empty() {
+    let first = fixture("seed000_healthy.jsonl");
+    let mut second = fixture("seed000_broken.jsonl");
+    let shift = 5_000 * MS;
+    // The same client port: a new ISN makes it a new connection.
+    for e in &mut second {
+        e.ts_ns += shift;
+        e.skb += 0x100;
+        if e.direction == REQUEST {
+            e.seq = e.seq.wrapping_add(99_999);
+        } else {
+            e.ack = e.ack.wrapping_add(99_999);
+        }
+    }
+    let end = T0 + 20_000 * MS;
+    let (alone, _) = run_with(config(Some(true)), &second, end);
+    let mut c = Collector::new(config(Some(true)));
+    for ev in &first {
+        c.push(*ev);
+    }
+    let reports = c.tick(T0 + shift - MS);
+    assert_eq!(only(&reports).verdict, Verdict::Ok);
+    assert_eq!(c.spare.len(), 1, "the ok flow's vectors are kept");
+    for ev in &second {
+        c.push(*ev);
+    }
+    let mut reports = c.tick(end);
+    // Two would mean the second flow made vectors of its own.
+    assert_eq!(
+        c.spare.len(),
+        1,
+        "the next flow took them and gave them back"
+    );
+    reports.extend(c.finish(end).0);
+    assert_eq!(only(&reports), only(&alone));
+    assert_eq!(only(&reports).verdict, Verdict::ReplyNotReverseNated);
+}
+
 #[test]
 fn flow_limit_evicts_the_oldest() {
     let mut second = fixture("cross_node_ok.jsonl");
