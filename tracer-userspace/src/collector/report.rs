@@ -223,7 +223,10 @@ fn attempts(
             || key.tcp_flags & (tcp_flags::SYN | tcp_flags::ACK) == tcp_flags::SYN
     };
     let gave_up = neighbour_gave_up(flow, ctx.facts.netns_inode);
-    let mut out: Vec<(Attempt, Option<super::types::Endpoint>)> = flow
+    // Backends are compared as the `SocketAddr`s reported (one for one with
+    // the endpoints): carried beside each attempt, they made a second
+    // vector, its in-place collect and a shrinking realloc per report.
+    let mut out: Vec<Attempt> = flow
         .packets
         .iter()
         .enumerate()
@@ -255,19 +258,16 @@ fn attempts(
                     )
                     .and_then(|m| m.sep_chain)
             });
-            (
-                Attempt {
-                    at_ns: p.first_ts,
-                    backend: b.map(|b| b.socket_addr()),
-                    sep_chain,
-                    answered: false,
-                    dropped,
-                },
-                b,
-            )
+            Attempt {
+                at_ns: p.first_ts,
+                backend: b.map(|b| b.socket_addr()),
+                sep_chain,
+                answered: false,
+                dropped,
+            }
         })
         .collect();
-    out.sort_by_key(|(a, _)| a.at_ns);
+    out.sort_by_key(|a| a.at_ns);
     for (i, p) in flow.packets.iter().enumerate() {
         if p.dir != Dir::Reply {
             continue;
@@ -275,17 +275,18 @@ fn attempts(
         let Some(from) = reply_backend(flow, i as u8) else {
             continue;
         };
+        let from = Some(from.socket_addr());
         // The latest transmission to that backend before the reply is the one answered.
-        if let Some((a, _)) = out
+        if let Some(a) = out
             .iter_mut()
             .rev()
-            .find(|(a, b)| *b == Some(from) && a.at_ns <= p.first_ts)
+            .find(|a| a.backend == from && a.at_ns <= p.first_ts)
         {
             a.answered = true;
         }
     }
     answered_by_reverse_nat(flow, &mut out);
-    out.into_iter().map(|(a, _)| a).collect()
+    out
 }
 
 /// A reply reverse-NATed at the client answers an attempt too. A healthy
@@ -297,18 +298,18 @@ fn attempts(
 /// the reply is the one it answers. Attempts to several backends with no
 /// reply seen leaving one stay as they are: which entry answered is not
 /// known then.
-fn answered_by_reverse_nat(flow: &Flow, out: &mut [(Attempt, Option<super::types::Endpoint>)]) {
+fn answered_by_reverse_nat(flow: &Flow, out: &mut [Attempt]) {
     let Some(r) = flow.client_reply.filter(|r| r.reverse_nated) else {
         return;
     };
-    let Some(first) = out.first().and_then(|(_, b)| *b) else {
+    let Some(first) = out.first().and_then(|a| a.backend) else {
         return;
     };
-    if out.iter().any(|(a, b)| a.answered || *b != Some(first)) {
+    if out.iter().any(|a| a.answered || a.backend != Some(first)) {
         return;
     }
     let at = flow.packets[usize::from(r.packet)].first_ts;
-    if let Some((a, _)) = out.iter_mut().rev().find(|(a, _)| a.at_ns <= at) {
+    if let Some(a) = out.iter_mut().rev().find(|a| a.at_ns <= at) {
         a.answered = true;
     }
 }
