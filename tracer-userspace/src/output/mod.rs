@@ -7,6 +7,7 @@ pub mod json;
 mod ok_line;
 pub mod pcapng;
 pub mod queue;
+mod scan;
 pub mod sink;
 pub mod text;
 

@@ -283,51 +283,14 @@ fn string(out: &mut Vec<u8>, s: &str) {
 }
 
 /// Whether JSON must escape a byte of `s` (a control byte, `"` or `\\`).
-/// On x86_64 sixteen bytes at a time with SSE2 (part of its baseline, so
-/// no unsafe and no runtime check): the line's strings are 4-70 bytes, and
-/// word by word the scan was ~75 instructions of each (callgrind).
-#[cfg(target_arch = "x86_64")]
+/// The line's strings are 4-70 bytes: with SSE2 from sixteen bytes on
+/// (word by word the scan was ~75 instructions of each, callgrind).
 fn needs_escape(s: &[u8]) -> bool {
-    if s.len() < 16 {
-        return needs_escape_words(s);
+    if cfg!(target_arch = "x86_64") && s.len() >= 16 {
+        super::scan::any(s, &super::scan::JSON)
+    } else {
+        needs_escape_words(s)
     }
-    // SAFETY: SSE2 is part of x86_64's baseline: every such CPU has it.
-    unsafe { needs_escape_sse2(s) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "sse2")]
-fn needs_escape_sse2(s: &[u8]) -> bool {
-    let mut blocks = s.chunks_exact(16);
-    for b in &mut blocks {
-        if block_hit(b) {
-            return true;
-        }
-    }
-    // The last sixteen bytes again: overlapping ones already passed.
-    !blocks.remainder().is_empty() && block_hit(&s[s.len() - 16..])
-}
-
-/// Whether one of the sixteen bytes at `b`'s start needs an escape.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "sse2")]
-fn block_hit(b: &[u8]) -> bool {
-    use std::arch::x86_64::{
-        _mm_cmpeq_epi8, _mm_min_epu8, _mm_movemask_epi8, _mm_or_si128, _mm_set_epi64x,
-        _mm_set1_epi8,
-    };
-    let half = |h: &[u8]| i64::from_ne_bytes([h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]]);
-    let v = _mm_set_epi64x(half(&b[8..16]), half(&b[..8]));
-    // A byte at most 0x1f is its own minimum with 0x1f.
-    let control = _mm_cmpeq_epi8(_mm_min_epu8(v, _mm_set1_epi8(0x1f)), v);
-    let quote = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8));
-    let backslash = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'\\' as i8));
-    _mm_movemask_epi8(_mm_or_si128(control, _mm_or_si128(quote, backslash))) != 0
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn needs_escape(s: &[u8]) -> bool {
-    needs_escape_words(s)
 }
 
 /// [`needs_escape`] eight bytes at a time: bytewise, the scan was most of
