@@ -8,7 +8,7 @@ use std::{
 };
 
 use crate::{
-    collector::CollectorConfig,
+    collector::{CollectorConfig, OkReport},
     output::{
         files::{Named, check_distinct},
         queue::Overflow,
@@ -184,7 +184,11 @@ pub fn run(opts: &AnalyzeOptions) -> Result<Outcome, AnalyzeError> {
 fn run_one(opts: &AnalyzeOptions, mut run: Run) -> Result<Outcome, AnalyzeError> {
     let header = run.header.clone();
     let config = CollectorConfig {
-        lean_ok: opts.hide_ok && opts.pcap.is_none(),
+        ok_report: OkReport::printed_by(
+            opts.hide_ok,
+            opts.pcap.is_some(),
+            opts.format == OutputFormat::Text && !opts.verbose,
+        ),
         ..header.collector_config()?
     };
     if run.paths.len() > 1 {

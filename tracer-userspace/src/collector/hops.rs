@@ -56,8 +56,8 @@ pub(crate) struct ReportCtx<'a> {
     pub reply_timeout_ns: u64,
     pub kube: crate::ruleset::IndexedRules<'a>,
     pub pods: &'a PodNames,
-    /// `ok` reports are counted, never printed ([`super::CollectorConfig::lean_ok`]).
-    pub lean_ok: bool,
+    /// How much of an `ok` report is built ([`super::CollectorConfig::ok_report`]).
+    pub ok_report: super::OkReport,
 }
 
 impl ReportCtx<'_> {

@@ -104,12 +104,39 @@ pub struct CollectorConfig {
     /// When every program was attached (event clock): a flow whose first
     /// event is older may have passed hooks not attached yet.
     pub traced_since_ns: u64,
-    /// `ok` reports carry only what the summary, the metrics and the exit
-    /// status read: no hops, attempts, detail sentence or backend pod. For
-    /// a run whose outputs print no `ok` flow (`--hide-ok` without a
-    /// pcapng, whose comments quote the hops); every other verdict, and an
-    /// established flow's later report, is built whole.
-    pub lean_ok: bool,
+    /// How much of an `ok` report is built: what the run's outputs print
+    /// of it. Every other verdict, and an established flow's later report,
+    /// is built whole.
+    pub ok_report: OkReport,
+}
+
+/// What an `ok` report carries ([`CollectorConfig::ok_report`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OkReport {
+    /// Everything: the JSON line quotes the proving hops, `-v` prints every
+    /// hop, a pcapng's comments quote them.
+    #[default]
+    Whole,
+    /// The text line's: no packets and hops (text without `-v` and without
+    /// a pcapng). They were ~3k of the ~16k instructions a healthy
+    /// connection costs with the text output (issue 25, callgrind).
+    Line,
+    /// Only what the summary, the metrics and the exit status read: no
+    /// hops, attempts, detail sentence or backend pod (`--hide-ok` without
+    /// a pcapng).
+    Counted,
+}
+
+impl OkReport {
+    /// What a run whose outputs are these needs.
+    pub fn printed_by(hide_ok: bool, pcap: bool, text_without_hops: bool) -> Self {
+        match (pcap, hide_ok, text_without_hops) {
+            (true, _, _) => Self::Whole,
+            (false, true, _) => Self::Counted,
+            (false, false, true) => Self::Line,
+            (false, false, false) => Self::Whole,
+        }
+    }
 }
 
 impl Default for CollectorConfig {
@@ -129,7 +156,7 @@ impl Default for CollectorConfig {
             kube_proxy: KubeProxyRules::default(),
             all_services: false,
             traced_since_ns: 0,
-            lean_ok: false,
+            ok_report: OkReport::Whole,
         }
     }
 }
@@ -1065,7 +1092,7 @@ impl Collector {
                 index: &self.kube_index,
             },
             pods: &self.pod_names,
-            lean_ok: self.cfg.lean_ok,
+            ok_report: self.cfg.ok_report,
         }
     }
 

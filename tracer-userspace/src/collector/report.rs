@@ -9,7 +9,7 @@ pub use super::hops::Hop;
 pub(crate) use super::hops::{ReportCtx, hop};
 
 use super::{
-    addr_text,
+    OkReport, addr_text,
     causes::{self, Cause},
     checks::RuleCtx,
     established::{Established, Phase},
@@ -163,17 +163,26 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
     );
     // An `ok` report no output prints is only counted (summary, metrics):
     // its sentence, attempts and hops were half of a healthy connection's
-    // cost in the collector (counted with callgrind, BENCHMARKS.md).
-    let lean = ctx.lean_ok && verdict == Verdict::Ok;
-    let (detail, attempts, packets, icmp_errors) = if lean {
+    // cost in the collector (counted with callgrind, BENCHMARKS.md). One
+    // the text line prints without hops needs no packets.
+    let ok_report = if verdict == Verdict::Ok {
+        ctx.ok_report
+    } else {
+        OkReport::Whole
+    };
+    let lean = ok_report == OkReport::Counted;
+    let (detail, attempts, icmp_errors) = if lean {
         Default::default()
     } else {
         (
             detail(flow, ctx, verdict, cause.as_ref(), drop, d),
             attempts(flow, ctx, proto, (backend, kube.as_ref())),
-            evidence(flow, ctx),
             super::icmp::errors(flow, ctx),
         )
+    };
+    let packets = match ok_report {
+        OkReport::Whole => evidence(flow, ctx),
+        OkReport::Line | OkReport::Counted => Vec::new(),
     };
     let k8s_service = kube.as_ref().map(|k| k.service.clone()).or_else(|| {
         ctx.kube

@@ -16,7 +16,7 @@ use super::{
     watch::{NetnsWatch, Notices},
 };
 use crate::{
-    collector::{Collector, CollectorConfig},
+    collector::{Collector, CollectorConfig, OkReport},
     continuous::Continuous,
     output::sink::{Outcome, Outputs},
     probes::{TraceOptions, Tracer, ifnames::IfNameResolver},
@@ -96,7 +96,11 @@ impl Live {
             open_outputs(options, &header, record_file, pcap_file, status.bar())?;
         timing::mark("start line queued");
         let mut collector = Collector::new(CollectorConfig {
-            lean_ok: options.hide_ok && options.pcap.is_none(),
+            ok_report: OkReport::printed_by(
+                options.hide_ok,
+                options.pcap.is_some(),
+                options.format == crate::output::sink::OutputFormat::Text && !options.verbose,
+            ),
             ..header.collector_config()?
         });
         let roots = crate::pods::scan::Roots::node(options.host_root.as_deref());

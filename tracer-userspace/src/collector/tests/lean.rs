@@ -1,16 +1,16 @@
-//! `CollectorConfig::lean_ok` (`--hide-ok` without a pcapng): every
-//! recorded fixture decided both ways. Verdicts other than `ok` must be
+//! `CollectorConfig::ok_report`: every recorded fixture decided whole and
+//! lighter. `OkReport::Counted` (`--hide-ok` without a pcapng): Verdicts other than `ok` must be
 //! the same reports; an `ok` one must agree on everything the summary, the
 //! metrics and the exit status read.
 use crate::{
-    collector::{CollectorConfig, FlowReport, Verdict, testing::recordings},
+    collector::{CollectorConfig, FlowReport, OkReport, Verdict, testing::recordings},
     recording::{Reader, replay::replay},
 };
 
-fn decide(path: &std::path::Path, lean_ok: bool) -> Vec<FlowReport> {
+fn decide(path: &std::path::Path, ok_report: OkReport) -> Vec<FlowReport> {
     let (mut reader, header) = Reader::open(path).unwrap();
     let config = CollectorConfig {
-        lean_ok,
+        ok_report,
         ..header.collector_config().unwrap()
     };
     let mut out = Vec::new();
@@ -48,8 +48,8 @@ fn lean_ok_reports_count_as_the_whole_ones() {
     assert!(files.len() > 10, "{files:?}");
     let (mut ok, mut other) = (0, 0);
     for f in &files {
-        let whole = decide(f, false);
-        let lean = decide(f, true);
+        let whole = decide(f, OkReport::Whole);
+        let lean = decide(f, OkReport::Counted);
         assert_eq!(whole.len(), lean.len(), "{}", f.display());
         for (w, l) in whole.iter().zip(&lean) {
             if w.verdict == Verdict::Ok {
@@ -64,6 +64,56 @@ fn lean_ok_reports_count_as_the_whole_ones() {
         }
     }
     assert!(ok > 10 && other > 10, "ok {ok}, other {other}");
+}
+
+/// `OkReport::Line` (text without `-v`, no pcapng): an `ok` report is the
+/// whole one without its packets, any other the whole one, and the text
+/// output prints the same from both, in either style.
+#[test]
+fn line_ok_reports_print_as_the_whole_ones() {
+    use crate::output::text::{TextOutput, TextStyle};
+    let text = |reports: &[FlowReport], wide: bool| {
+        let style = TextStyle { color: false, wide };
+        let mut out = TextOutput::new(Vec::new(), style, false);
+        for r in reports {
+            out.flow(r).unwrap();
+        }
+        String::from_utf8(out.into_inner()).unwrap()
+    };
+    let mut ok = 0;
+    for f in &recordings() {
+        let whole = decide(f, OkReport::Whole);
+        let line = decide(f, OkReport::Line);
+        assert_eq!(whole.len(), line.len(), "{}", f.display());
+        for (w, l) in whole.iter().zip(&line) {
+            if w.verdict == Verdict::Ok {
+                ok += 1;
+                assert!(l.packets.is_empty() && !w.packets.is_empty());
+                let w = FlowReport {
+                    packets: Vec::new(),
+                    ..w.clone()
+                };
+                assert_eq!(&w, l, "{}", f.display());
+            } else {
+                assert_eq!(w, l, "{}", f.display());
+            }
+        }
+        for wide in [false, true] {
+            assert_eq!(text(&whole, wide), text(&line, wide), "{}", f.display());
+        }
+    }
+    assert!(ok > 10, "ok {ok}");
+}
+
+#[test]
+fn the_outputs_decide_what_an_ok_report_carries() {
+    // (hide_ok, pcap, text without hops)
+    assert_eq!(OkReport::printed_by(false, false, false), OkReport::Whole);
+    assert_eq!(OkReport::printed_by(false, false, true), OkReport::Line);
+    assert_eq!(OkReport::printed_by(true, false, true), OkReport::Counted);
+    assert_eq!(OkReport::printed_by(true, false, false), OkReport::Counted);
+    assert_eq!(OkReport::printed_by(true, true, true), OkReport::Whole);
+    assert_eq!(OkReport::printed_by(false, true, true), OkReport::Whole);
 }
 
 /// A healthy connection as the kernel reports it live (issue 25's three
