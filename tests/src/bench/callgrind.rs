@@ -79,6 +79,10 @@ pub struct Counted {
     /// recording: the DaemonSet's output, no line for an `ok` flow.
     pub hide_ok: Vec<(&'static str, u64)>,
     pub hide_ok_total: u64,
+    /// The same with `--output text`: what an on-call engineer's
+    /// `sudo nattrace --svc …` prints.
+    pub text: Vec<(&'static str, u64)>,
+    pub text_total: u64,
 }
 
 /// The big node of the scaled pass: what reports look up per decided flow
@@ -129,10 +133,13 @@ fn counted(ctx: &Ctx, rec: &Path, data: &Path, scaled: &Path) -> anyhow::Result<
     let done = shared::stop_nattrace_after(tracer, run.attempted)?;
     let summary = done.summary()?;
     let num = |k: &str| summary[k].as_u64().unwrap_or(0);
-    let (total_ir, stages, top_self) = count(nattrace, rec, data, &[])?;
-    let (hide_ok_total, hide_ok, _) = count(nattrace, rec, data, &["--hide-ok"])?;
+    let json = ["--output", "json"];
+    let (total_ir, stages, top_self) = count(nattrace, rec, data, &json)?;
+    let (hide_ok_total, hide_ok, _) =
+        count(nattrace, rec, data, &[&json[..], &["--hide-ok"]].concat())?;
+    let (text_total, text, _) = count(nattrace, rec, data, &["--output", "text"])?;
     scale(rec, scaled)?;
-    let (at_scale_total, at_scale, _) = count(nattrace, scaled, data, &[])?;
+    let (at_scale_total, at_scale, _) = count(nattrace, scaled, data, &json)?;
     let c = Counted {
         connections: run.attempted,
         flows: num("flows"),
@@ -144,6 +151,8 @@ fn counted(ctx: &Ctx, rec: &Path, data: &Path, scaled: &Path) -> anyhow::Result<
         at_scale_total,
         hide_ok,
         hide_ok_total,
+        text,
+        text_total,
     };
     say(&format!(
         "callgrind: {:.0} instructions per connection ({} flows, {} events); {:.0} with {SCALE_SERVICES} Services and {SCALE_PODS} pods",
@@ -159,13 +168,13 @@ type Stages = Vec<(&'static str, u64)>;
 /// Functions by their own instructions.
 type Top = Vec<(String, u64)>;
 
-/// `nattrace analyze REC --output json [extra]` under callgrind: total Ir,
-/// the stages and the top functions by their own Ir.
+/// `nattrace analyze REC [args]` under callgrind: total Ir, the stages and
+/// the top functions by their own Ir.
 fn count(
     nattrace: &Path,
     rec: &Path,
     data: &Path,
-    extra: &[&str],
+    args: &[&str],
 ) -> anyhow::Result<(u64, Stages, Top)> {
     let out = Command::new("valgrind")
         .args(["--tool=callgrind", "--quiet"])
@@ -173,8 +182,7 @@ fn count(
         .arg(nattrace)
         .arg("analyze")
         .arg(rec)
-        .args(["--output", "json"])
-        .args(extra)
+        .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .output()
@@ -395,6 +403,12 @@ pub fn markdown(w: &mut String, c: &Counted) {
         w,
         "| **the live share with `--hide-ok`** (the DaemonSet: no line for an `ok` flow) | **{:.0}** | | |",
         per(hidden),
+    );
+    let text = c.text_total.saturating_sub(reading(&c.text));
+    let _ = writeln!(
+        w,
+        "| **the live share with `--output text`** (on-call's `sudo nattrace --svc …`) | **{:.0}** | | |",
+        per(text),
     );
     let list: Vec<String> = c
         .top_self
