@@ -42,27 +42,46 @@ fn counted(r: &FlowReport) -> impl PartialEq + std::fmt::Debug + '_ {
     )
 }
 
-#[test]
-fn lean_ok_reports_count_as_the_whole_ones() {
+/// Every recorded fixture decided whole and as `kind`; `ok` reports are
+/// handed to `ok` in pairs (whole, lighter), every other verdict must be
+/// the same report. How many `ok` and other pairs there were.
+fn each_fixture(
+    kind: OkReport,
+    mut ok: impl FnMut(&FlowReport, &FlowReport, &std::path::Path),
+    mut fixture: impl FnMut(&[FlowReport], &[FlowReport], &std::path::Path),
+) -> (usize, usize) {
     let files = recordings();
     assert!(files.len() > 10, "{files:?}");
-    let (mut ok, mut other) = (0, 0);
+    let (mut oks, mut others) = (0, 0);
     for f in &files {
         let whole = decide(f, OkReport::Whole);
-        let lean = decide(f, OkReport::Counted);
-        assert_eq!(whole.len(), lean.len(), "{}", f.display());
-        for (w, l) in whole.iter().zip(&lean) {
+        let light = decide(f, kind);
+        assert_eq!(whole.len(), light.len(), "{}", f.display());
+        for (w, l) in whole.iter().zip(&light) {
             if w.verdict == Verdict::Ok {
-                ok += 1;
-                assert_eq!(counted(w), counted(l), "{}", f.display());
-                assert!(l.packets.is_empty() && l.attempts.is_empty() && l.detail.is_empty());
-                assert!(!w.packets.is_empty(), "{}", f.display());
+                oks += 1;
+                ok(w, l, f);
             } else {
-                other += 1;
+                others += 1;
                 assert_eq!(w, l, "{}", f.display());
             }
         }
+        fixture(&whole, &light, f);
     }
+    (oks, others)
+}
+
+#[test]
+fn lean_ok_reports_count_as_the_whole_ones() {
+    let (ok, other) = each_fixture(
+        OkReport::Counted,
+        |w, l, f| {
+            assert_eq!(counted(w), counted(l), "{}", f.display());
+            assert!(l.packets.is_empty() && l.attempts.is_empty() && l.detail.is_empty());
+            assert!(!w.packets.is_empty(), "{}", f.display());
+        },
+        |_, _, _| {},
+    );
     assert!(ok > 10 && other > 10, "ok {ok}, other {other}");
 }
 
@@ -80,28 +99,22 @@ fn line_ok_reports_print_as_the_whole_ones() {
         }
         String::from_utf8(out.into_inner()).unwrap()
     };
-    let mut ok = 0;
-    for f in &recordings() {
-        let whole = decide(f, OkReport::Whole);
-        let line = decide(f, OkReport::Line);
-        assert_eq!(whole.len(), line.len(), "{}", f.display());
-        for (w, l) in whole.iter().zip(&line) {
-            if w.verdict == Verdict::Ok {
-                ok += 1;
-                assert!(l.packets.is_empty() && !w.packets.is_empty());
-                let w = FlowReport {
-                    packets: Vec::new(),
-                    ..w.clone()
-                };
-                assert_eq!(&w, l, "{}", f.display());
-            } else {
-                assert_eq!(w, l, "{}", f.display());
+    let (ok, _) = each_fixture(
+        OkReport::Line,
+        |w, l, f| {
+            assert!(l.packets.is_empty() && !w.packets.is_empty());
+            let w = FlowReport {
+                packets: Vec::new(),
+                ..w.clone()
+            };
+            assert_eq!(&w, l, "{}", f.display());
+        },
+        |whole, line, f| {
+            for wide in [false, true] {
+                assert_eq!(text(whole, wide), text(line, wide), "{}", f.display());
             }
-        }
-        for wide in [false, true] {
-            assert_eq!(text(&whole, wide), text(&line, wide), "{}", f.display());
-        }
-    }
+        },
+    );
     assert!(ok > 10, "ok {ok}");
 }
 
