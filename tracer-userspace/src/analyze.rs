@@ -167,7 +167,7 @@ pub fn run_nodes(opts: &AnalyzeOptions, paths: &[PathBuf]) -> Result<Outcome, An
     for h in &headers {
         out.preamble(h).map_err(AnalyzeError::Output)?;
     }
-    out.flows(reports).map_err(AnalyzeError::Output)?;
+    out.flows(&reports).map_err(AnalyzeError::Output)?;
     out.summary(&summary).map_err(AnalyzeError::Output)?;
     let mut outcome = close(&mut out);
     outcome.output_lost |= unreadable_lines;

@@ -188,6 +188,10 @@ const MAX_REORDER_EVENTS: usize = 1 << 15;
 /// Queue entries (and skb map entries) before the first [`Collector::compact`].
 const COMPACT_MIN: usize = 1 << 14;
 
+/// Printed reports' vectors kept for the next reports: a tick's worth on a
+/// busy node (~800 at 8k connections/s), each at most a few KiB.
+const SPARE_REPORTS: usize = 1024;
+
 /// Emptied evidence vectors kept for new flows: enough for the flows one
 /// tick decides on a busy node to hand theirs to the next ones, at most
 /// ~0.6 MiB (`Buffers::worth_keeping`'s sizes: 64-byte observations, 40-byte packets).
@@ -268,6 +272,9 @@ pub struct Collector {
     /// Decided flows' emptied evidence vectors, for the next flows: at most
     /// [`SPARE_BUFFERS`] ([`flow::Buffers`]).
     spare: Vec<flow::Buffers>,
+    /// Printed reports' emptied vectors, for the next reports: at most
+    /// [`SPARE_REPORTS`] ([`Collector::recycle`]).
+    spare_reports: Vec<report::Recycled>,
     mute: Vec<EndpointKey>,
     lost_total: u64,
     lost_seen: u64,
@@ -294,6 +301,7 @@ impl Collector {
             slots: Slots::default(),
             free: Vec::new(),
             spare: Vec::new(),
+            spare_reports: Vec::new(),
             live: 0,
             pairs: PairIndex::default(),
             skbs: HashMap::default(),
@@ -1112,7 +1120,7 @@ impl Collector {
             cut_short: false,
             stopped: false,
         };
-        let mut report = report::build(flow, &self.report_ctx(), decision);
+        let mut report = report::build(flow, &self.report_ctx(), decision, None);
         let failed = report.verdict != Verdict::Ok;
         if failed {
             report.phase = Phase::Established;
@@ -1136,6 +1144,17 @@ impl Collector {
             }
         }
         self.keep_spare(spare);
+    }
+
+    /// Reports the outputs are done with: their vectors, emptied, go into
+    /// the next reports (see [`report::Recycled`]).
+    pub fn recycle(&mut self, reports: impl IntoIterator<Item = FlowReport>) {
+        for r in reports {
+            if self.spare_reports.len() >= SPARE_REPORTS {
+                break;
+            }
+            self.spare_reports.extend(report::Recycled::of(r));
+        }
     }
 
     fn keep_spare(&mut self, b: flow::Buffers) {
@@ -1163,7 +1182,9 @@ impl Collector {
             cut_short: at < flow.first_ts + self.cfg.reply_timeout_ns,
             stopped: self.stopping,
         };
-        let report = report::build(flow, &self.report_ctx(), decision);
+        let spare = self.spare_reports.pop();
+        let Some(flow) = self.flow(r) else { return };
+        let report = report::build(flow, &self.report_ctx(), decision, spare);
         if report.verdict == Verdict::Ok {
             let proto = flow.proto;
             let client =

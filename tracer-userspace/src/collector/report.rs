@@ -115,7 +115,57 @@ pub(crate) struct Decision {
     pub stopped: bool,
 }
 
-pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport {
+/// A printed report's vectors, emptied, for a report decided later: a
+/// tick's reports are built together and freed together, so their ~5
+/// allocations each overflowed glibc's per-thread cache (7 chunks a size)
+/// and went through its bins both ways, ~2k instructions of an `ok`
+/// report printed as a JSON line (issue 25, callgrind).
+#[derive(Default)]
+pub(crate) struct Recycled {
+    /// Each with its hops vector, emptied: [`evidence`] writes over them.
+    packets: Vec<PacketEvidence>,
+    attempts: Vec<Attempt>,
+    detail: String,
+}
+
+impl Recycled {
+    /// `r`'s vectors, or None when one is larger than a usual report's
+    /// (a long flow's are freed, not kept).
+    pub(crate) fn of(r: FlowReport) -> Option<Self> {
+        let FlowReport {
+            mut packets,
+            mut attempts,
+            mut detail,
+            ..
+        } = r;
+        let large = |p: &PacketEvidence| p.hops.capacity() > 16;
+        if packets.capacity() > 8
+            || packets.iter().any(large)
+            || attempts.capacity() > 4
+            || detail.capacity() > 512
+        {
+            return None;
+        }
+        for p in &mut packets {
+            p.hops.clear();
+        }
+        attempts.clear();
+        detail.clear();
+        Some(Self {
+            packets,
+            attempts,
+            detail,
+        })
+    }
+}
+
+pub(crate) fn build(
+    flow: &Flow,
+    ctx: &ReportCtx<'_>,
+    d: Decision,
+    spare: Option<Recycled>,
+) -> FlowReport {
+    let spare = spare.unwrap_or_default();
     let verdict = verdict_of(
         flow,
         ctx.known,
@@ -175,13 +225,13 @@ pub(crate) fn build(flow: &Flow, ctx: &ReportCtx<'_>, d: Decision) -> FlowReport
         Default::default()
     } else {
         (
-            detail(flow, ctx, verdict, cause.as_ref(), drop, d),
-            attempts(flow, ctx, proto, (backend, kube.as_ref())),
+            detail(flow, ctx, verdict, cause.as_ref(), drop, d, spare.detail),
+            attempts(flow, ctx, proto, (backend, kube.as_ref()), spare.attempts),
             super::icmp::errors(flow, ctx),
         )
     };
     let packets = match ok_report {
-        OkReport::Whole => evidence(flow, ctx),
+        OkReport::Whole => evidence(flow, ctx, spare.packets),
         OkReport::Line | OkReport::Counted => Vec::new(),
     };
     let k8s_service = kube.as_ref().map(|k| k.service.clone()).or_else(|| {
@@ -226,6 +276,7 @@ fn attempts(
     ctx: &ReportCtx<'_>,
     proto: Proto,
     (reported, kube): (Option<super::types::Endpoint>, Option<&KubeMatch>),
+    mut out: Vec<Attempt>,
 ) -> Vec<Attempt> {
     let opening = |key: &super::types::PacketKey| {
         flow.proto != proto::TCP
@@ -235,47 +286,47 @@ fn attempts(
     // Backends are compared as the `SocketAddr`s reported (one for one with
     // the endpoints): carried beside each attempt, they made a second
     // vector, its in-place collect and a shrinking realloc per report.
-    let mut out: Vec<Attempt> = flow
-        .packets
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.dir == Dir::Request && opening(&p.key))
-        .map(|(i, p)| {
-            let b = packet_backend(flow, i as u8);
-            let dropped = flow
-                .packet_obs(i as u8)
-                .find(|o| o.hook == hook::DROP && ctx.known.is_drop(o.drop_reason))
-                .map(|o| o.drop_reason)
-                // The reason the kernel frees it with when the drop event
-                // itself was missed (verdict.rs `neighbour_gave_up`).
-                .or_else(|| {
-                    gave_up
-                        .filter(|(p, _)| usize::from(*p) == i)
-                        .and(ctx.known.neigh[0])
-                })
-                .map(|r| ctx.reason_name(r));
-            // Usually the reported backend, whose chain is already known.
-            let sep_chain = b.and_then(|b| {
-                if Some(b) == reported {
-                    return kube.and_then(|k| k.sep_chain.clone());
+    out.extend(
+        flow.packets
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.dir == Dir::Request && opening(&p.key))
+            .map(|(i, p)| {
+                let b = packet_backend(flow, i as u8);
+                let dropped = flow
+                    .packet_obs(i as u8)
+                    .find(|o| o.hook == hook::DROP && ctx.known.is_drop(o.drop_reason))
+                    .map(|o| o.drop_reason)
+                    // The reason the kernel frees it with when the drop event
+                    // itself was missed (verdict.rs `neighbour_gave_up`).
+                    .or_else(|| {
+                        gave_up
+                            .filter(|(p, _)| usize::from(*p) == i)
+                            .and(ctx.known.neigh[0])
+                    })
+                    .map(|r| ctx.reason_name(r));
+                // Usually the reported backend, whose chain is already known.
+                let sep_chain = b.and_then(|b| {
+                    if Some(b) == reported {
+                        return kube.and_then(|k| k.sep_chain.clone());
+                    }
+                    ctx.kube
+                        .lookup(
+                            flow.service.socket_addr(),
+                            proto.as_str(),
+                            Some(b.socket_addr()),
+                        )
+                        .and_then(|m| m.sep_chain)
+                });
+                Attempt {
+                    at_ns: p.first_ts,
+                    backend: b.map(|b| b.socket_addr()),
+                    sep_chain,
+                    answered: false,
+                    dropped,
                 }
-                ctx.kube
-                    .lookup(
-                        flow.service.socket_addr(),
-                        proto.as_str(),
-                        Some(b.socket_addr()),
-                    )
-                    .and_then(|m| m.sep_chain)
-            });
-            Attempt {
-                at_ns: p.first_ts,
-                backend: b.map(|b| b.socket_addr()),
-                sep_chain,
-                answered: false,
-                dropped,
-            }
-        })
-        .collect();
+            }),
+    );
     out.sort_by_key(|a| a.at_ns);
     for (i, p) in flow.packets.iter().enumerate() {
         if p.dir != Dir::Reply {
@@ -335,6 +386,7 @@ fn detail(
     cause: Option<&Cause>,
     drop: Option<&Obs>,
     d: Decision,
+    buf: String,
 ) -> String {
     if let (Verdict::Ok, Some(r)) = (verdict, flow.client_reply)
         && let Some(s) = outside_netfilter_detail(flow, ctx, r)
@@ -343,7 +395,7 @@ fn detail(
         return s;
     }
     let mut s = match (verdict, flow.client_reply) {
-        (Verdict::Ok, Some(r)) => ok_detail(flow, r),
+        (Verdict::Ok, Some(r)) => ok_detail(flow, r, buf),
         (Verdict::ReplyNotReverseNated, Some(r)) => not_reverse_nated_detail(flow, ctx, cause, r),
         (Verdict::Refused, Some(r)) => {
             let from = reply_backend(flow, r.packet)
@@ -393,10 +445,11 @@ fn outside_netfilter_detail(flow: &Flow, ctx: &ReportCtx<'_>, r: ClientReply) ->
     ))
 }
 
-fn ok_detail(flow: &Flow, r: ClientReply) -> String {
+/// Into `s` (empty, a printed report's when there was one).
+fn ok_detail(flow: &Flow, r: ClientReply, mut s: String) -> String {
     // Pushed, not formatted: this sentence is in every `ok` line, and
     // `format!` cost ~1.2k instructions of it (callgrind).
-    let mut s = String::with_capacity(96);
+    s.reserve(96);
     s.push_str(flow.kind(r.packet));
     s.push_str(" reached the client from ");
     addr_text::push_str(&mut s, &flow.service.socket_addr());
@@ -605,7 +658,13 @@ fn reverse_nat_point(flow: &Flow, packet: u8) -> Option<&'static str> {
     None
 }
 
-fn evidence(flow: &Flow, ctx: &ReportCtx<'_>) -> Vec<PacketEvidence> {
+/// Into `packets`: a printed report's, written over with their hops
+/// vectors kept, or empty.
+fn evidence(
+    flow: &Flow,
+    ctx: &ReportCtx<'_>,
+    mut packets: Vec<PacketEvidence>,
+) -> Vec<PacketEvidence> {
     let client_obs = flow.client_reply.map(|r| r.obs as usize);
     // Exact sizes: a tick can hold thousands of reports at once, and
     // pushing hops one by one leaves a third of them unused.
@@ -621,11 +680,17 @@ fn evidence(flow: &Flow, ctx: &ReportCtx<'_>) -> Vec<PacketEvidence> {
     for o in &flow.obs {
         hop_counts[o.packet as usize] += 1;
     }
-    let mut packets: Vec<PacketEvidence> = flow
-        .packets
-        .iter()
-        .zip(hop_counts.iter())
-        .map(|(p, &hops)| PacketEvidence {
+    packets.truncate(flow.packets.len());
+    for (i, (p, &n)) in flow.packets.iter().zip(hop_counts.iter()).enumerate() {
+        let hops = match packets.get_mut(i) {
+            Some(old) => {
+                let mut hops = std::mem::take(&mut old.hops);
+                hops.reserve_exact(n);
+                hops
+            }
+            None => Vec::with_capacity(n),
+        };
+        let ev = PacketEvidence {
             kind: packet_kind(p.key.proto, p.key.tcp_flags, p.dir),
             dir: p.dir,
             tcp_flags: p.key.tcp_flags,
@@ -633,9 +698,13 @@ fn evidence(flow: &Flow, ctx: &ReportCtx<'_>) -> Vec<PacketEvidence> {
             ack: p.key.ack,
             ip_id: p.key.ip_id,
             dns_id: None,
-            hops: Vec::with_capacity(hops),
-        })
-        .collect();
+            hops,
+        };
+        match packets.get_mut(i) {
+            Some(old) => *old = ev,
+            None => packets.push(ev),
+        }
+    }
     for (i, o) in flow.obs.iter().enumerate() {
         packets[o.packet as usize]
             .hops

@@ -50,7 +50,7 @@ pub fn decide_node(
 ) -> Result<NodeFlows, RecordingError> {
     let mut reports = Vec::new();
     let done = replay(header.collector_config()?, records, None, |r| {
-        reports.extend(r);
+        reports.append(r);
         Ok::<_, std::convert::Infallible>(())
     });
     let Ok(done) = done;

@@ -218,8 +218,8 @@ impl Outputs {
         }
     }
 
-    pub fn flows(&mut self, reports: Vec<FlowReport>) -> io::Result<()> {
-        for report in &reports {
+    pub fn flows(&mut self, reports: &[FlowReport]) -> io::Result<()> {
+        for report in reports {
             self.outcome.flows += 1;
             self.outcome.services_seen.insert(report.service);
             // An unseen opening, or a flow cut by the stop, without

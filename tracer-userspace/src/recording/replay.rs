@@ -61,7 +61,7 @@ pub fn replay<E>(
     config: CollectorConfig,
     records: &mut impl Records,
     stop_after: Option<u64>,
-    mut decided: impl FnMut(Vec<FlowReport>) -> Result<(), E>,
+    mut decided: impl FnMut(&mut Vec<FlowReport>) -> Result<(), E>,
 ) -> Result<Replayed, E> {
     let mut c = Collector::new(config).with_report_batch(REPORT_BATCH);
     let mut last_ts = 0u64;
@@ -105,9 +105,7 @@ pub fn replay<E>(
                 held = s;
                 c.note_lost(lost + skipped);
                 let reports = c.tick(s.now_ns);
-                if !reports.is_empty() {
-                    decided(reports)?;
-                }
+                hand_out(&mut c, reports, &mut decided)?;
                 drain_backlog(&mut c, &mut decided)?;
             }
             Record::Capped { bytes } => capped = Some(bytes),
@@ -147,7 +145,7 @@ pub fn replay<E>(
     summary.skipped_runs = held.skipped_runs;
     summary.conntrack = held.conntrack;
     if !reports.is_empty() {
-        decided(reports)?;
+        decided(&mut reports)?;
     }
     Ok(Replayed {
         summary,
@@ -164,14 +162,27 @@ const REPORT_BATCH: usize = 1024;
 
 fn drain_backlog<E>(
     c: &mut Collector,
-    decided: &mut impl FnMut(Vec<FlowReport>) -> Result<(), E>,
+    decided: &mut impl FnMut(&mut Vec<FlowReport>) -> Result<(), E>,
 ) -> Result<(), E> {
     while c.backlogged() {
         let reports = c.resume();
-        if !reports.is_empty() {
-            decided(reports)?;
-        }
+        hand_out(c, reports, decided)?;
     }
+    Ok(())
+}
+
+/// Decided reports to `decided`, which takes those it keeps (`append`);
+/// the collector reuses what it leaves (`Collector::recycle`).
+fn hand_out<E>(
+    c: &mut Collector,
+    mut reports: Vec<FlowReport>,
+    decided: &mut impl FnMut(&mut Vec<FlowReport>) -> Result<(), E>,
+) -> Result<(), E> {
+    if reports.is_empty() {
+        return Ok(());
+    }
+    decided(&mut reports)?;
+    c.recycle(reports);
     Ok(())
 }
 
@@ -186,7 +197,7 @@ pub fn decide_all<R: BufRead>(
     let mut out = Vec::new();
     let config = header.collector_config().expect("config");
     let done = replay(config, reader, stop_after, |r| {
-        out.extend(r);
+        out.append(r);
         Ok::<_, std::convert::Infallible>(())
     });
     let Ok(done) = done;

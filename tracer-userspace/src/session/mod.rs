@@ -257,7 +257,7 @@ async fn finish(
     summary.conntrack = conntrack;
     while !reports.is_empty() {
         let rest = reports.split_off(reports.len().min(256));
-        outputs.flows(reports).map_err(SessionError::Output)?;
+        outputs.flows(&reports).map_err(SessionError::Output)?;
         reports = rest;
         tokio::task::yield_now().await;
     }

@@ -138,7 +138,8 @@ impl Live {
         let reports = collector.tick(now);
         continuous.flows(&reports);
         status.counts.flows(&reports);
-        outputs.flows(reports).map_err(SessionError::Output)?;
+        outputs.flows(&reports).map_err(SessionError::Output)?;
+        collector.recycle(reports);
         // After this tick's flows: a test that saw a flow line knows a
         // progress line was due by then.
         if let Some(line) = status.update(stats.events, stats.ringbuf_full) {

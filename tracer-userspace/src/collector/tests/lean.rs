@@ -15,7 +15,7 @@ fn decide(path: &std::path::Path, ok_report: OkReport) -> Vec<FlowReport> {
     };
     let mut out = Vec::new();
     let Ok(_) = replay(config, &mut reader, None, |r| {
-        out.extend(r);
+        out.append(r);
         Ok::<_, std::convert::Infallible>(())
     });
     out
@@ -116,6 +116,83 @@ fn line_ok_reports_print_as_the_whole_ones() {
         },
     );
     assert!(ok > 10, "ok {ok}");
+}
+
+/// Reports the outputs leave to the collector (`Collector::recycle`) lend
+/// their vectors to later ones: every recorded fixture decides the same
+/// reports whether its printed reports were recycled or kept.
+#[test]
+fn recycled_reports_decide_as_fresh_ones() {
+    let mut handed_back = 0;
+    for f in &recordings() {
+        for kind in [OkReport::Whole, OkReport::Line] {
+            let kept = decide(f, kind);
+            let (mut reader, header) = Reader::open(f).unwrap();
+            let config = CollectorConfig {
+                ok_report: kind,
+                ..header.collector_config().unwrap()
+            };
+            let mut printed = Vec::new();
+            let Ok(_) = replay(config, &mut reader, None, |r| {
+                printed.extend(r.iter().cloned());
+                handed_back += r.len();
+                Ok::<_, std::convert::Infallible>(())
+            });
+            assert_eq!(kept, printed, "{}", f.display());
+        }
+    }
+    // Most fixtures' reports come at the end (`finish`), which recycles
+    // none: the test below makes every report reuse another's.
+    assert!(handed_back > 50, "{handed_back}");
+}
+
+/// An `ok` report's vectors serve a broken flow's report (more packets and
+/// hops than they hold), whose vectors serve the next `ok` one (fewer): each
+/// report the same as when decided alone.
+#[test]
+fn a_printed_reports_vectors_serve_the_next_reports() {
+    use crate::collector::{
+        Collector,
+        testing::config,
+        tests::{MS, fixture, run_with},
+    };
+    let shifted = |name: &str, by: u64, seq: u32| {
+        let mut events = fixture(name);
+        for e in &mut events {
+            e.ts_ns += by;
+            e.skb += by;
+            // The same client port: a new ISN makes it a new connection.
+            if e.direction == tracer_common::direction::REQUEST {
+                e.seq = e.seq.wrapping_add(seq);
+            } else {
+                e.ack = e.ack.wrapping_add(seq);
+            }
+        }
+        events
+    };
+    let flows = [
+        shifted("seed000_healthy.jsonl", 0, 0),
+        shifted("seed000_broken.jsonl", 5_000 * MS, 99_999),
+        shifted("seed000_healthy.jsonl", 10_000 * MS, 199_999),
+    ];
+    let mut c = Collector::new(config(Some(true)));
+    let mut decided = Vec::new();
+    for (i, events) in flows.iter().enumerate() {
+        let until = events[0].ts_ns + 4_900 * MS;
+        let (alone, _) = run_with(config(Some(true)), events, until);
+        for ev in events {
+            c.push(*ev);
+        }
+        let reports = c.tick(until);
+        assert_eq!(reports, alone, "flow {i}");
+        decided.push(reports[0].verdict);
+        c.recycle(reports);
+        assert_eq!(c.spare_reports.len(), 1, "flow {i}");
+    }
+    assert_eq!(
+        decided,
+        [Verdict::Ok, Verdict::ReplyNotReverseNated, Verdict::Ok]
+    );
 }
 
 #[test]
