@@ -129,8 +129,8 @@ pub(crate) struct Recycled {
 }
 
 impl Recycled {
-    /// `r`'s vectors, or None when one is larger than a usual report's
-    /// (a long flow's are freed, not kept).
+    /// `r`'s vectors, or None when they are larger than a healthy
+    /// connection's (a problem flow's are freed, not kept): at most ~2 KiB.
     pub(crate) fn of(r: FlowReport) -> Option<Self> {
         let FlowReport {
             mut packets,
@@ -138,11 +138,8 @@ impl Recycled {
             mut detail,
             ..
         } = r;
-        let large = |p: &PacketEvidence| p.hops.capacity() > 16;
-        if packets.capacity() > 8
-            || packets.iter().any(large)
-            || attempts.capacity() > 4
-            || detail.capacity() > 512
+        let hops: usize = packets.iter().map(|p| p.hops.capacity()).sum();
+        if packets.capacity() > 4 || hops > 8 || attempts.capacity() > 4 || detail.capacity() > 256
         {
             return None;
         }
@@ -156,6 +153,15 @@ impl Recycled {
             attempts,
             detail,
         })
+    }
+
+    pub(crate) fn heap_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let hops: usize = self.packets.iter().map(|p| p.hops.capacity()).sum();
+        self.packets.capacity() * size_of::<PacketEvidence>()
+            + hops * size_of::<Hop>()
+            + self.attempts.capacity() * size_of::<Attempt>()
+            + self.detail.capacity()
     }
 }
 

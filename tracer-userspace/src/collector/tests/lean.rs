@@ -146,75 +146,17 @@ fn recycled_reports_decide_as_fresh_ones() {
     assert!(handed_back > 50, "{handed_back}");
 }
 
-/// An `ok` report's vectors serve a broken flow's report (more packets and
-/// hops than they hold), whose vectors serve the next `ok` one (fewer): each
-/// report the same as when decided alone.
-#[test]
-fn a_printed_reports_vectors_serve_the_next_reports() {
-    use crate::collector::{
-        Collector,
-        testing::config,
-        tests::{MS, fixture, run_with},
-    };
-    let shifted = |name: &str, by: u64, seq: u32| {
-        let mut events = fixture(name);
-        for e in &mut events {
-            e.ts_ns += by;
-            e.skb += by;
-            // The same client port: a new ISN makes it a new connection.
-            if e.direction == tracer_common::direction::REQUEST {
-                e.seq = e.seq.wrapping_add(seq);
-            } else {
-                e.ack = e.ack.wrapping_add(seq);
-            }
-        }
-        events
-    };
-    let flows = [
-        shifted("seed000_healthy.jsonl", 0, 0),
-        shifted("seed000_broken.jsonl", 5_000 * MS, 99_999),
-        shifted("seed000_healthy.jsonl", 10_000 * MS, 199_999),
-    ];
-    let mut c = Collector::new(config(Some(true)));
-    let mut decided = Vec::new();
-    for (i, events) in flows.iter().enumerate() {
-        let until = events[0].ts_ns + 4_900 * MS;
-        let (alone, _) = run_with(config(Some(true)), events, until);
-        for ev in events {
-            c.push(*ev);
-        }
-        let reports = c.tick(until);
-        assert_eq!(reports, alone, "flow {i}");
-        decided.push(reports[0].verdict);
-        c.recycle(reports);
-        assert_eq!(c.spare_reports.len(), 1, "flow {i}");
-    }
-    assert_eq!(
-        decided,
-        [Verdict::Ok, Verdict::ReplyNotReverseNated, Verdict::Ok]
-    );
-}
-
-#[test]
-fn the_outputs_decide_what_an_ok_report_carries() {
-    // (hide_ok, pcap, text without hops)
-    assert_eq!(OkReport::printed_by(false, false, false), OkReport::Whole);
-    assert_eq!(OkReport::printed_by(false, false, true), OkReport::Line);
-    assert_eq!(OkReport::printed_by(true, false, true), OkReport::Counted);
-    assert_eq!(OkReport::printed_by(true, false, false), OkReport::Counted);
-    assert_eq!(OkReport::printed_by(true, true, true), OkReport::Whole);
-    assert_eq!(OkReport::printed_by(false, true, true), OkReport::Whole);
-}
-
-/// A healthy connection as the kernel reports it live (issue 25's three
-/// events, from a connection-rate run of the bench): the SYN leaving the
-/// client, the SYN after DNAT, the SYN-ACK reaching the client
-/// reverse-NATed. No event shows the reply leaving the backend, yet the
-/// reverse NAT is the DNATed entry's: the one attempt was answered. A
-/// flow whose reply came from the backend's own address proves nothing
-/// of the kind.
-#[test]
-fn the_three_events_of_a_healthy_connection_answer_its_attempt() {
+/// A healthy connection as the kernel reports it live, `shift` ns later
+/// with its ISN moved by `isn` (the same client port, a new connection):
+/// the SYN leaving the client, the SYN after DNAT, the SYN-ACK reaching
+/// the client reverse-NATed (from `reply_from`), and with `ack` the
+/// client's ACK leaving it.
+fn healthy(
+    shift: u64,
+    isn: u32,
+    reply_from: ([u8; 4], u16),
+    ack: bool,
+) -> Vec<tracer_common::PacketEvent> {
     use tracer_common::{
         direction::{REPLY, REQUEST},
         event_flags::{HOLDING, KEPT, VIA_NODE},
@@ -224,27 +166,41 @@ fn the_three_events_of_a_healthy_connection_answer_its_attempt() {
     };
 
     use crate::collector::fixtures::*;
-    let decide = |reply_from| {
-        let mut b = Builder::default();
-        let syn = tcp(SYN, 1000, 0, 13831, 1, REQUEST);
-        let syn_hops = [
-            (tx(CLIENT_NS, POD_ETH0), CLIENT, SVC),
-            (nf(PRE_ROUTING, AFTER), CLIENT, BACKEND),
-        ];
-        b.path(syn, T0, &syn_hops);
-        let syn_ack = tcp(SYN | ACK, 7000, 1001, 0, 2, REPLY);
+    let mut b = Builder::default();
+    let syn = tcp(SYN, 1000 + isn, 0, 13831, 1 + u64::from(isn), REQUEST);
+    let syn_hops = [
+        (tx(CLIENT_NS, POD_ETH0), CLIENT, SVC),
+        (nf(PRE_ROUTING, AFTER), CLIENT, BACKEND),
+    ];
+    b.path(syn, T0 + shift, &syn_hops);
+    let syn_ack = tcp(SYN | ACK, 7000, 1001 + isn, 0, 2 + u64::from(isn), REPLY);
+    let client_rx = [(rx(CLIENT_NS, POD_ETH0), reply_from, CLIENT)];
+    b.path(syn_ack, T0 + shift + 140_000, &client_rx);
+    // As the kernel marks them live: the held SYN, its event kept at the
+    // NAT point, the reply that crossed the node muted.
+    for (e, flags) in b.events.iter_mut().zip([HOLDING, KEPT, VIA_NODE]) {
+        e.flags = flags;
+    }
+    if ack {
+        let last = tcp(ACK, 1001 + isn, 7001, 13832, 3 + u64::from(isn), REQUEST);
         b.path(
-            syn_ack,
-            T0 + 140_000,
-            &[(rx(CLIENT_NS, POD_ETH0), reply_from, CLIENT)],
+            last,
+            T0 + shift + 150_000,
+            &[(tx(CLIENT_NS, POD_ETH0), CLIENT, SVC)],
         );
-        // As the kernel marks them live: the held SYN, its event kept at
-        // the NAT point, the reply that crossed the node muted.
-        for (e, flags) in b.events.iter_mut().zip([HOLDING, KEPT, VIA_NODE]) {
-            e.flags = flags;
-        }
-        super::run(&b.events, Some(true)).0
-    };
+    }
+    b.events
+}
+
+/// A healthy connection as the kernel reports it live (issue 25's three
+/// events, from a connection-rate run of the bench). No event shows the
+/// reply leaving the backend, yet the reverse NAT is the DNATed entry's:
+/// the one attempt was answered. A flow whose reply came from the
+/// backend's own address proves nothing of the kind.
+#[test]
+fn the_three_events_of_a_healthy_connection_answer_its_attempt() {
+    use crate::collector::fixtures::{BACKEND, SVC};
+    let decide = |reply_from| super::run(&healthy(0, 0, reply_from, false), Some(true)).0;
 
     let reports = decide(SVC);
     let r = &reports[0];
@@ -260,4 +216,70 @@ fn the_three_events_of_a_healthy_connection_answer_its_attempt() {
     let r = &reports[0];
     assert_ne!(r.verdict, Verdict::Ok, "{r:#?}");
     assert_eq!(r.attempts.len(), 1, "{r:#?}");
+}
+
+/// Printed reports' vectors serve the next reports: an `ok` report of
+/// three packets serves one of two (fewer), which serves a broken flow's
+/// (more packets and hops than they hold); the broken one's are too large
+/// to keep, and the next report is built afresh. Each report is the same
+/// as when decided alone.
+#[test]
+fn a_printed_reports_vectors_serve_the_next_reports() {
+    use crate::collector::{
+        Collector,
+        fixtures::SVC,
+        testing::config,
+        tests::{MS, fixture, run_with},
+    };
+    let mut broken = fixture("seed000_broken.jsonl");
+    for e in &mut broken {
+        e.ts_ns += 10_000 * MS;
+        e.skb += 0x1000;
+        if e.direction == tracer_common::direction::REQUEST {
+            e.seq = e.seq.wrapping_add(99_999);
+        } else {
+            e.ack = e.ack.wrapping_add(99_999);
+        }
+    }
+    let flows = [
+        healthy(0, 0, SVC, true),
+        healthy(5_000 * MS, 10, SVC, false),
+        broken,
+        healthy(15_000 * MS, 20, SVC, false),
+    ];
+    let mut c = Collector::new(config(Some(true)));
+    let (mut decided, mut kept) = (Vec::new(), Vec::new());
+    for (i, events) in flows.iter().enumerate() {
+        let until = events[0].ts_ns + 4_900 * MS;
+        let (alone, _) = run_with(config(Some(true)), events, until);
+        for ev in events {
+            c.push(*ev);
+        }
+        let reports = c.tick(until);
+        assert_eq!(reports, alone, "flow {i}");
+        decided.push((reports[0].verdict, reports[0].packets.len()));
+        c.recycle(reports);
+        kept.push(c.spare_reports.len());
+    }
+    assert_eq!(
+        decided,
+        [
+            (Verdict::Ok, 3),
+            (Verdict::Ok, 2),
+            (Verdict::ReplyNotReverseNated, 3),
+            (Verdict::Ok, 2)
+        ]
+    );
+    assert_eq!(kept, [1, 1, 0, 1]);
+}
+
+#[test]
+fn the_outputs_decide_what_an_ok_report_carries() {
+    // (hide_ok, pcap, text without hops)
+    assert_eq!(OkReport::printed_by(false, false, false), OkReport::Whole);
+    assert_eq!(OkReport::printed_by(false, false, true), OkReport::Line);
+    assert_eq!(OkReport::printed_by(true, false, true), OkReport::Counted);
+    assert_eq!(OkReport::printed_by(true, false, false), OkReport::Counted);
+    assert_eq!(OkReport::printed_by(true, true, true), OkReport::Whole);
+    assert_eq!(OkReport::printed_by(false, true, true), OkReport::Whole);
 }
