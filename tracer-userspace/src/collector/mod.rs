@@ -189,7 +189,7 @@ const MAX_REORDER_EVENTS: usize = 1 << 15;
 const COMPACT_MIN: usize = 1 << 14;
 
 /// Printed reports' vectors kept for the next reports: most of a tick's on a
-/// busy node (~1,600 at 8k connections/s, a tick every 200 ms), each at most ~2 KiB
+/// busy node (~1,600 at 8k connections/s, a tick every 200 ms), each at most ~2.4 KiB
 /// (`report::Recycled::of`).
 const SPARE_REPORTS: usize = 1024;
 
