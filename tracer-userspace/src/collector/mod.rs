@@ -188,9 +188,9 @@ const MAX_REORDER_EVENTS: usize = 1 << 15;
 /// Queue entries (and skb map entries) before the first [`Collector::compact`].
 const COMPACT_MIN: usize = 1 << 14;
 
-/// Printed reports' vectors kept for the next reports: most of a tick's on a
-/// busy node (~1,600 at 8k connections/s, a tick every 200 ms), each at most ~2.4 KiB
-/// (`report::Recycled::of`).
+/// Printed reports' vectors kept for the next reports: most of a tick's on
+/// a busy node (~1,600 at 8k connections/s, a tick every 200 ms), each at
+/// most ~2.4 KiB (`report::Recycled::of`).
 const SPARE_REPORTS: usize = 1024;
 
 /// Emptied evidence vectors kept for new flows: enough for the flows one

@@ -130,7 +130,8 @@ pub(crate) struct Recycled {
 
 impl Recycled {
     /// `r`'s vectors, or None when they are larger than a healthy
-    /// connection's (a problem flow's are freed, not kept): at most ~2.4 KiB (8 hops of 200 bytes most of it).
+    /// connection's (a problem flow's are freed, not kept): at most
+    /// ~2.4 KiB, eight 200-byte hops most of it.
     pub(crate) fn of(r: FlowReport) -> Option<Self> {
         let FlowReport {
             mut packets,
