@@ -136,7 +136,7 @@ fn counted(ctx: &Ctx, rec: &Path, data: &Path, scaled: &Path) -> anyhow::Result<
     let json = ["--output", "json"];
     let (total_ir, stages, top_self) = count(nattrace, rec, data, &json)?;
     let (hide_ok_total, hide_ok, _) =
-        count(nattrace, rec, data, &[&json[..], &["--hide-ok"]].concat())?;
+        count(nattrace, rec, data, &["--output", "json", "--hide-ok"])?;
     let (text_total, text, _) = count(nattrace, rec, data, &["--output", "text"])?;
     scale(rec, scaled)?;
     let (at_scale_total, at_scale, _) = count(nattrace, scaled, data, &json)?;

@@ -1170,7 +1170,11 @@ impl Collector {
     }
 
     fn decide(&mut self, r: FlowRef, at: u64) {
-        let Some(flow) = self.flow(r) else { return };
+        // From the slots, not `self.flow`: the spare report below is taken
+        // from another field while the flow is borrowed.
+        let Some(flow) = self.slots.flow(r) else {
+            return;
+        };
         if flow.reported || flow.watch.is_some_and(|w| w.failed()) {
             return;
         }
@@ -1189,7 +1193,6 @@ impl Collector {
             stopped: self.stopping,
         };
         let spare = self.spare_reports.pop();
-        let Some(flow) = self.flow(r) else { return };
         let report = report::build(flow, &self.report_ctx(), decision, spare);
         if report.verdict == Verdict::Ok {
             let proto = flow.proto;

@@ -689,15 +689,7 @@ fn evidence(
     }
     packets.truncate(flow.packets.len());
     for (i, (p, &n)) in flow.packets.iter().zip(hop_counts.iter()).enumerate() {
-        let hops = match packets.get_mut(i) {
-            Some(old) => {
-                let mut hops = std::mem::take(&mut old.hops);
-                hops.reserve_exact(n);
-                hops
-            }
-            None => Vec::with_capacity(n),
-        };
-        let ev = PacketEvidence {
+        let ev = |hops| PacketEvidence {
             kind: packet_kind(p.key.proto, p.key.tcp_flags, p.dir),
             dir: p.dir,
             tcp_flags: p.key.tcp_flags,
@@ -708,8 +700,12 @@ fn evidence(
             hops,
         };
         match packets.get_mut(i) {
-            Some(old) => *old = ev,
-            None => packets.push(ev),
+            Some(old) => {
+                let mut hops = std::mem::take(&mut old.hops);
+                hops.reserve_exact(n);
+                *old = ev(hops);
+            }
+            None => packets.push(ev(Vec::with_capacity(n))),
         }
     }
     for (i, o) in flow.obs.iter().enumerate() {

@@ -9,6 +9,7 @@ use std::io::{self, Write as _};
 use super::clean::Clean;
 use crate::collector::addr_text;
 use crate::collector::{FlowReport, Hop, Name, PacketEvidence, Summary, Verdict};
+use crate::ruleset::KubeMatch;
 
 const GREEN: &str = "\x1b[32m";
 const RED: &str = "\x1b[31m";
@@ -120,9 +121,9 @@ impl<W: io::Write> TextOutput<W> {
                 push(buf, " SNAT→ ");
                 addr_text::push(buf, &snat);
             }
-            if r.kube.is_some() {
+            if let Some(k) = &r.kube {
                 push(buf, " ");
-                chains(buf, r);
+                chains(buf, k);
             }
             if let Some([client, backend]) = pods {
                 for part in [" (pods: ", client, " → ", backend, ")"] {
@@ -155,9 +156,9 @@ impl<W: io::Write> TextOutput<W> {
                 addr_text::push(buf, &snat);
                 push(buf, "\n");
             }
-            if r.kube.is_some() {
+            if let Some(k) = &r.kube {
                 push(buf, "    kube-proxy: ");
-                chains(buf, r);
+                chains(buf, k);
                 push(buf, "\n");
             }
             if let Some([client, backend]) = pods {
@@ -426,17 +427,13 @@ fn node_start(r: &FlowReport, h: &Hop) -> u64 {
         .unwrap_or(h.ts_ns)
 }
 
-/// The opening request's transmissions, briefly, when there was more than
-/// one backend or more than one attempt: "100.96.54.247:80 (KUBE-SEP-…)
-/// dropped NEIGH_FAILED at +0 ms, 100.96.54.248:80 answered at +1012 ms".
 fn push(buf: &mut Vec<u8>, s: &str) {
     buf.extend_from_slice(s.as_bytes());
 }
 
 /// `[Service SVC-chain → SEP-chain]`: kube-proxy's chains that sent the
-/// flow to its backend (none without a `kube` match).
-fn chains(buf: &mut Vec<u8>, r: &FlowReport) {
-    let Some(k) = &r.kube else { return };
+/// flow to its backend.
+fn chains(buf: &mut Vec<u8>, k: &KubeMatch) {
     for part in ["[", &k.service, " ", &k.svc_chain] {
         push(buf, part);
     }
@@ -447,6 +444,9 @@ fn chains(buf: &mut Vec<u8>, r: &FlowReport) {
     push(buf, "]");
 }
 
+/// The opening request's transmissions, briefly, when there was more than
+/// one backend or more than one attempt: "100.96.54.247:80 (KUBE-SEP-…)
+/// dropped NEIGH_FAILED at +0 ms, 100.96.54.248:80 answered at +1012 ms".
 fn attempts(r: &FlowReport) -> Option<String> {
     let first = r.attempts.first()?;
     let several_backends = r.attempts.iter().any(|a| a.backend != first.backend);

@@ -1,7 +1,8 @@
 //! `CollectorConfig::ok_report`: every recorded fixture decided whole and
-//! lighter. `OkReport::Counted` (`--hide-ok` without a pcapng): Verdicts other than `ok` must be
-//! the same reports; an `ok` one must agree on everything the summary, the
-//! metrics and the exit status read.
+//! lighter. Verdicts other than `ok` must be the same reports; an `ok` one
+//! must agree on everything its outputs read (`OkReport::Counted`: the
+//! summary, the metrics and the exit status; `OkReport::Line`: the text
+//! line). And printed reports lend their vectors to later ones.
 use crate::{
     collector::{CollectorConfig, FlowReport, OkReport, Verdict, testing::recordings},
     recording::{Reader, replay::replay},
@@ -229,18 +230,9 @@ fn a_printed_reports_vectors_serve_the_next_reports() {
         Collector,
         fixtures::SVC,
         testing::config,
-        tests::{MS, fixture, run_with},
+        tests::{MS, fixture, later_connection, run_with},
     };
-    let mut broken = fixture("seed000_broken.jsonl");
-    for e in &mut broken {
-        e.ts_ns += 10_000 * MS;
-        e.skb += 0x1000;
-        if e.direction == tracer_common::direction::REQUEST {
-            e.seq = e.seq.wrapping_add(99_999);
-        } else {
-            e.ack = e.ack.wrapping_add(99_999);
-        }
-    }
+    let broken = later_connection(fixture("seed000_broken.jsonl"), 10_000 * MS);
     let flows = [
         healthy(0, 0, SVC, true),
         healthy(5_000 * MS, 10, SVC, false),

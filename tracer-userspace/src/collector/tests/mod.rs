@@ -62,6 +62,21 @@ pub(super) fn fixture(name: &str) -> Vec<PacketEvent> {
     from_jsonl(text)
 }
 
+/// `events` as a later connection from the same client port: `by` ns
+/// later, other skbs, and a new ISN (what makes it a new connection).
+pub(super) fn later_connection(mut events: Vec<PacketEvent>, by: u64) -> Vec<PacketEvent> {
+    for e in &mut events {
+        e.ts_ns += by;
+        e.skb += 0x100;
+        if e.direction == REQUEST {
+            e.seq = e.seq.wrapping_add(99_999);
+        } else {
+            e.ack = e.ack.wrapping_add(99_999);
+        }
+    }
+    events
+}
+
 pub(super) fn only(reports: &[FlowReport]) -> &FlowReport {
     assert_eq!(reports.len(), 1, "{reports:#?}");
     &reports[0]
@@ -453,16 +468,7 @@ fn loss_before_a_flow_does_not_touch_it() {
 #[test]
 fn new_syn_from_the_same_port_is_a_new_flow() {
     let first = fixture("seed000_healthy.jsonl");
-    let mut second = first.clone();
-    for e in &mut second {
-        e.ts_ns += 5_000 * MS;
-        e.skb += 0x100;
-        if e.direction == REQUEST {
-            e.seq = e.seq.wrapping_add(99_999);
-        } else {
-            e.ack = e.ack.wrapping_add(99_999);
-        }
-    }
+    let second = later_connection(first.clone(), 5_000 * MS);
     let events: Vec<_> = first.into_iter().chain(second).collect();
     let (reports, summary) = run_with(config(Some(true)), &events, T0 + 20_000 * MS);
     assert_eq!(reports.len(), 2);
@@ -476,18 +482,8 @@ fn new_syn_from_the_same_port_is_a_new_flow() {
 #[test]
 fn a_decided_flows_vectors_serve_the_next_flow_empty() {
     let first = fixture("seed000_healthy.jsonl");
-    let mut second = fixture("seed000_broken.jsonl");
     let shift = 5_000 * MS;
-    // The same client port: a new ISN makes it a new connection.
-    for e in &mut second {
-        e.ts_ns += shift;
-        e.skb += 0x100;
-        if e.direction == REQUEST {
-            e.seq = e.seq.wrapping_add(99_999);
-        } else {
-            e.ack = e.ack.wrapping_add(99_999);
-        }
-    }
+    let second = later_connection(fixture("seed000_broken.jsonl"), shift);
     let end = T0 + 20_000 * MS;
     let (alone, _) = run_with(config(Some(true)), &second, end);
     let mut c = Collector::new(config(Some(true)));
